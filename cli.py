@@ -1,0 +1,94 @@
+"""The ``probe`` command line (a typer app): ``probe run MODEL`` and ``probe report RUN_DIR``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Test 'attention as inference via Fenchel duality' on pretrained Hugging Face models.",
+)
+
+
+def _fail(error: Exception) -> None:
+    typer.secho(f"error: {error}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(code=2)
+
+
+@app.command()
+def run(
+    model: str = typer.Argument(..., help="Hugging Face hub id (e.g. bert-base-uncased) or a local model directory."),
+    dataset: Optional[str] = typer.Option(
+        None, help="Hub dataset name or a local .txt/.jsonl/.csv/.parquet file; default: the embedded corpus."
+    ),
+    config: Optional[str] = typer.Option(None, help="Dataset configuration (e.g. wikitext-2-raw-v1)."),
+    split: str = typer.Option("train", help="Dataset split."),
+    column: str = typer.Option("text", help="Column holding the texts."),
+    target_column: Optional[str] = typer.Option(
+        None, help="Column holding decoder targets (encoder-decoder models); default: the text itself."
+    ),
+    samples: Optional[int] = typer.Option(None, help="Use the first N non-empty texts."),
+    max_length: int = typer.Option(128, help="Truncate texts to this many tokens."),
+    batch_size: int = typer.Option(8, help="Examples per forward pass."),
+    alpha: float = typer.Option(1.0, help="Strength alpha of the inference problem."),
+    out: Path = typer.Option(Path("runs"), help="Parent directory of the run directory."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    dtype: str = typer.Option("float32", help="Model dtype (the solver always works in float64)."),
+    revision: Optional[str] = typer.Option(None, help="Model revision (hub branch, tag or commit)."),
+    seed: int = typer.Option(0, help="Random seed (recorded in the manifest)."),
+    report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
+    report_format: str = typer.Option("png", "--format", help="Report figure formats, comma separated (png,pdf)."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+):
+    """Solve the dual for every example, layer, head and query token; write deviations.parquet."""
+    from probe.data import DatasetSpec
+    from probe.errors import ProbeError
+    from probe.pipeline import RunConfig, run as run_pipeline
+
+    spec = DatasetSpec(
+        name=dataset, config=config, split=split, column=column, target_column=target_column, samples=samples
+    )
+    settings = RunConfig(
+        model=model, dataset=spec, out=out, revision=revision, batch_size=batch_size, max_length=max_length,
+        alpha=alpha, device=device, dtype=dtype, seed=seed, progress=progress,
+    )
+    try:
+        run_dir = run_pipeline(settings)
+    except ProbeError as error:
+        _fail(error)
+    typer.echo(f"run directory: {run_dir}")
+    if report:
+        _build_report(run_dir, None, report_format)
+
+
+@app.command("report")
+def report_command(
+    run_dir: Path = typer.Argument(..., help="A run directory written by `probe run`."),
+    out: Optional[Path] = typer.Option(None, help="Where to write the report (default: RUN_DIR/report)."),
+    report_format: str = typer.Option("png", "--format", help="Figure formats, comma separated (png,pdf)."),
+):
+    """Figures per layer, head and attention type, summary tables and an HTML page."""
+    _build_report(run_dir, out, report_format)
+
+
+def _build_report(run_dir: Path, out: Optional[Path], formats: str) -> None:
+    from probe.errors import ProbeError
+    from probe.report import build_report
+
+    try:
+        where = build_report(run_dir, out, [f.strip() for f in formats.split(",") if f.strip()])
+    except ProbeError as error:
+        _fail(error)
+    typer.echo(f"report: {where / 'index.html'}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+"""probe: test whether pretrained attention is the closed-form solution of its Fenchel dual.
+
+Layers, each in one place, data flowing one way:
+
+* ``probe.solver``    -- the batched, certified dual solver (pure tensor math, no model knowledge);
+* ``probe.adapters``  -- per-architecture capture of templates / evidence / preference (one file each,
+                          declared in ``probe.adapters.REGISTRY``);
+* ``probe.pipeline``  -- dataset -> batches -> captured sites -> solver -> rows -> parquet + manifest;
+* ``probe.report``    -- parquet + manifest -> figures, tables and an HTML page;
+* ``cli.py``          -- the typer app (``probe run``, ``probe report``).
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,140 @@
+r"""Independent reference solvers, for tests and the benchmark only (runs never use them).
+
+They work on the *full* problem (templates :math:`T \in R^{n\times d}`, evidence :math:`z \in R^d`,
+preference :math:`u`, :math:`\alpha`), one problem at a time, with general-purpose optimisers, and share
+no code with :mod:`probe.solver`:
+
+* :func:`cvxpy_primal` -- the primal (P) as a conic program (CVXPY + Clarabel);
+* :func:`lbfgs_dual` -- the dual (D) by SciPy's L-BFGS;
+* :func:`gradient_ascent_dual` -- batched gradient ascent on (D) with step :math:`1/L`, the method the
+  paper describes, on many problems at once (torch).
+
+``cvxpy`` and ``scipy`` are test-only dependencies and are imported lazily.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+
+def relative_deviation(lam: np.ndarray, z: np.ndarray, alpha: float) -> float:
+    r""":math:`\|\lambda - \alpha z\| / \|\lambda\|`."""
+    return float(np.linalg.norm(lam - alpha * z) / np.linalg.norm(lam))
+
+
+def _support(log_u: np.ndarray):
+    log_u = np.asarray(log_u, dtype=float)
+    keep = np.isfinite(log_u)
+    w = np.exp(log_u[keep] - log_u[keep].max())
+    return keep, w / w.sum()
+
+
+def cvxpy_primal(T, z, log_u, alpha=1.0, *, eps=1e-12):
+    r"""Solve (P): :math:`\min_p \tfrac{\alpha}{2}\|\mu + z - T^\top p\|^2 + KL(p\|u)` over the simplex.
+
+    Clarabel's tolerances are tightened to ``eps`` (1e-12): at its defaults (1e-8) the recovered
+    :math:`\lambda` is only good to about 1e-6 relative.  Keys with :math:`u_i = 0` (``log_u = -inf``) are excluded (:math:`p_i = 0`).  Returns
+    ``(lambda, p)`` with :math:`\lambda = \alpha(\mu + z - T^\top p)` recovered from the primal optimum.
+    """
+    import cvxpy as cp
+
+    T = np.asarray(T, dtype=float)
+    z = np.asarray(z, dtype=float)
+    keep, u = _support(log_u)
+    T_s = T[keep]
+    b = T_s.T @ u + z
+    p = cp.Variable(len(u), nonneg=True)
+    residual = cp.Variable(len(b))  # the residual mu + z - T^T p as its own variable conditions better
+    objective = 0.5 * alpha * cp.sum_squares(residual) + cp.sum(cp.rel_entr(p, u))
+    problem = cp.Problem(cp.Minimize(objective), [cp.sum(p) == 1, residual == b - T_s.T @ p])
+    with warnings.catch_warnings():  # "optimal_inaccurate" at these tolerances is still ~1e-9 accurate
+        warnings.simplefilter("ignore", UserWarning)
+        problem.solve(
+            solver=cp.CLARABEL, tol_gap_abs=eps, tol_gap_rel=eps, tol_feas=eps, tol_ktratio=eps, max_iter=1000,
+            static_regularization_constant=eps, iterative_refinement_reltol=1e-16,
+            iterative_refinement_abstol=1e-16, iterative_refinement_max_iter=50,
+        )
+    if p.value is None:
+        raise RuntimeError(f"CVXPY failed: {problem.status}")
+    p_full = np.zeros(len(keep))
+    p_full[keep] = np.clip(p.value, 0, None)
+    lam = alpha * (b - T_s.T @ p_full[keep])
+    return lam, p_full
+
+
+def lbfgs_dual(T, z, log_u, alpha=1.0, *, gtol=1e-12, x0=None):
+    r"""Maximise (D) with SciPy L-BFGS from :math:`\lambda_0 = \alpha z`.  Returns (lambda, iterations)."""
+    from scipy.optimize import minimize
+
+    T = np.asarray(T, dtype=float)
+    z = np.asarray(z, dtype=float)
+    keep, u = _support(log_u)
+    T_s = T[keep]
+    log_u_s = np.log(u)
+    b = T_s.T @ u + z
+
+    def negative_dual(lam):
+        theta = log_u_s + T_s @ lam
+        top = theta.max()
+        weights = np.exp(theta - top)
+        total = weights.sum()
+        p = weights / total
+        value = lam @ b - lam @ lam / (2 * alpha) - (top + np.log(total))
+        gradient = b - lam / alpha - T_s.T @ p
+        return -value, -gradient
+
+    result = minimize(
+        negative_dual, alpha * z if x0 is None else x0, jac=True, method="L-BFGS-B",
+        options={"gtol": gtol, "ftol": 0.0, "maxiter": 100000, "maxcor": 30},
+    )
+    return result.x, int(result.nit)
+
+
+def gradient_ascent_dual(T, z, log_u, alpha=1.0, *, tol=1e-9, max_iter=1_000_000):
+    r"""Batched gradient ascent on (D): :math:`\lambda \leftarrow \lambda + \nabla D(\lambda)/L`.
+
+    ``T`` is ``(B, n, d)``, ``z`` ``(B, d)``, ``log_u`` ``(B, n)`` (torch tensors).  The step uses the
+    smoothness constant :math:`L = 1/\alpha + \max_i\|t_i\|^2` (the log-sum-exp Hessian is at most
+    :math:`\max_i\|t_i\|^2`).  Stops each problem when :math:`\alpha\|\nabla D\|`, a bound on
+    :math:`\|\lambda - \lambda^*\|` by strong concavity, is at most ``tol * ||lambda||``.
+    Returns (lambda ``(B, d)``, iterations ``(B,)``).
+    """
+    import torch
+
+    log_u = log_u - torch.logsumexp(log_u, dim=-1, keepdim=True)
+    u = log_u.exp()
+    b = torch.einsum("bn,bnd->bd", u, T) + z
+    support = torch.isfinite(log_u)
+    sq = (T * T).sum(-1).masked_fill(~support, 0.0)
+    step = 1.0 / (1.0 / alpha + sq.amax(-1, keepdim=True))
+    lam = alpha * z.clone()
+    iterations = torch.zeros(z.shape[0], dtype=torch.long)
+    live = torch.ones(z.shape[0], dtype=torch.bool)
+    for _ in range(max_iter):
+        p = torch.softmax(log_u + torch.einsum("bnd,bd->bn", T, lam), dim=-1)
+        gradient = b - lam / alpha - torch.einsum("bn,bnd->bd", p, T)
+        live = live & (alpha * gradient.norm(dim=-1) > tol * lam.norm(dim=-1))
+        if not bool(live.any()):
+            break
+        lam = torch.where(live[:, None], lam + step * gradient, lam)
+        iterations += live
+    return lam, iterations
+
+
+def templates_from_reduced(gram, logits, evidence_sqnorm):
+    r"""An explicit :math:`(T, z)` with :math:`TT^\top = G`, :math:`Tz = s`, :math:`\|z\|^2` as given.
+
+    Lets full-space solvers run on problems captured in reduced form: the dual depends on :math:`(T, z)`
+    only through these quantities (:math:`\lambda^* - \alpha z \in \mathrm{row}(T)`).  ``T = Q
+    \Gamma^{1/2}`` plus one extra coordinate that carries the part of :math:`z` orthogonal to row(T).
+    """
+    gram = np.asarray(gram, dtype=float)
+    eigenvalues, Q = np.linalg.eigh(0.5 * (gram + gram.T))
+    keep = eigenvalues > len(gram) * np.finfo(float).eps * max(eigenvalues.max(), 0)
+    A = Q[:, keep] * np.sqrt(eigenvalues[keep])
+    z_row, *_ = np.linalg.lstsq(A, np.asarray(logits, dtype=float), rcond=None)
+    rest = max(float(evidence_sqnorm) - float(z_row @ z_row), 0.0) ** 0.5
+    T = np.hstack([A, np.zeros((len(gram), 1))])
+    return T, np.append(z_row, rest)

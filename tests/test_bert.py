@@ -1,0 +1,93 @@
+"""BERT capture: the reduced problems reproduce the model's own (eager) attention, on tiny random
+models and on the real pretrained MiniLM, and the solver's answers on captured problems match an
+independent solver run on templates and evidence computed here from the weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from probe.pipeline import fidelity_error, load_model, site_problems
+from probe.reference import cvxpy_primal, relative_deviation
+from probe.solver import solve_dual
+from tests.conftest import save_tiny_bert
+
+TEXTS = [
+    "A padded batch: this sentence is much longer than the next one, by design of the test.",
+    "Tiny.",
+    "Medium length sentence with some words.",
+]
+
+
+def captured(model_dir, texts=TEXTS, max_length=64):
+    loaded = load_model(str(model_dir), device="cpu")
+    inputs = loaded.adapter.encode(loaded.tokenizer, texts, None, max_length)
+    with torch.no_grad():
+        sites = list(loaded.adapter.capture(loaded.model, inputs))
+        reference = loaded.model(**inputs, output_attentions=True, output_hidden_states=True)
+    return loaded, inputs, sites, reference
+
+
+def assert_reproduces_model_attention(sites, inputs, reference):
+    mask = inputs["attention_mask"].bool()
+    assert len(sites) == len(reference.attentions)
+    for site, attention in zip(sites, reference.attentions):
+        assert fidelity_error(site) <= 1e-5
+        # independent of the hook: the attentions the model returns with output_attentions=True
+        rebuilt = torch.softmax(site.log_preference + site.logits, dim=-1)
+        real = mask[:, None, :, None].expand_as(rebuilt)
+        assert (rebuilt - attention.double()).abs()[real].max() <= 1e-5
+
+
+def test_tiny_bert_capture_reproduces_attention(tiny_bert_dir):
+    loaded, inputs, sites, reference = captured(tiny_bert_dir)
+    assert inputs["attention_mask"].sum(1).unique().numel() == 3  # really padded
+    assert [s.layer for s in sites] == [0, 1] and {s.attention_type for s in sites} == {"self"}
+    assert_reproduces_model_attention(sites, inputs, reference)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_models_saved_under_either_attention_implementation(tmp_path, minilm_dir, implementation):
+    directory = save_tiny_bert(tmp_path / implementation, minilm_dir, attn_implementation=implementation, seed=3)
+    loaded, inputs, sites, reference = captured(directory)
+    assert loaded.model.config._attn_implementation == "eager"
+    assert_reproduces_model_attention(sites, inputs, reference)
+
+
+def test_minilm_capture_reproduces_attention(minilm_dir):
+    _, inputs, sites, reference = captured(minilm_dir)
+    assert len(sites) == 6 and sites[0].logits.shape[1] == 12
+    assert_reproduces_model_attention(sites, inputs, reference)
+
+
+def explicit_problem(model, hidden_states, layer, head, example, query, mask):
+    """Templates t_i = x_i / sqrt(d') and evidence z = W_k^T q built here from the weights and the
+    hidden states the model returns (independent of probe's adapter)."""
+    attention = model.encoder.layer[layer].attention.self
+    d_head = attention.attention_head_size
+    rows = slice(head * d_head, (head + 1) * d_head)
+    x = hidden_states[layer][example].detach().double().numpy()
+    keys = mask[example].numpy().astype(bool)
+    w_q = attention.query.weight[rows].detach().double().numpy()
+    b_q = attention.query.bias[rows].detach().double().numpy()
+    w_k = attention.key.weight[rows].detach().double().numpy()
+    q = w_q @ x[query] + b_q
+    T = x[keys] / np.sqrt(d_head)
+    z = w_k.T @ q
+    return T, z, np.zeros(keys.sum())
+
+
+def test_minilm_solutions_match_cvxpy_on_independently_built_problems(minilm_dir):
+    loaded, inputs, sites, reference = captured(minilm_dir)
+    mask = inputs["attention_mask"]
+    chosen = [(0, 0, 0, 0), (2, 5, 1, 2), (5, 11, 2, 4), (3, 7, 0, 9)]  # (layer, head, example, query)
+    for layer, head, example, query in chosen:
+        solution = solve_dual(site_problems(sites[layer], 1.0))
+        heads = sites[layer].logits.shape[1]
+        q_len = sites[layer].logits.shape[2]
+        ours = solution.rel_deviation[example, head * q_len + query].item()
+        assert bool(solution.converged[example, head * q_len + query])
+        T, z, log_u = explicit_problem(loaded.model, reference.hidden_states, layer, head, example, query, mask)
+        lam, _ = cvxpy_primal(T, z, log_u)
+        assert ours == pytest.approx(relative_deviation(lam, z, 1.0), abs=1e-7), (layer, head, heads)

@@ -1,0 +1,182 @@
+"""`probe run` end to end through the typer app, and the errors users see for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+from typer.testing import CliRunner
+
+from cli import app
+from probe.schema import REQUIRED_COLUMNS
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def only_run_dir(out: Path) -> Path:
+    (run_dir,) = list(out.iterdir())
+    return run_dir
+
+
+def expected_rows(model_dir, texts, max_length=128):
+    """Rows = sum over examples of tokens x heads x layers, counted here from the tokenizer alone."""
+    config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokens = sum(len(tokenizer(t, truncation=True, max_length=max_length)["input_ids"]) for t in texts)
+    return tokens * config.num_attention_heads * config.num_hidden_layers
+
+
+def test_run_tiny_bert_end_to_end(tiny_bert_dir, texts_file, tmp_path):
+    out = tmp_path / "runs"
+    result = invoke("run", tiny_bert_dir, "--dataset", texts_file, "--batch-size", 2, "--out", out, "--no-progress")
+    assert result.exit_code == 0, result.output
+    run_dir = only_run_dir(out)
+    assert run_dir.name.startswith(Path(tiny_bert_dir).name + "-")
+    table = pq.read_table(run_dir / "deviations.parquet")
+    frame = table.to_pandas()
+    texts = [line for line in texts_file.read_text().splitlines() if line.strip()]
+    assert list(frame.columns) == list(REQUIRED_COLUMNS)
+    assert len(frame) == expected_rows(tiny_bert_dir, texts)
+    assert frame["converged"].all()
+    assert (frame["duality_gap"] >= 0).all() and frame["rel_deviation"].between(0, 10).all()
+    assert pq.ParquetFile(run_dir / "deviations.parquet").num_row_groups == 3  # streamed, one per batch
+    # rows are unique per (example, layer, head, query) and examples keep their dataset index (line 2 is empty)
+    assert not frame.duplicated(["example", "layer", "head", "query"]).any()
+    assert sorted(frame["example"].unique()) == [0, 1, 3, 4, 5]
+    # n_keys is the example's token count, the same for every query of the example
+    assert (frame.groupby("example")["n_keys"].nunique() == 1).all()
+    assert (frame.groupby("example")["query"].max() + 1 == frame.groupby("example")["n_keys"].first()).all()
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert manifest["attention_implementation"] == "eager"
+    assert manifest["fidelity"]["passed"] and manifest["fidelity"]["max_abs_error"] <= 1e-5
+    assert manifest["solver"]["rows"] == len(frame) and manifest["solver"]["not_converged"] == 0
+    assert manifest["dataset"]["n_examples"] == 5 and manifest["dataset"]["skipped_empty"] == 1
+    assert len(manifest["dataset"]["texts_sha256"]) == 64
+    for key in ("model", "dtype", "device", "alpha", "parameterisation", "seed", "versions", "timings_s"):
+        assert key in manifest
+    assert {"load_model_s", "load_data_s", "capture_s", "solve_s", "write_s", "total_s"} <= set(manifest["timings_s"])
+
+
+def test_alpha_changes_the_problem_but_not_the_model_attention(tiny_bert_dir, texts_file, tmp_path):
+    out = tmp_path / "runs"
+    result = invoke("run", tiny_bert_dir, "--dataset", texts_file, "--alpha", 0.25, "--out", out, "--no-progress")
+    assert result.exit_code == 0, result.output
+    run_dir = only_run_dir(out)
+    frame = pd.read_parquet(run_dir / "deviations.parquet")
+    assert (frame["alpha"] == 0.25).all() and frame["converged"].all()
+    assert json.loads((run_dir / "manifest.json").read_text())["fidelity"]["passed"]
+
+
+def test_run_real_minilm_embedded_corpus(minilm_dir, tmp_path):
+    """The real pretrained model on the embedded default corpus (no --dataset)."""
+    out = tmp_path / "runs"
+    result = invoke("run", minilm_dir, "--samples", 12, "--max-length", 48, "--out", out, "--no-progress")
+    assert result.exit_code == 0, result.output
+    run_dir = only_run_dir(out)
+    frame = pd.read_parquet(run_dir / "deviations.parquet")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["fidelity"]["max_abs_error"] <= 1e-5
+    assert frame["converged"].all()
+    assert sorted(frame["layer"].unique()) == list(range(6)) and sorted(frame["head"].unique()) == list(range(12))
+    assert frame["example"].nunique() == 12
+    assert manifest["dataset"]["description"] == "embedded probe corpus"
+
+
+def test_max_length_below_the_special_tokens_is_an_error(tiny_bert_dir, tmp_path):
+    """BERT adds [CLS] and [SEP]: the tokenizer cannot truncate to one token and would silently not
+    truncate at all."""
+    (tmp_path / "x.txt").write_text("a few words here\n")
+    result = invoke("run", tiny_bert_dir, "--dataset", tmp_path / "x.txt", "--max-length", 1, "--out", tmp_path)
+    assert_clean_error(result, "--max-length 1 is too small")
+
+
+def test_interrupted_run_keeps_finished_batches(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
+    import probe.pipeline as pipeline
+
+    calls = {"n": 0}
+    real = pipeline.solve_dual
+
+    def failing_solve(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 2:  # 2 layers per batch: fail in the second batch
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "solve_dual", failing_solve)
+    out = tmp_path / "runs"
+    result = invoke("run", tiny_bert_dir, "--dataset", texts_file, "--batch-size", 2, "--out", out, "--no-progress")
+    assert result.exit_code != 0
+    run_dir = only_run_dir(out)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted" and manifest["batches_done"] == 1
+    frame = pd.read_parquet(run_dir / "deviations.parquet")
+    assert len(frame) == manifest["solver"]["rows"] > 0
+    assert frame["example"].nunique() == 2
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def assert_clean_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in result.output, result.output
+
+
+def test_unknown_model_says_what_to_do(tmp_path):
+    result = invoke("run", "no-such-org/no-such-model-xyz", "--out", tmp_path)
+    assert_clean_error(result, "Could not load model", "local model directory", "connection")
+
+
+def test_directory_without_config(tmp_path):
+    (tmp_path / "empty-model").mkdir()
+    result = invoke("run", tmp_path / "empty-model", "--out", tmp_path)
+    assert_clean_error(result, "no config.json")
+
+
+def test_architecture_without_adapter_lists_supported_types(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_head=2, n_embd=8).save_pretrained(tmp_path / "gpt2")
+    result = invoke("run", tmp_path / "gpt2", "--out", tmp_path)
+    assert_clean_error(result, "no adapter for model type 'gpt2'", "Supported model types:", "bert")
+
+
+def test_missing_column_lists_available_columns(tiny_bert_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"sentence": "hello there"}\n{"sentence": "general kenobi"}\n')
+    result = invoke("run", tiny_bert_dir, "--dataset", data, "--out", tmp_path)
+    assert_clean_error(result, "no column 'text'", "sentence", "--column")
+    ok = invoke("run", tiny_bert_dir, "--dataset", data, "--column", "sentence", "--out", tmp_path / "ok", "--no-progress")
+    assert ok.exit_code == 0, ok.output
+
+
+def test_empty_dataset_is_an_error(tiny_bert_dir, tmp_path):
+    data = tmp_path / "empty.csv"
+    data.write_text("text\n\n \n")
+    result = invoke("run", tiny_bert_dir, "--dataset", data, "--out", tmp_path)
+    assert_clean_error(result, "no non-empty texts")
+
+
+def test_missing_dataset_file_or_unreachable_hub_dataset(tiny_bert_dir, tmp_path):
+    result = invoke("run", tiny_bert_dir, "--dataset", "surely/not-a-dataset-xyz", "--out", tmp_path)
+    assert_clean_error(result, "Could not load dataset", "local")
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [(["--alpha", "0"], "--alpha must be positive"), (["--dtype", "float8"], "Unknown dtype"), (["--samples", "0"], "--samples")],
+)
+def test_bad_options(tiny_bert_dir, tmp_path, args, fragment):
+    assert_clean_error(invoke("run", tiny_bert_dir, *args, "--out", tmp_path), fragment)

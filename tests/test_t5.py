@@ -1,0 +1,365 @@
+"""T5 adapter: encoder self-, decoder (causal) self- and cross-attention of random T5s built from config.
+
+No hub access: models are built from ``T5Config`` and saved with ``save_pretrained`` next to a small
+T5 tokenizer (transformers' own ``T5Tokenizer``, a Unigram model, built from an explicit vocabulary
+with T5's special ids pad=0, eos=1, unk=2), then loaded through :func:`probe.pipeline.load_model`
+exactly as a user's checkpoint would be.
+
+Lengths are chosen so that T5's relative-position bucketing leaves its exact range: encoder buckets
+are bidirectional (16 per direction, exact below distance 8) and decoder buckets unidirectional
+(32, exact below distance 16), so the batch has encoder texts longer than 8 tokens and decoder
+targets longer than 16.  Relative-attention-bias tables are drawn with standard deviation 1.5 so that
+a wrong bias (or bucketing) shows in the fidelity check.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from probe.adapters import adapter_for
+from probe.adapters.t5 import T5Adapter
+from probe.data import DatasetSpec
+from probe.pipeline import RunConfig, fidelity_error, load_model, run, site_problems
+from probe.reference import lbfgs_dual, relative_deviation
+from probe.solver import solve_dual
+
+WORDS = (
+    "the quick brown fox jumps over lazy dog attention is a convex problem solution of closed form "
+    "and every head layer query token model"
+).split()
+
+TEXTS = [
+    "the quick brown fox",  # 5 encoder tokens (with </s>)
+    "attention is the closed form solution of a convex problem , or so the claim goes for every head",
+    "Why é?",  # characters outside the word list: pieces and <unk>
+]
+TARGETS = [
+    "the lazy dog jumps over the quick brown fox and the dog is a fox",  # ~17 decoder tokens
+    "every layer and every head of the model",  # ~9
+    "a convex problem of closed form : the solution is attention over every token of the query , "
+    "and the quick brown fox jumps",  # > 24
+]
+
+
+def make_tokenizer():
+    """A T5 (Unigram) tokenizer with pad=0, eos=1, unk=2: whole words from WORDS, else characters."""
+    from transformers import T5Tokenizer
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    vocab += [("▁" + word, -1.0) for word in WORDS]
+    symbols = string.ascii_letters + string.digits + ",.:;!?'-"
+    vocab += [(c, -5.0) for c in symbols] + [("▁" + c, -5.5) for c in symbols]
+    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    return tokenizer
+
+
+def save_tiny_t5(directory, *, d_model=64, d_kv=16, heads=4, layers=2, decoder_layers=2, d_ff=128, buckets=32,
+                 max_distance=128, feed_forward_proj="relu", model_class="T5ForConditionalGeneration", seed=0):
+    """Build a random T5 from config, save it with the tokenizer and return the directory."""
+    import transformers
+    from transformers import T5Config
+
+    torch.manual_seed(seed)
+    tokenizer = make_tokenizer()
+    config = T5Config(
+        vocab_size=len(tokenizer), d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_heads=heads, num_layers=layers,
+        num_decoder_layers=decoder_layers, relative_attention_num_buckets=buckets,
+        relative_attention_max_distance=max_distance, feed_forward_proj=feed_forward_proj,
+        tie_word_embeddings=feed_forward_proj == "relu",  # flan-t5 (gated-gelu) unties them
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, dropout_rate=0.1,
+    )
+    model = getattr(transformers, model_class)(config)
+    with torch.no_grad():  # a strong position bias, so that its handling is exercised
+        for stack in (model.encoder, model.decoder):
+            stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight.normal_(0, 1.5)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_t5_dir(tmp_path_factory):
+    return save_tiny_t5(tmp_path_factory.mktemp("tiny-t5"))
+
+
+@pytest.fixture(scope="module")
+def tiny_t5(tiny_t5_dir):
+    return load_model(str(tiny_t5_dir), device="cpu")
+
+
+def batch(loaded, texts=TEXTS, targets=TARGETS, max_length=128):
+    return loaded.adapter.encode(loaded.tokenizer, texts, targets, max_length)
+
+
+def lengths(tokenizer, strings, max_length=128):
+    return [len(ids) for ids in tokenizer(strings, truncation=True, max_length=max_length)["input_ids"]]
+
+
+def capture_all(loaded, inputs):
+    return list(loaded.adapter.capture(loaded.model, inputs))
+
+
+def assert_sites_complete(loaded, sites):
+    config = loaded.model.config
+    expected = (
+        [("encoder_self", i) for i in range(config.num_layers)]
+        + [("decoder_self", i) for i in range(config.num_decoder_layers)]
+        + [("cross", i) for i in range(config.num_decoder_layers)]
+    )
+    assert [(site.attention_type, site.layer) for site in sites] == expected
+
+
+def assert_fidelity(sites, tolerance=1e-5):
+    for site in sites:
+        error = fidelity_error(site)
+        assert error <= tolerance, f"{site.attention_type} layer {site.layer}: fidelity error {error:.2e}"
+
+
+def assert_matches_output_attentions(loaded, sites, inputs, tolerance=1e-5):
+    """softmax(log u + s) equals the attentions the model reports with output_attentions=True (eager)."""
+    with torch.no_grad():
+        out = loaded.model(**inputs, output_attentions=True, use_cache=False)
+    reported = {"encoder_self": out.encoder_attentions, "decoder_self": out.decoder_attentions,
+                "cross": out.cross_attentions}
+    for site in sites:
+        model_probs = reported[site.attention_type][site.layer].to(torch.float64)
+        reconstructed = torch.softmax(site.log_preference + site.logits, dim=-1)
+        real = site.query_mask[:, None, :, None].expand_as(model_probs)
+        difference = (reconstructed - model_probs).abs()[real]
+        assert difference.numel() and float(difference.max()) <= tolerance, (site.attention_type, site.layer)
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. tiny T5: fidelity for every site and agreement with output_attentions
+
+
+def test_encode_shifts_targets_right(tiny_t5):
+    inputs = batch(tiny_t5)
+    labels = tiny_t5.tokenizer(TARGETS, padding=True, return_tensors="pt")
+    shifted = tiny_t5.model.prepare_decoder_input_ids_from_labels(labels["input_ids"])  # the model's shift-right
+    assert torch.equal(inputs["decoder_input_ids"], shifted)
+    assert (inputs["decoder_input_ids"][:, 0] == 0).all()  # decoder_start_token_id = pad = 0
+    assert inputs["decoder_attention_mask"].sum(-1).tolist() == lengths(tiny_t5.tokenizer, TARGETS)
+    assert inputs["attention_mask"].sum(-1).tolist() == lengths(tiny_t5.tokenizer, TEXTS)
+    # no targets: the text itself is the target
+    own = tiny_t5.adapter.encode(tiny_t5.tokenizer, TEXTS, None, 128)
+    assert own["decoder_attention_mask"].sum(-1).tolist() == lengths(tiny_t5.tokenizer, TEXTS)
+    assert torch.equal(own["decoder_input_ids"][:, 1:], own["input_ids"][:, :-1] * own["attention_mask"][:, :-1])
+
+
+def test_tiny_t5_fidelity_all_sites(tiny_t5):
+    assert isinstance(tiny_t5.adapter, T5Adapter)
+    assert tiny_t5.model.config._attn_implementation == "eager"
+    inputs = batch(tiny_t5)
+    enc_lengths = inputs["attention_mask"].sum(-1).tolist()
+    dec_lengths = inputs["decoder_attention_mask"].sum(-1).tolist()
+    assert len(set(enc_lengths)) == len(enc_lengths) and max(enc_lengths) > 8  # padded, bidirectional log buckets
+    assert min(dec_lengths) > 8 and max(dec_lengths) > 16  # unidirectional log buckets
+    sites = capture_all(tiny_t5, inputs)
+    assert_sites_complete(tiny_t5, sites)
+    assert_fidelity(sites)
+    assert_matches_output_attentions(tiny_t5, sites, inputs)
+
+    b, n_enc = inputs["input_ids"].shape
+    n_dec = inputs["decoder_input_ids"].shape[1]
+    heads = tiny_t5.model.config.num_heads
+    shapes = {"encoder_self": (n_enc, n_enc), "decoder_self": (n_dec, n_dec), "cross": (n_dec, n_enc)}
+    enc_mask = inputs["attention_mask"].bool()
+    dec_mask = inputs["decoder_attention_mask"].bool()
+    causal = torch.ones(n_dec, n_dec, dtype=torch.bool).tril()
+    allowed = {
+        "encoder_self": enc_mask[:, None, None, :].expand(b, heads, n_enc, n_enc),
+        "decoder_self": (dec_mask[:, None, None, :] & causal).expand(b, heads, n_dec, n_dec),
+        "cross": enc_mask[:, None, None, :].expand(b, heads, n_dec, n_enc),
+    }
+    enc_bias = tiny_t5.model.encoder.block[0].layer[0].SelfAttention.compute_bias(n_enc, n_enc)[0].double()
+    dec_bias = tiny_t5.model.decoder.block[0].layer[0].SelfAttention.compute_bias(n_dec, n_dec)[0].double()
+    for site in sites:
+        q, k = shapes[site.attention_type]
+        assert site.logits.shape == (b, heads, q, k) and site.gram.shape == (b, k, k)
+        assert site.evidence_sqnorm.shape == (b, heads, q)
+        log_u = site.log_preference.expand(b, heads, q, k)
+        assert log_u.shape == (b, heads, q, k)
+        ok = allowed[site.attention_type]
+        assert torch.equal(torch.isfinite(log_u), ok)  # -inf exactly at padding (and future) keys
+        assert (log_u[~ok] == float("-inf")).all()
+        # the position bias is exactly the model's compute_bias of the stack's first layer (every layer)
+        no_bias = torch.zeros(heads, q, k, dtype=torch.float64)
+        bias = {"encoder_self": enc_bias, "decoder_self": dec_bias, "cross": no_bias}
+        expected = bias[site.attention_type].expand(b, heads, q, k)
+        torch.testing.assert_close(log_u[ok], expected[ok], rtol=0, atol=1e-6)
+        assert torch.equal(site.query_mask, enc_mask if site.attention_type == "encoder_self" else dec_mask)
+
+
+def test_capture_rejects_non_eager(tiny_t5_dir):
+    from transformers import AutoModelForSeq2SeqLM
+
+    from probe.errors import ProbeError
+
+    loaded = load_model(str(tiny_t5_dir), device="cpu")
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_t5_dir, attn_implementation="sdpa").eval()
+    with pytest.raises(ProbeError, match="eager"):
+        list(loaded.adapter.capture(model, batch(loaded)))
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. t5-small attention shapes, 2 + 2 layers; 3. flan-t5 (gated-gelu) and T5Model-only checkpoints
+
+
+def test_t5_small_shape_fidelity(tmp_path):
+    path = save_tiny_t5(tmp_path / "t5-small-2l", d_model=512, d_kv=64, heads=8, layers=2, decoder_layers=2,
+                        d_ff=2048, buckets=32, max_distance=128, seed=1)
+    loaded = load_model(str(path), device="cpu")
+    inputs = batch(loaded)
+    sites = capture_all(loaded, inputs)
+    assert_sites_complete(loaded, sites)
+    assert_fidelity(sites)
+    assert_matches_output_attentions(loaded, sites, inputs)
+
+
+@pytest.mark.parametrize(
+    "feed_forward_proj, model_class, buckets, max_distance",
+    [
+        ("gated-gelu", "T5ForConditionalGeneration", 8, 12),  # flan-t5 style; small max distance: clamped buckets
+        ("relu", "T5Model", 32, 128),  # a checkpoint without the LM head
+    ],
+)
+def test_variants_load_and_pass_fidelity(tmp_path, feed_forward_proj, model_class, buckets, max_distance):
+    path = save_tiny_t5(tmp_path / "variant", feed_forward_proj=feed_forward_proj, model_class=model_class,
+                        buckets=buckets, max_distance=max_distance, layers=2, decoder_layers=3, seed=2)
+    loaded = load_model(str(path), device="cpu")
+    assert type(loaded.model).__name__ == model_class
+    assert loaded.info["model_type"] == "t5"
+    assert loaded.model.config.feed_forward_proj == feed_forward_proj
+    inputs = batch(loaded)
+    sites = capture_all(loaded, inputs)
+    assert_sites_complete(loaded, sites)
+    assert_fidelity(sites)
+    assert_matches_output_attentions(loaded, sites, inputs)
+
+
+def test_registry_and_describe():
+    adapter = adapter_for("t5")
+    assert isinstance(adapter, T5Adapter)
+    assert adapter.attention_types == ("encoder_self", "decoder_self", "cross")
+    described = adapter.describe()
+    for key in ("templates", "evidence", "preference", "decoder_input"):
+        assert key in described
+    assert "sqrt(d')" in described["templates"] and "target" in described["decoder_input"]
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. end to end
+
+
+def test_run_end_to_end(tiny_t5_dir, tmp_path):
+    records = [{"text": t, "target": s} for t, s in zip(TEXTS, TARGETS)]
+    records += [
+        {"text": "the dog", "target": "a fox jumps over the lazy dog"},
+        {"text": "every model of every layer is a convex problem over the query token", "target": "ok"},
+    ]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(record) + "\n" for record in records))
+    run_dir = run(RunConfig(
+        model=str(tiny_t5_dir), dataset=DatasetSpec(name=str(data), target_column="target"), out=tmp_path / "runs",
+        batch_size=2, device="cpu", progress=False,
+    ))
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    table = pq.read_table(run_dir / "deviations.parquet").to_pandas()
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_t5_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_t5_dir)
+    enc = lengths(tokenizer, [r["text"] for r in records])
+    dec = lengths(tokenizer, [r["target"] for r in records])
+    heads = config.num_heads
+    expected = {
+        "encoder_self": sum(enc) * heads * config.num_layers,
+        "decoder_self": sum(dec) * heads * config.num_decoder_layers,
+        "cross": sum(dec) * heads * config.num_decoder_layers,
+    }
+    assert table.groupby("attention_type").size().to_dict() == expected
+    assert table["converged"].all()
+    assert manifest["status"] == "complete"
+    assert manifest["fidelity"]["passed"]
+    assert set(manifest["fidelity"]["by_attention_type"]) == set(expected)
+    assert manifest["attention_types"] == ["encoder_self", "decoder_self", "cross"]
+    assert manifest["adapter"] == "T5Adapter"
+    assert manifest["dataset"]["target_column"] == "target"
+    assert "decoder_input" in manifest["parameterisation"]
+    assert manifest["solver"]["not_converged"] == 0
+
+    decoder = table[table.attention_type == "decoder_self"]
+    assert (decoder["n_keys"] == decoder["query"] + 1).all()  # causal
+    for kind, lens in (("encoder_self", enc), ("cross", enc)):
+        part = table[table.attention_type == kind]
+        assert (part["n_keys"].to_numpy() == np.asarray(lens)[part["example"].to_numpy()]).all()
+    for kind, lens in (("encoder_self", enc), ("decoder_self", dec), ("cross", dec)):
+        part = table[table.attention_type == kind]
+        assert (part["query"].to_numpy() < np.asarray(lens)[part["example"].to_numpy()]).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. the solver on captured decoder problems agrees with an independent reference
+
+
+def test_decoder_problem_matches_lbfgs_reference(tiny_t5):
+    model = tiny_t5.model
+    inputs = batch(tiny_t5)
+    sites = [s for s in capture_all(tiny_t5, inputs) if s.attention_type == "decoder_self"]
+
+    # independent: the LayerNorm outputs entering each decoder self-attention, recorded by our own hooks
+    normed = {}
+    handles = [
+        block.layer[0].layer_norm.register_forward_hook(
+            lambda module, args, output, layer=layer: normed.__setitem__(layer, output.detach().double())
+        )
+        for layer, block in enumerate(model.decoder.block)
+    ]
+    try:
+        with torch.no_grad():
+            model(**inputs, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    with torch.no_grad():  # layer 0 from first principles: LayerNorm(embedding)
+        first = model.decoder.block[0].layer[0].layer_norm(model.shared(inputs["decoder_input_ids"])).double()
+    torch.testing.assert_close(normed[0], first, rtol=0, atol=0)
+
+    d_kv, heads = model.config.d_kv, model.config.num_heads
+    n_dec = inputs["decoder_input_ids"].shape[1]
+    bias = model.decoder.block[0].layer[0].SelfAttention.compute_bias(n_dec, n_dec)[0].detach().double().numpy()
+    dec_lengths = inputs["decoder_attention_mask"].sum(-1).tolist()
+    checked = 0
+    for site in sites:
+        attention = model.decoder.block[site.layer].layer[0].SelfAttention
+        w_q = attention.q.weight.detach().double().numpy().reshape(heads, d_kv, -1)
+        w_k = attention.k.weight.detach().double().numpy().reshape(heads, d_kv, -1)
+        solution = solve_dual(site_problems(site, 1.0), rtol=1e-10)
+        for example, head, query in [(0, 0, 0), (0, 1, 5), (0, 3, dec_lengths[0] - 1), (1, 2, dec_lengths[1] - 1),
+                                     (2, 1, dec_lengths[2] - 1), (2, 0, 18)]:
+            n = dec_lengths[example]
+            x = normed[site.layer][example, :n].numpy()  # real decoder positions only
+            T = x / np.sqrt(d_kv)
+            z = np.sqrt(d_kv) * w_k[head].T @ (w_q[head] @ x[query])
+            log_u = bias[head, query, :n].copy()
+            log_u[query + 1 :] = -np.inf  # causal
+            lam, _ = lbfgs_dual(T, z, log_u, 1.0, gtol=1e-13)
+            reference = relative_deviation(lam, z, 1.0)
+            # the captured reduced data is the explicit problem's
+            np.testing.assert_allclose(site.logits[example, head, query, :n].numpy(), T @ z, rtol=1e-9, atol=1e-9)
+            np.testing.assert_allclose(float(site.evidence_sqnorm[example, head, query]), z @ z, rtol=1e-10)
+            row = head * n_dec + query
+            assert bool(solution.converged[example, row])
+            got = float(solution.rel_deviation[example, row])
+            assert abs(got - reference) <= 1e-7 * max(1.0, abs(reference)), (site.layer, example, head, query)
+            checked += 1
+    assert checked == 6 * len(sites)
