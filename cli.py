@@ -40,6 +40,9 @@ def run(
     dtype: str = typer.Option("float32", help="Model dtype (the solver always works in float64)."),
     revision: Optional[str] = typer.Option(None, help="Model revision (hub branch, tag or commit)."),
     seed: int = typer.Option(0, help="Random seed (recorded in the manifest)."),
+    fidelity_tolerance: float = typer.Option(
+        1e-5, help="Max abs error allowed between reconstructed and eager attention (raise it for bf16/fp16)."
+    ),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
     report_format: str = typer.Option("png", "--format", help="Report figure formats, comma separated (png,pdf)."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
@@ -54,15 +57,30 @@ def run(
     )
     settings = RunConfig(
         model=model, dataset=spec, out=out, revision=revision, batch_size=batch_size, max_length=max_length,
-        alpha=alpha, device=device, dtype=dtype, seed=seed, progress=progress,
+        alpha=alpha, device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance,
+        progress=progress,
     )
     try:
         run_dir = run_pipeline(settings)
     except ProbeError as error:
         _fail(error)
-    typer.echo(f"run directory: {run_dir}")
+    _print_summary(run_dir)
     if report:
         _build_report(run_dir, None, report_format)
+
+
+def _print_summary(run_dir: Path) -> None:
+    import json
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    solver, fidelity = manifest["solver"], manifest["fidelity"]
+    typer.echo(
+        f"{solver['rows']:,} rows, {solver['not_converged']:,} not converged "
+        f"(max relative error bound {solver['max_relative_error_bound']:.1e}); "
+        f"fidelity max abs error {fidelity['max_abs_error']:.1e} "
+        f"({'passed' if fidelity['passed'] else 'FAILED'}, tolerance {fidelity['tolerance']:.0e})"
+    )
+    typer.echo(f"run directory: {run_dir}")
 
 
 @app.command("report")

@@ -363,3 +363,18 @@ def test_decoder_problem_matches_lbfgs_reference(tiny_t5):
             assert abs(got - reference) <= 1e-7 * max(1.0, abs(reference)), (site.layer, example, head, query)
             checked += 1
     assert checked == 6 * len(sites)
+
+
+def test_length_one_rows_are_written_with_zero_deviation(tiny_t5_dir, tmp_path):
+    """Texts truncated to one token give n = 1 problems (a single key): lambda* = alpha z exactly, and
+    the rows are still written for all three attention types."""
+    data = tmp_path / "one.txt"
+    data.write_text("the quick brown fox\nevery head\n")
+    run_dir = run(RunConfig(model=str(tiny_t5_dir), dataset=DatasetSpec(name=str(data)), out=tmp_path,
+                            max_length=1, progress=False))
+    table = pq.read_table(run_dir / "deviations.parquet").to_pandas()
+    config = json.loads((tiny_t5_dir / "config.json").read_text())
+    per_type = 2 * config["num_heads"] * config["num_layers"]  # 2 examples x 1 token x heads x layers
+    assert table.groupby("attention_type").size().to_dict() == {"cross": per_type, "decoder_self": per_type,
+                                                                 "encoder_self": per_type}
+    assert (table["n_keys"] == 1).all() and (table["rel_deviation"] == 0).all() and table["converged"].all()
