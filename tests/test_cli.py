@@ -180,3 +180,16 @@ def test_missing_dataset_file_or_unreachable_hub_dataset(tiny_bert_dir, tmp_path
 )
 def test_bad_options(tiny_bert_dir, tmp_path, args, fragment):
     assert_clean_error(invoke("run", tiny_bert_dir, *args, "--out", tmp_path), fragment)
+
+
+def test_run_with_report_and_report_command(tiny_bert_dir, texts_file, tmp_path):
+    out = tmp_path / "runs"
+    result = invoke("run", tiny_bert_dir, "--dataset", texts_file, "--out", out, "--no-progress", "--report")
+    assert result.exit_code == 0, result.output
+    run_dir = only_run_dir(out)
+    for name in ("index.html", "summary.csv", "layers_self.png", "heads_self.png", "overview.png"):
+        assert (run_dir / "report" / name).exists(), name
+    again = invoke("report", run_dir, "--out", tmp_path / "pdf", "--format", "png,pdf")
+    assert again.exit_code == 0, again.output
+    assert (tmp_path / "pdf" / "layers_self.pdf").exists()
+    assert_clean_error(invoke("report", tmp_path / "nowhere"), "nowhere")
