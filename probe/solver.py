@@ -149,11 +149,9 @@ class _Group:
         self.A = factor  # (g, n, r), shared by the m problems of each group
         self.A_sq = factor * factor  # for the Jacobi preconditioner
         self.alpha = alpha
-        self.log_u = log_pref  # normalised, (g, m, n)
         self.base = log_pref + alpha * logits  # log u + alpha s   (-inf off the support)
-        u = log_pref.exp()
-        self.u = u
-        self.m = torch.bmm(u, factor)  # m = A^T u, as rows: (g, m, r)
+        self.u = log_pref.exp()  # log_pref is normalised
+        self.m = torch.bmm(self.u, factor)  # m = A^T u, as rows: (g, m, r)
 
     def times_A_T(self, y):
         """Rows of A y: (g, m, r) -> (g, m, n)."""
@@ -173,12 +171,14 @@ class _Group:
         theta = self.base + self.times_A_T(y)
         lse = torch.logsumexp(theta, dim=-1)
         p = torch.exp(theta - lse.unsqueeze(-1))
-        objective = (y * self.m).sum(-1) - (y * y).sum(-1) / (2 * self.alpha) - lse
-        return p, objective, self.times_A(self.u - p)
+        return p, self._objective(y, lse), self.times_A(self.u - p)
 
     def objective(self, y):
-        theta = self.base + self.times_A_T(y)
-        return (y * self.m).sum(-1) - (y * y).sum(-1) / (2 * self.alpha) - torch.logsumexp(theta, -1)
+        r"""(R-D) at y, without its constant :math:`\alpha s^\top u + \tfrac{\alpha}{2}\|z\|^2`."""
+        return self._objective(y, torch.logsumexp(self.base + self.times_A_T(y), dim=-1))
+
+    def _objective(self, y, lse):
+        return (y * self.m).sum(-1) - (y * y).sum(-1) / (2 * self.alpha) - lse
 
     def hessian_times(self, p, v):
         r"""Rows of :math:`(I/\alpha + A^\top(\mathrm{diag}\,p - pp^\top)A)\,v` (the negated Hessian)."""
