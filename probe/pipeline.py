@@ -79,6 +79,7 @@ def load_model(name: str, *, revision: str | None = None, dtype: str = "float32"
 
     if dtype not in DTYPES:
         raise ProbeError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
+    resolved = _resolve_device(device)  # before the (slow) load, so that a bad --device fails at once
     path = Path(name).expanduser()
     if path.exists() and not (path / "config.json").exists():
         raise ProbeError(
@@ -109,7 +110,6 @@ def load_model(name: str, *, revision: str | None = None, dtype: str = "float32"
             f"'{name}' loaded with {model.config._attn_implementation} attention, which hides attention "
             "probabilities; probe needs eager attention. Remove _attn_implementation from its config.json."
         )
-    resolved = _resolve_device(device)
     model.eval().to(resolved)
     info = {
         "id": name,

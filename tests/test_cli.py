@@ -193,3 +193,11 @@ def test_run_with_report_and_report_command(tiny_bert_dir, texts_file, tmp_path)
     assert again.exit_code == 0, again.output
     assert (tmp_path / "pdf" / "layers_self.pdf").exists()
     assert_clean_error(invoke("report", tmp_path / "nowhere"), "nowhere")
+
+
+def test_unavailable_device_fails_before_loading(tiny_bert_dir, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert_clean_error(invoke("run", tiny_bert_dir, "--device", "cuda", "--out", tmp_path), "CUDA is not available")
