@@ -242,7 +242,7 @@ instances = dict(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(scale=st.sampled_from([0.1, 1.0, 3.0, 6.0]), **instances)
 def test_property_converges_to_the_optimum(n, d, scale, alpha, duplicates, zeros, seed):
     """Arbitrary (also degenerate: duplicates, zero preferences, n = 1) instances with logits up to
@@ -260,12 +260,18 @@ def test_property_converges_to_the_optimum(n, d, scale, alpha, duplicates, zeros
     lipschitz = 1 + alpha * np.max(np.sum(T * T, axis=1))
     residual = alpha * dual_gradient(T, z, log_u, alpha, lam)
     assert np.linalg.norm(residual) <= 1e-8 * max(1.0, np.linalg.norm(lam)) * lipschitz
+    # L-BFGS's own error is at most alpha ||grad D(lambda_ref)|| (1/alpha-strong concavity): when
+    # ||lambda*|| is small that can exceed 1e-6 relative, so compare within both certified bounds
     lam_ref, _ = lbfgs_dual(T, z, log_u, alpha)
-    expected = relative_deviation(lam_ref, z, alpha)
-    assert solution.rel_deviation.item() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    reference_error = alpha * np.linalg.norm(dual_gradient(T, z, log_u, alpha, lam_ref))
+    distance = np.linalg.norm(lam - lam_ref)
+    assert distance <= reference_error + solution.error_bound.item() + 1e-12 * max(1.0, np.linalg.norm(lam_ref))
+    if reference_error <= 1e-9 * np.linalg.norm(lam_ref):
+        expected = relative_deviation(lam_ref, z, alpha)
+        assert solution.rel_deviation.item() == pytest.approx(expected, rel=1e-6, abs=1e-6)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(scale=st.sampled_from([10.0, 15.0, 40.0]), **instances)
 def test_property_certificate_is_never_wrong(n, d, scale, alpha, duplicates, zeros, seed):
     """On extreme instances (logits up to ~1e5) the solver may stop unconverged, but its certificate
