@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from itertools import repeat
 from importlib import resources
 from pathlib import Path
 
@@ -68,7 +69,9 @@ def embedded_corpus() -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-def _load_dataset(spec: DatasetSpec):
+def _load_dataset(spec: DatasetSpec, streaming: bool):
+    """The ``datasets`` dataset behind ``spec``; streamed when only the first rows are needed (so that
+    ``--samples 200`` of a large hub dataset does not download the whole split)."""
     import datasets
 
     path = Path(spec.name).expanduser()
@@ -85,9 +88,9 @@ def _load_dataset(spec: DatasetSpec):
                     f"Unsupported data file '{files[0]}'. Use .txt (one text per line), .jsonl, .csv or .parquet."
                 )
             return datasets.load_dataset(
-                LOCAL_BUILDERS[suffix], data_files=[str(f) for f in files], split="train"
+                LOCAL_BUILDERS[suffix], data_files=[str(f) for f in files], split="train", streaming=streaming
             )
-        return datasets.load_dataset(spec.name, spec.config, split=spec.split)
+        return datasets.load_dataset(spec.name, spec.config, split=spec.split, streaming=streaming)
     except ProbeError:
         raise
     except ValueError as error:
@@ -114,36 +117,43 @@ def load_texts(spec: DatasetSpec) -> Texts:
     if spec.name is None:
         if spec.target_column:
             raise ProbeError("--target-column needs --dataset: the embedded corpus has only a text column.")
-        raw_texts, raw_targets = embedded_corpus(), None
+        rows = ((text, None) for text in embedded_corpus())
     else:
-        dataset = _load_dataset(spec)
-        columns = list(dataset.column_names)
+        streaming = spec.samples is not None
+        dataset = _load_dataset(spec, streaming)
+        columns = dataset.column_names
+        if columns is None:  # a stream that does not declare its features: look at its first row
+            first = next(iter(dataset), None)
+            columns = [] if first is None else list(first)
         for wanted, option in ((spec.column, "--column"), (spec.target_column, "--target-column")):
-            if wanted is not None and wanted not in columns:
+            if wanted is not None and columns and wanted not in columns:
                 raise ProbeError(
                     f"Dataset '{spec.name}' has no column '{wanted}'. Available columns: {', '.join(columns)}. "
                     f"Choose one with {option}."
                 )
-        raw_texts = dataset[spec.column]
-        raw_targets = dataset[spec.target_column] if spec.target_column else None
+        if streaming:
+            rows = ((row.get(spec.column), row.get(spec.target_column)) for row in dataset)
+        else:
+            rows = zip(dataset[spec.column], dataset[spec.target_column] if spec.target_column else repeat(None))
 
     texts, indices, targets, skipped = [], [], [], 0
-    for i, text in enumerate(raw_texts):
-        if not isinstance(text, str) or not text.strip():
-            skipped += 1
-            continue
-        texts.append(text)
-        indices.append(i)
-        if raw_targets is not None:
-            target = raw_targets[i]
-            targets.append(target if isinstance(target, str) else str(target))
-        if spec.samples is not None and len(texts) >= spec.samples:
-            break
+    try:
+        for i, (text, target) in enumerate(rows):  # (text, target) pairs; a stream is read only this far
+            if not isinstance(text, str) or not text.strip():
+                skipped += 1
+                continue
+            texts.append(text)
+            indices.append(i)
+            targets.append(target if isinstance(target, str) or target is None else str(target))
+            if spec.samples is not None and len(texts) >= spec.samples:
+                break
+    except Exception as error:  # a stream fails while it is read (connection lost, a corrupt file)
+        raise _load_error(spec, Path(spec.name or ""), error) from None
     if not texts:
         raise ProbeError(
             f"The dataset {spec.describe()} has no non-empty texts"
             + (f" ({skipped} empty rows skipped)" if skipped else "")
             + ". Choose another dataset, split or column."
         )
-    return Texts(texts=texts, indices=indices, targets=targets if raw_targets is not None else None,
+    return Texts(texts=texts, indices=indices, targets=targets if spec.target_column else None,
                  skipped_empty=skipped, spec=spec)
