@@ -95,7 +95,8 @@ def lbfgs_dual(T, z, log_u, alpha=1.0, *, gtol=1e-12, x0=None):
 def gradient_ascent_dual(T, z, log_u, alpha=1.0, *, tol=1e-9, max_iter=1_000_000):
     r"""Batched gradient ascent on (D): :math:`\lambda \leftarrow \lambda + \nabla D(\lambda)/L`.
 
-    ``T`` is ``(B, n, d)``, ``z`` ``(B, d)``, ``log_u`` ``(B, n)`` (torch tensors).  The step uses the
+    ``T`` is ``(B, n, d)``, ``z`` ``(B, d)``, ``log_u`` ``(B, n)`` (torch tensors on one device, where it
+    runs).  The step uses the
     smoothness constant :math:`L = 1/\alpha + \max_i\|t_i\|^2` (the log-sum-exp Hessian is at most
     :math:`\max_i\|t_i\|^2`).  Stops each problem when :math:`\alpha\|\nabla D\|`, a bound on
     :math:`\|\lambda - \lambda^*\|` by strong concavity, is at most ``tol * ||lambda||``.
@@ -110,8 +111,8 @@ def gradient_ascent_dual(T, z, log_u, alpha=1.0, *, tol=1e-9, max_iter=1_000_000
     sq = (T * T).sum(-1).masked_fill(~support, 0.0)
     step = 1.0 / (1.0 / alpha + sq.amax(-1, keepdim=True))
     lam = alpha * z.clone()
-    iterations = torch.zeros(z.shape[0], dtype=torch.long)
-    live = torch.ones(z.shape[0], dtype=torch.bool)
+    iterations = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
+    live = torch.ones(z.shape[0], dtype=torch.bool, device=z.device)
     for _ in range(max_iter):
         p = torch.softmax(log_u + torch.einsum("bnd,bd->bn", T, lam), dim=-1)
         gradient = b - lam / alpha - torch.einsum("bn,bnd->bd", p, T)
