@@ -220,6 +220,7 @@ class Summary:
         return {
             "method": "Newton-CG on the reduced dual with Armijo backtracking (probe.solver)",
             "dtype": "float64",
+            "newton_direction_dtype": "float32",
             "rows": self.rows,
             "converged": self.rows - self.not_converged,
             "not_converged": self.not_converged,
@@ -337,7 +338,12 @@ def run(config: RunConfig) -> Path:
         },
         "seed": config.seed,
         "batch_size": config.batch_size,
-        "solver_settings": {"rtol": config.rtol, "dtype": "float64"},
+        "solver_settings": {
+            "rtol": config.rtol,
+            "dtype": "float64",
+            "newton_direction_dtype": "float32",
+            "sites_stacked_per_call": "consecutive sites of one shape, up to 256 MiB of logits",
+        },
         "versions": _package_versions(),
         "timings_s": timings,
         "batches_done": 0,
@@ -416,17 +422,67 @@ def _process_batch(loaded: LoadedModel, inputs: dict, example_ids: list[int], co
     tables = []
     seconds = {"capture": 0.0, "solve": 0.0}
     t0 = time.perf_counter()
-    for site in loaded.adapter.capture(loaded.model, inputs):
-        fidelity = fidelity_error(site)
+    for chunk in site_stacks(loaded.adapter.capture(loaded.model, inputs)):
+        fidelities = [fidelity_error(site) for site in chunk]
         t1 = time.perf_counter()
         seconds["capture"] += t1 - t0
-        solution = solve_dual(site_problems(site, config.alpha), rtol=config.rtol)
-        table = site_rows(site, solution, example_ids, config.model, config.alpha)
+        solutions = solve_sites(chunk, config.alpha, config.rtol)
+        for site, solution, fidelity in zip(chunk, solutions, fidelities):
+            table = site_rows(site, solution, example_ids, config.model, config.alpha)
+            summary.add(table, site, fidelity)
+            tables.append(table)
         t0 = time.perf_counter()
         seconds["solve"] += t0 - t1
-        summary.add(table, site, fidelity)
-        tables.append(table)
     return tables, seconds
+
+
+#: at most this many bytes of float64 logits in one stack of sites (bounds the extra memory of stacking)
+STACK_BYTES = 1 << 28
+
+
+def site_stacks(sites, limit_bytes: int = STACK_BYTES):
+    """Consecutive sites whose problems have one shape, in lists of at most ``limit_bytes`` of logits."""
+    chunk, shape, size = [], None, 0
+    for site in sites:
+        b, h, q, k = site.logits.shape
+        nbytes = site.logits.numel() * 8
+        if chunk and ((h * q, k) != shape or size + nbytes > limit_bytes):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(site)
+        shape, size = (h * q, k), size + nbytes
+    if chunk:
+        yield chunk
+
+
+def stacked_problems(sites: list[SiteCapture], alpha: float) -> DualProblems:
+    """The problems of sites of one shape as one batch: their groups stacked along the group axis."""
+    problems = [site_problems(site, alpha) for site in sites]
+    if len(problems) == 1:
+        return problems[0]
+    return DualProblems(
+        gram=torch.cat([p.gram for p in problems]),
+        logits=torch.cat([p.logits for p in problems]),
+        log_preference=torch.cat([p.log_preference for p in problems]),
+        evidence_sqnorm=torch.cat([p.evidence_sqnorm for p in problems]),
+        alpha=alpha,
+        active=torch.cat([p.active for p in problems]),
+    )
+
+
+def solve_sites(sites: list[SiteCapture], alpha: float, rtol: float) -> list[DualSolution]:
+    """Solve the problems of sites of one shape with one :func:`solve_dual` call, one solution per site.
+
+    Per-call overhead is paid once and the solver's batched products run on larger batches; the
+    problems stay independent of one another.
+    """
+    solution = solve_dual(stacked_problems(sites, alpha), rtol=rtol)
+    solutions, start = [], 0
+    for site in sites:
+        stop = start + site.logits.shape[0]
+        solutions.append(DualSolution(**{name: value[start:stop] for name, value in vars(solution).items()}))
+        start = stop
+    return solutions
 
 
 def _progress(total: int, enabled: bool):

@@ -378,3 +378,31 @@ def test_length_one_rows_are_written_with_zero_deviation(tiny_t5_dir, tmp_path):
     assert table.groupby("attention_type").size().to_dict() == {"cross": per_type, "decoder_self": per_type,
                                                                  "encoder_self": per_type}
     assert (table["n_keys"] == 1).all() and (table["rel_deviation"] == 0).all() and table["converged"].all()
+
+
+def test_stacked_sites_give_each_site_its_own_answers(tiny_t5):
+    """The pipeline solves consecutive sites of one problem shape in one stacked solver call; each
+    site must get the answers it gets alone (within both certificates; the float32 Newton direction
+    is the only source of difference), and sites of other shapes must not be stacked together."""
+    from probe.pipeline import site_stacks, site_problems, solve_sites
+    from probe.solver import solve_dual
+
+    sites = capture_all(tiny_t5, batch(tiny_t5))
+    chunks = list(site_stacks(iter(sites)))
+    assert sum(len(chunk) for chunk in chunks) == len(sites)
+    assert [site.attention_type for chunk in chunks for site in chunk] == [site.attention_type for site in sites]
+    for chunk in chunks:
+        assert len({(site.logits.shape[1] * site.logits.shape[2], site.logits.shape[3]) for site in chunk}) == 1
+    # encoder self, decoder self and cross attention have three shapes here: three stacks of two layers
+    assert [len(chunk) for chunk in chunks] == [2, 2, 2]
+    assert len(list(site_stacks(iter(sites), limit_bytes=1))) == len(sites)  # the memory limit splits stacks
+
+    for chunk in chunks:
+        for site, stacked in zip(chunk, solve_sites(chunk, alpha=1.0, rtol=1e-9)):
+            alone = solve_dual(site_problems(site, 1.0), rtol=1e-9)
+            real = site_problems(site, 1.0).active
+            assert bool(stacked.converged[real].all()) and bool(alone.converged[real].all())
+            bound = 2 * (stacked.error_bound / stacked.lambda_norm + alone.error_bound / alone.lambda_norm) + 1e-15
+            difference = (stacked.rel_deviation - alone.rel_deviation).abs()
+            assert bool((difference[real] <= bound[real]).all())
+            assert bool(stacked.rel_deviation[~real].isnan().all())
