@@ -9,7 +9,11 @@ Problem families
 * ``random-n``, n = 16, 64, 128, 512 keys: groups that share one Gram matrix as in real use
   (m = 12 heads x n queries per group, capped), templates ``t_i = x_i / 8`` with ``x_i ~ N(0, I_384)``
   (``||t_i||^2 ~ 6``, as MiniLM's 4..7) and evidences scaled so that the logits have standard
-  deviation 2 (MiniLM: 1.4..3.5); uniform preference.
+  deviation 2 (MiniLM: 1.4..3.5); uniform preference.  These problems are well conditioned: the
+  dual's Hessian lies between ``I/alpha`` and ``(1/alpha + diam({t_i})^2/4) I``, condition number ~5.
+* ``illcond-64``: as ``random-64`` with templates 4x larger (``t_i = x_i / 2``, ``||t_i||^2 ~ 96``) and
+  logit standard deviation 8, so the condition number bound ``1 + alpha diam^2/4`` is ~64 (what
+  ``alpha = 16`` would do to ``random-64``): where gradient ascent's step count grows with it.
 
 Methods, all on the same problems and to the same accuracy
 -----------------------------------------------------------
@@ -160,10 +164,15 @@ FALLBACK_SENTENCES = [
 ]
 
 
-def random_family(n: int, groups: int, per_group: int, device, seed: int = 0) -> Family:
+def random_family(
+    n: int, groups: int, per_group: int, device, seed: int = 0, template_scale: float = 1 / 8,
+    logit_std: float = 2.0, name: str | None = None,
+) -> Family:
+    """Templates ``t_i = template_scale * x_i``, ``x_i ~ N(0, I_384)``; evidences with logit std ``logit_std``."""
     generator = torch.Generator().manual_seed(1000 + seed * 7919 + n)
-    templates = torch.randn(groups, n, D_MODEL, generator=generator, dtype=torch.float64) / 8.0
-    scale = 2.0 / (D_MODEL / 64) ** 0.5  # logit std = ||t|| * scale = sqrt(6) * 2/sqrt(6) = 2
+    templates = torch.randn(groups, n, D_MODEL, generator=generator, dtype=torch.float64) * template_scale
+    # <t_i, z> has standard deviation sqrt(D) * template_scale * (the evidence's per-coordinate std)
+    scale = logit_std / (template_scale * D_MODEL**0.5)
     evidence = torch.randn(groups, per_group, D_MODEL, generator=generator, dtype=torch.float64) * scale
     problems = DualProblems(
         gram=(templates @ templates.transpose(1, 2)).to(device),
@@ -172,7 +181,9 @@ def random_family(n: int, groups: int, per_group: int, device, seed: int = 0) ->
         evidence_sqnorm=(evidence * evidence).sum(-1).to(device),
     )
     note = f"{groups} groups x {per_group} queries sharing a Gram matrix, templates in R^{D_MODEL}"
-    return Family(f"random-{n}", [problems], [(templates, evidence)], note)
+    diam_sq = (torch.cdist(templates, templates) ** 2).amax().item()
+    note += f"; logit std {logit_std:g}, condition number bound 1 + alpha diam^2/4 = {1 + diam_sq / 4:.1f}"
+    return Family(name or f"random-{n}", [problems], [(templates, evidence)], note)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -737,6 +748,9 @@ def main(argv=None):
     families = [run_family(minilm_family(args.quick, device), device, args, cores)]
     for n, (groups, per_group) in sizes.items():
         families.append(run_family(random_family(n, groups, per_group, device), device, args, cores))
+    groups, per_group = (1, 128) if args.quick else (4, 768)
+    illcond = random_family(64, groups, per_group, device, template_scale=0.5, logit_std=8.0, name="illcond-64")
+    families.append(run_family(illcond, device, args, cores))
 
     import clarabel
     import cvxpy

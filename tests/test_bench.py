@@ -17,7 +17,7 @@ def test_benchmark_quick_mode(tmp_path):
         check=True, cwd=ROOT, capture_output=True, timeout=300,
     )
     results = json.loads(out.read_text())
-    assert [f["family"] for f in results["families"]] == ["minilm", "random-16", "random-64"]
+    assert [f["family"] for f in results["families"]] == ["minilm", "random-16", "random-64", "illcond-64"]
     for family in results["families"]:
         assert family["probe_converged_fraction"] == 1.0
         for method in ("cvxpy", "lbfgs", "ascent", "ascent_reduced"):
