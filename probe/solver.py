@@ -212,18 +212,25 @@ def _conjugate_gradient(group, p, rhs, precond, rtol, max_iter, live):
     for _ in range(max_iter):
         if not bool(running.any()):
             break
-        hd = group.hessian_times(p, d)
-        curvature = (d * hd).sum(-1)
-        step = torch.where(running, rz / torch.where(curvature > 0, curvature, 1.0), 0.0)
-        x = x + step.unsqueeze(-1) * d
-        r = r - step.unsqueeze(-1) * hd
-        z = r / precond
-        rz_new = (r * z).sum(-1)
-        beta = torch.where(running, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)
-        d = torch.where(running.unsqueeze(-1), z + beta.unsqueeze(-1) * d, d)
-        rz = torch.where(running, rz_new, rz)
-        running = running & ((r * r).sum(-1) > target)
+        x, r, d, rz, running = _cg_step(group, p, precond, target, x, r, d, rz, running)
     return x.to(out_dtype)
+
+
+def _cg_step(group, p, precond, target, x, r, d, rz, running):
+    """One preconditioned CG step for the rows still ``running``: returns the new (x, r, d, rz, running);
+    a row whose squared residual reaches ``target`` stops."""
+    hd = group.hessian_times(p, d)
+    curvature = (d * hd).sum(-1)
+    step = torch.where(running, rz / torch.where(curvature > 0, curvature, 1.0), 0.0)
+    x = x + step.unsqueeze(-1) * d
+    r = r - step.unsqueeze(-1) * hd
+    z = r / precond
+    rz_new = (r * z).sum(-1)
+    beta = torch.where(running, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)
+    d = torch.where(running.unsqueeze(-1), z + beta.unsqueeze(-1) * d, d)
+    rz = torch.where(running, rz_new, rz)
+    running = running & ((r * r).sum(-1) > target)
+    return x, r, d, rz, running
 
 
 def _solve_tile(factor, logits, log_pref, evidence_sqnorm, active, alpha, rtol, atol, max_iter, direction_dtype):
