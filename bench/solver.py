@@ -81,7 +81,7 @@ from probe.reference import (  # noqa: E402
     relative_deviation,
     templates_from_reduced,
 )
-from probe.solver import DualProblems, solve_dual  # noqa: E402
+from probe.solver import DualProblems, factor_gram, solve_dual  # noqa: E402
 
 RTOL = 1e-9  # probe's default, and the pipeline's
 ACCURACY = 1e-7  # every baseline must agree with probe's rel_deviation to this
@@ -384,14 +384,11 @@ def time_reference_ascent(family, picks, probe_rel, form, max_iter, repeats):
 
 
 def _factor(gram):
-    """A with A A^T = G (eigenvalues below rounding dropped) and its pseudo-inverse's transpose."""
-    gram = 0.5 * (gram + gram.transpose(-1, -2))
-    w, Q = torch.linalg.eigh(gram)
-    floor = gram.shape[-1] * torch.finfo(gram.dtype).eps * w.abs().amax(-1, keepdim=True)
-    kept = w > floor
-    root = torch.where(kept, w.clamp_min(0).sqrt(), torch.zeros_like(w))
-    inv_root = torch.where(kept, 1.0 / torch.where(kept, root, torch.ones_like(root)), torch.zeros_like(w))
-    return Q * root.unsqueeze(-2), Q * inv_root.unsqueeze(-2)
+    """A with A A^T = G (``probe.solver.factor_gram``) and its pseudo-inverse's transpose: the columns of A
+    are q_j sqrt(w_j) (zero for dropped eigenvalues), so those of the latter are a_j / ||a_j||^2."""
+    A = factor_gram(gram)
+    sq = (A * A).sum(-2, keepdim=True)
+    return A, torch.where(sq > 0, A / torch.where(sq > 0, sq, torch.ones_like(sq)), torch.zeros_like(A))
 
 
 def _smoothness(gram, support, rule):
