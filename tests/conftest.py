@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random BERT models saved to disk, and the real MiniLM shipped by a PyPI package.
 
-Models are loaded by the tests through the same path users take (``probe.pipeline.load_model`` or the
+Models are loaded by the tests through the same path users take (``probe.loading.load_model`` or the
 CLI), from directories written with ``save_pretrained``.
 """
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from probe.pipeline import fidelity_error, load_model, site_problems
+from probe.loading import load_model
+from probe.rows import fidelity_error, site_problems
 from probe.reference import cvxpy_primal, relative_deviation
 from probe.solver import solve_dual
 from tests.conftest import save_tiny_bert

@@ -101,10 +101,10 @@ def test_max_length_below_the_special_tokens_is_an_error(tiny_bert_dir, tmp_path
 
 
 def test_interrupted_run_keeps_finished_batches(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
-    import probe.pipeline as pipeline
+    import probe.rows as rows
 
     calls = {"n": 0}
-    real = pipeline.solve_dual
+    real = rows.solve_dual
 
     def failing_solve(*args, **kwargs):
         calls["n"] += 1
@@ -112,7 +112,7 @@ def test_interrupted_run_keeps_finished_batches(tiny_bert_dir, texts_file, tmp_p
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "solve_dual", failing_solve)
+    monkeypatch.setattr(rows, "solve_dual", failing_solve)
     out = tmp_path / "runs"
     result = invoke("run", tiny_bert_dir, "--dataset", texts_file, "--batch-size", 2, "--out", out, "--no-progress")
     assert result.exit_code != 0

@@ -2,7 +2,7 @@
 
 No hub access: models are built from ``T5Config`` and saved with ``save_pretrained`` next to a small
 T5 tokenizer (transformers' own ``T5Tokenizer``, a Unigram model, built from an explicit vocabulary
-with T5's special ids pad=0, eos=1, unk=2), then loaded through :func:`probe.pipeline.load_model`
+with T5's special ids pad=0, eos=1, unk=2), then loaded through :func:`probe.loading.load_model`
 exactly as a user's checkpoint would be.
 
 Lengths are chosen so that T5's relative-position bucketing leaves its exact range: encoder buckets
@@ -25,7 +25,9 @@ import torch
 from probe.adapters import adapter_for
 from probe.adapters.t5 import T5Adapter
 from probe.data import DatasetSpec
-from probe.pipeline import RunConfig, fidelity_error, load_model, run, site_problems
+from probe.loading import load_model
+from probe.pipeline import RunConfig, run
+from probe.rows import fidelity_error, site_problems
 from probe.reference import lbfgs_dual, relative_deviation
 from probe.solver import solve_dual
 
@@ -384,7 +386,7 @@ def test_stacked_sites_give_each_site_its_own_answers(tiny_t5):
     """The pipeline solves consecutive sites of one problem shape in one stacked solver call; each
     site must get the answers it gets alone (within both certificates; the float32 Newton direction
     is the only source of difference), and sites of other shapes must not be stacked together."""
-    from probe.pipeline import site_stacks, site_problems, solve_sites
+    from probe.rows import site_stacks, site_problems, solve_sites
     from probe.solver import solve_dual
 
     sites = capture_all(tiny_t5, batch(tiny_t5))

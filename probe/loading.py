@@ -1,0 +1,83 @@
+"""Loading a model for probe: config, adapter, model (eager attention) and tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .adapters import adapter_for
+from .errors import ProbeError
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    adapter: object
+    model: torch.nn.Module
+    tokenizer: object
+    info: dict
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ProbeError(f"Unknown device '{device}'. Use auto, cpu, cuda or cuda:N.") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ProbeError(f"Device '{device}' asked for, but CUDA is not available here. Use --device cpu.")
+    return resolved
+
+
+def load_model(name: str, *, revision: str | None = None, dtype: str = "float32", device: str = "auto") -> LoadedModel:
+    """Load config, adapter, model (eager attention) and tokenizer for a hub id or local directory."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ProbeError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
+    resolved = _resolve_device(device)  # before the (slow) load, so that a bad --device fails at once
+    path = Path(name).expanduser()
+    if path.exists() and not (path / "config.json").exists():
+        raise ProbeError(
+            f"'{name}' is a local path but has no config.json: it is not a Hugging Face model directory. "
+            "Pass a directory written by save_pretrained, or a hub model id."
+        )
+    try:
+        config = AutoConfig.from_pretrained(name, revision=revision)
+    except (OSError, ValueError) as error:
+        raise ProbeError(
+            f"Could not load model '{name}': {str(error).splitlines()[0]}\n"
+            "Pass a local model directory (one written by save_pretrained), or check the model id and your "
+            "connection to the Hugging Face Hub (offline? set HF_HUB_OFFLINE=1 and use a cached or local model)."
+        ) from None
+    adapter = adapter_for(config.model_type)
+    saved_implementation = getattr(config, "_attn_implementation", None)
+    config._attn_implementation = "eager"
+    try:
+        model = adapter.load_model(name, config=config, revision=revision, dtype=DTYPES[dtype])
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
+    except (OSError, ValueError) as error:
+        raise ProbeError(
+            f"Could not load the weights or tokenizer of '{name}': {str(error).splitlines()[0]}\n"
+            "A model directory needs its weights and tokenizer files; for a hub id, check your connection."
+        ) from None
+    if model.config._attn_implementation != "eager":
+        raise ProbeError(
+            f"'{name}' loaded with {model.config._attn_implementation} attention, which hides attention "
+            "probabilities; probe needs eager attention. Remove _attn_implementation from its config.json."
+        )
+    model.eval().to(resolved)
+    info = {
+        "id": name,
+        "path": str(path.resolve()) if path.exists() else None,
+        "revision": revision or getattr(config, "_commit_hash", None),
+        "model_type": config.model_type,
+        "architectures": getattr(config, "architectures", None),
+        "class": type(model).__name__,
+        "saved_attention_implementation": saved_implementation,
+    }
+    return LoadedModel(adapter=adapter, model=model, tokenizer=tokenizer, info=info)
