@@ -1,20 +1,21 @@
-"""The deviations parquet: one row per (example, attention site, head, query token).
+"""The deviations table: one row per (space, alpha, example, attention site, head, query token).
 
 This module is the single definition of the table's columns; the pipeline writes them and the report
-reads them.
+reads them.  The row key is ``(space, alpha, attention_type, layer, head, example, query)``.
 """
 
 import pyarrow as pa
 
-#: Required columns, in order, with their Arrow types.
+#: Columns, in order, with their Arrow types.  The first fourteen are the original table's, unchanged.
 DEVIATION_SCHEMA = pa.schema(
     [
         ("model", pa.string()),
-        ("attention_type", pa.string()),  # "self" (BERT); "encoder_self" / "decoder_self" / "cross" (T5)
+        # "self" (encoders); "encoder_self" / "decoder_self" / "cross" (encoder-decoders); "causal_self"
+        ("attention_type", pa.string()),
         ("layer", pa.int32()),  # numbered within its stack, from 0
         ("head", pa.int32()),
         ("example", pa.int64()),  # index of the text in the dataset, from 0
-        ("query", pa.int32()),  # query token position within the example, from 0
+        ("query", pa.int32()),  # query token position within its own sequence, from 0
         ("n_keys", pa.int32()),  # number of keys with non-zero preference u_i
         ("alpha", pa.float64()),
         ("rel_deviation", pa.float64()),  # ||lambda* - alpha z|| / ||lambda*||
@@ -23,7 +24,20 @@ DEVIATION_SCHEMA = pa.schema(
         ("error_bound", pa.float64()),  # certified bound on ||lambda_returned - lambda*||
         ("iterations", pa.int32()),  # Newton iterations
         ("converged", pa.bool_()),  # certificate met the tolerance
+        # the parameterisation: "hidden" (t_i = x_i / sqrt(d'), z = c W_k^T q) or "key" (t_i = k_i / sqrt(d'), z = c q)
+        ("space", pa.string()),
+        ("token_id", pa.int32()),  # the query token's id
+        ("token", pa.string()),  # the query token as the tokenizer writes it
+        ("token_role", pa.string()),  # "special" (tokenizer special token), "first" (first decoder position), "word"
+        ("trivial", pa.bool_()),  # n_keys == 1: lambda* = alpha z by construction
+        ("second_order_deviation", pa.float64()),  # ||lambda* - lambda_2|| / ||lambda*||, the paper's correction
+        ("attention_tv", pa.float64()),  # 0.5 sum_i |p*_i - p_att_i|
+        ("output_deviation", pa.float64()),  # ||sum_i (p*_i - p_att_i) v_i|| / ||sum_i p_att_i v_i||
+        ("evidence_norm", pa.float64()),  # ||alpha z||, the attention approximation's lambda
+        ("attention_entropy", pa.float64()),  # -sum_i p_att_i log p_att_i of the model's attention row (nats)
     ]
 )
 
 REQUIRED_COLUMNS = tuple(DEVIATION_SCHEMA.names)
+#: The row key: no two rows of a run share it.
+ROW_KEY = ("space", "alpha", "attention_type", "layer", "head", "example", "query")
