@@ -68,6 +68,9 @@ def site_rows(site: SiteCapture, solution: DualSolution, example_ids: list[int],
         "iterations": pick(solution.iterations).astype(np.int32),
         "converged": pick(solution.converged),
     }
+    for name in DEVIATION_SCHEMA.names:  # analysis columns not computed yet (being built): null
+        columns.setdefault(name, pa.nulls(count, DEVIATION_SCHEMA.field(name).type))
+    columns["space"] = pa.array(["hidden"] * count, pa.string())
     return pa.table(columns, schema=DEVIATION_SCHEMA)
 
 

@@ -55,6 +55,15 @@ def deviation_rows(shapes: dict[str, tuple[int, int]], *, examples=3, queries=5,
     rows["iterations"] = rng.integers(1, 8, n)
     rows["converged"] = True
     rows.loc[rng.choice(n, size=non_converged, replace=False), "converged"] = False
+    rows["space"] = "hidden"
+    rows["token_id"] = 1000 + rows["query"]
+    rows["token"] = "tok" + rows["query"].astype(str)
+    rows["token_role"] = "word"
+    rows["trivial"] = rows["n_keys"] == 1
+    for name in ("second_order_deviation", "attention_tv", "output_deviation"):
+        rows[name] = rows["rel_deviation"] * rng.uniform(0.1, 0.5, n)
+    rows["evidence_norm"] = rows["lambda_norm"] * rng.uniform(0.9, 1.1, n)
+    rows["attention_entropy"] = rng.uniform(0.5, 2.5, n)
     return rows
 
 
