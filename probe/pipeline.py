@@ -1,35 +1,40 @@
-"""The run pipeline: dataset -> batches -> captured sites -> dual solves -> rows -> parquet + manifest.
+"""The run pipeline: dataset -> batches -> captured sites -> dual solves -> rows -> part files + manifest.
 
-Rows are appended to ``deviations.parquet`` one row group per batch, so memory does not grow with the
-dataset, and the manifest is rewritten after every batch: an interrupted run keeps every finished batch
-and says where it stopped.
+A run is planned as a fixed list of batches (deterministic given its settings) and every finished batch
+is written as its own part file (:mod:`probe.storage`), so memory does not grow with the dataset and a
+run stopped at any moment, by any signal, keeps every finished batch.  SIGINT and SIGTERM drop the
+batch in flight, mark the manifest ``"interrupted"`` and raise :class:`RunStopped`.  :func:`resume`
+continues a stopped run with the settings its manifest recorded, after checking that the model files
+and the texts are the ones it started with; the finished run equals an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import re
+import signal
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
-from . import __version__
+from . import __version__, storage
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
 from .rows import Summary, process_batch
-from .schema import DEVIATION_SCHEMA
 
 
 @dataclass
 class RunConfig:
-    """Everything that defines a run; recorded in the manifest."""
+    """Everything that defines a run; recorded in the manifest (``config``) and used again by resume."""
 
     model: str
     dataset: DatasetSpec = field(default_factory=DatasetSpec)
@@ -46,8 +51,192 @@ class RunConfig:
     progress: bool = True
 
 
+def config_to_json(config: RunConfig) -> dict:
+    return json.loads(json.dumps(asdict(config), default=str))
+
+
+def config_from_json(data: dict) -> RunConfig:
+    """The :class:`RunConfig` a manifest recorded (lists become tuples, as the dataclass declares them)."""
+    known = {f.name: f for f in fields(RunConfig)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ProbeError(
+            f"The run was written by another version of probe (settings {', '.join(unknown)} are unknown to "
+            f"probe {__version__}); resume it with that version."
+        )
+    values = {}
+    for name, value in data.items():
+        if name == "dataset":
+            value = DatasetSpec(**value)
+        elif name == "out":
+            value = Path(value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        values[name] = value
+    return RunConfig(**values)
+
+
 # --------------------------------------------------------------------------------------------------
-# bookkeeping
+# stopping on signals
+
+
+class RunStopped(BaseException):
+    """SIGINT or SIGTERM stopped the run; every finished batch is kept and ``probe resume`` continues it.
+
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` on the way swallows it.
+    """
+
+    def __init__(self, signum: int, run_dir: Path | None = None, manifest: dict | None = None):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.run_dir = run_dir
+        self.manifest = manifest
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+
+class _Stops:
+    """SIGINT and SIGTERM as :class:`RunStopped`, raised in the main thread.
+
+    Until :meth:`hold` (while the model and data load) a stop is raised at once: there is nothing to
+    keep.  After it, a stop is raised at once only inside :meth:`interruptible` (a batch being computed,
+    which is then dropped); elsewhere (a part file and the manifest being written) it waits for the next
+    :meth:`interruptible`, so a batch is either committed with its manifest update or not at all.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.holding = False
+        self.pending = None
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        return False
+
+    def _handle(self, signum, frame):
+        if self.holding:
+            self.pending = self.pending or signum
+        else:
+            raise RunStopped(signum)
+
+    def hold(self):
+        self.holding = True
+
+    @contextmanager
+    def interruptible(self):
+        if self.pending is not None:
+            raise RunStopped(self.pending)
+        self.holding = False
+        try:
+            yield
+        finally:
+            self.holding = True
+
+
+# --------------------------------------------------------------------------------------------------
+# preparing a run: model, texts, batch plan
+
+
+@dataclass
+class _Job:
+    """What a run segment works on: its settings, the loaded model, the texts and the batch plan."""
+
+    config: RunConfig
+    loaded: LoadedModel
+    texts: Texts
+    batches: list[list[int]]  # dataset positions of each batch, in the run's batch order
+    lengths: list[int]  # token count of each text
+    device: torch.device
+    timings: dict
+    started: float  # time.perf_counter() when the segment started loading
+
+
+def _plan_batches(loaded: LoadedModel, texts: Texts, batch_size: int, max_length: int):
+    """Batches of dataset positions, longest first (less padding; memory problems show at once)."""
+    lengths = [
+        len(ids) for ids in loaded.tokenizer(texts.texts, truncation=True, max_length=max_length)["input_ids"]
+    ]
+    if max(lengths) > max_length:
+        raise ProbeError(
+            f"--max-length {max_length} is too small for this tokenizer: it produced {max(lengths)} tokens "
+            "(special tokens are never truncated). Use a larger --max-length."
+        )
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)], lengths
+
+
+def _prepare(config: RunConfig, model_location: str | None = None, dataset: DatasetSpec | None = None) -> _Job:
+    """Load the model (from ``model_location``, default ``config.model``) and texts; plan the batches."""
+    torch.manual_seed(config.seed)
+    started = time.perf_counter()
+    loaded = load_model(model_location or config.model, revision=config.revision, dtype=config.dtype,
+                        device=config.device)
+    loaded_at = time.perf_counter()
+    texts = load_texts(dataset or config.dataset)
+    timings = {"load_model_s": loaded_at - started, "load_data_s": time.perf_counter() - loaded_at}
+    batches, lengths = _plan_batches(loaded, texts, config.batch_size, config.max_length)
+    device = next(loaded.model.parameters()).device
+    return _Job(config, loaded, texts, batches, lengths, device, timings, started)
+
+
+def _plan_sha256(batches: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(batches).encode()).hexdigest()
+
+
+def _model_directory(name: str, revision: str | None) -> Path:
+    """The directory the model's files were loaded from (a local directory, or its hub cache snapshot)."""
+    from transformers.utils.hub import cached_file
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    return Path(cached_file(name, "config.json", revision=revision)).parent
+
+
+def model_fingerprint(directory: Path) -> dict:
+    """Names and sizes of the model directory's files, and a SHA-256 of its config.json (hashing the
+    weights would cost a read of every byte; a changed checkpoint changes its size or its config)."""
+    directory = Path(directory)
+    files = {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    }
+    config = directory / "config.json"
+    return {
+        "files": files,
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
+    }
+
+
+def _fingerprint_differences(recorded: dict, now: dict) -> list[str]:
+    differences = []
+    if recorded.get("config_sha256") != now.get("config_sha256"):
+        differences.append("config.json changed")
+    before, after = recorded.get("files", {}), now.get("files", {})
+    for name in sorted(set(before) | set(after)):
+        if name not in after:
+            differences.append(f"{name} is gone")
+        elif name not in before:
+            differences.append(f"{name} is new")
+        elif before[name] != after[name]:
+            differences.append(f"{name} changed size ({before[name]:,} -> {after[name]:,} bytes)")
+    return differences
+
+
+# --------------------------------------------------------------------------------------------------
+# the manifest
 
 
 def _package_versions() -> dict:
@@ -62,73 +251,28 @@ def _package_versions() -> dict:
     return versions
 
 
-def _run_directory(out: Path, model_name: str) -> Path:
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model_name.rstrip("/")).name or model_name).strip("-") or "model"
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    candidate = out / f"{slug}-{stamp}"
-    suffix = 1
-    while candidate.exists():
-        suffix += 1
-        candidate = out / f"{slug}-{stamp}-{suffix}"
-    candidate.mkdir(parents=True)
-    return candidate
+def _slug(model_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model_name.rstrip("/")).name or model_name).strip("-") or "model"
 
 
-def _write_json(path: Path, payload: dict):
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
-    tmp.replace(path)
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
 
 
-def _batches(loaded: LoadedModel, texts: Texts, batch_size: int, max_length: int):
-    """Batches of dataset positions, longest first (less padding; memory problems show at once)."""
-    lengths = [
-        len(ids) for ids in loaded.tokenizer(texts.texts, truncation=True, max_length=max_length)["input_ids"]
-    ]
-    if max(lengths) > max_length:
-        raise ProbeError(
-            f"--max-length {max_length} is too small for this tokenizer: it produced {max(lengths)} tokens "
-            "(special tokens are never truncated). Use a larger --max-length."
-        )
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)], lengths
-
-
-# --------------------------------------------------------------------------------------------------
-# the run
-
-
-def run(config: RunConfig) -> Path:
-    """Run probe on a model and dataset; return the run directory."""
-    if config.alpha <= 0:
-        raise ProbeError(f"--alpha must be positive, got {config.alpha}.")
-    if config.batch_size < 1 or config.max_length < 1:
-        raise ProbeError("--batch-size and --max-length must be at least 1.")
-    torch.manual_seed(config.seed)
-    timings = {}
-    started = time.perf_counter()
-    loaded = load_model(config.model, revision=config.revision, dtype=config.dtype, device=config.device)
-    timings["load_model_s"] = time.perf_counter() - started
-    t0 = time.perf_counter()
-    texts = load_texts(config.dataset)
-    timings["load_data_s"] = time.perf_counter() - t0
-    device = next(loaded.model.parameters()).device
-
-    batches, lengths = _batches(loaded, texts, config.batch_size, config.max_length)
-    run_dir = _run_directory(Path(config.out), config.model)
-    parquet_path = run_dir / "deviations.parquet"
-    manifest_path = run_dir / "manifest.json"
-    summary = Summary(config.fidelity_tolerance)
-    manifest = {
+def _new_manifest(job: _Job) -> dict:
+    config, loaded, texts = job.config, job.loaded, job.texts
+    local_model = Path(config.model).expanduser().exists()
+    local_data = config.dataset.name is not None and Path(config.dataset.name).expanduser().exists()
+    return {
         "probe_version": __version__,
         "status": "running",
-        "started_at": datetime.now(timezone.utc).isoformat(),
+        "started_at": _now(),
         "model": loaded.info,
         "adapter": type(loaded.adapter).__name__,
         "attention_types": list(loaded.adapter.attention_types),
         "attention_implementation": "eager",
         "dtype": config.dtype,
-        "device": str(device),
+        "device": str(job.device),
         "dataset": {
             **asdict(config.dataset),
             "description": config.dataset.describe(),
@@ -136,7 +280,7 @@ def run(config: RunConfig) -> Path:
             "skipped_empty": texts.skipped_empty,
             "texts_sha256": texts.sha256,
             "max_length": config.max_length,
-            "truncated_examples": sum(length >= config.max_length for length in lengths),
+            "truncated_examples": sum(length >= config.max_length for length in job.lengths),
         },
         "alpha": config.alpha,
         "parameterisation": {
@@ -154,78 +298,232 @@ def run(config: RunConfig) -> Path:
             "sites_stacked_per_call": "consecutive sites of one shape, up to 256 MiB of logits",
         },
         "versions": _package_versions(),
-        "timings_s": timings,
         "batches_done": 0,
-        "batches_total": len(batches),
+        "batches_total": len(job.batches),
+        "config": config_to_json(config),
+        # what resume loads and checks: the same model files, texts and batch plan
+        "inputs": {
+            "model_location": str(Path(config.model).expanduser().resolve()) if local_model else config.model,
+            "model_revision": loaded.info.get("revision"),
+            "model_fingerprint": model_fingerprint(_model_directory(config.model, loaded.info.get("revision"))),
+            "dataset_location": str(Path(config.dataset.name).expanduser().resolve()) if local_data else config.dataset.name,
+            "batch_plan_sha256": _plan_sha256(job.batches),
+        },
+        "segments": [],
     }
-    _write_json(manifest_path, manifest)
 
-    capture_s = solve_s = write_s = 0.0
-    problems_done = 0
-    writer = pq.ParquetWriter(parquet_path, DEVIATION_SCHEMA)
-    progress = _progress(len(batches), config.progress)
+
+def _summary(records, tolerance: float) -> Summary:
+    """The solver and fidelity summary over the batches whose part-file records are given."""
+    summary = Summary(tolerance)
+    for record in records:
+        summary.merge(Summary.from_state(record["summary"]))
+    return summary
+
+
+def _timings(manifest: dict) -> dict:
+    """Seconds per stage, summed over the run's segments."""
+    timings: dict[str, float] = {}
+    for segment in manifest["segments"]:
+        for key, value in segment["timings_s"].items():
+            timings[key] = timings.get(key, 0.0) + value
+    return timings
+
+
+# --------------------------------------------------------------------------------------------------
+# the run
+
+
+def run(config: RunConfig) -> Path:
+    """Run probe on a model and dataset; return the run directory."""
+    if config.alpha <= 0:
+        raise ProbeError(f"--alpha must be positive, got {config.alpha}.")
+    if config.batch_size < 1 or config.max_length < 1:
+        raise ProbeError("--batch-size and --max-length must be at least 1.")
+    with _Stops() as stops:
+        job = _prepare(config)
+        stops.hold()
+        run_dir = storage.create_run_directory(Path(config.out), _slug(config.model))
+        return _execute(run_dir, _new_manifest(job), job, stops)
+
+
+def resume(run_dir: Path, *, progress: bool = True) -> Path:
+    """Continue a stopped run with its recorded settings; a complete run is returned untouched."""
+    run_dir = Path(run_dir)
+    manifest = storage.read_manifest(run_dir)
+    if manifest.get("status") == "complete":
+        return run_dir
+    if "config" not in manifest or not (run_dir / storage.PARTS).is_dir():
+        raise ProbeError(f"{run_dir} was written by an older probe that cannot resume runs. Start a new `probe run`.")
+    if manifest.get("status") == "running":
+        alive, how = storage.writer_alive(manifest["process"])
+        raise ProbeError(f"{run_dir} is still running ({how}). Stop that process first, or wait for it.")
+    config = config_from_json(manifest["config"])
+    config.progress = progress
+    inputs = manifest["inputs"]
+    differences = _fingerprint_differences(
+        inputs["model_fingerprint"],
+        model_fingerprint(_model_directory(inputs["model_location"], inputs["model_revision"])),
+    )
+    if differences:
+        raise ProbeError(
+            f"The model files of {run_dir} changed since the run started ({'; '.join(differences[:5])}"
+            f"{'; ...' if len(differences) > 5 else ''}), so its rows would mix two models. Restore the "
+            f"files in {inputs['model_location']}, or start a new run with `probe run`."
+        )
+    dataset = DatasetSpec(**{**asdict(config.dataset), "name": inputs["dataset_location"]})
+    with _Stops() as stops:
+        job = _prepare(config, model_location=inputs["model_location"], dataset=dataset)
+        if job.texts.sha256 != manifest["dataset"]["texts_sha256"]:
+            raise ProbeError(
+                f"The texts of {config.dataset.describe()} changed since the run started (SHA-256 "
+                f"{job.texts.sha256[:12]}... now, {manifest['dataset']['texts_sha256'][:12]}... then). Restore "
+                "the data, or start a new run with `probe run`."
+            )
+        if _plan_sha256(job.batches) != inputs["batch_plan_sha256"]:
+            raise ProbeError(
+                "The batches planned now differ from the run's (the tokenizer files changed?). Restore the "
+                "model directory, or start a new run with `probe run`."
+            )
+        stops.hold()
+        storage.remove_temporaries(run_dir)
+        for segment in manifest["segments"]:  # a segment killed without a chance to say so
+            if segment.get("status") == "running":
+                segment.update(status="interrupted", stop_reason=manifest.get("stop_reason"))
+        return _execute(run_dir, manifest, job, stops)
+
+
+def _execute(run_dir: Path, manifest: dict, job: _Job, stops: _Stops) -> Path:
+    """Run every batch of the plan that has no part file yet, as a new segment of the run."""
+    config = job.config
+    done = storage.finished_batches(run_dir)
+    summary = _summary(done.values(), config.fidelity_tolerance)
+    process = storage.process_identity()
+    segment = {
+        "segment": len(manifest["segments"]),
+        **process,
+        "status": "running",
+        "started_at": _now(),
+        "device": str(job.device),
+        "versions": _package_versions(),
+        "batches": 0,
+        "timings_s": {**job.timings, "capture_s": 0.0, "solve_s": 0.0, "write_s": 0.0, "total_s": 0.0},
+    }
+    manifest["segments"].append(segment)
+    for stale in ("stop_reason", "note", "finished_at"):
+        manifest.pop(stale, None)
+    manifest.update(status="running", process=storage.heartbeat(process, 3600.0), batches_done=len(done))
+    storage.write_manifest(run_dir, manifest)
+
+    timings = segment["timings_s"]
+    longest_batch_s = 0.0
+    progress = _progress(len(job.batches), len(done), config.progress)
     try:
-        for batch_number, positions in enumerate(batches):
-            batch_texts = [texts.texts[i] for i in positions]
-            batch_targets = [texts.targets[i] for i in positions] if texts.targets is not None else None
-            example_ids = [texts.indices[i] for i in positions]
-            inputs = loaded.adapter.encode(loaded.tokenizer, batch_texts, batch_targets, config.max_length)
-            inputs = {key: value.to(device) for key, value in inputs.items()}
-            tables, seconds = process_batch(loaded, inputs, example_ids, config, summary)
-            capture_s += seconds["capture"]
-            solve_s += seconds["solve"]
-            problems_done += sum(table.num_rows for table in tables)
-            t1 = time.perf_counter()
-            writer.write_table(pa.concat_tables(tables))
-            write_s += time.perf_counter() - t1
+        for batch in (b for b in range(len(job.batches)) if b not in done):
+            batch_started = time.perf_counter()
+            with stops.interruptible():  # a stop while the batch is computed drops it
+                table, batch_summary, seconds = _process(job, batch)
+            timings["capture_s"] += seconds["capture"]
+            timings["solve_s"] += seconds["solve"]
+            written = time.perf_counter()
+            storage.write_part(run_dir, batch, table, {
+                "examples": [job.texts.indices[i] for i in job.batches[batch]],
+                "segment": segment["segment"],
+                "summary": batch_summary.state(),
+                "seconds": seconds,
+            })
+            timings["write_s"] += time.perf_counter() - written
+            timings["total_s"] = time.perf_counter() - job.started
+            summary.merge(batch_summary)
+            segment["batches"] += 1
+            longest_batch_s = max(longest_batch_s, time.perf_counter() - batch_started)
             manifest.update(
-                batches_done=batch_number + 1,
+                batches_done=storage.count_finished_batches(run_dir),
+                process=storage.heartbeat(process, max(600.0, 10 * longest_batch_s)),
                 solver=summary.solver(),
                 fidelity=summary.fidelity_summary(),
-                timings_s={**timings, "capture_s": capture_s, "solve_s": solve_s, "write_s": write_s},
+                timings_s=_timings(manifest),
             )
-            _write_json(manifest_path, manifest)
+            storage.write_manifest(run_dir, manifest)
             progress.update(1)
-            elapsed = progress.format_dict.get("elapsed") or 1e-9
-            progress.set_postfix(problems_per_s=f"{problems_done / max(elapsed, 1e-9):,.0f}", refresh=False)
+            progress.set_postfix(rows=f"{summary.rows:,}", refresh=False)
+        with stops.interruptible():  # a stop that arrived while the last batch was written
+            pass
     except BaseException as error:
-        writer.close()
         progress.close()
-        manifest.update(
-            solver=summary.solver(),
-            fidelity=summary.fidelity_summary(),
-            status="interrupted",
-            error=f"{type(error).__name__}: {error}",
-            note="deviations.parquet holds every batch finished before the interruption",
-            finished_at=datetime.now(timezone.utc).isoformat(),
-        )
-        _write_json(manifest_path, manifest)
+        _record_stop(run_dir, manifest, segment, error, job.started)
+        if isinstance(error, KeyboardInterrupt):  # Ctrl-C before our handler, or raised by a library
+            raise RunStopped(signal.SIGINT, run_dir, manifest) from error
+        if isinstance(error, RunStopped):
+            error.run_dir, error.manifest = run_dir, manifest
         raise
-    writer.close()
     progress.close()
-    timings.update(capture_s=capture_s, solve_s=solve_s, write_s=write_s, total_s=time.perf_counter() - started)
+    _record_completion(run_dir, manifest, segment, config, job.started)
+    return run_dir
+
+
+def _process(job: _Job, batch: int) -> tuple[pa.Table, Summary, dict]:
+    """One batch of the plan: its rows, its summary and the seconds spent capturing and solving."""
+    positions = job.batches[batch]
+    texts = [job.texts.texts[i] for i in positions]
+    targets = [job.texts.targets[i] for i in positions] if job.texts.targets is not None else None
+    example_ids = [job.texts.indices[i] for i in positions]
+    inputs = job.loaded.adapter.encode(job.loaded.tokenizer, texts, targets, job.config.max_length)
+    inputs = {key: value.to(job.device) for key, value in inputs.items()}
+    summary = Summary(job.config.fidelity_tolerance)
+    tables, seconds = process_batch(job.loaded, inputs, example_ids, job.config, summary)
+    return pa.concat_tables(tables), summary, seconds
+
+
+def _record_stop(run_dir: Path, manifest: dict, segment: dict, error: BaseException, started: float) -> None:
+    if isinstance(error, RunStopped):
+        reason = f"stopped by {signal.Signals(error.signum).name}"
+    elif isinstance(error, KeyboardInterrupt):
+        reason = "stopped by SIGINT (Ctrl-C)"
+    else:
+        reason = f"failed: {type(error).__name__}: {error}"
+    segment.update(status="interrupted", stop_reason=reason, finished_at=_now())
+    segment["timings_s"]["total_s"] = time.perf_counter() - started
+    manifest.update(
+        status="interrupted",
+        stop_reason=reason,
+        batches_done=storage.count_finished_batches(run_dir),
+        timings_s=_timings(manifest),
+        note=f"{storage.PARTS} holds every batch finished before the stop; `probe resume` continues the run",
+    )
+    storage.write_manifest(run_dir, manifest)
+
+
+def _record_completion(run_dir: Path, manifest: dict, segment: dict, config: RunConfig, started: float) -> None:
+    """Totals over every part file (whichever segment wrote it) and every segment's timings."""
+    records = storage.finished_batches(run_dir)
+    summary = _summary(records.values(), config.fidelity_tolerance)
+    segment.update(status="complete", finished_at=_now())
+    segment["timings_s"]["total_s"] = time.perf_counter() - started
+    timings = _timings(manifest)
     manifest.update(
         status="complete",
-        finished_at=datetime.now(timezone.utc).isoformat(),
-        timings_s=timings,
+        finished_at=_now(),
+        batches_done=len(records),
         solver=summary.solver(),
         fidelity=summary.fidelity_summary(),
-        problems_per_second=problems_done / solve_s if solve_s else None,
+        timings_s=timings,
+        problems_per_second=summary.rows / timings["solve_s"] if timings["solve_s"] else None,
     )
-    _write_json(manifest_path, manifest)
+    storage.write_manifest(run_dir, manifest)
     if not manifest["fidelity"]["passed"]:
         import warnings
 
         warnings.warn(
             f"Fidelity check failed: reconstructed attention differs from the model's by "
-            f"{manifest['fidelity']['max_abs_error']:.2e} (> {config.fidelity_tolerance:.0e}); see {manifest_path}. "
-            "Low-precision dtypes (bfloat16, float16) round attention by ~1e-3: pass --fidelity-tolerance.",
-            stacklevel=2,
+            f"{manifest['fidelity']['max_abs_error']:.2e} (> {config.fidelity_tolerance:.0e}); see "
+            f"{run_dir / storage.MANIFEST}. Low-precision dtypes (bfloat16, float16) round attention by ~1e-3: "
+            "pass --fidelity-tolerance.",
+            stacklevel=3,
         )
-    return run_dir
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, initial: int, enabled: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="batch", desc="probe", disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, unit="batch", desc="probe", disable=not enabled, dynamic_ncols=True)

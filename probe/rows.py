@@ -115,6 +115,28 @@ class Summary:
             "max_iterations": self.iterations_max,
         }
 
+    def state(self) -> dict:
+        """The running totals as JSON values (each part file stores its batch's; see :meth:`merge`)."""
+        return {**vars(self), "fidelity": dict(self.fidelity)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Summary":
+        summary = cls(state["tolerance"])
+        vars(summary).update({**state, "fidelity": dict(state["fidelity"])})
+        return summary
+
+    def merge(self, other: "Summary") -> "Summary":
+        """Fold another summary (another batch, segment or rank) into this one; return self."""
+        self.rows += other.rows
+        self.not_converged += other.not_converged
+        self.max_duality_gap = max(self.max_duality_gap, other.max_duality_gap)
+        self.max_relative_error_bound = max(self.max_relative_error_bound, other.max_relative_error_bound)
+        self.iterations_total += other.iterations_total
+        self.iterations_max = max(self.iterations_max, other.iterations_max)
+        for key, value in other.fidelity.items():
+            self.fidelity[key] = max(self.fidelity.get(key, 0.0), value)
+        return self
+
     def fidelity_summary(self) -> dict:
         worst = max(self.fidelity.values(), default=0.0)
         return {
