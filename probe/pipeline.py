@@ -344,7 +344,8 @@ def run(config: RunConfig) -> Path:
         job = _prepare(config)
         stops.hold()
         run_dir = storage.create_run_directory(Path(config.out), _slug(config.model))
-        return _execute(run_dir, _new_manifest(job), job, stops)
+        with storage.writer_lock(run_dir):
+            return _execute(run_dir, _new_manifest(job), job, stops)
 
 
 def resume(run_dir: Path, *, progress: bool = True) -> Path:
@@ -372,7 +373,7 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
             f"files in {inputs['model_location']}, or start a new run with `probe run`."
         )
     dataset = DatasetSpec(**{**asdict(config.dataset), "name": inputs["dataset_location"]})
-    with _Stops() as stops:
+    with storage.writer_lock(run_dir), _Stops() as stops:
         job = _prepare(config, model_location=inputs["model_location"], dataset=dataset)
         if job.texts.sha256 != manifest["dataset"]["texts_sha256"]:
             raise ProbeError(

@@ -3,6 +3,7 @@
 Layout of ``RUN_DIR``::
 
     manifest.json                      the run's settings, progress and totals (always valid JSON)
+    .lock                              held (flock) by the process writing the run
     deviations.parquet/                a directory of part files, one per finished batch
         part-000000.parquet            batch 0 (batches are numbered in the run's batch plan)
         part-000001.parquet
@@ -34,6 +35,7 @@ import os
 import re
 import socket
 import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -45,6 +47,7 @@ from .errors import ProbeError
 from .schema import DEVIATION_SCHEMA
 
 MANIFEST = "manifest.json"
+LOCK = ".lock"
 PARTS = "deviations.parquet"
 #: The key, in each part file's parquet metadata, of the batch's record (JSON).
 PART_METADATA_KEY = b"probe.batch"
@@ -174,6 +177,28 @@ def with_liveness(manifest: dict) -> dict:
     return {**manifest, "status": "interrupted", "stop_reason": f"killed without a chance to say so: {how}"}
 
 
+@contextmanager
+def writer_lock(run_dir: Path):
+    """Hold an exclusive lock on the run directory while writing it (released by the OS even when the
+    process is killed), so that two processes never continue the same run at once."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks; the liveness check still guards resume
+        yield
+        return
+    with open(Path(run_dir) / LOCK, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ProbeError(
+                f"Another probe process is writing {run_dir} (it holds {LOCK}). Wait for it, or stop it first."
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 # --------------------------------------------------------------------------------------------------
 # part files
 
@@ -182,16 +207,19 @@ def create_run_directory(out: Path, slug: str) -> Path:
     """A new ``<out>/<slug>-<timestamp>[-k]`` directory with its (empty) parts directory."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for suffix in range(1, 10_000):
-        candidate = out / (f"{slug}-{stamp}" + (f"-{suffix}" if suffix > 1 else ""))
-        try:
-            candidate.mkdir()
-        except FileExistsError:
-            continue
-        (candidate / PARTS).mkdir()
-        return candidate
-    raise ProbeError(f"Could not create a run directory in {out}.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for suffix in range(1, 10_000):
+            candidate = out / (f"{slug}-{stamp}" + (f"-{suffix}" if suffix > 1 else ""))
+            try:
+                candidate.mkdir()
+            except FileExistsError:
+                continue
+            (candidate / PARTS).mkdir()
+            return candidate
+    except OSError as error:
+        raise ProbeError(f"Cannot create a run directory in {out} ({error}). Choose another --out.") from None
+    raise ProbeError(f"Could not create a run directory in {out}: too many runs started this second.")
 
 
 def part_path(run_dir: Path, batch: int) -> Path:

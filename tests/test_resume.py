@@ -207,6 +207,15 @@ def test_resume_from_another_directory_finds_relative_inputs(own_model, texts_fi
     assert frame["example"].nunique() == 5 and storage.read_manifest(run_dir)["status"] == "complete"
 
 
+def test_two_processes_never_write_one_run(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
+    """While one process holds the run (its lock), a resume is refused before it loads anything."""
+    run_dir = interrupted_run(tiny_bert_dir, texts_file, tmp_path / "runs", monkeypatch)
+    with storage.writer_lock(run_dir):
+        result = CliRunner().invoke(app, ["resume", str(run_dir), "--no-progress"])
+    assert result.exit_code == 2 and "Another probe process is writing" in result.output, result.output
+    assert len(storage.finished_batches(run_dir)) == 1
+
+
 def test_resume_refuses_a_live_run_and_a_non_run(tmp_path):
     run_dir = storage.create_run_directory(tmp_path, "model")
     storage.write_manifest(run_dir, {"status": "running", "config": {},
