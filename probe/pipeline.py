@@ -29,7 +29,7 @@ from . import __version__, storage
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
-from .rows import Summary, process_batch
+from .rows import RowContext, Summary, process_batch
 
 
 @dataclass
@@ -42,7 +42,9 @@ class RunConfig:
     revision: str | None = None
     batch_size: int = 8
     max_length: int = 128
-    alpha: float = 1.0
+    alphas: tuple[float, ...] = (1.0,)  # strengths solved for (one capture, one solve each)
+    spaces: tuple[str, ...] = ("hidden",)  # parameterisations: "hidden" and/or "key"
+    init: str = "pretrained"  # or "random": the same architecture with fresh weights (seeded by ``seed``)
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
@@ -158,6 +160,7 @@ class _Job:
     batches: list[list[int]]  # dataset positions of each batch, in the run's batch order
     lengths: list[int]  # token count of each text
     device: torch.device
+    context: RowContext  # what rows need beyond sites and solutions (token texts, cached over the run)
     timings: dict
     started: float  # time.perf_counter() when the segment started loading
 
@@ -180,14 +183,27 @@ def _prepare(config: RunConfig, model_location: str | None = None, dataset: Data
     """Load the model (from ``model_location``, default ``config.model``) and texts; plan the batches."""
     torch.manual_seed(config.seed)
     started = time.perf_counter()
-    loaded = load_model(model_location or config.model, revision=config.revision, dtype=config.dtype,
-                        device=config.device)
+    loaded = load_model(
+        model_location or config.model, revision=config.revision, dtype=config.dtype, device=config.device,
+        init=config.init, seed=config.seed,
+    )
+    unsupported = [space for space in config.spaces if space not in loaded.adapter.spaces]
+    if unsupported:
+        raise ProbeError(
+            f"{loaded.info['model_type']} supports the space(s) {', '.join(loaded.adapter.spaces)} only, not "
+            f"{', '.join(unsupported)} (rotary models have no hidden-space parameterisation). Pass "
+            f"--space {','.join(loaded.adapter.spaces)}."
+        )
     loaded_at = time.perf_counter()
     texts = load_texts(dataset or config.dataset)
     timings = {"load_model_s": loaded_at - started, "load_data_s": time.perf_counter() - loaded_at}
     batches, lengths = _plan_batches(loaded, texts, config.batch_size, config.max_length)
     device = next(loaded.model.parameters()).device
-    return _Job(config, loaded, texts, batches, lengths, device, timings, started)
+    context = RowContext(
+        model_name=config.model, example_ids=[], special_ids=frozenset(loaded.tokenizer.all_special_ids),
+        token_text={}, tokenizer=loaded.tokenizer,
+    )
+    return _Job(config, loaded, texts, batches, lengths, device, context, timings, started)
 
 
 def _plan_sha256(batches: list[list[int]]) -> str:
@@ -282,9 +298,12 @@ def _new_manifest(job: _Job) -> dict:
             "max_length": config.max_length,
             "truncated_examples": sum(length >= config.max_length for length in job.lengths),
         },
-        "alpha": config.alpha,
+        "alpha": list(config.alphas),
+        "spaces": list(config.spaces),
+        "init": config.init,
         "parameterisation": {
-            "alpha": config.alpha,
+            "alpha": list(config.alphas),
+            "spaces": list(config.spaces),
             "rel_deviation": "||lambda* - alpha z|| / ||lambda*||",
             "alpha_scaling": "adapters give alpha = 1 quantities; for other alpha the evidence is z / alpha",
             **loaded.adapter.describe(),
@@ -336,8 +355,10 @@ def _timings(manifest: dict) -> dict:
 
 def run(config: RunConfig) -> Path:
     """Run probe on a model and dataset; return the run directory."""
-    if config.alpha <= 0:
-        raise ProbeError(f"--alpha must be positive, got {config.alpha}.")
+    if not config.alphas or any(not (alpha > 0 and alpha < float("inf")) for alpha in config.alphas):
+        raise ProbeError(f"--alpha must be finite and positive, got {', '.join(map(str, config.alphas))}.")
+    if config.init not in ("pretrained", "random"):
+        raise ProbeError(f"--init must be pretrained or random, got '{config.init}'.")
     if config.batch_size < 1 or config.max_length < 1:
         raise ProbeError("--batch-size and --max-length must be at least 1.")
     with _Stops() as stops:
@@ -472,7 +493,7 @@ def _process(job: _Job, batch: int) -> tuple[pa.Table, Summary, dict]:
     inputs = job.loaded.adapter.encode(job.loaded.tokenizer, texts, targets, job.config.max_length)
     inputs = {key: value.to(job.device) for key, value in inputs.items()}
     summary = Summary(job.config.fidelity_tolerance)
-    tables, seconds = process_batch(job.loaded, inputs, example_ids, job.config, summary)
+    tables, seconds = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context)
     return pa.concat_tables(tables), summary, seconds
 
 
