@@ -78,9 +78,17 @@ def run(
         _fail(error)
     except RunStopped as stop:
         _stopped(stop)
-    _print_summary(run_dir)
-    if report:
-        _build_report(run_dir, None, report_format)
+    if _main_process():
+        _print_summary(run_dir)
+        if report:
+            _build_report(run_dir, None, report_format)
+
+
+def _main_process() -> bool:
+    """False in the other processes of a torchrun launch: rank 0 speaks for the run."""
+    from probe.distributed import Ranks
+
+    return Ranks.from_environment().main
 
 
 def _alphas(text: str) -> tuple[float, ...]:
@@ -116,6 +124,8 @@ def _stopped(stop) -> None:
 
     from probe.storage import PARTS
 
+    if stop.rank != 0:
+        raise typer.Exit(code=stop.exit_code)
     if stop.run_dir is None:
         typer.echo(f"probe: stopped by {stop} before the run started; nothing was written.", err=True)
     else:
@@ -149,16 +159,18 @@ def resume_command(
     try:
         manifest = read_manifest(run_dir)
         if manifest.get("status") == "complete":
-            typer.echo(f"{run_dir} is complete ({manifest.get('batches_done')} batches): nothing to resume.")
+            if _main_process():
+                typer.echo(f"{run_dir} is complete ({manifest.get('batches_done')} batches): nothing to resume.")
             return
         resume(run_dir, progress=progress)
     except ProbeError as error:
         _fail(error)
     except RunStopped as stop:
         _stopped(stop)
-    _print_summary(run_dir)
-    if report:
-        _build_report(run_dir, None, report_format)
+    if _main_process():
+        _print_summary(run_dir)
+        if report:
+            _build_report(run_dir, None, report_format)
 
 
 @app.command("status")

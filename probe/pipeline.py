@@ -17,7 +17,7 @@ import re
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from . import __version__, storage
+from . import __version__, distributed, storage
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
@@ -88,11 +88,12 @@ class RunStopped(BaseException):
     A BaseException, like KeyboardInterrupt, so that no ``except Exception`` on the way swallows it.
     """
 
-    def __init__(self, signum: int, run_dir: Path | None = None, manifest: dict | None = None):
+    def __init__(self, signum: int, run_dir: Path | None = None, manifest: dict | None = None, rank: int = 0):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
         self.run_dir = run_dir
-        self.manifest = manifest
+        self.manifest = manifest  # as rank 0 left it (None on other ranks)
+        self.rank = rank
 
     @property
     def exit_code(self) -> int:
@@ -179,12 +180,15 @@ def _plan_batches(loaded: LoadedModel, texts: Texts, batch_size: int, max_length
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)], lengths
 
 
-def _prepare(config: RunConfig, model_location: str | None = None, dataset: DatasetSpec | None = None) -> _Job:
-    """Load the model (from ``model_location``, default ``config.model``) and texts; plan the batches."""
+def _prepare(
+    config: RunConfig, device: str, model_location: str | None = None, dataset: DatasetSpec | None = None
+) -> _Job:
+    """Load the model (from ``model_location``, default ``config.model``) onto ``device`` and the texts
+    (``dataset``, default ``config.dataset``); plan the batches."""
     torch.manual_seed(config.seed)
     started = time.perf_counter()
     loaded = load_model(
-        model_location or config.model, revision=config.revision, dtype=config.dtype, device=config.device,
+        model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
         init=config.init, seed=config.seed,
     )
     unsupported = [space for space in config.spaces if space not in loaded.adapter.spaces]
@@ -332,16 +336,41 @@ def _new_manifest(job: _Job) -> dict:
     }
 
 
-def _summary(records, tolerance: float) -> Summary:
-    """The solver and fidelity summary over the batches whose part-file records are given."""
-    summary = Summary(tolerance)
-    for record in records:
-        summary.merge(Summary.from_state(record["summary"]))
-    return summary
+class _PartIndex:
+    """The run's part files read so far: their records folded into the run's summary and into the
+    batches and seconds of each (segment, rank).  Rank 0 follows every rank's progress through it."""
+
+    def __init__(self, run_dir: Path, tolerance: float):
+        self.run_dir = run_dir
+        self.summary = Summary(tolerance)
+        self.records: dict[int, dict] = {}
+        self.work: dict[tuple[int, int], dict] = {}
+
+    def refresh(self) -> int:
+        """Read the part files not seen yet; return how many batches are finished."""
+        for batch, path in storage.part_files(self.run_dir).items():
+            if batch not in self.records:
+                record = self.records[batch] = storage.part_record(path)
+                self.summary.merge(Summary.from_state(record["summary"]))
+                work = self.work.setdefault(
+                    (record["segment"], record["rank"]), {"batches": 0, "capture_s": 0.0, "solve_s": 0.0}
+                )
+                work["batches"] += 1
+                work["capture_s"] += record["seconds"]["capture"]
+                work["solve_s"] += record["seconds"]["solve"]
+        return len(self.records)
+
+    def fold_into(self, segment: dict) -> None:
+        """Batches and seconds of the segment's ranks (and their sums) from the part files they wrote."""
+        for entry in segment["ranks"]:
+            entry.update(self.work.get((segment["segment"], entry["rank"]), {"batches": 0, "capture_s": 0.0, "solve_s": 0.0}))
+        segment["batches"] = sum(entry["batches"] for entry in segment["ranks"])
+        for key in ("capture_s", "solve_s"):
+            segment["timings_s"][key] = sum(entry[key] for entry in segment["ranks"])
 
 
 def _timings(manifest: dict) -> dict:
-    """Seconds per stage, summed over the run's segments."""
+    """Seconds per stage, summed over the run's segments (capture and solve: over all their processes)."""
     timings: dict[str, float] = {}
     for segment in manifest["segments"]:
         for key, value in segment["timings_s"].items():
@@ -354,19 +383,27 @@ def _timings(manifest: dict) -> dict:
 
 
 def run(config: RunConfig) -> Path:
-    """Run probe on a model and dataset; return the run directory."""
+    """Run probe on a model and dataset; return the run directory.
+
+    Launched by torchrun as several processes, the processes share the batches (:mod:`probe.distributed`).
+    """
     if not config.alphas or any(not (alpha > 0 and alpha < float("inf")) for alpha in config.alphas):
         raise ProbeError(f"--alpha must be finite and positive, got {', '.join(map(str, config.alphas))}.")
     if config.init not in ("pretrained", "random"):
         raise ProbeError(f"--init must be pretrained or random, got '{config.init}'.")
     if config.batch_size < 1 or config.max_length < 1:
         raise ProbeError("--batch-size and --max-length must be at least 1.")
-    with _Stops() as stops:
-        job = _prepare(config)
+    with _Stops() as stops, distributed.join(config.device) as group, ExitStack() as held:
+        job = group.agree(lambda: _prepare(config, group.device(config.device)))
         stops.hold()
-        run_dir = storage.create_run_directory(Path(config.out), _slug(config.model))
-        with storage.writer_lock(run_dir):
-            return _execute(run_dir, _new_manifest(job), job, stops)
+
+        def create() -> str:  # rank 0 creates the run directory and holds it
+            run_dir = storage.create_run_directory(Path(config.out), _slug(config.model))
+            held.enter_context(storage.writer_lock(run_dir))
+            return str(run_dir.resolve())
+
+        run_dir = Path(group.from_main(create))
+        return _execute(run_dir, _new_manifest(job) if group.main else None, job, stops, group)
 
 
 def resume(run_dir: Path, *, progress: bool = True) -> Path:
@@ -382,6 +419,22 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
         raise ProbeError(f"{run_dir} is still running ({how}). Stop that process first, or wait for it.")
     config = config_from_json(manifest["config"])
     config.progress = progress
+    with _Stops() as stops, distributed.join(config.device) as group, ExitStack() as held:
+        job = group.agree(lambda: _prepare_resume(run_dir, manifest, config, group.device(config.device)))
+        stops.hold()
+
+        def hold() -> None:  # rank 0 holds the run directory
+            held.enter_context(storage.writer_lock(run_dir))
+            for segment in manifest["segments"]:  # a segment killed without a chance to say so
+                if segment.get("status") == "running":
+                    segment.update(status="interrupted", stop_reason=manifest.get("stop_reason"))
+
+        group.from_main(hold)
+        return _execute(run_dir, manifest, job, stops, group)
+
+
+def _prepare_resume(run_dir: Path, manifest: dict, config: RunConfig, device: str) -> _Job:
+    """Check that the model files are the run's, load model and texts, and check the texts and batches."""
     inputs = manifest["inputs"]
     differences = _fingerprint_differences(
         inputs["model_fingerprint"],
@@ -394,93 +447,112 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
             f"files in {inputs['model_location']}, or start a new run with `probe run`."
         )
     dataset = DatasetSpec(**{**asdict(config.dataset), "name": inputs["dataset_location"]})
-    with storage.writer_lock(run_dir), _Stops() as stops:
-        job = _prepare(config, model_location=inputs["model_location"], dataset=dataset)
-        if job.texts.sha256 != manifest["dataset"]["texts_sha256"]:
-            raise ProbeError(
-                f"The texts of {config.dataset.describe()} changed since the run started (SHA-256 "
-                f"{job.texts.sha256[:12]}... now, {manifest['dataset']['texts_sha256'][:12]}... then). Restore "
-                "the data, or start a new run with `probe run`."
-            )
-        if _plan_sha256(job.batches) != inputs["batch_plan_sha256"]:
-            raise ProbeError(
-                "The batches planned now differ from the run's (the tokenizer files changed?). Restore the "
-                "model directory, or start a new run with `probe run`."
-            )
-        stops.hold()
+    job = _prepare(config, device, model_location=inputs["model_location"], dataset=dataset)
+    if job.texts.sha256 != manifest["dataset"]["texts_sha256"]:
+        raise ProbeError(
+            f"The texts of {config.dataset.describe()} changed since the run started (SHA-256 "
+            f"{job.texts.sha256[:12]}... now, {manifest['dataset']['texts_sha256'][:12]}... then). Restore "
+            "the data, or start a new run with `probe run`."
+        )
+    if _plan_sha256(job.batches) != inputs["batch_plan_sha256"]:
+        raise ProbeError(
+            "The batches planned now differ from the run's (the tokenizer files changed?). Restore the "
+            "model directory, or start a new run with `probe run`."
+        )
+    return job
+
+
+def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: _Stops, group: distributed.Group) -> Path:
+    """Run every batch of the plan that has no part file yet, as a new segment of the run; with several
+    processes, rank r takes every world-th of them and rank 0 keeps the manifest."""
+    config, ranks = job.config, group.ranks
+    rank_info = group.gather({
+        "rank": ranks.rank, **storage.process_identity(), "device": str(job.device),
+        "threads": torch.get_num_threads(), **job.timings,
+    })
+
+    def start() -> tuple[list[int], int]:  # rank 0: the batches left, and a new segment in the manifest
         storage.remove_temporaries(run_dir)
-        for segment in manifest["segments"]:  # a segment killed without a chance to say so
-            if segment.get("status") == "running":
-                segment.update(status="interrupted", stop_reason=manifest.get("stop_reason"))
-        return _execute(run_dir, manifest, job, stops)
+        done = storage.part_files(run_dir)
+        manifest["segments"].append({
+            "segment": len(manifest["segments"]),
+            **storage.process_identity(),
+            "status": "running",
+            "started_at": _now(),
+            "device": str(job.device),
+            "versions": _package_versions(),
+            "processes": ranks.world,
+            "ranks": rank_info,
+            "batches": 0,
+            "timings_s": {**job.timings, "capture_s": 0.0, "solve_s": 0.0, "write_s": 0.0, "total_s": 0.0},
+        })
+        for stale in ("stop_reason", "note", "finished_at"):
+            manifest.pop(stale, None)
+        manifest.update(status="running", process=storage.heartbeat(storage.process_identity(), 3600.0),
+                        batches_done=len(done))
+        storage.write_manifest(run_dir, manifest)
+        return [batch for batch in range(len(job.batches)) if batch not in done], len(manifest["segments"]) - 1
 
+    todo, segment_number = group.from_main(start)
+    index = _PartIndex(run_dir, config.fidelity_tolerance) if group.main else None
+    segment = manifest["segments"][-1] if group.main else None
+    longest_batch_s, reported_at = 0.0, time.perf_counter()
+    progress = _progress(len(job.batches), len(job.batches) - len(todo), config.progress and group.main)
 
-def _execute(run_dir: Path, manifest: dict, job: _Job, stops: _Stops) -> Path:
-    """Run every batch of the plan that has no part file yet, as a new segment of the run."""
-    config = job.config
-    done = storage.finished_batches(run_dir)
-    summary = _summary(done.values(), config.fidelity_tolerance)
-    process = storage.process_identity()
-    segment = {
-        "segment": len(manifest["segments"]),
-        **process,
-        "status": "running",
-        "started_at": _now(),
-        "device": str(job.device),
-        "versions": _package_versions(),
-        "batches": 0,
-        "timings_s": {**job.timings, "capture_s": 0.0, "solve_s": 0.0, "write_s": 0.0, "total_s": 0.0},
-    }
-    manifest["segments"].append(segment)
-    for stale in ("stop_reason", "note", "finished_at"):
-        manifest.pop(stale, None)
-    manifest.update(status="running", process=storage.heartbeat(process, 3600.0), batches_done=len(done))
-    storage.write_manifest(run_dir, manifest)
+    def report() -> None:  # rank 0: progress, totals and heartbeat into the manifest
+        nonlocal reported_at
+        index.fold_into(segment)
+        segment["timings_s"]["total_s"] = time.perf_counter() - job.started
+        manifest.update(
+            batches_done=len(index.records),
+            process=storage.heartbeat(storage.process_identity(), max(600.0, 10 * longest_batch_s)),
+            solver=index.summary.solver(),
+            fidelity=index.summary.fidelity_summary(),
+            timings_s=_timings(manifest),
+        )
+        storage.write_manifest(run_dir, manifest)
+        progress.update(len(index.records) - progress.n)
+        progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)
+        reported_at = time.perf_counter()
 
-    timings = segment["timings_s"]
-    longest_batch_s = 0.0
-    progress = _progress(len(job.batches), len(done), config.progress)
     try:
-        for batch in (b for b in range(len(job.batches)) if b not in done):
+        for batch in todo[ranks.rank :: ranks.world]:
             batch_started = time.perf_counter()
             with stops.interruptible():  # a stop while the batch is computed drops it
                 table, batch_summary, seconds = _process(job, batch)
-            timings["capture_s"] += seconds["capture"]
-            timings["solve_s"] += seconds["solve"]
             written = time.perf_counter()
             storage.write_part(run_dir, batch, table, {
                 "examples": [job.texts.indices[i] for i in job.batches[batch]],
-                "segment": segment["segment"],
+                "segment": segment_number,
+                "rank": ranks.rank,
                 "summary": batch_summary.state(),
                 "seconds": seconds,
             })
-            timings["write_s"] += time.perf_counter() - written
-            timings["total_s"] = time.perf_counter() - job.started
-            summary.merge(batch_summary)
-            segment["batches"] += 1
             longest_batch_s = max(longest_batch_s, time.perf_counter() - batch_started)
-            manifest.update(
-                batches_done=storage.count_finished_batches(run_dir),
-                process=storage.heartbeat(process, max(600.0, 10 * longest_batch_s)),
-                solver=summary.solver(),
-                fidelity=summary.fidelity_summary(),
-                timings_s=_timings(manifest),
-            )
-            storage.write_manifest(run_dir, manifest)
-            progress.update(1)
-            progress.set_postfix(rows=f"{summary.rows:,}", refresh=False)
+            if group.main:
+                segment["timings_s"]["write_s"] += time.perf_counter() - written
+                index.refresh()
+                report()
+        if group.main:  # follow the other ranks until every batch has its part file
+            while (finished := index.refresh()) < len(job.batches):
+                if finished > progress.n or time.perf_counter() - reported_at > 10:
+                    report()
+                with stops.interruptible():
+                    time.sleep(0.1)
         with stops.interruptible():  # a stop that arrived while the last batch was written
             pass
     except BaseException as error:
         progress.close()
-        _record_stop(run_dir, manifest, segment, error, job.started)
+        if group.main:
+            _record_stop(run_dir, manifest, segment, index, error, job.started)
         if isinstance(error, KeyboardInterrupt):  # Ctrl-C before our handler, or raised by a library
-            raise RunStopped(signal.SIGINT, run_dir, manifest) from error
+            raise RunStopped(signal.SIGINT, run_dir, manifest, ranks.rank) from error
         if isinstance(error, RunStopped):
-            error.run_dir, error.manifest = run_dir, manifest
+            error.run_dir, error.manifest, error.rank = run_dir, manifest, ranks.rank
         raise
     progress.close()
-    _record_completion(run_dir, manifest, segment, config, job.started)
+    if group.main:
+        _record_completion(run_dir, manifest, segment, index, config, job.started)
     return run_dir
 
 
@@ -497,40 +569,47 @@ def _process(job: _Job, batch: int) -> tuple[pa.Table, Summary, dict]:
     return pa.concat_tables(tables), summary, seconds
 
 
-def _record_stop(run_dir: Path, manifest: dict, segment: dict, error: BaseException, started: float) -> None:
+def _record_stop(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex, error: BaseException,
+                 started: float) -> None:
     if isinstance(error, RunStopped):
         reason = f"stopped by {signal.Signals(error.signum).name}"
     elif isinstance(error, KeyboardInterrupt):
         reason = "stopped by SIGINT (Ctrl-C)"
     else:
         reason = f"failed: {type(error).__name__}: {error}"
+    index.refresh()
+    index.fold_into(segment)
     segment.update(status="interrupted", stop_reason=reason, finished_at=_now())
     segment["timings_s"]["total_s"] = time.perf_counter() - started
     manifest.update(
         status="interrupted",
         stop_reason=reason,
-        batches_done=storage.count_finished_batches(run_dir),
+        batches_done=len(index.records),
+        solver=index.summary.solver(),
+        fidelity=index.summary.fidelity_summary(),
         timings_s=_timings(manifest),
         note=f"{storage.PARTS} holds every batch finished before the stop; `probe resume` continues the run",
     )
     storage.write_manifest(run_dir, manifest)
 
 
-def _record_completion(run_dir: Path, manifest: dict, segment: dict, config: RunConfig, started: float) -> None:
-    """Totals over every part file (whichever segment wrote it) and every segment's timings."""
-    records = storage.finished_batches(run_dir)
-    summary = _summary(records.values(), config.fidelity_tolerance)
+def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex, config: RunConfig,
+                       started: float) -> None:
+    """Totals over every part file (whichever segment and rank wrote it) and every segment."""
+    index.refresh()
+    for each in manifest["segments"]:  # batches and seconds of every segment, from its part files
+        index.fold_into(each)
     segment.update(status="complete", finished_at=_now())
     segment["timings_s"]["total_s"] = time.perf_counter() - started
     timings = _timings(manifest)
     manifest.update(
         status="complete",
         finished_at=_now(),
-        batches_done=len(records),
-        solver=summary.solver(),
-        fidelity=summary.fidelity_summary(),
+        batches_done=len(index.records),
+        solver=index.summary.solver(),
+        fidelity=index.summary.fidelity_summary(),
         timings_s=timings,
-        problems_per_second=summary.rows / timings["solve_s"] if timings["solve_s"] else None,
+        problems_per_second=index.summary.rows / timings["solve_s"] if timings["solve_s"] else None,
     )
     storage.write_manifest(run_dir, manifest)
     if not manifest["fidelity"]["passed"]:

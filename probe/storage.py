@@ -241,21 +241,21 @@ def part_record(path: Path) -> dict:
     return json.loads(metadata[PART_METADATA_KEY])
 
 
-def finished_batches(run_dir: Path) -> dict[int, dict]:
-    """Batch number -> its part file's record, for every part file in the run directory."""
+def part_files(run_dir: Path) -> dict[int, Path]:
+    """Batch number -> its part file, for every finished batch of the run (a directory listing only)."""
     parts = Path(run_dir) / PARTS
-    records = {}
+    files = {}
     if parts.is_dir():
-        for path in sorted(parts.iterdir()):
-            match = _PART_NAME.match(path.name)
+        for name in sorted(os.listdir(parts)):
+            match = _PART_NAME.match(name)
             if match:
-                records[int(match.group(1))] = part_record(path)
-    return records
+                files[int(match.group(1))] = parts / name
+    return files
 
 
-def count_finished_batches(run_dir: Path) -> int:
-    parts = Path(run_dir) / PARTS
-    return sum(1 for name in os.listdir(parts) if _PART_NAME.match(name)) if parts.is_dir() else 0
+def finished_batches(run_dir: Path) -> dict[int, dict]:
+    """Batch number -> its part file's record, for every finished batch of the run."""
+    return {batch: part_record(path) for batch, path in part_files(run_dir).items()}
 
 
 def remove_temporaries(run_dir: Path) -> int:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -28,12 +29,22 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_ARGS = ["--samples", "40", "--batch-size", "2", "--max-length", "32", "--no-progress"]
 
 
-def probe_process(*args) -> subprocess.Popen:
-    """`probe ARGS` as a real process (this checkout's cli.py), as a user starts it."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def probe_process(*args, processes: int = 1) -> subprocess.Popen:
+    """`probe ARGS` as a real process (this checkout's cli.py), as a user starts it; with ``processes``
+    > 1, `torchrun --standalone --nproc-per-node N -m probe ARGS`.  One thread per process in every
+    case (torchrun's default), so that all of them compute the same bits."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
+    if processes == 1:
+        command = [sys.executable, str(ROOT / "cli.py")]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+                   "-m", "probe"]
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "cli.py"), *map(str, args)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*command, *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
 
@@ -58,12 +69,30 @@ def sorted_rows(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.sort_values(list(ROW_KEY)).reset_index(drop=True)
 
 
+@contextmanager
+def one_thread():
+    """This process computes with one thread, like the processes above."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def invoke_with_one_thread(*args):
+    with one_thread():
+        return CliRunner().invoke(app, [str(a) for a in args])
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_bert_dir, tmp_path_factory) -> pd.DataFrame:
-    """The uninterrupted run, as a process like the interrupted ones (same threads, same everything)."""
+    """The uninterrupted single-process run (in this process, with one thread like the others)."""
     out = tmp_path_factory.mktemp("reference")
-    code, output = finish(probe_process("run", tiny_bert_dir, *RUN_ARGS, "--out", out))
-    assert code == 0, output
+    result = invoke_with_one_thread("run", tiny_bert_dir, *RUN_ARGS, "--out", out)
+    assert result.exit_code == 0, result.output
     (run_dir,) = out.iterdir()
     return pd.read_parquet(run_dir / "deviations.parquet")
 
@@ -108,9 +137,10 @@ def test_killed_twice_then_resumed_equals_an_uninterrupted_run(tiny_bert_dir, re
     assert manifest["batches_done"] == len(storage.finished_batches(run_dir)) < manifest["batches_total"]
     assert manifest["solver"]["rows"] == len(terminated)
 
-    # 3. resume to the end: the same rows as the uninterrupted run, bitwise; totals over all segments
-    code, output = finish(probe_process("resume", run_dir, "--no-progress"))
-    assert code == 0, output
+    # 3. resume to the end (here, in this process): the same rows as the uninterrupted run, bitwise;
+    # totals over all segments
+    result = invoke_with_one_thread("resume", run_dir, "--no-progress")
+    assert result.exit_code == 0, result.output
     final = pd.read_parquet(run_dir / "deviations.parquet")
     pd.testing.assert_frame_equal(final, reference, check_exact=True)  # same rows, same order, same bits
     manifest = json.loads((run_dir / "manifest.json").read_text())
@@ -126,6 +156,37 @@ def test_killed_twice_then_resumed_equals_an_uninterrupted_run(tiny_bert_dir, re
     again = CliRunner().invoke(app, ["resume", str(run_dir)])
     assert again.exit_code == 0 and "nothing to resume" in again.output
     assert len(json.loads((run_dir / "manifest.json").read_text())["segments"]) == 3
+
+
+def test_torchrun_stopped_and_resumed_equals_a_single_process_run(tiny_bert_dir, reference, tmp_path):
+    """Two processes (gloo, CPU) share the batches and write one run directory; torchrun's SIGTERM stops
+    both gracefully; `probe resume` on two processes finishes it: the rows equal the single-process run."""
+    out = tmp_path / "runs"
+    process = probe_process("run", tiny_bert_dir, *RUN_ARGS, "--out", out, processes=2)
+    run_dir = wait_for_new_part(out, process)
+    process.send_signal(signal.SIGTERM)  # to torchrun, which sends it on to both processes
+    code, output = finish(process)
+    assert code != 0, output
+    assert f"Continue with: probe resume {run_dir}" in output, output
+    manifest = storage.read_manifest(run_dir)
+    assert manifest["status"] == "interrupted" and manifest["stop_reason"] == "stopped by SIGTERM", output
+    assert manifest["batches_done"] < manifest["batches_total"]
+    assert_whole_examples(pd.read_parquet(run_dir / "deviations.parquet"), reference)
+
+    code, output = finish(probe_process("resume", run_dir, "--no-progress", processes=2))
+    assert code == 0, output
+    assert output.count("run directory:") == 1, output  # rank 0 speaks for the run
+    pd.testing.assert_frame_equal(pd.read_parquet(run_dir / "deviations.parquet"), reference, check_exact=True)
+    manifest = storage.read_manifest(run_dir)
+    assert manifest["status"] == "complete" and manifest["solver"]["rows"] == len(reference)
+    for segment in manifest["segments"]:
+        assert segment["processes"] == 2 and [r["rank"] for r in segment["ranks"]] == [0, 1]
+        assert all(r["threads"] == 1 and r["device"] == "cpu" for r in segment["ranks"])
+    last = manifest["segments"][-1]
+    assert all(r["batches"] > 0 and r["solve_s"] > 0 for r in last["ranks"])  # both ranks worked
+    assert sum(r["batches"] for s in manifest["segments"] for r in s["ranks"]) == 20
+    records = storage.finished_batches(run_dir)
+    assert {record["rank"] for record in records.values()} == {0, 1}
 
 
 # ------------------------------------------------------------------------------- resume refuses changes
