@@ -5,7 +5,8 @@ is written as its own part file (:mod:`probe.storage`), so memory does not grow 
 run stopped at any moment, by any signal, keeps every finished batch.  SIGINT and SIGTERM drop the
 batch in flight, mark the manifest ``"interrupted"`` and raise :class:`RunStopped`.  :func:`resume`
 continues a stopped run with the settings its manifest recorded, after checking that the model files
-and the texts are the ones it started with; the finished run equals an uninterrupted one.
+and the texts are the ones it started with; the finished run equals an uninterrupted one.  Launched by
+torchrun as several processes, the processes share the batches (:mod:`probe.distributed`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import signal
 import threading
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -224,34 +225,51 @@ def _model_directory(name: str, revision: str | None) -> Path:
     return Path(cached_file(name, "config.json", revision=revision)).parent
 
 
+#: a file's content is hashed whole up to this size, and beyond it in this many evenly spread chunks
+SAMPLE_CHUNKS, CHUNK_BYTES = 16, 1 << 16
+
+
+def _sampled_sha256(path: Path) -> str:
+    """SHA-256 of the file (or, beyond 1 MiB, of 16 chunks of 64 KiB spread over it): other weights
+    of the same shapes change it, and a checkpoint of many GB costs 1 MiB of reading."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        if size <= SAMPLE_CHUNKS * CHUNK_BYTES:
+            digest.update(handle.read())
+        else:
+            for k in range(SAMPLE_CHUNKS):
+                handle.seek((size - CHUNK_BYTES) * k // (SAMPLE_CHUNKS - 1))
+                digest.update(handle.read(CHUNK_BYTES))
+    return digest.hexdigest()
+
+
 def model_fingerprint(directory: Path) -> dict:
-    """Names and sizes of the model directory's files, and a SHA-256 of its config.json (hashing the
-    weights would cost a read of every byte; a changed checkpoint changes its size or its config)."""
+    """Every file of the model directory: its size and a SHA-256 of its content (sampled for large
+    files, see :func:`_sampled_sha256`), so resume can tell that the files are still the run's."""
     directory = Path(directory)
-    files = {
-        str(p.relative_to(directory)): p.stat().st_size
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
-    }
-    config = directory / "config.json"
     return {
-        "files": files,
-        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
+        "files": {
+            str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sampled_sha256(p)}
+            for p in sorted(directory.rglob("*"))
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+        },
+        "sampled": f"files over {SAMPLE_CHUNKS * CHUNK_BYTES} bytes: {SAMPLE_CHUNKS} chunks of {CHUNK_BYTES} bytes",
     }
 
 
 def _fingerprint_differences(recorded: dict, now: dict) -> list[str]:
     differences = []
-    if recorded.get("config_sha256") != now.get("config_sha256"):
-        differences.append("config.json changed")
     before, after = recorded.get("files", {}), now.get("files", {})
     for name in sorted(set(before) | set(after)):
         if name not in after:
             differences.append(f"{name} is gone")
         elif name not in before:
             differences.append(f"{name} is new")
-        elif before[name] != after[name]:
-            differences.append(f"{name} changed size ({before[name]:,} -> {after[name]:,} bytes)")
+        elif before[name]["size"] != after[name]["size"]:
+            differences.append(f"{name} changed size ({before[name]['size']:,} -> {after[name]['size']:,} bytes)")
+        elif before[name]["sha256"] != after[name]["sha256"]:
+            differences.append(f"{name} changed content")
     return differences
 
 
@@ -283,6 +301,7 @@ def _new_manifest(job: _Job) -> dict:
     config, loaded, texts = job.config, job.loaded, job.texts
     local_model = Path(config.model).expanduser().exists()
     local_data = config.dataset.name is not None and Path(config.dataset.name).expanduser().exists()
+    model_directory = _model_directory(config.model, config.revision)
     return {
         "probe_version": __version__,
         "status": "running",
@@ -326,9 +345,11 @@ def _new_manifest(job: _Job) -> dict:
         "config": config_to_json(config),
         # what resume loads and checks: the same model files, texts and batch plan
         "inputs": {
-            "model_location": str(Path(config.model).expanduser().resolve()) if local_model else config.model,
-            "model_revision": loaded.info.get("revision"),
-            "model_fingerprint": model_fingerprint(_model_directory(config.model, loaded.info.get("revision"))),
+            "model_location": str(model_directory) if local_model else config.model,
+            # a hub model's commit: its cache snapshot's name (the directory is named after it)
+            "model_revision": None if local_model else loaded.info.get("revision") or model_directory.name,
+            "model_directory": str(model_directory),
+            "model_fingerprint": model_fingerprint(model_directory),
             "dataset_location": str(Path(config.dataset.name).expanduser().resolve()) if local_data else config.dataset.name,
             "batch_plan_sha256": _plan_sha256(job.batches),
         },
@@ -383,10 +404,7 @@ def _timings(manifest: dict) -> dict:
 
 
 def run(config: RunConfig) -> Path:
-    """Run probe on a model and dataset; return the run directory.
-
-    Launched by torchrun as several processes, the processes share the batches (:mod:`probe.distributed`).
-    """
+    """Run probe on a model and dataset; return the run directory."""
     if not config.alphas or any(not (alpha > 0 and alpha < float("inf")) for alpha in config.alphas):
         raise ProbeError(f"--alpha must be finite and positive, got {', '.join(map(str, config.alphas))}.")
     if config.init not in ("pretrained", "random"):
@@ -436,18 +454,23 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
 def _prepare_resume(run_dir: Path, manifest: dict, config: RunConfig, device: str) -> _Job:
     """Check that the model files are the run's, load model and texts, and check the texts and batches."""
     inputs = manifest["inputs"]
-    differences = _fingerprint_differences(
-        inputs["model_fingerprint"],
-        model_fingerprint(_model_directory(inputs["model_location"], inputs["model_revision"])),
-    )
+    try:
+        directory = _model_directory(inputs["model_location"], inputs["model_revision"])
+    except OSError as error:  # a hub snapshot that is no longer cached (and no connection)
+        raise ProbeError(
+            f"The model files of {run_dir} ({inputs['model_location']} at {inputs['model_revision']}) cannot be "
+            f"found: {str(error).splitlines()[0].rstrip('.')}. Restore them, or start a new run with `probe run`."
+        ) from None
+    differences = _fingerprint_differences(inputs["model_fingerprint"], model_fingerprint(directory))
     if differences:
         raise ProbeError(
             f"The model files of {run_dir} changed since the run started ({'; '.join(differences[:5])}"
             f"{'; ...' if len(differences) > 5 else ''}), so its rows would mix two models. Restore the "
-            f"files in {inputs['model_location']}, or start a new run with `probe run`."
+            f"files in {directory}, or start a new run with `probe run`."
         )
     dataset = DatasetSpec(**{**asdict(config.dataset), "name": inputs["dataset_location"]})
-    job = _prepare(config, device, model_location=inputs["model_location"], dataset=dataset)
+    at_revision = replace(config, revision=inputs["model_revision"] or config.revision)  # a hub model: its commit
+    job = _prepare(at_revision, device, model_location=inputs["model_location"], dataset=dataset)
     if job.texts.sha256 != manifest["dataset"]["texts_sha256"]:
         raise ProbeError(
             f"The texts of {config.dataset.describe()} changed since the run started (SHA-256 "

