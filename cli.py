@@ -62,7 +62,8 @@ def run(
     """Solve the dual for every example, layer, head and query token; write deviations.parquet."""
     from probe.data import DatasetSpec
     from probe.errors import ProbeError
-    from probe.pipeline import RunConfig, RunStopped, run as run_pipeline
+    from probe.pipeline import RunConfig, run as run_pipeline
+    from probe.stopping import RunStopped
 
     spec = DatasetSpec(
         name=dataset, config=config, split=split, column=column, target_column=target_column, samples=samples
@@ -153,7 +154,8 @@ def resume_command(
     an uninterrupted one; resuming a complete run does nothing.
     """
     from probe.errors import ProbeError
-    from probe.pipeline import RunStopped, resume
+    from probe.pipeline import resume
+    from probe.stopping import RunStopped
     from probe.storage import read_manifest
 
     try:

@@ -16,9 +16,8 @@ import json
 import platform
 import re
 import signal
-import threading
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,11 +25,12 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from . import __version__, distributed, storage
+from . import __version__, distributed, fingerprint, storage
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
 from .rows import RowContext, Summary, process_batch
+from .stopping import RunStopped, Stops
 
 
 @dataclass
@@ -77,75 +77,6 @@ def config_from_json(data: dict) -> RunConfig:
             value = tuple(value)
         values[name] = value
     return RunConfig(**values)
-
-
-# --------------------------------------------------------------------------------------------------
-# stopping on signals
-
-
-class RunStopped(BaseException):
-    """SIGINT or SIGTERM stopped the run; every finished batch is kept and ``probe resume`` continues it.
-
-    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` on the way swallows it.
-    """
-
-    def __init__(self, signum: int, run_dir: Path | None = None, manifest: dict | None = None, rank: int = 0):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-        self.run_dir = run_dir
-        self.manifest = manifest  # as rank 0 left it (None on other ranks)
-        self.rank = rank
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
-
-
-class _Stops:
-    """SIGINT and SIGTERM as :class:`RunStopped`, raised in the main thread.
-
-    Until :meth:`hold` (while the model and data load) a stop is raised at once: there is nothing to
-    keep.  After it, a stop is raised at once only inside :meth:`interruptible` (a batch being computed,
-    which is then dropped); elsewhere (a part file and the manifest being written) it waits for the next
-    :meth:`interruptible`, so a batch is either committed with its manifest update or not at all.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.holding = False
-        self.pending = None
-        self.previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                self.previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        return False
-
-    def _handle(self, signum, frame):
-        if self.holding:
-            self.pending = self.pending or signum
-        else:
-            raise RunStopped(signum)
-
-    def hold(self):
-        self.holding = True
-
-    @contextmanager
-    def interruptible(self):
-        if self.pending is not None:
-            raise RunStopped(self.pending)
-        self.holding = False
-        try:
-            yield
-        finally:
-            self.holding = True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -215,64 +146,6 @@ def _plan_sha256(batches: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(batches).encode()).hexdigest()
 
 
-def _model_directory(name: str, revision: str | None) -> Path:
-    """The directory the model's files were loaded from (a local directory, or its hub cache snapshot)."""
-    from transformers.utils.hub import cached_file
-
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return path.resolve()
-    return Path(cached_file(name, "config.json", revision=revision)).parent
-
-
-#: a file's content is hashed whole up to this size, and beyond it in this many evenly spread chunks
-SAMPLE_CHUNKS, CHUNK_BYTES = 16, 1 << 16
-
-
-def _sampled_sha256(path: Path) -> str:
-    """SHA-256 of the file (or, beyond 1 MiB, of 16 chunks of 64 KiB spread over it): other weights
-    of the same shapes change it, and a checkpoint of many GB costs 1 MiB of reading."""
-    size = path.stat().st_size
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        if size <= SAMPLE_CHUNKS * CHUNK_BYTES:
-            digest.update(handle.read())
-        else:
-            for k in range(SAMPLE_CHUNKS):
-                handle.seek((size - CHUNK_BYTES) * k // (SAMPLE_CHUNKS - 1))
-                digest.update(handle.read(CHUNK_BYTES))
-    return digest.hexdigest()
-
-
-def model_fingerprint(directory: Path) -> dict:
-    """Every file of the model directory: its size and a SHA-256 of its content (sampled for large
-    files, see :func:`_sampled_sha256`), so resume can tell that the files are still the run's."""
-    directory = Path(directory)
-    return {
-        "files": {
-            str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sampled_sha256(p)}
-            for p in sorted(directory.rglob("*"))
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
-        },
-        "sampled": f"files over {SAMPLE_CHUNKS * CHUNK_BYTES} bytes: {SAMPLE_CHUNKS} chunks of {CHUNK_BYTES} bytes",
-    }
-
-
-def _fingerprint_differences(recorded: dict, now: dict) -> list[str]:
-    differences = []
-    before, after = recorded.get("files", {}), now.get("files", {})
-    for name in sorted(set(before) | set(after)):
-        if name not in after:
-            differences.append(f"{name} is gone")
-        elif name not in before:
-            differences.append(f"{name} is new")
-        elif before[name]["size"] != after[name]["size"]:
-            differences.append(f"{name} changed size ({before[name]['size']:,} -> {after[name]['size']:,} bytes)")
-        elif before[name]["sha256"] != after[name]["sha256"]:
-            differences.append(f"{name} changed content")
-    return differences
-
-
 # --------------------------------------------------------------------------------------------------
 # the manifest
 
@@ -301,7 +174,7 @@ def _new_manifest(job: _Job) -> dict:
     config, loaded, texts = job.config, job.loaded, job.texts
     local_model = Path(config.model).expanduser().exists()
     local_data = config.dataset.name is not None and Path(config.dataset.name).expanduser().exists()
-    model_directory = _model_directory(config.model, config.revision)
+    model_directory = fingerprint.model_directory(config.model, config.revision)
     return {
         "probe_version": __version__,
         "status": "running",
@@ -349,7 +222,7 @@ def _new_manifest(job: _Job) -> dict:
             # a hub model's commit: its cache snapshot's name (the directory is named after it)
             "model_revision": None if local_model else loaded.info.get("revision") or model_directory.name,
             "model_directory": str(model_directory),
-            "model_fingerprint": model_fingerprint(model_directory),
+            "model_fingerprint": fingerprint.model_fingerprint(model_directory),
             "dataset_location": str(Path(config.dataset.name).expanduser().resolve()) if local_data else config.dataset.name,
             "batch_plan_sha256": _plan_sha256(job.batches),
         },
@@ -411,7 +284,7 @@ def run(config: RunConfig) -> Path:
         raise ProbeError(f"--init must be pretrained or random, got '{config.init}'.")
     if config.batch_size < 1 or config.max_length < 1:
         raise ProbeError("--batch-size and --max-length must be at least 1.")
-    with _Stops() as stops, distributed.join(config.device) as group, ExitStack() as held:
+    with Stops() as stops, distributed.join(config.device) as group, ExitStack() as held:
         job = group.agree(lambda: _prepare(config, group.device(config.device)))
         stops.hold()
 
@@ -437,7 +310,7 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
         raise ProbeError(f"{run_dir} is still running ({how}). Stop that process first, or wait for it.")
     config = config_from_json(manifest["config"])
     config.progress = progress
-    with _Stops() as stops, distributed.join(config.device) as group, ExitStack() as held:
+    with Stops() as stops, distributed.join(config.device) as group, ExitStack() as held:
         job = group.agree(lambda: _prepare_resume(run_dir, manifest, config, group.device(config.device)))
         stops.hold()
 
@@ -455,13 +328,13 @@ def _prepare_resume(run_dir: Path, manifest: dict, config: RunConfig, device: st
     """Check that the model files are the run's, load model and texts, and check the texts and batches."""
     inputs = manifest["inputs"]
     try:
-        directory = _model_directory(inputs["model_location"], inputs["model_revision"])
+        directory = fingerprint.model_directory(inputs["model_location"], inputs["model_revision"])
     except OSError as error:  # a hub snapshot that is no longer cached (and no connection)
         raise ProbeError(
             f"The model files of {run_dir} ({inputs['model_location']} at {inputs['model_revision']}) cannot be "
             f"found: {str(error).splitlines()[0].rstrip('.')}. Restore them, or start a new run with `probe run`."
         ) from None
-    differences = _fingerprint_differences(inputs["model_fingerprint"], model_fingerprint(directory))
+    differences = fingerprint.differences(inputs["model_fingerprint"], fingerprint.model_fingerprint(directory))
     if differences:
         raise ProbeError(
             f"The model files of {run_dir} changed since the run started ({'; '.join(differences[:5])}"
@@ -485,7 +358,7 @@ def _prepare_resume(run_dir: Path, manifest: dict, config: RunConfig, device: st
     return job
 
 
-def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: _Stops, group: distributed.Group) -> Path:
+def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, group: distributed.Group) -> Path:
     """Run every batch of the plan that has no part file yet, as a new segment of the run; with several
     processes, rank r takes every world-th of them and rank 0 keeps the manifest."""
     config, ranks = job.config, group.ranks
