@@ -294,9 +294,11 @@ def output_deviation(
     attention output.
 
     Args:
-        attention: the solver's :math:`\hat p` ``(g, m, n)``, rows head-major (``m = H * Q``).
+        attention: the solver's :math:`\hat p` ``(g, m, n)``, rows head-major.
         p_att: :func:`model_attention`, ``(g, m, n)``.
-        values: :math:`v_i` per head, ``(g, H, n, d_v)``.
+        values: :math:`v_i` per value head, ``(g, H, n, d_v)``; row ``j`` uses head ``j // (m / H)``.  With
+            grouped-query attention pass the key/value heads: the consecutive query heads that share one
+            are consecutive blocks of rows.
         gram: :math:`G` ``(g, n, n)``.
         error_bound: the solver's :math:`\varepsilon` ``(g, m)``.
 

@@ -415,7 +415,7 @@ def test_minilm_derived_quantities_match_dense_computation(minilm_dir):
         derived = derive(problems, solution, values)
         (second, _), (tv, _), (out, _) = derived["second_order"], derived["tv"], derived["output"]
         entropy = derived["entropy"]
-        q_len = site.logits.shape[2]
+        q_len = site.shape[2]
         for layer_, head, example, query in chosen:
             if layer_ != layer:
                 continue
