@@ -75,6 +75,9 @@ class DualProblems:
         alpha: strength :math:`\alpha > 0`.
         active: which problems to solve, ``(n_groups, m)`` bool; inactive ones (e.g. padding queries)
             are skipped and their outputs are NaN.  ``None`` means all.
+        factor: :math:`A` with :math:`AA^\top = G` from :func:`factor_gram`, ``(n_groups, n, r)``, when
+            the caller has it (it depends on :math:`G` only, so one factorisation serves every alpha);
+            ``None``: computed here.
     """
 
     gram: torch.Tensor
@@ -83,6 +86,7 @@ class DualProblems:
     evidence_sqnorm: torch.Tensor
     alpha: float = 1.0
     active: torch.Tensor | None = None
+    factor: torch.Tensor | None = None
 
 
 @dataclass
@@ -435,7 +439,7 @@ def solve_dual(
     evidence_sqnorm = torch.where(active, evidence_sqnorm, torch.ones_like(evidence_sqnorm))
     log_pref = _log_softmax_normalised(log_pref)
 
-    factor = factor_gram(gram)
+    factor = factor_gram(gram) if problems.factor is None else problems.factor.to(device=device, dtype=dtype)
 
     # About 24 live (m, n)-sized tensors per problem slice during CG and line search.
     bytes_per_row = 24 * n * torch.finfo(dtype).bits // 8
