@@ -403,6 +403,7 @@ def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, grou
             batches_done=len(index.records),
             process=storage.heartbeat(storage.process_identity(), max(600.0, 10 * longest_batch_s)),
             solver=index.summary.solver(),
+            deviations=index.summary.settings(),
             fidelity=index.summary.fidelity_summary(),
             timings_s=_timings(manifest),
         )
@@ -482,6 +483,7 @@ def _record_stop(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex
         stop_reason=reason,
         batches_done=len(index.records),
         solver=index.summary.solver(),
+        deviations=index.summary.settings(),
         fidelity=index.summary.fidelity_summary(),
         timings_s=_timings(manifest),
         note=f"{storage.PARTS} holds every batch finished before the stop; `probe resume` continues the run",
@@ -503,6 +505,7 @@ def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _Par
         finished_at=_now(),
         batches_done=len(index.records),
         solver=index.summary.solver(),
+        deviations=index.summary.settings(),
         fidelity=index.summary.fidelity_summary(),
         timings_s=timings,
         problems_per_second=index.summary.rows / timings["solve_s"] if timings["solve_s"] else None,

@@ -88,13 +88,38 @@ def invoke_with_one_thread(*args):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_bert_dir, tmp_path_factory) -> pd.DataFrame:
+def reference_dir(tiny_bert_dir, tmp_path_factory) -> Path:
     """The uninterrupted single-process run (in this process, with one thread like the others)."""
     out = tmp_path_factory.mktemp("reference")
     result = invoke_with_one_thread("run", tiny_bert_dir, *RUN_ARGS, "--out", out)
     assert result.exit_code == 0, result.output
     (run_dir,) = out.iterdir()
-    return pd.read_parquet(run_dir / "deviations.parquet")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir) -> pd.DataFrame:
+    return pd.read_parquet(reference_dir / "deviations.parquet")
+
+
+def assert_same_totals(manifest: dict, reference_dir: Path):
+    """The manifest's totals over segments (and processes) equal the uninterrupted run's."""
+    expected = json.loads((reference_dir / "manifest.json").read_text())
+    for key in ("solver", "deviations", "fidelity"):
+        assert flatten(manifest[key]).keys() == flatten(expected[key]).keys(), key
+        for path, value in flatten(expected[key]).items():  # sums in another order: the last bits may differ
+            found = flatten(manifest[key])[path]
+            assert found == (pytest.approx(value, rel=1e-12) if isinstance(value, float) else value), (key, path)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
 
 
 def assert_whole_examples(frame: pd.DataFrame, reference: pd.DataFrame):
@@ -104,7 +129,7 @@ def assert_whole_examples(frame: pd.DataFrame, reference: pd.DataFrame):
     pd.testing.assert_frame_equal(sorted_rows(frame), sorted_rows(expected), check_exact=True)
 
 
-def test_killed_twice_then_resumed_equals_an_uninterrupted_run(tiny_bert_dir, reference, tmp_path):
+def test_killed_twice_then_resumed_equals_an_uninterrupted_run(tiny_bert_dir, reference, reference_dir, tmp_path):
     out = tmp_path / "runs"
 
     # 1. SIGKILL: no chance to say anything; the manifest still says "running"
@@ -146,6 +171,7 @@ def test_killed_twice_then_resumed_equals_an_uninterrupted_run(tiny_bert_dir, re
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["batches_done"] == manifest["batches_total"] == 20
     assert manifest["solver"]["rows"] == len(reference) and manifest["solver"]["not_converged"] == 0
+    assert_same_totals(manifest, reference_dir)
     assert [s["status"] for s in manifest["segments"]] == ["interrupted", "interrupted", "complete"]
     assert "SIGKILL" not in manifest["segments"][0]["stop_reason"]  # nobody saw the signal ...
     assert "killed without a chance" in manifest["segments"][0]["stop_reason"]  # ... the reader inferred it
@@ -158,7 +184,7 @@ def test_killed_twice_then_resumed_equals_an_uninterrupted_run(tiny_bert_dir, re
     assert len(json.loads((run_dir / "manifest.json").read_text())["segments"]) == 3
 
 
-def test_torchrun_stopped_and_resumed_equals_a_single_process_run(tiny_bert_dir, reference, tmp_path):
+def test_torchrun_stopped_and_resumed_equals_a_single_process_run(tiny_bert_dir, reference, reference_dir, tmp_path):
     """Two processes (gloo, CPU) share the batches and write one run directory; torchrun's SIGTERM stops
     both gracefully; `probe resume` on two processes finishes it: the rows equal the single-process run."""
     out = tmp_path / "runs"
@@ -179,6 +205,7 @@ def test_torchrun_stopped_and_resumed_equals_a_single_process_run(tiny_bert_dir,
     pd.testing.assert_frame_equal(pd.read_parquet(run_dir / "deviations.parquet"), reference, check_exact=True)
     manifest = storage.read_manifest(run_dir)
     assert manifest["status"] == "complete" and manifest["solver"]["rows"] == len(reference)
+    assert_same_totals(manifest, reference_dir)
     for segment in manifest["segments"]:
         assert segment["processes"] == 2 and [r["rank"] for r in segment["ranks"]] == [0, 1]
         assert all(r["threads"] == 1 and r["device"] == "cpu" for r in segment["ranks"])
