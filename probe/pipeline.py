@@ -20,11 +20,12 @@ import pyarrow.parquet as pq
 import torch
 
 from . import __version__
-from .data import DatasetSpec, Texts, load_texts
+from .data import DatasetSpec, Texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
 from .rows import Summary, process_batch
 from .schema import DEVIATION_SCHEMA
+from .validate import check_run
 
 
 @dataclass
@@ -37,13 +38,21 @@ class RunConfig:
     revision: str | None = None
     batch_size: int = 8
     max_length: int = 128
-    alpha: float = 1.0
+    alphas: tuple[float, ...] = (1.0,)
+    spaces: tuple[str, ...] = ("hidden",)
+    init: str = "pretrained"
+    tokenizer: str | None = None  # where the tokenizer is when it is not beside the model
+    max_memory_bytes: int | None = None
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
     rtol: float = 1e-9
     fidelity_tolerance: float = 1e-5
     progress: bool = True
+
+    @property
+    def alpha(self) -> float:  # the one alpha rows.py solves for until it loops over ``alphas``
+        return self.alphas[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,18 +109,16 @@ def _batches(loaded: LoadedModel, texts: Texts, batch_size: int, max_length: int
 
 def run(config: RunConfig) -> Path:
     """Run probe on a model and dataset; return the run directory."""
-    if config.alpha <= 0:
-        raise ProbeError(f"--alpha must be positive, got {config.alpha}.")
-    if config.batch_size < 1 or config.max_length < 1:
-        raise ProbeError("--batch-size and --max-length must be at least 1.")
-    torch.manual_seed(config.seed)
-    timings = {}
     started = time.perf_counter()
-    loaded = load_model(config.model, revision=config.revision, dtype=config.dtype, device=config.device)
-    timings["load_model_s"] = time.perf_counter() - started
+    checked = check_run(config)  # every up-front check (probe.validate): before any weights load or file is written
+    texts = checked.texts
+    torch.manual_seed(config.seed)
+    timings = {"load_data_s": checked.load_data_s}
     t0 = time.perf_counter()
-    texts = load_texts(config.dataset)
-    timings["load_data_s"] = time.perf_counter() - t0
+    loaded = load_model(
+        config.model, revision=config.revision, dtype=config.dtype, device=config.device, tokenizer=config.tokenizer
+    )
+    timings["load_model_s"] = time.perf_counter() - t0
     device = next(loaded.model.parameters()).device
 
     batches, lengths = _batches(loaded, texts, config.batch_size, config.max_length)

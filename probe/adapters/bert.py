@@ -21,8 +21,10 @@ class BertAdapter(Adapter):
     def load_model(self, name_or_path, *, config, revision, dtype):
         from transformers import AutoModel
 
-        return AutoModel.from_pretrained(
-            name_or_path, config=config, revision=revision, dtype=dtype, attn_implementation="eager"
+        from ..loading import from_pretrained_checked
+
+        return from_pretrained_checked(
+            AutoModel, name_or_path, config=config, revision=revision, dtype=dtype, attn_implementation="eager"
         )
 
     def encode(self, tokenizer, texts, targets, max_length):

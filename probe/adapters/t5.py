@@ -83,6 +83,8 @@ class T5Adapter(Adapter):
     def load_model(self, name_or_path, *, config=None, revision, dtype):
         from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
+        from ..loading import from_pretrained_checked
+
         if config is None:
             config = AutoConfig.from_pretrained(name_or_path, revision=revision)
             config._attn_implementation = "eager"
@@ -95,8 +97,8 @@ class T5Adapter(Adapter):
         # The user's path for seq2seq checkpoints; T5Model-only (or other head) checkpoints load as T5Model.
         seq2seq = not architectures or any(name.endswith("ForConditionalGeneration") for name in architectures)
         loader = AutoModelForSeq2SeqLM if seq2seq else AutoModel
-        model = loader.from_pretrained(
-            name_or_path, config=config, revision=revision, dtype=dtype, attn_implementation="eager"
+        model = from_pretrained_checked(
+            loader, name_or_path, config=config, revision=revision, dtype=dtype, attn_implementation="eager"
         )
         start = getattr(model.config, "decoder_start_token_id", None)
         self.decoder_start_token_id = start if start is not None else getattr(model.config, "pad_token_id", None)
