@@ -34,9 +34,18 @@ def run(
     samples: Optional[int] = typer.Option(None, help="Use the first N non-empty texts."),
     max_length: int = typer.Option(128, help="Truncate texts to this many tokens (at most the model's limit)."),
     batch_size: int = typer.Option(8, help="Examples per forward pass."),
-    alpha: str = typer.Option("1", help="Strength alpha of the inference problem; several: comma separated (0.5,1,2)."),
-    space: str = typer.Option("hidden", help="Parameterisation(s), comma separated: hidden, key."),
-    init: str = typer.Option("pretrained", help="Weights: pretrained, or random (a control with the same architecture)."),
+    alpha: str = typer.Option(
+        "1", help="Strength alpha of the inference problem; a comma-separated list (0.25,0.5,1,2,4) solves each "
+        "from one capture."
+    ),
+    space: str = typer.Option(
+        "hidden", help="Parameterisation(s), comma separated: hidden (t = x/sqrt(d'), z = c W_k^T q) and/or key "
+        "(t = k/sqrt(d'), z = c q)."
+    ),
+    init: str = typer.Option(
+        "pretrained", help="pretrained, or random: the same architecture with fresh weights (seeded by --seed), "
+        "the control for what training did."
+    ),
     tokenizer: Optional[str] = typer.Option(
         None, help="Directory (or hub id) of the tokenizer, when it is not beside the model."
     ),

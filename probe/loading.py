@@ -163,11 +163,15 @@ def load_model(
     revision: str | None = None,
     dtype: str = "float32",
     device: str = "auto",
+    init: str = "pretrained",
+    seed: int = 0,
     tokenizer: str | None = None,
 ) -> LoadedModel:
     """Load config, adapter, model (eager attention) and tokenizer for a hub id or local directory.
 
-    ``tokenizer`` is where the tokenizer comes from when it is not beside the model (``--tokenizer``).
+    ``init="random"`` builds the same architecture with fresh weights instead (the random-init
+    control, :meth:`probe.adapters.base.Adapter.init_model`); the tokenizer still comes from the checkpoint,
+    or from ``tokenizer`` when it is not beside the model (``--tokenizer``).
     """
     from .adapters import adapter_for
 
@@ -185,7 +189,10 @@ def load_model(
     saved_implementation = getattr(config, "_attn_implementation", None)
     config._attn_implementation = "eager"
     try:
-        model = adapter.load_model(name, config=config, revision=revision, dtype=DTYPES[dtype])
+        if init == "random":
+            model = adapter.init_model(config, dtype=DTYPES[dtype], seed=seed)
+        else:
+            model = adapter.load_model(name, config=config, revision=revision, dtype=DTYPES[dtype])
     except (OSError, ValueError) as error:
         raise ProbeError(
             f"Could not load the weights of '{name}': {_first_line(error)}. A model directory needs its "
@@ -207,5 +214,7 @@ def load_model(
         "class": type(model).__name__,
         "saved_attention_implementation": saved_implementation,
         "tokenizer": tokenizer,  # None: the model's own
+        "init": init,
+        "init_seed": seed if init == "random" else None,
     }
     return LoadedModel(adapter=adapter, model=model, tokenizer=loaded_tokenizer, info=info)

@@ -23,7 +23,7 @@ from . import __version__
 from .data import DatasetSpec, Texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
-from .rows import Summary, process_batch
+from .rows import RowContext, Summary, process_batch
 from .schema import DEVIATION_SCHEMA
 from .validate import check_run
 
@@ -38,21 +38,17 @@ class RunConfig:
     revision: str | None = None
     batch_size: int = 8
     max_length: int = 128
-    alphas: tuple[float, ...] = (1.0,)
-    spaces: tuple[str, ...] = ("hidden",)
-    init: str = "pretrained"
-    tokenizer: str | None = None  # where the tokenizer is when it is not beside the model
-    max_memory_bytes: int | None = None
+    alphas: tuple[float, ...] = (1.0,)  # strengths solved for (one capture, one solve each)
+    spaces: tuple[str, ...] = ("hidden",)  # parameterisations: "hidden" and/or "key"
+    init: str = "pretrained"  # or "random": the same architecture with fresh weights (seeded by ``seed``)
+    tokenizer: str | None = None  # where the tokenizer is when it is not beside the model (--tokenizer)
+    max_memory_bytes: int | None = None  # --max-memory
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
     rtol: float = 1e-9
     fidelity_tolerance: float = 1e-5
     progress: bool = True
-
-    @property
-    def alpha(self) -> float:  # the one alpha rows.py solves for until it loops over ``alphas``
-        return self.alphas[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,7 +112,8 @@ def run(config: RunConfig) -> Path:
     timings = {"load_data_s": checked.load_data_s}
     t0 = time.perf_counter()
     loaded = load_model(
-        config.model, revision=config.revision, dtype=config.dtype, device=config.device, tokenizer=config.tokenizer
+        config.model, revision=config.revision, dtype=config.dtype, device=config.device, init=config.init,
+        seed=config.seed, tokenizer=config.tokenizer,
     )
     timings["load_model_s"] = time.perf_counter() - t0
     device = next(loaded.model.parameters()).device
@@ -126,6 +123,10 @@ def run(config: RunConfig) -> Path:
     parquet_path = run_dir / "deviations.parquet"
     manifest_path = run_dir / "manifest.json"
     summary = Summary(config.fidelity_tolerance)
+    context = RowContext(
+        model_name=config.model, example_ids=[], special_ids=frozenset(loaded.tokenizer.all_special_ids),
+        token_text={}, tokenizer=loaded.tokenizer,
+    )
     manifest = {
         "probe_version": __version__,
         "status": "running",
@@ -145,9 +146,12 @@ def run(config: RunConfig) -> Path:
             "max_length": config.max_length,
             "truncated_examples": sum(length >= config.max_length for length in lengths),
         },
-        "alpha": config.alpha,
+        "alpha": list(config.alphas),
+        "spaces": list(config.spaces),
+        "init": config.init,
         "parameterisation": {
-            "alpha": config.alpha,
+            "alpha": list(config.alphas),
+            "spaces": list(config.spaces),
             "rel_deviation": "||lambda* - alpha z|| / ||lambda*||",
             "alpha_scaling": "adapters give alpha = 1 quantities; for other alpha the evidence is z / alpha",
             **loaded.adapter.describe(),
@@ -178,7 +182,7 @@ def run(config: RunConfig) -> Path:
             example_ids = [texts.indices[i] for i in positions]
             inputs = loaded.adapter.encode(loaded.tokenizer, batch_texts, batch_targets, config.max_length)
             inputs = {key: value.to(device) for key, value in inputs.items()}
-            tables, seconds = process_batch(loaded, inputs, example_ids, config, summary)
+            tables, seconds = process_batch(loaded, inputs, example_ids, config, summary, context)
             capture_s += seconds["capture"]
             solve_s += seconds["solve"]
             problems_done += sum(table.num_rows for table in tables)

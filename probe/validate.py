@@ -12,8 +12,9 @@ says what is wrong and what to do:
 3. **data**: readable, not empty, the text column exists and holds text (:mod:`probe.data` names the
    file, the line or row and what was found);
 4. **model**: a local directory (or the cached copy of a hub id) has a readable config.json naming an
-   architecture that has an adapter, weights that are not truncated, and tokenizer files unless
-   ``--tokenizer`` is given; the tokenizer has a vocabulary.  A hub id needs the Hub, probed once and quickly
+   architecture that has an adapter (which supports the chosen spaces), weights that are not truncated
+   (not needed with ``--init random``), and tokenizer files unless ``--tokenizer`` is given; the
+   tokenizer has a vocabulary.  A hub id needs the Hub, probed once and quickly
    (:mod:`probe.hub`);
 5. **max length**: ``--max-length`` at most the model's position limit (an error that says the
    limit; probe never changes a setting behind the user's back) and at least its special tokens;
@@ -39,12 +40,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .adapters.base import SPACES
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .hub import cached_snapshot, check_hub_name, hub_reachable, no_connection
 
-#: Parameterisations of the dual problem (the ``space`` column): hidden states or keys as templates.
-SPACES = ("hidden", "key")
 #: Where the model's weights come from: the checkpoint, or a random initialisation (a control).
 INITS = ("pretrained", "random")
 
@@ -289,7 +289,15 @@ def check_model(config):
             "Pass a directory written by save_pretrained, or a hub model id."
         )
     model_config = load_config(config.model, config.revision)
-    adapter_for(model_config.model_type)  # an architecture without adapter fails before anything else
+    adapter = adapter_for(model_config.model_type)  # an architecture without adapter fails before anything else
+    adapter.model_class(model_config)  # the adapter may refuse a checkpoint (an encoder-only T5, for example)
+    unsupported = [space for space in config.spaces if space not in adapter.spaces]
+    if unsupported:
+        raise ProbeError(
+            f"{model_config.model_type} supports the space(s) {', '.join(adapter.spaces)} only, not "
+            f"{', '.join(unsupported)} (rotary models have no hidden-space parameterisation). Pass "
+            f"--space {','.join(adapter.spaces)}."
+        )
     if directory is not None:
         if config.init != "random":
             check_weight_files(directory, config.model)
