@@ -125,7 +125,7 @@ def _vocabulary_of_special_tokens_only(directory):
 
 @pytest.fixture(scope="module")
 def bad(tmp_path_factory, tiny_bert_dir):
-    from transformers import GPT2Config
+    from transformers import GPT2Config, T5Config
 
     b = Bad(tmp_path_factory.mktemp("bad-inputs"), Path(tiny_bert_dir))
     m = b.model
@@ -146,6 +146,10 @@ def bad(tmp_path_factory, tiny_bert_dir):
     b.empty_model.mkdir()
     b.gpt2 = b.models / "gpt2"
     GPT2Config(n_layer=1, n_head=2, n_embd=8).save_pretrained(b.gpt2)
+    b.t5_encoder = b.models / "t5-encoder-only"
+    T5Config(d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2, architectures=["T5EncoderModel"]).save_pretrained(
+        b.t5_encoder
+    )
     b.a_file = b.file("a-file", "not a folder\n")
     b.texts = b.file("texts.txt", "one text\nanother text\n")
     b.jsonl_ok = b.file("ok.jsonl", '{"text": "one"}\n{"text": "two"}\n')
@@ -278,6 +282,7 @@ CASES = [
     Case("config.json not JSON", lambda b: [b.broken_config], ("Could not read the config",)),
     Case("config with unknown model type", lambda b: [b.unknown_type], ("Could not read the config",)),
     Case("architecture without adapter", lambda b: [b.gpt2], ("no adapter for model type 'gpt2'", "Supported model types:", "bert")),
+    Case("checkpoint the adapter refuses", lambda b: [b.t5_encoder], ("encoder-only t5 checkpoint", "no decoder")),
     Case("no weights", lambda b: [b.no_weights], ("has no weights", "model.safetensors")),
     Case("no tokenizer files", lambda b: [b.no_tokenizer], ("has no tokenizer files", "--tokenizer")),
     Case("tokenizer path typo", lambda b: [b.no_tokenizer, "--tokenizer", "./no-such-tokenizer"],
@@ -405,6 +410,15 @@ def test_tokenizer_option_supplies_a_missing_tokenizer(bad, tmp_path):
     frame_b = pd.read_parquet(b / "deviations.parquet")[columns].sort_values(columns[:4]).reset_index(drop=True)
     pd.testing.assert_frame_equal(frame_a, frame_b)
     assert json.loads((a / "manifest.json").read_text())["model"]["tokenizer"] == str(bad.tiny)
+
+
+def test_random_init_needs_no_weights(bad, tmp_path):
+    """--init random builds the architecture from config.json: a directory without weights is fine."""
+    result = CliRunner().invoke(app, ["run", str(bad.no_weights), "--init", "random", "--samples", "2",
+                                      "--out", str(tmp_path), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    (run_dir,) = tmp_path.iterdir()
+    assert json.loads((run_dir / "manifest.json").read_text())["model"]["init"] == "random"
 
 
 @pytest.mark.parametrize(
