@@ -20,11 +20,12 @@ import pyarrow.parquet as pq
 import torch
 
 from . import __version__
-from .data import DatasetSpec, Texts, load_texts
+from .data import DatasetSpec, Texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
 from .rows import RowContext, Summary, process_batch
 from .schema import DEVIATION_SCHEMA
+from .validate import check_run
 
 
 @dataclass
@@ -40,6 +41,8 @@ class RunConfig:
     alphas: tuple[float, ...] = (1.0,)  # strengths solved for (one capture, one solve each)
     spaces: tuple[str, ...] = ("hidden",)  # parameterisations: "hidden" and/or "key"
     init: str = "pretrained"  # or "random": the same architecture with fresh weights (seeded by ``seed``)
+    tokenizer: str | None = None  # where the tokenizer is when it is not beside the model (--tokenizer)
+    max_memory_bytes: int | None = None  # --max-memory
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
@@ -102,30 +105,17 @@ def _batches(loaded: LoadedModel, texts: Texts, batch_size: int, max_length: int
 
 def run(config: RunConfig) -> Path:
     """Run probe on a model and dataset; return the run directory."""
-    if not config.alphas or any(not (alpha > 0 and alpha < float("inf")) for alpha in config.alphas):
-        raise ProbeError(f"--alpha must be finite and positive, got {', '.join(map(str, config.alphas))}.")
-    if config.init not in ("pretrained", "random"):
-        raise ProbeError(f"--init must be pretrained or random, got '{config.init}'.")
-    if config.batch_size < 1 or config.max_length < 1:
-        raise ProbeError("--batch-size and --max-length must be at least 1.")
-    torch.manual_seed(config.seed)
-    timings = {}
     started = time.perf_counter()
+    checked = check_run(config)  # every up-front check (probe.validate): before any weights load or file is written
+    texts = checked.texts
+    torch.manual_seed(config.seed)
+    timings = {"load_data_s": checked.load_data_s}
+    t0 = time.perf_counter()
     loaded = load_model(
         config.model, revision=config.revision, dtype=config.dtype, device=config.device, init=config.init,
-        seed=config.seed,
+        seed=config.seed, tokenizer=config.tokenizer,
     )
-    unsupported = [space for space in config.spaces if space not in loaded.adapter.spaces]
-    if unsupported:
-        raise ProbeError(
-            f"{loaded.info['model_type']} supports the space(s) {', '.join(loaded.adapter.spaces)} only, not "
-            f"{', '.join(unsupported)} (rotary models have no hidden-space parameterisation). Pass "
-            f"--space {','.join(loaded.adapter.spaces)}."
-        )
-    timings["load_model_s"] = time.perf_counter() - started
-    t0 = time.perf_counter()
-    texts = load_texts(config.dataset)
-    timings["load_data_s"] = time.perf_counter() - t0
+    timings["load_model_s"] = time.perf_counter() - t0
     device = next(loaded.model.parameters()).device
 
     batches, lengths = _batches(loaded, texts, config.batch_size, config.max_length)
