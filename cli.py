@@ -1,4 +1,5 @@
-"""The ``probe`` command line (a typer app): ``probe run MODEL`` and ``probe report RUN_DIR``."""
+"""The ``probe`` command line (a typer app): ``probe run MODEL``, ``probe resume RUN_DIR``,
+``probe status RUN_DIR``, ``probe export RUN_DIR --to FILE`` and ``probe report RUN_DIR``."""
 
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ def run(
     from probe.data import DatasetSpec
     from probe.errors import ProbeError
     from probe.pipeline import RunConfig, run as run_pipeline
+    from probe.stopping import RunStopped
     from probe.validate import check_report_formats, parse_memory, parse_names, parse_numbers
 
     try:
@@ -93,9 +95,120 @@ def run(
         run_dir = run_pipeline(settings)
     except ProbeError as error:
         _fail(error)
-    _print_summary(run_dir)
-    if report:
-        _build_report(run_dir, None, ",".join(formats))
+    except RunStopped as stop:
+        _stopped(stop)
+    if _main_process():
+        _print_summary(run_dir)
+        if report:
+            _build_report(run_dir, None, ",".join(formats))
+
+
+def _main_process() -> bool:
+    """False in the other processes of a torchrun launch: rank 0 speaks for the run."""
+    from probe.distributed import Ranks
+
+    return Ranks.from_environment().main
+
+
+def _stopped(stop) -> None:
+    """Say where a stopped run is and how to continue it; exit 130 (SIGINT) or 143 (SIGTERM)."""
+    import shlex
+
+    from probe.storage import PARTS
+
+    if stop.rank != 0:
+        raise typer.Exit(code=stop.exit_code)
+    if stop.run_dir is None:
+        typer.echo(f"probe: stopped by {stop} before the run started; nothing was written.", err=True)
+    else:
+        manifest = stop.manifest or {}
+        rows = (manifest.get("solver") or {}).get("rows", 0)
+        typer.echo(
+            f"probe: stopped by {stop} after {manifest.get('batches_done', 0)} of {manifest.get('batches_total', '?')} "
+            f"batches; the {rows:,} rows of the finished batches are in {stop.run_dir / PARTS}.\n"
+            f"Continue with: probe resume {shlex.quote(str(stop.run_dir))}",
+            err=True,
+        )
+    raise typer.Exit(code=stop.exit_code)
+
+
+@app.command("resume")
+def resume_command(
+    run_dir: Path = typer.Argument(..., help="A run directory written by `probe run` and stopped before the end."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+    report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
+    report_format: str = typer.Option("png", "--format", help="Report figure formats, comma separated (png,pdf)."),
+):
+    """Continue a stopped run with the settings its manifest recorded (model, data, alpha, batch size, ...).
+
+    Refuses when the model files or the texts changed since the run started.  The finished run equals
+    an uninterrupted one; resuming a complete run does nothing.
+    """
+    from probe.errors import ProbeError
+    from probe.pipeline import resume
+    from probe.stopping import RunStopped
+    from probe.storage import read_manifest
+
+    try:
+        manifest = read_manifest(run_dir)
+        if manifest.get("status") == "complete":
+            if _main_process():
+                typer.echo(f"{run_dir} is complete ({manifest.get('batches_done')} batches): nothing to resume.")
+            return
+        resume(run_dir, progress=progress)
+    except ProbeError as error:
+        _fail(error)
+    except RunStopped as stop:
+        _stopped(stop)
+    if _main_process():
+        _print_summary(run_dir)
+        if report:
+            _build_report(run_dir, None, report_format)
+
+
+@app.command("status")
+def status_command(run_dir: Path = typer.Argument(..., help="A run directory written by `probe run`.")):
+    """Where a run is: running, interrupted (and how to continue it) or complete."""
+    import shlex
+
+    from probe.errors import ProbeError
+    from probe.storage import read_manifest
+
+    try:
+        manifest = read_manifest(run_dir)
+    except ProbeError as error:
+        _fail(error)
+    status = manifest.get("status")
+    rows = (manifest.get("solver") or {}).get("rows", 0)
+    typer.echo(
+        f"{run_dir}: {status}, {manifest.get('batches_done', 0)} of {manifest.get('batches_total', '?')} batches, "
+        f"{rows:,} rows, {len(manifest.get('segments', []))} segment(s)"
+    )
+    if manifest.get("stop_reason"):
+        typer.echo(f"stop: {manifest['stop_reason']}")
+    if status == "interrupted":
+        typer.echo(f"continue with: probe resume {shlex.quote(str(run_dir))}")
+
+
+@app.command("export")
+def export_command(
+    run_dir: Path = typer.Argument(..., help="A run directory written by `probe run`."),
+    to: Path = typer.Option(..., "--to", help="The parquet file to write (must not exist)."),
+):
+    """Write a run's rows (its directory of part files) into one parquet file."""
+    from probe.errors import ProbeError
+    from probe.storage import export, read_manifest
+
+    try:
+        manifest = read_manifest(run_dir)
+        rows = export(run_dir, to)
+    except ProbeError as error:
+        _fail(error)
+    note = "" if manifest.get("status") == "complete" else (
+        f" (the run is {manifest.get('status')}: {manifest.get('batches_done')} of "
+        f"{manifest.get('batches_total')} batches)"
+    )
+    typer.echo(f"{rows:,} rows written to {to}{note}")
 
 
 def _print_summary(run_dir: Path) -> None:

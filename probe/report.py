@@ -38,7 +38,6 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -47,6 +46,7 @@ from matplotlib.ticker import MaxNLocator
 from . import __version__
 from .errors import ProbeError
 from .schema import DEVIATION_SCHEMA
+from .storage import deviations_dataset, with_liveness
 
 #: The parquet columns the report reads (the others are never loaded).
 NEEDED_COLUMNS = ("attention_type", "layer", "head", "example", "query", "rel_deviation", "converged")
@@ -116,8 +116,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None, formats
             f"Run directory {run_dir} does not exist (or is not a directory). "
             "Pass the run directory printed by `probe run`."
         )
-    parquet_path = run_dir / "deviations.parquet"
-    if not parquet_path.is_file():
+    parquet_path = run_dir / "deviations.parquet"  # a directory of part files (or one exported file)
+    if not parquet_path.exists():
         raise ProbeError(
             f"{parquet_path} does not exist: {run_dir} is not a probe run directory. "
             "Pass the run directory printed by `probe run` (it holds deviations.parquet and manifest.json)."
@@ -173,10 +173,10 @@ def _type_kind(arrow_type: pa.DataType) -> str:
 
 def _read_deviations(path: Path) -> pd.DataFrame:
     """Read only the columns the report needs, after checking that they exist with the right types."""
-    hint = "Re-run `probe run`; a run killed before it finished leaves a parquet file without its footer."
+    hint = "Re-run `probe run`, or export the run again."
     try:
-        parquet = pq.ParquetFile(path, read_dictionary=["attention_type"])
-        schema = parquet.schema_arrow
+        parquet = deviations_dataset(path)
+        schema = parquet.schema
     except (pa.ArrowException, OSError) as error:
         raise ProbeError(f"Cannot read {path} as parquet ({error}). {hint}") from None
     missing = [name for name in NEEDED_COLUMNS if name not in schema.names]
@@ -193,9 +193,11 @@ def _read_deviations(path: Path) -> pd.DataFrame:
     if wrong:
         raise ProbeError(f"{path} has columns of the wrong type: {'; '.join(wrong)}. Re-run `probe run`.")
     try:
-        table = parquet.read(columns=list(NEEDED_COLUMNS))
+        table = parquet.to_table(columns=list(NEEDED_COLUMNS))
     except (pa.ArrowException, OSError) as error:
         raise ProbeError(f"Cannot read the data in {path} ({error}). {hint}") from None
+    index = table.schema.get_field_index("attention_type")
+    table = table.set_column(index, "attention_type", table["attention_type"].dictionary_encode())
     return table.to_pandas()  # attention_type becomes a categorical: small, however many rows
 
 
@@ -223,16 +225,17 @@ def _lookup(mapping: dict, *keys):
 
 def _first_row(parquet_path: Path, column: str):
     """The value of ``column`` in the parquet's first row, or None (used when the manifest lacks it)."""
-    parquet = pq.ParquetFile(parquet_path)
-    if column not in parquet.schema_arrow.names or parquet.metadata.num_rows == 0:
+    parquet = deviations_dataset(parquet_path)
+    if column not in parquet.schema.names:
         return None
-    values = parquet.read_row_group(0, columns=[column]).column(0)
+    values = parquet.head(1, columns=[column]).column(0)
     return values[0].as_py() if len(values) else None
 
 
 def _describe_run(run_dir: Path, parquet_path: Path) -> _Run:
     """Model, dataset and alpha from the manifest, falling back to the parquet's model/alpha columns."""
     manifest, problem = _load_manifest(run_dir / "manifest.json")
+    manifest = with_liveness(manifest)  # a "running" run whose process is gone was interrupted
     notes = []
     if problem:
         warnings.warn(problem, stacklevel=3)

@@ -47,7 +47,8 @@ def test_run_tiny_bert_end_to_end(tiny_bert_dir, texts_file, tmp_path):
     assert len(frame) == expected_rows(tiny_bert_dir, texts)
     assert frame["converged"].all()
     assert (frame["duality_gap"] >= 0).all() and frame["rel_deviation"].between(0, 10).all()
-    assert pq.ParquetFile(run_dir / "deviations.parquet").num_row_groups == 3  # streamed, one per batch
+    parts = sorted(p.name for p in (run_dir / "deviations.parquet").iterdir())
+    assert parts == ["part-000000.parquet", "part-000001.parquet", "part-000002.parquet"]  # one per batch
     # rows are unique per (example, layer, head, query) and examples keep their dataset index (line 2 is empty)
     assert not frame.duplicated(["example", "layer", "head", "query"]).any()
     assert sorted(frame["example"].unique()) == [0, 1, 3, 4, 5]
@@ -93,6 +94,7 @@ def test_run_real_minilm_embedded_corpus(minilm_dir, tmp_path):
 
 
 def test_interrupted_run_keeps_finished_batches(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
+    """Ctrl-C in the second batch: exit 130, the first batch's part file, the way to continue."""
     import probe.rows as rows
 
     calls = {"n": 0}
@@ -107,10 +109,12 @@ def test_interrupted_run_keeps_finished_batches(tiny_bert_dir, texts_file, tmp_p
     monkeypatch.setattr(rows, "solve_dual", failing_solve)
     out = tmp_path / "runs"
     result = invoke("run", tiny_bert_dir, "--dataset", texts_file, "--batch-size", 2, "--out", out, "--no-progress")
-    assert result.exit_code != 0
+    assert result.exit_code == 130, result.output
     run_dir = only_run_dir(out)
+    assert f"probe resume {run_dir}" in result.output and "after 1 of 3 batches" in result.output
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "interrupted" and manifest["batches_done"] == 1
+    assert manifest["stop_reason"] == "stopped by SIGINT (Ctrl-C)"
     frame = pd.read_parquet(run_dir / "deviations.parquet")
     assert len(frame) == manifest["solver"]["rows"] > 0
     assert frame["example"].nunique() == 2
