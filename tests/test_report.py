@@ -517,8 +517,6 @@ def test_several_alphas_and_spaces(tmp_path):
 def test_alpha_figure_plots_mean_and_p95_against_alpha(tmp_path):
     rows = deviation_rows({"self": (2, 2)}, alphas=(0.25, 1.0, 4.0), non_converged=0)
     run = read_run(write_run(tmp_path / "run", rows, manifest_for()))
-    summary = summarize(run.rows)
-    scale = report_scale(run, main_rows(summary, run, "head"))
     with style():
         figure = alpha_figure(run).figure
     (ax,) = figure.axes
@@ -626,3 +624,20 @@ def test_unknown_format_is_rejected(tmp_path):
     with pytest.raises(ProbeError, match="svg"):
         build_report(run_dir, formats=["png", "svg"])
     assert not (run_dir / "report").exists()
+
+
+def test_texts_are_recovered_only_when_their_hash_matches(tmp_path):
+    from probe.data import DatasetSpec, load_texts
+    from probe.report.explorer import recover_texts
+
+    corpus = load_texts(DatasetSpec())
+    spec = {"name": None, "split": "train", "column": "text", "texts_sha256": corpus.sha256}
+    assert recover_texts({"dataset": spec}) == dict(zip(corpus.indices, corpus.texts))
+    assert recover_texts({"dataset": {**spec, "texts_sha256": "0" * 64}}) == {}
+    local = tmp_path / "texts.txt"
+    local.write_text("first text\n\nsecond text\n")
+    texts = load_texts(DatasetSpec(name=str(local)))
+    assert recover_texts({"dataset": {**spec, "name": str(local), "texts_sha256": texts.sha256}}) == {
+        0: "first text", 2: "second text"}
+    assert recover_texts({"dataset": {**spec, "name": str(tmp_path / "gone.txt")}}) == {}
+    assert recover_texts({"dataset": {**spec, "name": "some/hub-dataset"}}) == {}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import html
 import json
-import math
 
 import matplotlib as mpl
 import numpy as np
