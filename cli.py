@@ -34,7 +34,18 @@ def run(
     samples: Optional[int] = typer.Option(None, help="Use the first N non-empty texts."),
     max_length: int = typer.Option(128, help="Truncate texts to this many tokens."),
     batch_size: int = typer.Option(8, help="Examples per forward pass."),
-    alpha: float = typer.Option(1.0, help="Strength alpha of the inference problem."),
+    alpha: str = typer.Option(
+        "1", help="Strength alpha of the inference problem; a comma-separated list (0.25,0.5,1,2,4) solves each "
+        "from one capture."
+    ),
+    space: str = typer.Option(
+        "hidden", help="Parameterisation(s), comma separated: hidden (t = x/sqrt(d'), z = c W_k^T q) and/or key "
+        "(t = k/sqrt(d'), z = c q)."
+    ),
+    init: str = typer.Option(
+        "pretrained", help="pretrained, or random: the same architecture with fresh weights (seeded by --seed), "
+        "the control for what training did."
+    ),
     out: Path = typer.Option(Path("runs"), help="Parent directory of the run directory."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     dtype: str = typer.Option("float32", help="Model dtype (the solver always works in float64)."),
@@ -57,7 +68,7 @@ def run(
     )
     settings = RunConfig(
         model=model, dataset=spec, out=out, revision=revision, batch_size=batch_size, max_length=max_length,
-        alpha=alpha, device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance,
+        alphas=_alphas(alpha), spaces=_spaces(space), init=init, device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance,
         progress=progress,
     )
     try:
@@ -67,6 +78,33 @@ def run(
     _print_summary(run_dir)
     if report:
         _build_report(run_dir, None, report_format)
+
+
+def _alphas(text: str) -> tuple[float, ...]:
+    """``--alpha 0.25,1,4`` -> (0.25, 1.0, 4.0); a bad value is a clear error."""
+    values = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            value = float(part)
+        except ValueError:
+            _fail(ValueError(f"--alpha takes numbers, comma separated (e.g. 0.25,1,4); got '{part}'."))
+        if not (0 < value < float("inf")):
+            _fail(ValueError(f"--alpha values must be finite and positive; got '{part}'."))
+        values.append(value)
+    if len(set(values)) != len(values):
+        _fail(ValueError(f"--alpha lists a value twice: {text}."))
+    return tuple(values)
+
+
+def _spaces(text: str) -> tuple[str, ...]:
+    """``--space hidden,key`` -> ("hidden", "key")."""
+    from probe.adapters.base import SPACES
+
+    values = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [v for v in values if v not in SPACES]
+    if unknown or not values or len(set(values)) != len(values):
+        _fail(ValueError(f"--space takes {' and/or '.join(SPACES)}, comma separated, each once; got '{text}'."))
+    return values
 
 
 def _print_summary(run_dir: Path) -> None:

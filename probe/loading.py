@@ -33,8 +33,15 @@ def _resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def load_model(name: str, *, revision: str | None = None, dtype: str = "float32", device: str = "auto") -> LoadedModel:
-    """Load config, adapter, model (eager attention) and tokenizer for a hub id or local directory."""
+def load_model(
+    name: str, *, revision: str | None = None, dtype: str = "float32", device: str = "auto",
+    init: str = "pretrained", seed: int = 0,
+) -> LoadedModel:
+    """Load config, adapter, model (eager attention) and tokenizer for a hub id or local directory.
+
+    ``init="random"`` builds the same architecture with fresh weights instead (the random-init
+    control, :meth:`probe.adapters.base.Adapter.init_model`); the tokenizer still comes from the checkpoint.
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     if dtype not in DTYPES:
@@ -58,7 +65,10 @@ def load_model(name: str, *, revision: str | None = None, dtype: str = "float32"
     saved_implementation = getattr(config, "_attn_implementation", None)
     config._attn_implementation = "eager"
     try:
-        model = adapter.load_model(name, config=config, revision=revision, dtype=DTYPES[dtype])
+        if init == "random":
+            model = adapter.init_model(config, dtype=DTYPES[dtype], seed=seed)
+        else:
+            model = adapter.load_model(name, config=config, revision=revision, dtype=DTYPES[dtype])
         tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
     except (OSError, ValueError) as error:
         raise ProbeError(
@@ -79,5 +89,7 @@ def load_model(name: str, *, revision: str | None = None, dtype: str = "float32"
         "architectures": getattr(config, "architectures", None),
         "class": type(model).__name__,
         "saved_attention_implementation": saved_implementation,
+        "init": init,
+        "init_seed": seed if init == "random" else None,
     }
     return LoadedModel(adapter=adapter, model=model, tokenizer=tokenizer, info=info)

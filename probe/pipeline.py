@@ -23,7 +23,7 @@ from . import __version__
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
-from .rows import Summary, process_batch
+from .rows import RowContext, Summary, process_batch
 from .schema import DEVIATION_SCHEMA
 
 
@@ -37,7 +37,9 @@ class RunConfig:
     revision: str | None = None
     batch_size: int = 8
     max_length: int = 128
-    alpha: float = 1.0
+    alphas: tuple[float, ...] = (1.0,)  # strengths solved for (one capture, one solve each)
+    spaces: tuple[str, ...] = ("hidden",)  # parameterisations: "hidden" and/or "key"
+    init: str = "pretrained"  # or "random": the same architecture with fresh weights (seeded by ``seed``)
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
@@ -100,14 +102,26 @@ def _batches(loaded: LoadedModel, texts: Texts, batch_size: int, max_length: int
 
 def run(config: RunConfig) -> Path:
     """Run probe on a model and dataset; return the run directory."""
-    if config.alpha <= 0:
-        raise ProbeError(f"--alpha must be positive, got {config.alpha}.")
+    if not config.alphas or any(not (alpha > 0 and alpha < float("inf")) for alpha in config.alphas):
+        raise ProbeError(f"--alpha must be finite and positive, got {', '.join(map(str, config.alphas))}.")
+    if config.init not in ("pretrained", "random"):
+        raise ProbeError(f"--init must be pretrained or random, got '{config.init}'.")
     if config.batch_size < 1 or config.max_length < 1:
         raise ProbeError("--batch-size and --max-length must be at least 1.")
     torch.manual_seed(config.seed)
     timings = {}
     started = time.perf_counter()
-    loaded = load_model(config.model, revision=config.revision, dtype=config.dtype, device=config.device)
+    loaded = load_model(
+        config.model, revision=config.revision, dtype=config.dtype, device=config.device, init=config.init,
+        seed=config.seed,
+    )
+    unsupported = [space for space in config.spaces if space not in loaded.adapter.spaces]
+    if unsupported:
+        raise ProbeError(
+            f"{loaded.info['model_type']} supports the space(s) {', '.join(loaded.adapter.spaces)} only, not "
+            f"{', '.join(unsupported)} (rotary models have no hidden-space parameterisation). Pass "
+            f"--space {','.join(loaded.adapter.spaces)}."
+        )
     timings["load_model_s"] = time.perf_counter() - started
     t0 = time.perf_counter()
     texts = load_texts(config.dataset)
@@ -119,6 +133,10 @@ def run(config: RunConfig) -> Path:
     parquet_path = run_dir / "deviations.parquet"
     manifest_path = run_dir / "manifest.json"
     summary = Summary(config.fidelity_tolerance)
+    context = RowContext(
+        model_name=config.model, example_ids=[], special_ids=frozenset(loaded.tokenizer.all_special_ids),
+        token_text={}, tokenizer=loaded.tokenizer,
+    )
     manifest = {
         "probe_version": __version__,
         "status": "running",
@@ -138,9 +156,12 @@ def run(config: RunConfig) -> Path:
             "max_length": config.max_length,
             "truncated_examples": sum(length >= config.max_length for length in lengths),
         },
-        "alpha": config.alpha,
+        "alpha": list(config.alphas),
+        "spaces": list(config.spaces),
+        "init": config.init,
         "parameterisation": {
-            "alpha": config.alpha,
+            "alpha": list(config.alphas),
+            "spaces": list(config.spaces),
             "rel_deviation": "||lambda* - alpha z|| / ||lambda*||",
             "alpha_scaling": "adapters give alpha = 1 quantities; for other alpha the evidence is z / alpha",
             **loaded.adapter.describe(),
@@ -171,7 +192,7 @@ def run(config: RunConfig) -> Path:
             example_ids = [texts.indices[i] for i in positions]
             inputs = loaded.adapter.encode(loaded.tokenizer, batch_texts, batch_targets, config.max_length)
             inputs = {key: value.to(device) for key, value in inputs.items()}
-            tables, seconds = process_batch(loaded, inputs, example_ids, config, summary)
+            tables, seconds = process_batch(loaded, inputs, example_ids, config, summary, context)
             capture_s += seconds["capture"]
             solve_s += seconds["solve"]
             problems_done += sum(table.num_rows for table in tables)

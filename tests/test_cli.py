@@ -176,7 +176,7 @@ def test_missing_dataset_file_or_unreachable_hub_dataset(tiny_bert_dir, tmp_path
 
 @pytest.mark.parametrize(
     "args,fragment",
-    [(["--alpha", "0"], "--alpha must be positive"), (["--dtype", "float8"], "Unknown dtype"), (["--samples", "0"], "--samples")],
+    [(["--alpha", "0"], "--alpha values must be finite and positive"), (["--dtype", "float8"], "Unknown dtype"), (["--samples", "0"], "--samples")],
 )
 def test_bad_options(tiny_bert_dir, tmp_path, args, fragment):
     assert_clean_error(invoke("run", tiny_bert_dir, *args, "--out", tmp_path), fragment)
