@@ -230,20 +230,39 @@ def report_command(
     run_dir: Path = typer.Argument(..., help="A run directory written by `probe run`."),
     out: Optional[Path] = typer.Option(None, help="Where to write the report (default: RUN_DIR/report)."),
     report_format: str = typer.Option("png", "--format", help="Figure formats, comma separated (png,pdf)."),
+    name: Optional[str] = typer.Option(None, help="The model's name in titles (default: its hub id or directory name)."),
 ):
-    """Figures per layer, head and attention type, summary tables and an HTML page."""
-    _build_report(run_dir, out, report_format)
+    """A landing summary with computed findings, figures on shared scales, summary.csv/json and an HTML page."""
+    _build_report(run_dir, out, report_format, name)
 
 
-def _build_report(run_dir: Path, out: Optional[Path], formats: str) -> None:
+def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Optional[str] = None) -> None:
     from probe.errors import ProbeError
     from probe.report import build_report
 
     try:
-        where = build_report(run_dir, out, [f.strip() for f in formats.split(",") if f.strip()])
+        where = build_report(run_dir, out, [f.strip() for f in formats.split(",") if f.strip()], name=name)
     except ProbeError as error:
         _fail(error)
     typer.echo(f"report: {where / 'index.html'}")
+
+
+@app.command("compare")
+def compare_command(
+    run_dirs: list[Path] = typer.Argument(..., help="Two or more run directories written by `probe run`."),
+    out: Path = typer.Option(Path("compare"), help="Where to write the comparison."),
+    report_format: str = typer.Option("png", "--format", help="Figure formats, comma separated (png,pdf)."),
+    name: Optional[list[str]] = typer.Option(None, help="A label per run, in order (repeat the option)."),
+):
+    """Overlay runs on shared axes: per-layer mean and p95 against relative depth, ECDFs, a table."""
+    from probe.errors import ProbeError
+    from probe.report import compare_runs
+
+    try:
+        where = compare_runs(run_dirs, out, [f.strip() for f in report_format.split(",") if f.strip()], names=name)
+    except ProbeError as error:
+        _fail(error)
+    typer.echo(f"comparison: {where / 'index.html'}")
 
 
 def main() -> None:
