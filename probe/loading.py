@@ -33,6 +33,26 @@ def _resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def _device_map(device: str, init: str) -> str | None:
+    """``"auto"`` (shard the model over every visible GPU, with accelerate) when ``device`` is auto and more
+    than one GPU is visible; ``None`` (one device) otherwise."""
+    if device != "auto" or not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return None
+    if init == "random":
+        raise ProbeError(
+            f"--init random builds the model on one device, but {torch.cuda.device_count()} GPUs are visible and "
+            "--device auto would shard it. Pass --device cuda:0 (or set CUDA_VISIBLE_DEVICES)."
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        raise ProbeError(
+            f"{torch.cuda.device_count()} GPUs are visible: probe shards the model over them with device_map='auto', "
+            "which needs the accelerate package (pip install 'probe[large]'). Or pass --device cuda:0."
+        )
+    return "auto"
+
+
 def load_model(
     name: str, *, revision: str | None = None, dtype: str = "float32", device: str = "auto",
     init: str = "pretrained", seed: int = 0,
@@ -47,6 +67,7 @@ def load_model(
     if dtype not in DTYPES:
         raise ProbeError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
     resolved = _resolve_device(device)  # before the (slow) load, so that a bad --device fails at once
+    device_map = _device_map(device, init)
     path = Path(name).expanduser()
     if path.exists() and not (path / "config.json").exists():
         raise ProbeError(
@@ -68,7 +89,7 @@ def load_model(
         if init == "random":
             model = adapter.init_model(config, dtype=DTYPES[dtype], seed=seed)
         else:
-            model = adapter.load_model(name, config=config, revision=revision, dtype=DTYPES[dtype])
+            model = adapter.load_model(name, config=config, revision=revision, dtype=DTYPES[dtype], device_map=device_map)
         tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
     except (OSError, ValueError) as error:
         raise ProbeError(
@@ -80,7 +101,9 @@ def load_model(
             f"'{name}' loaded with {model.config._attn_implementation} attention, which hides attention "
             "probabilities; probe needs eager attention. Remove _attn_implementation from its config.json."
         )
-    model.eval().to(resolved)
+    model.eval()
+    if device_map is None:
+        model.to(resolved)
     info = {
         "id": name,
         "path": str(path.resolve()) if path.exists() else None,
@@ -91,5 +114,6 @@ def load_model(
         "saved_attention_implementation": saved_implementation,
         "init": init,
         "init_seed": seed if init == "random" else None,
+        "device_map": {k: str(v) for k, v in model.hf_device_map.items()} if device_map else None,
     }
     return LoadedModel(adapter=adapter, model=model, tokenizer=tokenizer, info=info)

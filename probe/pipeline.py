@@ -11,7 +11,7 @@ import json
 import platform
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from . import __version__
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
-from .rows import RowContext, Summary, process_batch
+from .rows import FIDELITY_TOLERANCE, RowContext, Summary, process_batch
 from .schema import DEVIATION_SCHEMA
 
 
@@ -38,13 +38,13 @@ class RunConfig:
     batch_size: int = 8
     max_length: int = 128
     alphas: tuple[float, ...] = (1.0,)  # strengths solved for (one capture, one solve each)
-    spaces: tuple[str, ...] = ("hidden",)  # parameterisations: "hidden" and/or "key"
+    spaces: tuple[str, ...] | None = None  # "hidden" and/or "key"; None: the adapter's default (rotary: key)
     init: str = "pretrained"  # or "random": the same architecture with fresh weights (seeded by ``seed``)
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
     rtol: float = 1e-9
-    fidelity_tolerance: float = 1e-5
+    fidelity_tolerance: float | None = None  # None: by the model's dtype (probe.rows.FIDELITY_TOLERANCE)
     progress: bool = True
 
 
@@ -114,6 +114,12 @@ def run(config: RunConfig) -> Path:
     loaded = load_model(
         config.model, revision=config.revision, dtype=config.dtype, device=config.device, init=config.init,
         seed=config.seed,
+    )
+    config = replace(
+        config,
+        spaces=tuple(config.spaces or loaded.adapter.spaces[:1]),
+        fidelity_tolerance=config.fidelity_tolerance if config.fidelity_tolerance is not None
+        else FIDELITY_TOLERANCE[config.dtype],
     )
     unsupported = [space for space in config.spaces if space not in loaded.adapter.spaces]
     if unsupported:
@@ -240,7 +246,8 @@ def run(config: RunConfig) -> Path:
         warnings.warn(
             f"Fidelity check failed: reconstructed attention differs from the model's by "
             f"{manifest['fidelity']['max_abs_error']:.2e} (> {config.fidelity_tolerance:.0e}); see {manifest_path}. "
-            "Low-precision dtypes (bfloat16, float16) round attention by ~1e-3: pass --fidelity-tolerance.",
+            "A model whose attention adds something probe does not represent fails this check; so can a low-precision "
+            "model with very large logits (the default tolerance per dtype is in the README): --fidelity-tolerance.",
             stacklevel=2,
         )
     return run_dir
