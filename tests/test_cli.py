@@ -146,11 +146,11 @@ def test_directory_without_config(tmp_path):
 
 
 def test_architecture_without_adapter_lists_supported_types(tmp_path):
-    from transformers import GPT2Config
+    from transformers import XLNetConfig
 
-    GPT2Config(n_layer=1, n_head=2, n_embd=8).save_pretrained(tmp_path / "gpt2")
-    result = invoke("run", tmp_path / "gpt2", "--out", tmp_path)
-    assert_clean_error(result, "no adapter for model type 'gpt2'", "Supported model types:", "bert")
+    XLNetConfig(n_layer=1, n_head=2, d_model=8).save_pretrained(tmp_path / "xlnet")
+    result = invoke("run", tmp_path / "xlnet", "--out", tmp_path)
+    assert_clean_error(result, "no adapter for model type 'xlnet'", "Supported model types:", "bert", "gpt2", "llama")
 
 
 def test_missing_column_lists_available_columns(tiny_bert_dir, tmp_path):

@@ -46,13 +46,16 @@ import torch
 
 from ..errors import ProbeError
 
-#: parameters of a family's eager attention function that probe represents
-KNOWN_PARAMETERS = {"module", "query", "key", "value", "attention_mask", "scaling", "dropout", "position_bias", "kwargs"}
 #: parameters (or keyword arguments) that change the softmax in ways probe's logit form cannot represent
+#: when they are set (``None`` leaves eager attention in the form above)
 UNREPRESENTABLE = {
     "softcap": "logit soft-capping (softcap * tanh(logit / softcap)) is not of the form scale * q.k + log u",
     "s_aux": "attention sinks add a term to the softmax denominator, so the weights over the keys do not sum to 1",
     "sinks": "attention sinks add a term to the softmax denominator, so the weights over the keys do not sum to 1",
+}
+#: parameters of a family's eager attention function that probe represents (or refuses when set)
+KNOWN_PARAMETERS = {
+    "module", "query", "key", "value", "attention_mask", "scaling", "dropout", "position_bias", *UNREPRESENTABLE,
 }
 
 
