@@ -45,7 +45,7 @@ class RunConfig:
     batch_size: int = 8
     max_length: int = 128
     alphas: tuple[float, ...] = (1.0,)  # strengths solved for (one capture, one solve each)
-    spaces: tuple[str, ...] = ("hidden",)  # parameterisations: "hidden" and/or "key"
+    spaces: tuple[str, ...] | None = None  # "hidden" and/or "key"; None: the adapter's default (rotary: key)
     init: str = "pretrained"  # or "random": the same architecture with fresh weights (seeded by ``seed``)
     tokenizer: str | None = None  # where the tokenizer is when it is not beside the model (--tokenizer)
     max_memory_bytes: int | None = None  # --max-memory: bounds the problems held at once (probe.rows)
@@ -53,7 +53,7 @@ class RunConfig:
     dtype: str = "float32"
     seed: int = 0
     rtol: float = 1e-9
-    fidelity_tolerance: float = 1e-5
+    fidelity_tolerance: float | None = None  # None: by the model's dtype (probe.rows.FIDELITY_TOLERANCE)
     progress: bool = True
 
 
@@ -283,6 +283,7 @@ def _timings(manifest: dict) -> dict:
 def run(config: RunConfig) -> Path:
     """Run probe on a model and dataset; return the run directory."""
     checked = check_run(config)  # every up-front check (probe.validate): before any weights load or file is written
+    config = checked.config  # defaults resolved: the adapter's space, the dtype's fidelity tolerance
     with Stops() as stops, distributed.join(config.device) as group, ExitStack() as held:
         job = group.agree(lambda: _prepare(config, group.device(config.device), texts=checked.texts))
         stops.hold()
@@ -516,8 +517,9 @@ def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _Par
         warnings.warn(
             f"Fidelity check failed: reconstructed attention differs from the model's by "
             f"{manifest['fidelity']['max_abs_error']:.2e} (> {config.fidelity_tolerance:.0e}); see "
-            f"{run_dir / storage.MANIFEST}. Low-precision dtypes (bfloat16, float16) round attention by ~1e-3: "
-            "pass --fidelity-tolerance.",
+            f"{run_dir / storage.MANIFEST}. A model whose attention adds something probe does not represent "
+            "fails this check; so can a low-precision model with very large logits (the default tolerance per "
+            "dtype is in the README): --fidelity-tolerance.",
             stacklevel=3,
         )
 
