@@ -8,11 +8,17 @@ from __future__ import annotations
 from ..errors import ProbeError
 from .base import SPACES, Adapter, SiteCapture, SpaceProblems, space_problems
 from .bert import BertAdapter
+from .bloom import BloomAdapter
+from .deberta_v2 import DebertaV2Adapter
+from .mpnet import MPNetAdapter
 from .t5 import T5Adapter
 
 REGISTRY: dict[str, type[Adapter]] = {
     "bert": BertAdapter,
     "t5": T5Adapter,
+    "mpnet": MPNetAdapter,
+    "deberta-v2": DebertaV2Adapter,
+    "bloom": BloomAdapter,
 }
 
 
