@@ -16,7 +16,7 @@ import torch
 from probe.adapters import REGISTRY, space_problems
 from probe.adapters.bloom import BloomAdapter
 from probe.loading import load_model
-from tests.families import (
+from tests.family_checks import (
     TEXTS, assert_complete_run, assert_reproduces_output_attentions, cli_run, cvxpy_spot_check, token_counts,
     write_texts,
 )

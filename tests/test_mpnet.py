@@ -12,7 +12,6 @@ into a cache outside the clone) and found under ``$PROBE_MODELS_DIR`` (default
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +21,9 @@ import torch
 from probe.adapters import REGISTRY, space_problems
 from probe.adapters.mpnet import MPNetAdapter
 from probe.loading import load_model
-from tests.families import (
-    TEXTS, assert_complete_run, assert_reproduces_output_attentions, cli_run, cvxpy_spot_check, token_counts,
-    write_texts,
+from tests.family_checks import (
+    TEXTS, assert_complete_run, assert_reproduces_output_attentions, cli_run, cvxpy_spot_check, real_model_dir,
+    token_counts, write_texts,
 )
 
 
@@ -66,19 +65,9 @@ def tiny_mpnet_dir(tmp_path_factory, minilm_dir):
     return save_tiny_mpnet(tmp_path_factory.mktemp("tiny-mpnet"), minilm_dir)
 
 
-def models_dir() -> Path:
-    return Path(os.environ.get("PROBE_MODELS_DIR") or Path.home() / ".cache" / "probe-models").expanduser()
-
-
 @pytest.fixture(scope="module")
 def real_mpnet_dir():
-    directory = models_dir() / "all-mpnet-base-v2"
-    if not (directory / "model.safetensors").exists():
-        pytest.skip(
-            f"the real all-mpnet-base-v2 is not in {directory}: rebuild it with "
-            f"`bash ../shared/models/fetch.sh {models_dir()}` (or set PROBE_MODELS_DIR); .ci/run does this"
-        )
-    return directory
+    return real_model_dir("all-mpnet-base-v2", "model.safetensors")
 
 
 def capture(model_dir, texts):

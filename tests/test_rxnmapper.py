@@ -22,8 +22,7 @@ import torch
 
 from probe.adapters import REGISTRY
 from probe.adapters.base import Adapter, SiteCapture, project
-from tests.families import assert_complete_run, cli_run, token_counts, write_texts
-from tests.test_mpnet import models_dir
+from tests.family_checks import assert_complete_run, cli_run, real_model_dir, token_counts, write_texts
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -42,12 +41,7 @@ SHORT_REACTIONS = ["CC(=O)O.OCC>>CC(=O)OCC", "Brc1ccccc1.OB(O)c1ccccc1>>c1ccc(-c
 
 @pytest.fixture(scope="module")
 def rxn_albert_dir(tmp_path_factory):
-    checkpoint = models_dir() / "rxnmapper-albert"
-    if not (checkpoint / "config.json").exists():
-        pytest.skip(
-            f"the rxnmapper ALBERT is not in {checkpoint}: rebuild it with "
-            f"`bash ../shared/models/fetch.sh {models_dir()}` (or set PROBE_MODELS_DIR); .ci/run does this"
-        )
+    checkpoint = real_model_dir("rxnmapper-albert")
     out = tmp_path_factory.mktemp("rxn") / "rxn-albert"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "smiles_tokenizer.py"), str(checkpoint), str(out)],
                    check=True, capture_output=True)

@@ -5,6 +5,7 @@
   passed, every row converged.
 * :func:`assert_reproduces_output_attentions`: each captured site, rebuilt as ``softmax(log u + s)``,
   equals the attentions the model returns with ``output_attentions=True`` (independent of the hooks).
+* :func:`real_model_dir`: a real checkpoint from the models cache, or a skip that says how to get it.
 * :func:`cvxpy_spot_check`: for rows drawn from a run, the test's own templates, evidence and preference
   (built by the caller from the weights and the model's hidden states, not by the adapter) solved by
   CVXPY give the run's ``rel_deviation``.
@@ -13,10 +14,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -34,6 +37,23 @@ TEXTS = [
     "Researchers measured the deviation for every layer, head and query token of the model, then they "
     "plotted the histograms per layer and wrote the paper.",
 ]
+
+
+def models_dir() -> Path:
+    """Where real checkpoints rebuilt by ``../shared/models/fetch.sh`` live: ``$PROBE_MODELS_DIR``, default
+    ``~/.cache/probe-models`` (the cache ``.ci/run`` fills)."""
+    return Path(os.environ.get("PROBE_MODELS_DIR") or Path.home() / ".cache" / "probe-models").expanduser()
+
+
+def real_model_dir(name: str, marker: str = "config.json") -> Path:
+    """The checkpoint ``name`` in :func:`models_dir`, or skip the test saying how to get it."""
+    directory = models_dir() / name
+    if not (directory / marker).exists():
+        pytest.skip(
+            f"the real {name} is not in {directory}: rebuild it with `bash ../shared/models/fetch.sh "
+            f"{models_dir()}` (or set PROBE_MODELS_DIR); .ci/run does this"
+        )
+    return directory
 
 
 def write_texts(directory: Path, texts=TEXTS) -> Path:
