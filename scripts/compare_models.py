@@ -5,7 +5,11 @@
 For each run (one attention type, space and alpha): per layer, the number of rows, the mean, median and
 95th percentile of ``rel_deviation``, the mean over the first query of each example (``query == 0``:
 BERT's ``[CLS]``, MPNet's ``<s>``), over the other special tokens (``[SEP]``, ``</s>``) and over word
-tokens, and the share of the layer's rows above 0.12 (where MiniLM's second mode starts).  Layers are
+tokens, the share of the layer's rows above 0.12 (where MiniLM's second mode starts), and two
+quantities that help read the deviation: the mean evidence norm ``||alpha z||`` and the mean entropy of
+the attention rows (nats).  A second table says which tokens make the upper tail: per layer, the
+queries whose head-averaged deviation is in the layer's top 5% (the per-token histograms of the
+report), and the three tokens most frequent among them.  Layers are
 also given as relative depth ``layer / (layers - 1)``, so that models of different depth line up.  The
 output is Markdown (the README's comparison is computed with this script, not typed).
 """
@@ -24,7 +28,8 @@ HIGH = 0.12
 
 def load_run(run_dir: Path, attention_type: str, space: str, alpha: float) -> tuple[str, dict, pd.DataFrame]:
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    columns = ["attention_type", "layer", "example", "query", "rel_deviation", "token_role", "space", "alpha"]
+    columns = ["attention_type", "layer", "example", "query", "rel_deviation", "token_role", "space", "alpha",
+               "evidence_norm", "attention_entropy", "token"]
     frame = pd.read_parquet(run_dir / "deviations.parquet", columns=columns)
     frame = frame[(frame["attention_type"] == attention_type) & (frame["space"] == space) & (frame["alpha"] == alpha)]
     if frame.empty:
@@ -47,7 +52,31 @@ def per_layer(frame: pd.DataFrame) -> pd.DataFrame:
         "other special": frame[~first & (frame["token_role"] == "special")].groupby("layer")["rel_deviation"].mean(),
         "words": frame[~first & (frame["token_role"] == "word")].groupby("layer")["rel_deviation"].mean(),
         f"share > {HIGH}": frame.assign(high=frame["rel_deviation"] > HIGH).groupby("layer")["high"].mean(),
+        "evidence norm": frame.groupby("layer")["evidence_norm"].mean(),
+        "entropy": frame.groupby("layer")["attention_entropy"].mean(),
     })
+    table.index.name = "layer"
+    return table
+
+
+def tail_tokens(frame: pd.DataFrame, top: float = 0.05, shown: int = 3) -> pd.DataFrame:
+    """Per layer: the queries (example, query) whose head-averaged deviation is in the layer's top
+    ``top`` share, their mean, and the ``shown`` most frequent tokens among them with their share."""
+    per_token = frame.groupby(["layer", "example", "query"]).agg(
+        deviation=("rel_deviation", "mean"), token=("token", "first")
+    ).reset_index()
+    rows = {}
+    for layer, part in per_token.groupby("layer"):
+        tail = part[part["deviation"] >= part["deviation"].quantile(1 - top)]
+        shares = tail["token"].value_counts(normalize=True).head(shown)
+        shares = shares[shares >= 0.005]  # shown as at least 1%
+        rows[layer] = {
+            "tail from": tail["deviation"].min(),
+            "tail mean": tail["deviation"].mean(),
+            "rest mean": part.loc[part.index.difference(tail.index), "deviation"].mean(),
+            "tokens of the tail": ", ".join(f"`{token}` {share:.0%}" for token, share in shares.items()),
+        }
+    table = pd.DataFrame.from_dict(rows, orient="index")
     table.index.name = "layer"
     return table
 
@@ -56,9 +85,17 @@ def markdown(name: str, table: pd.DataFrame) -> str:
     header = "| layer | " + " | ".join(table.columns) + " |"
     lines = [f"**{name}**", "", header, "|" + " --- |" * (len(table.columns) + 1)]
     for layer, row in table.iterrows():
-        cells = [f"{int(row['rows']):,}" if column == "rows" else f"{row[column]:.3f}" for column in table.columns]
+        cells = [cell(column, row[column]) for column in table.columns]
         lines.append(f"| {layer} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def cell(column: str, value) -> str:
+    if isinstance(value, str):
+        return value
+    if column == "rows":
+        return f"{int(value):,}"
+    return f"{value:.3g}" if column == "evidence norm" else f"{value:.3f}"
 
 
 def main(argv=None):
@@ -74,6 +111,8 @@ def main(argv=None):
         digests.add(manifest["dataset"].get("texts_sha256"))
         table = per_layer(frame)
         print(markdown(name, table))
+        print()
+        print(markdown(f"{name}: the top 5% of queries per layer (head-averaged)", tail_tokens(frame)))
         overall = frame["rel_deviation"]
         print(f"\nall layers: {len(frame):,} rows, {frame['example'].nunique()} examples, mean {overall.mean():.3f}, "
               f"median {overall.median():.3f}, p95 {overall.quantile(0.95):.3f}; highest layer mean "
