@@ -202,6 +202,7 @@ def run(config: RunConfig) -> Path:
             manifest.update(
                 batches_done=batch_number + 1,
                 solver=summary.solver(),
+                deviations=summary.settings(),
                 fidelity=summary.fidelity_summary(),
                 timings_s={**timings, "capture_s": capture_s, "solve_s": solve_s, "write_s": write_s},
             )
@@ -214,6 +215,7 @@ def run(config: RunConfig) -> Path:
         progress.close()
         manifest.update(
             solver=summary.solver(),
+            deviations=summary.settings(),
             fidelity=summary.fidelity_summary(),
             status="interrupted",
             error=f"{type(error).__name__}: {error}",
@@ -230,6 +232,7 @@ def run(config: RunConfig) -> Path:
         finished_at=datetime.now(timezone.utc).isoformat(),
         timings_s=timings,
         solver=summary.solver(),
+        deviations=summary.settings(),
         fidelity=summary.fidelity_summary(),
         problems_per_second=problems_done / solve_s if solve_s else None,
     )
