@@ -108,4 +108,4 @@ def test_rxnmapper_albert_end_to_end(rxn_albert_dir, tmp_path, monkeypatch):
     assert (config.model_type, config.num_hidden_layers, config.num_attention_heads) == ("albert", 12, 8)
     rows = sum(token_counts(tokenizer, SHORT_REACTIONS)) * config.num_attention_heads * config.num_hidden_layers
     assert_complete_run(frame, manifest, {"self": rows})
-    assert {">>", "[O-]", "[Na+]", "c", "[CLS]"} <= set(frame["token"])
+    assert {">>", "[O-]", "[Na+]", "C", "[CLS]"} <= set(frame["token"])
