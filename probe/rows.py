@@ -10,6 +10,7 @@ solved for every requested alpha.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -19,8 +20,9 @@ import torch
 
 from .adapters import SiteCapture
 from .adapters.base import SpaceProblems, space_problems
+from . import derived
 from .schema import DEVIATION_SCHEMA
-from .solver import DualProblems, DualSolution, solve_dual
+from .solver import DualProblems, DualSolution, factor_gram, solve_dual
 
 #: default bound on the float64 logits held at once (one stack of pieces)
 STACK_BYTES = 1 << 28
@@ -91,16 +93,18 @@ def stacked_problems(problems: list[DualProblems]) -> DualProblems:
         evidence_sqnorm=torch.cat([p.evidence_sqnorm for p in problems]),
         alpha=problems[0].alpha,
         active=torch.cat([p.active for p in problems]),
+        factor=None if any(p.factor is None for p in problems) else torch.cat([p.factor for p in problems]),
     )
 
 
-def solve_stacked(problems: list[DualProblems], rtol: float) -> list[DualSolution]:
+def solve_stacked(problems: list[DualProblems], rtol: float, memory_bytes: int | None = None) -> list[DualSolution]:
     """Solve problems of one shape with one :func:`solve_dual` call, one solution per entry.
 
     Per-call overhead is paid once and the solver's batched products run on larger batches; the
     problems stay independent of one another.
     """
-    solution = solve_dual(stacked_problems(problems), rtol=rtol)
+    budget = {} if memory_bytes is None else {"memory_budget_bytes": memory_bytes}
+    solution = solve_dual(stacked_problems(problems), rtol=rtol, **budget)
     solutions, start = [], 0
     for part in problems:
         stop = start + part.gram.shape[0]
@@ -175,19 +179,55 @@ class RowContext:
         return [self.token_text[int(i)] for i in ids]
 
 
-def _null(count: int, name: str):
-    return pa.nulls(count, DEVIATION_SCHEMA.field(name).type)
+@dataclass
+class Derived:
+    """The derived quantities of one site's solution, each ``(groups, m)`` like the solution."""
+
+    second_order_deviation: torch.Tensor
+    attention_tv: torch.Tensor
+    output_deviation: torch.Tensor
+    attention_entropy: torch.Tensor
+    #: the largest certified bound of each quantity over the site's rows (probe.derived)
+    bounds: dict
+
+
+def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution) -> Derived:
+    """The second-order deviation, attention TV, output deviation and attention entropy of every row
+    (:mod:`probe.derived`, with their certified bounds).  ``problems.factor`` must be set."""
+    factor, alpha = problems.factor, problems.alpha
+    c2, c2_error = derived.second_order_coefficients(
+        factor, problems.logits, problems.log_preference, alpha, active=problems.active
+    )
+    second, second_bound = derived.second_order_deviation(
+        factor, solution.coefficients, c2, solution.lambda_norm, solution.error_bound, c2_error
+    )
+    p_att = derived.model_attention(problems.logits, problems.log_preference, alpha, active=problems.active)
+    tv, tv_bound = derived.attention_tv(solution.attention, p_att, problems.gram, solution.error_bound)
+    # value heads: row j of a group uses value head j // (m / H); key space: one key head per group
+    b, _, _, k = site.shape
+    values = site.values.to(torch.float64).reshape(problems.gram.shape[0], -1, k, site.values.shape[-1])
+    output, output_bound = derived.output_deviation(solution.attention, p_att, values, problems.gram, solution.error_bound)
+
+    def worst(bound):
+        finite = bound[problems.active]
+        return float(finite.max()) if finite.numel() else 0.0
+
+    return Derived(
+        second_order_deviation=second, attention_tv=tv, output_deviation=output,
+        attention_entropy=derived.attention_entropy(p_att),
+        bounds={"second_order_deviation": worst(second_bound), "attention_tv": worst(tv_bound),
+                "output_deviation": worst(output_bound)},
+    )
 
 
 def site_rows(
-    site: SiteCapture, space: str, problems: SpaceProblems, solution: DualSolution, alpha: float,
-    context: RowContext, example_offset: int = 0,
+    site: SiteCapture, space: str, problems: SpaceProblems, solution: DualSolution, quantities: Derived,
+    alpha: float, context: RowContext, example_offset: int = 0,
 ) -> pa.Table:
     """One row per (example, head, real query) of the site in one space and alpha, in the parquet schema."""
     b, h, q, k = site.shape
     active = site.query_mask[:, None, :].expand(b, h, q)
-    log_pref = site.log_preference.expand(b, h, q, k)
-    n_keys = torch.isfinite(log_pref).sum(-1)
+    n_keys = torch.isfinite(site.log_preference.expand(b, h, q, k)).sum(-1)
     ex, head, query = active.nonzero(as_tuple=True)
 
     def pick(x):
@@ -202,9 +242,6 @@ def site_rows(
     roles = np.where(np.isin(token_ids, list(context.special_ids)), "special", "word").astype(object)
     if site.attention_type in ("decoder_self", "cross"):
         roles[positions == 0] = "first"
-    # the model's attention row: softmax(log u + s), the same for every alpha
-    p_att = torch.softmax(log_pref + problems.logits, dim=-1)
-    entropy = -torch.where(p_att > 0, p_att * p_att.log(), torch.zeros_like(p_att)).sum(-1)
     columns = {
         "model": pa.array([context.model_name] * count, pa.string()),
         "attention_type": pa.array([site.attention_type] * count, pa.string()),
@@ -225,18 +262,22 @@ def site_rows(
         "token": pa.array(context.tokens(token_ids), pa.string()),
         "token_role": pa.array(roles, pa.string()),
         "trivial": keys == 1,
-        "second_order_deviation": _null(count, "second_order_deviation"),
-        "attention_tv": _null(count, "attention_tv"),
-        "output_deviation": _null(count, "output_deviation"),
+        "second_order_deviation": pick(quantities.second_order_deviation),
+        "attention_tv": pick(quantities.attention_tv),
+        "output_deviation": pick(quantities.output_deviation),
         # ||alpha z|| = ||z|| at alpha = 1 (the evidence is z / alpha for other alpha)
         "evidence_norm": problems.evidence_sqnorm[ex, head, query].sqrt().cpu().numpy(),
-        "attention_entropy": entropy[ex, head, query].cpu().numpy(),
+        "attention_entropy": pick(quantities.attention_entropy),
     }
     return pa.table(columns, schema=DEVIATION_SCHEMA)
 
 
 # --------------------------------------------------------------------------------------------------
 # bookkeeping
+
+
+#: the columns whose means the manifest summarises per (space, alpha)
+MEANS = ("rel_deviation", "second_order_deviation", "attention_tv", "output_deviation")
 
 
 class Summary:
@@ -251,10 +292,19 @@ class Summary:
         self.iterations_max = 0
         self.fidelity: dict[str, float] = {}
         self.fidelity_by_space: dict[str, float] = {}
+        self.derived_bounds: dict[str, float] = {}
+        self.by_setting: dict[str, dict] = {}  # "space, alpha=..." -> row count and sums of MEANS
         self.tolerance = tolerance
 
-    def add(self, table: pa.Table):
+    def add(self, table: pa.Table, bounds: dict | None = None):
+        for name, bound in (bounds or {}).items():
+            self.derived_bounds[name] = max(self.derived_bounds.get(name, 0.0), bound)
         if table.num_rows:
+            key = f"{table['space'][0].as_py()}, alpha={table['alpha'][0].as_py():g}"
+            sums = self.by_setting.setdefault(key, dict.fromkeys(("rows",) + MEANS, 0.0))
+            sums["rows"] += table.num_rows
+            for name in MEANS:
+                sums[name] += float(np.nansum(table[name].to_numpy(zero_copy_only=False)))
             converged = table["converged"].to_numpy(zero_copy_only=False)
             iterations = table["iterations"].to_numpy()
             bound = table["error_bound"].to_numpy() / table["lambda_norm"].to_numpy()
@@ -281,7 +331,46 @@ class Summary:
             "max_relative_error_bound": self.max_relative_error_bound,
             "mean_iterations": self.iterations_total / self.rows if self.rows else None,
             "max_iterations": self.iterations_max,
+            "max_derived_bound": dict(self.derived_bounds),
         }
+
+    def settings(self) -> dict:
+        """Per (space, alpha): rows and the mean of each deviation column (all rows, trivial ones included)."""
+        return {
+            key: {"rows": int(sums["rows"]), **{f"mean_{name}": sums[name] / sums["rows"] for name in MEANS}}
+            for key, sums in self.by_setting.items()
+        }
+
+    def state(self) -> dict:
+        """The running totals as JSON values (each part file stores its batch's; see :meth:`merge`)."""
+        return copy.deepcopy(vars(self))
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Summary":
+        summary = cls(state["tolerance"])
+        vars(summary).update(copy.deepcopy(state))
+        return summary
+
+    def merge(self, other: "Summary") -> "Summary":
+        """Fold another summary (another batch, segment or rank) into this one; return self."""
+        self.rows += other.rows
+        self.not_converged += other.not_converged
+        self.max_duality_gap = max(self.max_duality_gap, other.max_duality_gap)
+        self.max_relative_error_bound = max(self.max_relative_error_bound, other.max_relative_error_bound)
+        self.iterations_total += other.iterations_total
+        self.iterations_max = max(self.iterations_max, other.iterations_max)
+        for mine, theirs in (
+            (self.fidelity, other.fidelity),
+            (self.fidelity_by_space, other.fidelity_by_space),
+            (self.derived_bounds, other.derived_bounds),
+        ):
+            for key, value in theirs.items():
+                mine[key] = max(mine.get(key, 0.0), value)
+        for key, sums in other.by_setting.items():
+            mine = self.by_setting.setdefault(key, dict.fromkeys(sums, 0.0))
+            for name, value in sums.items():
+                mine[name] = mine.get(name, 0.0) + value
+        return self
 
     def fidelity_summary(self) -> dict:
         worst = max(self.fidelity.values(), default=0.0)
@@ -302,13 +391,17 @@ class Summary:
 class BatchSolver:
     """Receives sites as the model emits them and solves them in stacks of bounded size.
 
-    ``spaces`` and ``alphas`` are the parameterisations and strengths to solve; ``limit_bytes`` bounds
-    the float64 logits of one stack (the problems held at once).
+    ``spaces`` and ``alphas`` are the parameterisations and strengths to solve; ``memory_bytes`` (the
+    run's ``--max-memory``) bounds the problems held at once and the solver's working set.
     """
 
-    def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, limit_bytes: int = STACK_BYTES):
+    def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, memory_bytes: int | None = None):
         self.spaces, self.alphas, self.rtol = tuple(spaces), tuple(alphas), rtol
-        self.context, self.summary, self.limit_bytes = context, summary, limit_bytes
+        self.context, self.summary = context, summary
+        # --max-memory: an eighth for the logits of the stack held at once (the problems built from
+        # them take a few times that), half for the solver's working set
+        self.limit_bytes = STACK_BYTES if memory_bytes is None else max(1, memory_bytes // 8)
+        self.solver_bytes = None if memory_bytes is None else max(1, memory_bytes // 2)
         self.pending: list[tuple[SiteCapture, int]] = []  # (piece, offset of its first example in the batch)
         self.pending_bytes = 0
         self.tables: list[pa.Table] = []
@@ -338,23 +431,24 @@ class BatchSolver:
             problems = [space_problems(site, space) for site in sites]
             for site, built in zip(sites, problems):
                 self.summary.add_fidelity(site.attention_type, space, fidelity_error(site, built))
+            factors = [factor_gram(built.gram.reshape(-1, *built.gram.shape[-2:])) for built in problems]
             for alpha in self.alphas:
-                solutions = solve_stacked(
-                    [dual_problems(site, built, alpha) for site, built in zip(sites, problems)], self.rtol
-                )
-                for (site, offset), built, solution in zip(stack, problems, solutions):
-                    table = site_rows(site, space, built, solution, alpha, self.context, offset)
-                    self.summary.add(table)
+                duals = [dual_problems(site, built, alpha) for site, built in zip(sites, problems)]
+                for dual, factor in zip(duals, factors):
+                    dual.factor = factor  # one factorisation per space, shared by every alpha
+                solutions = solve_stacked(duals, self.rtol, self.solver_bytes)
+                for (site, offset), built, dual, solution in zip(stack, problems, duals, solutions):
+                    quantities = derive(site, dual, solution)
+                    table = site_rows(site, space, built, solution, quantities, alpha, self.context, offset)
+                    self.summary.add(table, quantities.bounds)
                     self.tables.append(table)
 
 
 @torch.no_grad()
 def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary: Summary, context: RowContext):
     """Capture every attention site of one batch, solve its problems and return the rows, site by site."""
-    solver = BatchSolver(
-        config.spaces, config.alphas, config.rtol, context, summary,
-        limit_bytes=getattr(config, "stack_bytes", None) or STACK_BYTES,
-    )
+    budget = getattr(config, "max_memory_bytes", None)
+    solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget)
     t0 = time.perf_counter()
     context.example_ids = example_ids
     loaded.adapter.capture(loaded.model, inputs, solver)

@@ -46,6 +46,9 @@ and strong concavity gives :math:`\|\lambda(y) - \lambda^*\| \le \alpha\|g\| = \
 The returned :math:`\hat\lambda = \alpha(\mu + z - T^\top p)` is within ``error_bound``
 :math:`= 2\sqrt{2\alpha\,\mathrm{gap}}` of :math:`\lambda^*`.  A problem is ``converged`` only when
 ``error_bound <= rtol * ||lambda_hat|| + atol``.
+
+The quantities derived from a solution (the second-order prediction, attention and output deviations)
+and their certificates, which follow from this one, are in :mod:`probe.derived`.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DualProblems", "DualSolution", "solve_dual", "duality_gap_reduced", "factor_gram"]
+__all__ = ["DualProblems", "DualSolution", "solve_dual", "duality_gap_reduced", "factor_gram", "solve_spd_reduced"]
 
 
 @dataclass
@@ -72,6 +75,9 @@ class DualProblems:
         alpha: strength :math:`\alpha > 0`.
         active: which problems to solve, ``(n_groups, m)`` bool; inactive ones (e.g. padding queries)
             are skipped and their outputs are NaN.  ``None`` means all.
+        factor: :math:`A` with :math:`AA^\top = G` from :func:`factor_gram`, ``(n_groups, n, r)``, when
+            the caller has it (it depends on :math:`G` only, so one factorisation serves every alpha);
+            ``None``: computed here.
     """
 
     gram: torch.Tensor
@@ -80,6 +86,7 @@ class DualProblems:
     evidence_sqnorm: torch.Tensor
     alpha: float = 1.0
     active: torch.Tensor | None = None
+    factor: torch.Tensor | None = None
 
 
 @dataclass
@@ -432,7 +439,7 @@ def solve_dual(
     evidence_sqnorm = torch.where(active, evidence_sqnorm, torch.ones_like(evidence_sqnorm))
     log_pref = _log_softmax_normalised(log_pref)
 
-    factor = factor_gram(gram)
+    factor = factor_gram(gram) if problems.factor is None else problems.factor.to(device=device, dtype=dtype)
 
     # About 24 live (m, n)-sized tensors per problem slice during CG and line search.
     bytes_per_row = 24 * n * torch.finfo(dtype).bits // 8
@@ -480,3 +487,31 @@ def _assemble(parts, n_groups, m, n, dtype, device):
         for name, out in fields.items():
             out[g0:g1, j0:j1] = getattr(part, name)
     return DualSolution(**fields)
+
+
+def solve_spd_reduced(
+    factor: torch.Tensor, weights: torch.Tensor, rhs: torch.Tensor, alpha: float, rtol: float = 1e-12,
+    max_iter: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Solve :math:`(I/\alpha + A^\top(\mathrm{diag}\,w - ww^\top)A)\,x = b` for every row, in float64.
+
+    The negated Hessian of (R-D) with :math:`p` replaced by the distribution ``weights`` :math:`w`
+    (``(g, m, n)``, rows summing to 1, zeros allowed), for right-hand sides ``rhs`` ``(g, m, r)`` and the
+    shared factor :math:`A` ``(g, n, r)`` of :func:`factor_gram`.  Solved by the solver's batched
+    Jacobi-preconditioned CG (the same operator and preconditioner as its Newton systems) to relative
+    residual ``rtol``, at most ``max_iter`` steps (default ``4 r + 20``).  Rows with ``rhs = 0`` return 0.
+
+    Returns ``(x, residual_norm)`` with :math:`\|b - Hx\|` recomputed from ``x`` (not CG's recursive
+    residual), so that callers can certify their error: :math:`H \succeq I/\alpha` gives
+    :math:`\|x - H^{-1}b\| \le \alpha\,\|b - Hx\|`.
+    """
+    f64 = torch.float64
+    factor, weights, rhs = factor.to(f64), weights.to(f64), rhs.to(f64)
+    group = _Group(factor, torch.zeros_like(weights), weights.log(), alpha, f64)
+    precond = group.hessian_diagonal(weights, torch.zeros_like(rhs)).clamp_min(1.0 / alpha)
+    live = torch.ones(rhs.shape[:-1], dtype=torch.bool, device=rhs.device)
+    tolerance = torch.full(rhs.shape[:-1], rtol, dtype=f64, device=rhs.device)
+    steps = 4 * factor.shape[-1] + 20 if max_iter is None else max_iter
+    x = _conjugate_gradient(group, weights, rhs, precond, tolerance, steps, live)
+    residual = rhs - group.hessian_times(weights, x)
+    return x, residual.norm(dim=-1)

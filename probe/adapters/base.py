@@ -164,8 +164,11 @@ class Adapter(ABC):
         ``config`` is the checkpoint's config with its attention implementation already set to eager
         (a value saved in config.json would otherwise win over the ``attn_implementation`` argument).
         """
-        model = self.model_class(config).from_pretrained(
-            name_or_path, config=config, revision=revision, dtype=dtype, attn_implementation="eager"
+        from ..loading import from_pretrained_checked  # weight problems as ProbeErrors
+
+        model = from_pretrained_checked(
+            self.model_class(config), name_or_path, config=config, revision=revision, dtype=dtype,
+            attn_implementation="eager",
         )
         self.prepare(model)
         return model

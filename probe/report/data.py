@@ -16,11 +16,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.dataset as pads
-import pyarrow.parquet as pq
 
 from ..errors import ProbeError
 from ..schema import DEVIATION_SCHEMA
+from ..storage import deviations_dataset, with_liveness
 
 #: Columns the report cannot do without.
 NEEDED_COLUMNS = ("attention_type", "layer", "head", "example", "query", "rel_deviation", "converged")
@@ -155,13 +154,11 @@ def _type_kind(arrow_type: pa.DataType) -> str:
 
 
 def _schema(path: Path) -> pa.Schema:
-    """The Arrow schema of a parquet file or of a directory of parquet part files."""
-    if path.is_dir():
-        dataset = pads.dataset(path, format="parquet")
-        if not dataset.files:
-            raise ProbeError(f"{path} holds no parquet part files. {RUN_HINT}")
-        return dataset.schema
-    return pq.read_schema(path)
+    """The Arrow schema of a run's part files (or of one exported parquet file)."""
+    dataset = deviations_dataset(path)
+    if path.is_dir() and not dataset.files:
+        raise ProbeError(f"{path} holds no parquet part files. {RUN_HINT}")
+    return dataset.schema
 
 
 def read_deviations(path: Path) -> pd.DataFrame:
@@ -190,7 +187,9 @@ def read_deviations(path: Path) -> pd.DataFrame:
         raise ProbeError(f"{path} has columns of the wrong type: {'; '.join(wrong)}. Re-run `probe run`.")
     dictionary = [name for name in DICTIONARY_COLUMNS if name in columns]
     try:
-        table = pq.read_table(path, columns=columns, read_dictionary=dictionary)
+        table = deviations_dataset(path).to_table(columns=columns)
+        for name in dictionary:  # strings repeated on every row: categoricals, small however many rows
+            table = table.set_column(table.schema.get_field_index(name), name, table[name].dictionary_encode())
     except (pa.ArrowException, OSError) as error:
         raise ProbeError(f"Cannot read the data in {path} ({error}). {RUN_HINT}") from None
     return _normalise(table.to_pandas())
@@ -340,6 +339,7 @@ def read_run(run_dir: str | Path, *, name: str | None = None) -> Run:
         )
     rows = read_deviations(table_path)
     manifest, problem = load_manifest(run_dir / "manifest.json")
+    manifest = with_liveness(manifest)  # a "running" run whose process is gone was interrupted
     notes = []
     if problem:
         warnings.warn(problem, stacklevel=3)
