@@ -168,9 +168,9 @@ def check_options(config) -> None:
 
 def check_report_formats(formats: str) -> list[str]:
     """The figure formats of ``--format`` (checked by the report's own rule), before any work."""
-    from .report import _check_formats
+    from .report.style import check_formats
 
-    return _check_formats([item for item in formats.split(",")])
+    return check_formats([item for item in formats.split(",")])
 
 
 # --------------------------------------------------------------------------------------------------
