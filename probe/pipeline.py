@@ -31,6 +31,7 @@ from .errors import ProbeError
 from .loading import LoadedModel, load_model
 from .rows import RowContext, Summary, process_batch
 from .stopping import RunStopped, Stops
+from .validate import check_run
 
 
 @dataclass
@@ -44,13 +45,15 @@ class RunConfig:
     batch_size: int = 8
     max_length: int = 128
     alphas: tuple[float, ...] = (1.0,)  # strengths solved for (one capture, one solve each)
-    spaces: tuple[str, ...] = ("hidden",)  # parameterisations: "hidden" and/or "key"
+    spaces: tuple[str, ...] | None = None  # "hidden" and/or "key"; None: the adapter's default (rotary: key)
     init: str = "pretrained"  # or "random": the same architecture with fresh weights (seeded by ``seed``)
+    tokenizer: str | None = None  # where the tokenizer is when it is not beside the model (--tokenizer)
+    max_memory_bytes: int | None = None  # --max-memory: bounds the problems held at once (probe.rows)
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
     rtol: float = 1e-9
-    fidelity_tolerance: float = 1e-5
+    fidelity_tolerance: float | None = None  # None: by the model's dtype (probe.rows.FIDELITY_TOLERANCE)
     progress: bool = True
 
 
@@ -113,15 +116,16 @@ def _plan_batches(loaded: LoadedModel, texts: Texts, batch_size: int, max_length
 
 
 def _prepare(
-    config: RunConfig, device: str, model_location: str | None = None, dataset: DatasetSpec | None = None
+    config: RunConfig, device: str, model_location: str | None = None, dataset: DatasetSpec | None = None,
+    texts: Texts | None = None,
 ) -> _Job:
     """Load the model (from ``model_location``, default ``config.model``) onto ``device`` and the texts
-    (``dataset``, default ``config.dataset``); plan the batches."""
+    (``texts`` when already read, else from ``dataset``, default ``config.dataset``); plan the batches."""
     torch.manual_seed(config.seed)
     started = time.perf_counter()
     loaded = load_model(
         model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
-        init=config.init, seed=config.seed,
+        init=config.init, seed=config.seed, tokenizer=config.tokenizer,
     )
     unsupported = [space for space in config.spaces if space not in loaded.adapter.spaces]
     if unsupported:
@@ -131,7 +135,7 @@ def _prepare(
             f"--space {','.join(loaded.adapter.spaces)}."
         )
     loaded_at = time.perf_counter()
-    texts = load_texts(dataset or config.dataset)
+    texts = texts if texts is not None else load_texts(dataset or config.dataset)
     timings = {"load_model_s": loaded_at - started, "load_data_s": time.perf_counter() - loaded_at}
     batches, lengths = _plan_batches(loaded, texts, config.batch_size, config.max_length)
     device = next(loaded.model.parameters()).device
@@ -278,14 +282,10 @@ def _timings(manifest: dict) -> dict:
 
 def run(config: RunConfig) -> Path:
     """Run probe on a model and dataset; return the run directory."""
-    if not config.alphas or any(not (alpha > 0 and alpha < float("inf")) for alpha in config.alphas):
-        raise ProbeError(f"--alpha must be finite and positive, got {', '.join(map(str, config.alphas))}.")
-    if config.init not in ("pretrained", "random"):
-        raise ProbeError(f"--init must be pretrained or random, got '{config.init}'.")
-    if config.batch_size < 1 or config.max_length < 1:
-        raise ProbeError("--batch-size and --max-length must be at least 1.")
+    checked = check_run(config)  # every up-front check (probe.validate): before any weights load or file is written
+    config = checked.config  # defaults resolved: the adapter's space, the dtype's fidelity tolerance
     with Stops() as stops, distributed.join(config.device) as group, ExitStack() as held:
-        job = group.agree(lambda: _prepare(config, group.device(config.device)))
+        job = group.agree(lambda: _prepare(config, group.device(config.device), texts=checked.texts))
         stops.hold()
 
         def create() -> str:  # rank 0 creates the run directory and holds it
@@ -517,8 +517,9 @@ def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _Par
         warnings.warn(
             f"Fidelity check failed: reconstructed attention differs from the model's by "
             f"{manifest['fidelity']['max_abs_error']:.2e} (> {config.fidelity_tolerance:.0e}); see "
-            f"{run_dir / storage.MANIFEST}. Low-precision dtypes (bfloat16, float16) round attention by ~1e-3: "
-            "pass --fidelity-tolerance.",
+            f"{run_dir / storage.MANIFEST}. A model whose attention adds something probe does not represent "
+            "fails this check; so can a low-precision model with very large logits (the default tolerance per "
+            "dtype is in the README): --fidelity-tolerance.",
             stacklevel=3,
         )
 
