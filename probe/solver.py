@@ -46,6 +46,9 @@ and strong concavity gives :math:`\|\lambda(y) - \lambda^*\| \le \alpha\|g\| = \
 The returned :math:`\hat\lambda = \alpha(\mu + z - T^\top p)` is within ``error_bound``
 :math:`= 2\sqrt{2\alpha\,\mathrm{gap}}` of :math:`\lambda^*`.  A problem is ``converged`` only when
 ``error_bound <= rtol * ||lambda_hat|| + atol``.
+
+The quantities derived from a solution (the second-order prediction, attention and output deviations)
+and their certificates, which follow from this one, are in :mod:`probe.derived`.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DualProblems", "DualSolution", "solve_dual", "duality_gap_reduced", "factor_gram"]
+__all__ = ["DualProblems", "DualSolution", "solve_dual", "duality_gap_reduced", "factor_gram", "solve_spd_reduced"]
 
 
 @dataclass
@@ -72,6 +75,9 @@ class DualProblems:
         alpha: strength :math:`\alpha > 0`.
         active: which problems to solve, ``(n_groups, m)`` bool; inactive ones (e.g. padding queries)
             are skipped and their outputs are NaN.  ``None`` means all.
+        factor: :math:`A` with :math:`AA^\top = G` from :func:`factor_gram`, ``(n_groups, n, r)``, when
+            the caller has it (it depends on :math:`G` only, so one factorisation serves every alpha);
+            ``None``: computed here.
     """
 
     gram: torch.Tensor
@@ -80,6 +86,7 @@ class DualProblems:
     evidence_sqnorm: torch.Tensor
     alpha: float = 1.0
     active: torch.Tensor | None = None
+    factor: torch.Tensor | None = None
 
 
 @dataclass
@@ -228,44 +235,53 @@ class _State:
     deviation: torch.Tensor
 
 
-def _conjugate_gradient(work, p, rhs, forcing, max_iter, live):
-    r"""Newton direction: batched CG on :math:`H\,\Delta y = g`, ``H`` the negated Hessian of (R-D),
-    :math:`Hv = v/\alpha + A^\top \Sigma_p A v` with :math:`\Sigma_p = \mathrm{diag}\,p - pp^\top`
-    (two products with the group's :math:`A` per step).  A Jacobi preconditioner did not reduce the
-    step count on MiniLM's problems (their Hessians have condition numbers of 3 to 5), so there is none.
+def _hessian_times(factor, alpha, p, v, out=None, buffer=None):
+    r"""Rows of :math:`Hv = v/\alpha + A^\top \Sigma_p A v`, the negated Hessian of (R-D) at :math:`p`,
+    with :math:`\Sigma_p = \mathrm{diag}\,p - pp^\top` (two products with the group's :math:`A`)."""
+    Av = torch.bmm(v, factor.transpose(1, 2), out=buffer)
+    Av.sub_(torch.linalg.vecdot(p, Av).unsqueeze(-1)).mul_(p)  # Sigma_p A v
+    return torch.baddbmm(v, Av, factor, beta=1.0 / alpha, out=out)
 
-    ``p`` and ``rhs`` (:math:`g`, overwritten) are in the direction's precision; a row stops when its
-    residual's norm reaches ``forcing`` times the right-hand side's.  Returns :math:`\Delta y` in the
-    solver's dtype.
+
+def _conjugate_gradient(factor, alpha, p, rhs, forcing, max_iter, live, precond=None):
+    r"""Batched CG on :math:`H x = b` (:func:`_hessian_times`), each row stopping when its residual's norm
+    reaches ``forcing`` times its right-hand side's; rows not ``live`` return 0.
+
+    For the Newton directions there is no preconditioner: a Jacobi one did not reduce the step count on
+    MiniLM's problems (their Hessians have condition numbers of 3 to 5) and costs a pass per step.
+    ``p``, ``rhs`` (overwritten) and ``precond`` (the diagonal, or None) are in ``factor``'s precision,
+    which is that of the result.
     """
-    factor = work.A_low
-    factor_t = factor.transpose(1, 2)
-    inv_alpha = 1.0 / work.alpha
     g_count, m, n = p.shape
     x = torch.zeros_like(rhs)
     r = rhs
-    d = r.clone()
+    z = r if precond is None else r / precond
+    d = z.clone()
     Ad = torch.empty(g_count, m, n, dtype=p.dtype, device=p.device)
     Hd = torch.empty_like(r)
-    rho = torch.linalg.vecdot(r, r)
-    target = forcing.to(rho.dtype).square() * rho
-    running = live & (rho > target)
+    rz = torch.linalg.vecdot(r, z)
+    target = forcing.to(rz.dtype).square() * torch.linalg.vecdot(r, r)
+    running = live & (torch.linalg.vecdot(r, r) > target)
     for _ in range(max_iter):
         if not bool(running.any()):
             break
-        torch.bmm(d, factor_t, out=Ad)
-        Ad.sub_(torch.linalg.vecdot(p, Ad).unsqueeze(-1)).mul_(p)  # Sigma_p A d
-        torch.baddbmm(d, Ad, factor, beta=inv_alpha, out=Hd)  # d / alpha + A^T Sigma_p A d
+        _hessian_times(factor, alpha, p, d, out=Hd, buffer=Ad)
         curvature = torch.linalg.vecdot(d, Hd)
-        step = torch.where(running, rho / torch.where(curvature > 0, curvature, 1.0), 0.0).unsqueeze(-1)
+        step = torch.where(running, rz / torch.where(curvature > 0, curvature, 1.0), 0.0).unsqueeze(-1)
         x.addcmul_(step, d)
         r.addcmul_(step, Hd, value=-1.0)
-        rho_new = torch.linalg.vecdot(r, r)
-        running = running & (rho_new > target)
-        beta = torch.where(running, rho_new / torch.where(rho > 0, rho, 1.0), 0.0).unsqueeze(-1)
-        torch.addcmul(r, beta, d, out=d)  # a row that stopped gets d = r: bounded, and never used again
-        rho = rho_new
-    return x.to(work.A.dtype)
+        if precond is None:
+            z = r
+            rz_new = torch.linalg.vecdot(r, r)
+            running = running & (rz_new > target)
+        else:
+            z = torch.div(r, precond, out=z)
+            rz_new = torch.linalg.vecdot(r, z)
+            running = running & (torch.linalg.vecdot(r, r) > target)
+        beta = torch.where(running, rz_new / torch.where(rz > 0, rz, 1.0), 0.0).unsqueeze(-1)
+        torch.addcmul(z, beta, d, out=d)  # a row that stopped gets d = z: bounded, and never used again
+        rz = rz_new
+    return x
 
 
 _COMPACT_BELOW = 0.5  # gather the live problems once they fit in this fraction of the working set
@@ -306,7 +322,9 @@ def _newton(work, state, iterations, live, initial_norm, rtol, atol, max_iter):
             return state, iterations, live, initial_norm, max_iter - done  # no live problem, or compact
         # Inexact Newton; the gradient, the line search and the certificate stay in the solver's dtype.
         forcing = _forcing(gradient_norm, initial_norm, goal, forcing_floor)
-        direction = _conjugate_gradient(work, state.p.to(low), state.gradient.to(low, copy=True), forcing, cg_cap, live)
+        direction = _conjugate_gradient(
+            work.A_low, alpha, state.p.to(low), state.gradient.to(low, copy=True), forcing, cg_cap, live
+        ).to(dtype)
         a_direction = torch.bmm(direction, work.A.transpose(1, 2))  # A dy
         slope = torch.linalg.vecdot(state.gradient, direction)  # > 0: CG from 0 on an SPD system ascends
         # (R-D) along the step: y^T m and ||y||^2 are polynomials in t, only the log-sum-exp needs a pass
@@ -473,7 +491,13 @@ def solve_dual(
     out = _empty_solution(n_groups, m, n, dtype, device)
     if m == 0 or n_groups == 0 or n == 0:
         return out
-    factor = factor_gram(problems.gram.to(dtype))
+    if problems.factor is None:
+        factor = factor_gram(problems.gram.to(dtype))
+    else:
+        factor = problems.factor.to(device=device, dtype=dtype)
+    kept = factor.abs().amax(dim=(0, 1)) > 0  # zero columns (a rank-deficient G in every group) do nothing
+    if not bool(kept.all()):
+        factor = factor[..., kept]
     factor_low = factor if direction_dtype == dtype else factor.to(direction_dtype)
 
     # About 16 (m, n)-sized tensors of the solver's dtype per problem slice are live at once.
@@ -540,3 +564,31 @@ def _empty_solution(n_groups, m, n, dtype, device):
         iterations=full((n_groups, m), 0, torch.int32),
         converged=full((n_groups, m), False, torch.bool),
     )
+
+
+def solve_spd_reduced(
+    factor: torch.Tensor, weights: torch.Tensor, rhs: torch.Tensor, alpha: float, rtol: float = 1e-12,
+    max_iter: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Solve :math:`(I/\alpha + A^\top(\mathrm{diag}\,w - ww^\top)A)\,x = b` for every row, in float64.
+
+    The negated Hessian of (R-D) with :math:`p` replaced by the distribution ``weights`` :math:`w`
+    (``(g, m, n)``, rows summing to 1, zeros allowed), for right-hand sides ``rhs`` ``(g, m, r)`` and the
+    shared factor :math:`A` ``(g, n, r)`` of :func:`factor_gram`.  Solved by the solver's batched
+    Jacobi-preconditioned CG (the same operator and preconditioner as its Newton systems) to relative
+    residual ``rtol``, at most ``max_iter`` steps (default ``4 r + 20``).  Rows with ``rhs = 0`` return 0.
+
+    Returns ``(x, residual_norm)`` with :math:`\|b - Hx\|` recomputed from ``x`` (not CG's recursive
+    residual), so that callers can certify their error: :math:`H \succeq I/\alpha` gives
+    :math:`\|x - H^{-1}b\| \le \alpha\,\|b - Hx\|`.
+    """
+    f64 = torch.float64
+    factor, weights, rhs = factor.to(f64), weights.to(f64), rhs.to(f64)
+    a_weights = torch.bmm(weights, factor)  # A^T w
+    precond = (1.0 / alpha + torch.bmm(weights, factor * factor) - a_weights * a_weights).clamp_min(1.0 / alpha)
+    live = torch.ones(rhs.shape[:-1], dtype=torch.bool, device=rhs.device)
+    tolerance = torch.full(rhs.shape[:-1], rtol, dtype=f64, device=rhs.device)
+    steps = 4 * factor.shape[-1] + 20 if max_iter is None else max_iter
+    x = _conjugate_gradient(factor, alpha, weights, rhs.clone(), tolerance, steps, live, precond)
+    residual = rhs - _hessian_times(factor, alpha, weights, x)
+    return x, residual.norm(dim=-1)

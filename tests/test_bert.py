@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from probe.loading import load_model
+from probe.adapters import space_problems
 from probe.rows import fidelity_error, site_problems
 from probe.reference import cvxpy_primal, relative_deviation
 from probe.solver import solve_dual
@@ -25,7 +26,7 @@ def captured(model_dir, texts=TEXTS, max_length=64):
     loaded = load_model(str(model_dir), device="cpu")
     inputs = loaded.adapter.encode(loaded.tokenizer, texts, None, max_length)
     with torch.no_grad():
-        sites = list(loaded.adapter.capture(loaded.model, inputs))
+        sites = loaded.adapter.sites(loaded.model, inputs)
         reference = loaded.model(**inputs, output_attentions=True, output_hidden_states=True)
     return loaded, inputs, sites, reference
 
@@ -36,7 +37,7 @@ def assert_reproduces_model_attention(sites, inputs, reference):
     for site, attention in zip(sites, reference.attentions):
         assert fidelity_error(site) <= 1e-5
         # independent of the hook: the attentions the model returns with output_attentions=True
-        rebuilt = torch.softmax(site.log_preference + site.logits, dim=-1)
+        rebuilt = torch.softmax(site.log_preference + space_problems(site, "hidden").logits, dim=-1)
         real = mask[:, None, :, None].expand_as(rebuilt)
         assert (rebuilt - attention.double()).abs()[real].max() <= 1e-5
 
@@ -58,7 +59,7 @@ def test_models_saved_under_either_attention_implementation(tmp_path, minilm_dir
 
 def test_minilm_capture_reproduces_attention(minilm_dir):
     _, inputs, sites, reference = captured(minilm_dir)
-    assert len(sites) == 6 and sites[0].logits.shape[1] == 12
+    assert len(sites) == 6 and space_problems(sites[0], "hidden").logits.shape[1] == 12
     assert_reproduces_model_attention(sites, inputs, reference)
 
 
@@ -85,8 +86,8 @@ def test_minilm_solutions_match_cvxpy_on_independently_built_problems(minilm_dir
     chosen = [(0, 0, 0, 0), (2, 5, 1, 2), (5, 11, 2, 4), (3, 7, 0, 9)]  # (layer, head, example, query)
     for layer, head, example, query in chosen:
         solution = solve_dual(site_problems(sites[layer], 1.0))
-        heads = sites[layer].logits.shape[1]
-        q_len = sites[layer].logits.shape[2]
+        heads = space_problems(sites[layer], "hidden").logits.shape[1]
+        q_len = space_problems(sites[layer], "hidden").logits.shape[2]
         ours = solution.rel_deviation[example, head * q_len + query].item()
         assert bool(solution.converged[example, head * q_len + query])
         T, z, log_u = explicit_problem(loaded.model, reference.hidden_states, layer, head, example, query, mask)

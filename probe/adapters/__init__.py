@@ -6,7 +6,7 @@ Adding an architecture = one adapter file beside these and one line in :data:`RE
 from __future__ import annotations
 
 from ..errors import ProbeError
-from .base import Adapter, SiteCapture
+from .base import SPACES, Adapter, SiteCapture, SpaceProblems, space_problems
 from .bert import BertAdapter
 from .t5 import T5Adapter
 
@@ -28,4 +28,4 @@ def adapter_for(model_type: str) -> Adapter:
         ) from None
 
 
-__all__ = ["Adapter", "SiteCapture", "REGISTRY", "adapter_for"]
+__all__ = ["Adapter", "SiteCapture", "SpaceProblems", "SPACES", "space_problems", "REGISTRY", "adapter_for"]

@@ -1,55 +1,145 @@
 r"""What every architecture adapter produces: one :class:`SiteCapture` per attention site.
 
-An *attention site* is one attention module of the model (an attention type and a layer).  For every
-example, head and query token of a site the adapter gives the reduced dual problem of DEVELOPERS.md
-for :math:`\alpha = 1`:
+An *attention site* is one attention module of the model (an attention type and a layer).  For a batch
+of examples the adapter records what the module's logits are made of:
 
-* templates :math:`t_i = x_i/\sqrt{d'}` (``x_i`` the hidden state entering attention), through their
-  Gram matrix :math:`G = TT^\top`;
-* evidence :math:`z` such that :math:`\langle t_i, z\rangle + \log u_i` equals the model's attention
-  logit up to a constant per query, through the logits :math:`s_i = \langle t_i, z\rangle` and
-  :math:`\|z\|^2`;
-* preference :math:`\log u` (unnormalised, ``-inf`` for keys that are not part of the problem).
+.. math::  \text{logit}_{ji} = c_\text{scale}\; q_j\cdot k_i + \log u_{ji}
 
-The pipeline rescales for other :math:`\alpha` and hands the problems to :mod:`probe.solver`; adapters
-know nothing about solving.
+with per-head queries :math:`q_j` and keys :math:`k_i` exactly as the model multiplies them (biases and
+rotary position encoding included), the scale :math:`c_\text{scale}` the model applies (``scaling``;
+BERT :math:`1/\sqrt{d'}`, T5 1) and the rest, whatever the model adds to the content logit (padding
+and causal masks, T5's or MPNet's relative position bias, ALiBi, DeBERTa's position terms), as the
+preference :math:`\log u` (``-inf`` for excluded keys).
+
+From a capture, :func:`space_problems` builds the reduced dual problems of DEVELOPERS.md (for
+:math:`\alpha = 1`) in one of two parameterisations (*spaces*):
+
+* ``hidden`` (the paper's): templates :math:`t_i = x_i/\sqrt{d'}` with :math:`x_i` the hidden state
+  entering attention, evidence :math:`z = c\,W_k^\top q` with :math:`c = c_\text{scale}\sqrt{d'}`, so
+  :math:`\langle t_i, z\rangle = c_\text{scale}\, q\cdot W_k x_i` (the key bias adds the same
+  :math:`c_\text{scale}\, q\cdot b_k` to every key and cancels in the softmax).  Needs :math:`x` and
+  :math:`W_k`; rotary models have none (the rotation depends on the position).
+* ``key`` (head space): :math:`t_i = k_i/\sqrt{d'}`, :math:`z = c\,q`, so
+  :math:`\langle t_i, z\rangle = c_\text{scale}\, q\cdot k_i`, the model's content logit itself.
+
+Both reproduce the model's attention, :math:`\mathrm{softmax}(\log u + \langle t, z\rangle)`, which the
+pipeline checks against the model's own probabilities (the fidelity check).
+
+Adapters emit each site *while the model runs* (from a hook, as soon as the module has computed it), so
+the pipeline can solve a site's problems and let them go before the next layer: memory holds one
+site's problems at a time, never every layer's.  Adapters know nothing about solving.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable
 
 import torch
+
+#: the parameterisations, in display order
+SPACES = ("hidden", "key")
 
 
 @dataclass
 class SiteCapture:
-    """Reduced problems of one attention site for one batch of examples (alpha = 1).
+    """What one attention site computed for one batch of examples.
 
-    Shapes use ``b`` examples, ``h`` heads, ``q`` query positions, ``k`` key positions.
+    Shapes use ``b`` examples, ``h`` query heads, ``g`` key/value heads (``h`` is a multiple of ``g``;
+    query head ``j`` uses key head ``j // (h // g)``, as transformers' ``repeat_kv``), ``q`` query
+    positions, ``k`` key positions, head width ``d'``.
 
     Attributes:
-        attention_type: e.g. ``"self"``, ``"encoder_self"``, ``"decoder_self"``, ``"cross"``.
+        attention_type: ``"self"``, ``"encoder_self"``, ``"decoder_self"``, ``"cross"``, ``"causal_self"``.
         layer: layer index within its stack, from 0.
-        gram: ``G = T T^T``, ``(b, k, k)``, float64.
-        logits: ``s = T z`` per head and query, ``(b, h, q, k)``, float64.
+        queries: per-head queries as the logits use them, ``(b, h, q, d')``.
+        keys: per-head keys as the logits use them, ``(b, g, k, d')``.
+        values: per-head values (bias included), ``(b, g, k, d_v)``.
+        logit_scale: the model's logit is ``logit_scale * q.k + log u``.
         log_preference: ``log u``, broadcastable to ``(b, h, q, k)``, ``-inf`` where excluded.
-        evidence_sqnorm: ``||z||^2``, ``(b, h, q)``, float64.
         query_mask: which query positions are real tokens (rows to write), ``(b, q)`` bool.
-        model_probs: the model's own attention probabilities (eager), ``(b, h, q, k)``, for the
-            fidelity check.
+        key_mask: which key positions are real tokens, ``(b, k)`` bool (padding keys carry no weight).
+        query_ids: the token id at each query position, ``(b, q)``.
+        model_probs: the model's own attention probabilities (eager), ``(b, h, q, k)``.
+        key_hidden: the hidden states :math:`x_i` the keys are computed from, ``(b, k, D)``; ``None``
+            where the model has no hidden-space parameterisation (rotary).
+        key_weight: :math:`W_k`, ``(g * d', D)``, with ``key_hidden``.
+        query_positions: each query's position within its own sequence (``(b, q)``; ``None`` means the
+            column index, which differs under left padding).
     """
 
     attention_type: str
     layer: int
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    logit_scale: float
+    log_preference: torch.Tensor
+    query_mask: torch.Tensor
+    key_mask: torch.Tensor
+    query_ids: torch.Tensor
+    model_probs: torch.Tensor
+    key_hidden: torch.Tensor | None = None
+    key_weight: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
+
+    @property
+    def spaces(self) -> tuple[str, ...]:
+        """The parameterisations this site supports."""
+        return SPACES if self.key_weight is not None else ("key",)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(b, h, q, k)``."""
+        b, h, q, _ = self.queries.shape
+        return b, h, q, self.keys.shape[2]
+
+
+@dataclass
+class SpaceProblems:
+    """The reduced problems of a site (or some of its examples) in one space, for alpha = 1.
+
+    Attributes:
+        gram: :math:`G = TT^\\top`: ``(b, k, k)`` shared by all heads (hidden space) or ``(b, g, k, k)``
+            one per key head (key space).
+        logits: :math:`s = Tz` per head and query, ``(b, h, q, k)``, float64.
+        evidence_sqnorm: :math:`\\|z\\|^2`, ``(b, h, q)``, float64.
+    """
+
     gram: torch.Tensor
     logits: torch.Tensor
-    log_preference: torch.Tensor
     evidence_sqnorm: torch.Tensor
-    query_mask: torch.Tensor
-    model_probs: torch.Tensor
+
+
+def space_problems(site: SiteCapture, space: str, examples: slice = slice(None)) -> SpaceProblems:
+    """The site's reduced problems (alpha = 1) in ``space`` for the examples ``examples``, in float64."""
+    f64 = torch.float64
+    key_mask = site.key_mask[examples]
+    queries = site.queries[examples].to(f64)
+    d_head = queries.shape[-1]
+    c = site.logit_scale * d_head**0.5  # z = c W_k^T q (hidden) or z = c q (key)
+    if space == "key":
+        keys = site.keys[examples].to(f64) * key_mask[:, None, :, None]  # padding templates carry no weight
+        repeat = queries.shape[1] // keys.shape[1]
+        logits = site.logit_scale * (queries @ keys.repeat_interleave(repeat, dim=1).transpose(-1, -2))
+        gram = keys @ keys.transpose(-1, -2) / d_head
+        return SpaceProblems(gram=gram, logits=logits, evidence_sqnorm=c**2 * (queries * queries).sum(-1))
+    if space != "hidden":
+        raise ValueError(f"unknown space {space!r}; known: {', '.join(SPACES)}")
+    if site.key_weight is None:
+        raise ValueError("this site has no hidden-space parameterisation (no key_hidden / key_weight)")
+    x = site.key_hidden[examples].to(f64) * key_mask[..., None]
+    w_key = site.key_weight.to(f64)
+    kv_heads = w_key.shape[0] // d_head
+    repeat = queries.shape[1] // kv_heads
+    w_heads = w_key.view(kv_heads, d_head, -1).repeat_interleave(repeat, dim=0)  # (h, d', D)
+    key_nobias = head_split(x @ w_key.T, kv_heads).repeat_interleave(repeat, dim=1)  # W_k x_i per query head
+    logits = site.logit_scale * (queries @ key_nobias.transpose(-1, -2))
+    key_gram = w_heads @ w_heads.transpose(-1, -2)  # (h, d', d') = W_k,h W_k,h^T
+    evidence_sqnorm = c**2 * torch.einsum("bhqd,hde,bhqe->bhq", queries, key_gram, queries)
+    gram = x @ x.transpose(-1, -2) / d_head
+    return SpaceProblems(gram=gram, logits=logits, evidence_sqnorm=evidence_sqnorm)
 
 
 class Adapter(ABC):
@@ -59,22 +149,55 @@ class Adapter(ABC):
     model_types: tuple[str, ...] = ()
     #: attention types it produces, in display order.
     attention_types: tuple[str, ...] = ()
+    #: parameterisations its sites support; the first is the default.
+    spaces: tuple[str, ...] = SPACES
 
-    @abstractmethod
+    def model_class(self, config):
+        """The transformers class to load (``from_pretrained``) or build (``from_config``) the model with."""
+        from transformers import AutoModel
+
+        return AutoModel
+
     def load_model(self, name_or_path: str, *, config, revision: str | None, dtype: torch.dtype):
-        """Load the model with eager attention (so that attention probabilities are observable).
+        """Load pretrained weights with eager attention (so that attention probabilities are observable).
 
         ``config`` is the checkpoint's config with its attention implementation already set to eager
         (a value saved in config.json would otherwise win over the ``attn_implementation`` argument).
         """
+        from ..loading import from_pretrained_checked  # weight problems as ProbeErrors
+
+        model = from_pretrained_checked(
+            self.model_class(config), name_or_path, config=config, revision=revision, dtype=dtype,
+            attn_implementation="eager",
+        )
+        self.prepare(model)
+        return model
+
+    def init_model(self, config, *, dtype: torch.dtype, seed: int):
+        """The same architecture with fresh random weights (the random-init control): exactly
+        ``torch.manual_seed(seed)`` then ``model_class.from_config(config)`` with eager attention."""
+        torch.manual_seed(seed)
+        model = self.model_class(config).from_config(config, attn_implementation="eager", dtype=dtype)
+        self.prepare(model)
+        return model
+
+    def prepare(self, model) -> None:
+        """Read what encoding needs from the loaded model (e.g. the decoder start token)."""
 
     @abstractmethod
     def encode(self, tokenizer, texts: list[str], targets: list[str] | None, max_length: int) -> dict:
         """Tokenise a batch into the model's keyword inputs (padded)."""
 
     @abstractmethod
-    def capture(self, model, inputs: dict) -> Iterator[SiteCapture]:
-        """Run the model on ``inputs`` with forward hooks and yield one capture per attention site."""
+    def capture(self, model, inputs: dict, emit: Callable[[SiteCapture], None]) -> None:
+        """Run the model on ``inputs`` and call ``emit`` with each attention site as soon as it is computed."""
+
+    def sites(self, model, inputs: dict) -> list[SiteCapture]:
+        """Every site of one forward pass, as a list (for tests and interactive use; holds them all)."""
+        collected: list[SiteCapture] = []
+        with torch.no_grad():
+            self.capture(model, inputs, collected.append)
+        return collected
 
     def describe(self) -> dict:
         """Conventions recorded in the manifest (parameterisation, decoder input, ...)."""
@@ -87,37 +210,10 @@ def head_split(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.view(b, n, heads, -1).transpose(1, 2)
 
 
-def self_attention_problems(hidden, w_query, b_query, w_key, heads, logit_scale):
-    r"""Reduced problems for dot-product attention with logits ``logit_scale * q.k``.
-
-    ``hidden`` is ``(b, n, D)`` (the states entering attention; used for keys and, when the same,
-    queries), ``w_query``/``w_key`` are ``(heads*d', D)``, ``b_query`` is ``(heads*d',)`` or None.
-    Returns ``(gram, logits, evidence_sqnorm)`` in float64 with :math:`t_i = x_i/\sqrt{d'}` and
-    :math:`z = \text{logit\_scale}\sqrt{d'}\,W_k^\top q`, so that :math:`\langle t_i, z\rangle` is the
-    model's logit minus the key-bias term (constant over keys).
-    """
-    return cross_attention_problems(hidden, hidden, w_query, b_query, w_key, heads, logit_scale)
-
-
-def cross_attention_problems(query_hidden, key_hidden, w_query, b_query, w_key, heads, logit_scale):
-    r"""Like :func:`self_attention_problems` with queries from ``query_hidden`` ``(b, q, D_q)`` and
-    templates (keys) from ``key_hidden`` ``(b, k, D)``."""
-    f64 = torch.float64
-    x_q = query_hidden.detach().to(f64)
-    x_k = key_hidden.detach().to(f64)
-    w_query = w_query.detach().to(f64)
-    w_key = w_key.detach().to(f64)
-    d_head = w_key.shape[0] // heads
-    query = x_q @ w_query.T
-    if b_query is not None:
-        query = query + b_query.detach().to(f64)
-    query = head_split(query, heads)  # (b, h, q, d')
-    key_nobias = head_split(x_k @ w_key.T, heads)  # (b, h, k, d') = W_k x_i
-    # z = c W_k^T q with c = logit_scale * sqrt(d'), so <t_i, z> = logit_scale * q . W_k x_i
-    scale = logit_scale * d_head**0.5
-    logits = (query @ key_nobias.transpose(-1, -2)) * logit_scale
-    w_key_heads = w_key.view(heads, d_head, -1)
-    key_gram = w_key_heads @ w_key_heads.transpose(-1, -2)  # (h, d', d') = W_k,h W_k,h^T
-    evidence_sqnorm = scale**2 * torch.einsum("bhqd,hde,bhqe->bhq", query, key_gram, query)
-    gram = (x_k @ x_k.transpose(-1, -2)) / d_head
-    return gram, logits, evidence_sqnorm
+def project(x: torch.Tensor, linear: torch.nn.Linear, heads: int) -> torch.Tensor:
+    """Per-head projection ``W x + b`` of ``linear`` in float64, ``(b, n, D) -> (b, heads, n, d')``."""
+    x = x.detach().to(torch.float64)
+    out = x @ linear.weight.detach().to(torch.float64).T
+    if linear.bias is not None:
+        out = out + linear.bias.detach().to(torch.float64)
+    return head_split(out, heads)

@@ -25,18 +25,20 @@ def _detached(value):
 
 
 @contextmanager
-def recording(modules, *, probs_index: int = 1, inputs: tuple[tuple[str, int], ...] = ()):
-    """Record, for each module, its ``hidden_states`` input and its attention probabilities output.
+def recording(modules, on_record, *, probs_index: int = 1, inputs: tuple[tuple[str, int], ...] = ()):
+    """Record, for each module, its ``hidden_states`` input and its attention probabilities output, and
+    hand each record to ``on_record(index, record)`` from the hook, as soon as the module has run.
 
     ``probs_index`` is where the probabilities sit in the module's output tuple (BERT: 1; T5 returns
     ``(output, position_bias, probs)``: 2).  ``inputs`` names further inputs to keep, as
     ``(keyword, positional index)`` pairs.  Modules must run eager attention: other implementations
-    return no probabilities, which is reported as a :class:`ProbeError`.
+    return no probabilities, which is reported as a :class:`ProbeError`.  Nothing is kept after
+    ``on_record`` returns.
     """
-    records = [Record() for _ in modules]
     handles = []
 
-    def make_hook(record):
+    def make_hook(index):
+        record = Record()
         def hook(module, args, kwargs, output):
             record.hidden_states = (args[0] if args else kwargs["hidden_states"]).detach()
             record.inputs = {
@@ -51,13 +53,18 @@ def recording(modules, *, probs_index: int = 1, inputs: tuple[tuple[str, int], .
                     "eager attention. probe loads models with attn_implementation='eager'; load yours that way."
                 )
             record.probs = probs
+            try:
+                on_record(index, record)
+            finally:
+                record.hidden_states = record.probs = None
+                record.inputs, record.outputs = {}, ()
 
         return hook
 
     try:
-        for module, record in zip(modules, records):
-            handles.append(module.register_forward_hook(make_hook(record), with_kwargs=True))
-        yield records
+        for index, module in enumerate(modules):
+            handles.append(module.register_forward_hook(make_hook(index), with_kwargs=True))
+        yield
     finally:
         for handle in handles:
             handle.remove()

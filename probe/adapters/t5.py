@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ProbeError
-from .base import Adapter, SiteCapture, cross_attention_problems, self_attention_problems
+from .base import Adapter, SiteCapture, project
 from .hooks import Record, recording
 
 
@@ -77,30 +77,25 @@ class T5Adapter(Adapter):
     attention_types = ("encoder_self", "decoder_self", "cross")
 
     def __init__(self):
-        #: set by :meth:`load_model` from the model's config; T5 convention (the pad id) otherwise.
+        #: set by :meth:`prepare` from the model's config; T5 convention (the pad id) otherwise.
         self.decoder_start_token_id: int | None = None
 
-    def load_model(self, name_or_path, *, config=None, revision, dtype):
-        from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
+    def model_class(self, config):
+        from transformers import AutoModel, AutoModelForSeq2SeqLM
 
-        if config is None:
-            config = AutoConfig.from_pretrained(name_or_path, revision=revision)
-            config._attn_implementation = "eager"
         architectures = list(getattr(config, "architectures", None) or [])
-        if architectures and all(name == "T5EncoderModel" for name in architectures):
+        if architectures and all(name.endswith("EncoderModel") for name in architectures):
             raise ProbeError(
-                f"'{name_or_path}' is an encoder-only T5 checkpoint (T5EncoderModel): it has no decoder, so probe's "
-                "T5 adapter (encoder self-, decoder self- and cross-attention) cannot run on it."
+                f"This is an encoder-only {config.model_type} checkpoint ({architectures[0]}): it has no decoder, "
+                "so probe's encoder-decoder adapter (encoder self-, decoder self- and cross-attention) cannot run on it."
             )
         # The user's path for seq2seq checkpoints; T5Model-only (or other head) checkpoints load as T5Model.
         seq2seq = not architectures or any(name.endswith("ForConditionalGeneration") for name in architectures)
-        loader = AutoModelForSeq2SeqLM if seq2seq else AutoModel
-        model = loader.from_pretrained(
-            name_or_path, config=config, revision=revision, dtype=dtype, attn_implementation="eager"
-        )
+        return AutoModelForSeq2SeqLM if seq2seq else AutoModel
+
+    def prepare(self, model):
         start = getattr(model.config, "decoder_start_token_id", None)
         self.decoder_start_token_id = start if start is not None else getattr(model.config, "pad_token_id", None)
-        return model
 
     def encode(self, tokenizer, texts, targets, max_length):
         """Encoder input = ``texts``; decoder input = shift-right of ``targets`` (default: ``texts``)."""
@@ -131,11 +126,13 @@ class T5Adapter(Adapter):
     def describe(self):
         return {
             "templates": (
-                "t_i = x_i / sqrt(d'), d' = d_kv; x_i = hidden state entering the T5Attention (output of the "
-                "T5LayerNorm before it); for cross-attention x_i = the encoder's final output (key_value_states)"
+                "hidden: t_i = x_i / sqrt(d'), d' = d_kv; x_i = hidden state entering the T5Attention (output of the "
+                "T5LayerNorm before it); for cross-attention x_i = the encoder's final output (key_value_states); "
+                "key: t_i = k_i / sqrt(d'), k_i = W_k x_i"
             ),
             "evidence": (
-                "z = sqrt(d') W_k^T q with q = W_q x (per head; T5 has no q/k biases and no 1/sqrt(d') scaling)"
+                "hidden: z = sqrt(d') W_k^T q; key: z = sqrt(d') q; q = W_q x (per head; T5 has no q/k biases and "
+                "no 1/sqrt(d') scaling)"
             ),
             "preference": (
                 "log u_i = relative position bias[head, query, i] (as the model computed it: layer 0 of each stack, "
@@ -152,58 +149,52 @@ class T5Adapter(Adapter):
             "queries": "encoder_self: real encoder tokens; decoder_self and cross: real decoder positions",
         }
 
-    def capture(self, model, inputs):
-        encoder_blocks = model.encoder.block
-        decoder_blocks = model.decoder.block
-        encoder_modules = [block.layer[0].SelfAttention for block in encoder_blocks]
-        decoder_modules = [block.layer[0].SelfAttention for block in decoder_blocks]
-        cross_modules = [block.layer[1].EncDecAttention for block in decoder_blocks]
+    def capture(self, model, inputs, emit):
+        encoder_modules = [block.layer[0].SelfAttention for block in model.encoder.block]
+        decoder_modules = [block.layer[0].SelfAttention for block in model.decoder.block]
+        cross_modules = [block.layer[1].EncDecAttention for block in model.decoder.block]
         modules = encoder_modules + decoder_modules + cross_modules
-        with recording(modules, probs_index=PROBS_OUTPUT, inputs=RECORDED_INPUTS) as records, torch.no_grad():
-            model(**inputs, use_cache=False)
         n_enc, n_dec = len(encoder_modules), len(decoder_modules)
 
         input_ids = inputs["input_ids"]
         encoder_mask = inputs.get("attention_mask")
-        encoder_mask = torch.ones_like(input_ids) if encoder_mask is None else encoder_mask
-        encoder_mask = encoder_mask.bool()
+        encoder_mask = (torch.ones_like(input_ids) if encoder_mask is None else encoder_mask).bool()
+        decoder_ids = inputs["decoder_input_ids"]
         decoder_mask = inputs.get("decoder_attention_mask")
-        decoder_mask = torch.ones_like(inputs["decoder_input_ids"]) if decoder_mask is None else decoder_mask
-        decoder_mask = decoder_mask.bool()
+        decoder_mask = (torch.ones_like(decoder_ids) if decoder_mask is None else decoder_mask).bool()
 
-        stacks = (  # (attention type, query mask, key mask, modules, records)
-            ("encoder_self", encoder_mask, encoder_mask, encoder_modules, records[:n_enc]),
-            ("decoder_self", decoder_mask, decoder_mask, decoder_modules, records[n_enc : n_enc + n_dec]),
-            ("cross", decoder_mask, encoder_mask, cross_modules, records[n_enc + n_dec :]),
-        )
-        for attention_type, query_mask, key_mask, stack_modules, stack_records in stacks:
-            for index, (module, record) in enumerate(zip(stack_modules, stack_records)):
-                yield self._site(attention_type, index, module, record, query_mask, key_mask)
+        def on_record(index, record):
+            if index < n_enc:
+                site = ("encoder_self", index, encoder_mask, encoder_mask, input_ids)
+            elif index < n_enc + n_dec:
+                site = ("decoder_self", index - n_enc, decoder_mask, decoder_mask, decoder_ids)
+            else:
+                site = ("cross", index - n_enc - n_dec, decoder_mask, encoder_mask, decoder_ids)
+            emit(self._site(modules[index], record, *site))
+
+        with recording(modules, on_record, probs_index=PROBS_OUTPUT, inputs=RECORDED_INPUTS), torch.no_grad():
+            model(**inputs, use_cache=False)
 
     @staticmethod
-    def _site(attention_type, index, module, record, query_mask, key_mask):
+    def _site(module, record, attention_type, index, query_mask, key_mask, query_ids):
         heads = module.n_heads
-        logit_scale = float(getattr(module, "scaling", 1.0))  # 1.0: T5 does not scale q.k
-        w_query, w_key = module.q.weight, module.k.weight
+        key_hidden = record.hidden_states
         if attention_type == "cross":
-            if record.inputs["key_value_states"] is None:
+            key_hidden = record.inputs["key_value_states"]
+            if key_hidden is None:
                 raise ProbeError("T5 cross-attention ran without key_value_states (the encoder output).")
-            keys = record.inputs["key_value_states"] * key_mask.unsqueeze(-1)  # padding templates carry no weight
-            gram, logits, evidence_sqnorm = cross_attention_problems(
-                record.hidden_states, keys, w_query, None, w_key, heads, logit_scale=logit_scale
-            )
-        else:
-            hidden = record.hidden_states * key_mask.unsqueeze(-1)
-            gram, logits, evidence_sqnorm = self_attention_problems(
-                hidden, w_query, None, w_key, heads, logit_scale=logit_scale
-            )
         return SiteCapture(
             attention_type=attention_type,
             layer=index,
-            gram=gram,
-            logits=logits,
+            queries=project(record.hidden_states, module.q, heads),
+            keys=project(key_hidden, module.k, heads),
+            values=project(key_hidden, module.v, heads),
+            logit_scale=float(getattr(module, "scaling", 1.0)),  # 1.0: T5 does not scale q.k
             log_preference=log_preference(record, heads),
-            evidence_sqnorm=evidence_sqnorm,
             query_mask=query_mask,
+            key_mask=key_mask,
+            query_ids=query_ids,
             model_probs=record.probs,
+            key_hidden=key_hidden,
+            key_weight=module.k.weight.detach(),
         )
