@@ -441,8 +441,10 @@ def _finish(work, state, active, rtol, atol, iterations):
     )
 
 
-#: default tile size of :func:`solve_dual`, chosen by ``bench/e2e.py``-style measurements (NOTES.md)
-TILE_BYTES = 1 << 24
+#: tile size of :func:`solve_dual` per device type: on a CPU, small enough for a tile's working set to
+#: stay in cache (the elementwise work is bound by memory traffic; bench/NOTES.md); on a GPU, large
+#: enough to fill the device
+TILE_BYTES = {"cpu": 1 << 24, "cuda": 1 << 29}
 
 
 def solve_dual(
@@ -453,15 +455,14 @@ def solve_dual(
     max_iter: int = 100,
     dtype: torch.dtype = torch.float64,
     direction_dtype: torch.dtype = torch.float32,
-    memory_budget_bytes: int = TILE_BYTES,
+    memory_budget_bytes: int | None = None,
 ) -> DualSolution:
     r"""Solve every dual problem in ``problems`` (eq. (D) of the module docstring, reduced to (R-D)).
 
     Runs on the device of ``problems.gram`` in ``dtype`` (float64 by default).  Problems are processed
-    in tiles of whole groups (or slices of a group) sized so that one tile's working set stays within
-    ``memory_budget_bytes`` (small enough to stay in the CPU's cache: the solver's elementwise work is
-    bound by memory traffic).  Beyond the inputs, the solver holds one tile's working set and its
-    outputs.
+    in tiles of whole groups (or slices of a group) whose working set stays within the device's
+    :data:`TILE_BYTES` (on a CPU, about its cache) and within ``memory_budget_bytes`` when given.
+    Beyond its inputs, the solver holds one tile's working set and its outputs.
 
     The Newton directions (the conjugate-gradient solves, most of the work) are computed in
     ``direction_dtype``; the gradient, the line search and the certificate stay in ``dtype``, so a
@@ -501,8 +502,11 @@ def solve_dual(
     factor_low = factor if direction_dtype == dtype else factor.to(direction_dtype)
 
     # About 16 (m, n)-sized tensors of the solver's dtype per problem slice are live at once.
+    tile_bytes = TILE_BYTES.get(device.type, TILE_BYTES["cuda"])
+    if memory_budget_bytes is not None:
+        tile_bytes = min(tile_bytes, memory_budget_bytes)
     bytes_per_row = 16 * n * torch.finfo(dtype).bits // 8
-    rows_per_tile = max(1, memory_budget_bytes // bytes_per_row)
+    rows_per_tile = max(1, tile_bytes // bytes_per_row)
     if rows_per_tile >= m:
         groups_per_tile = max(1, rows_per_tile // m)
         tiles = [(g, min(g + groups_per_tile, n_groups), 0, m) for g in range(0, n_groups, groups_per_tile)]
@@ -574,21 +578,33 @@ def solve_spd_reduced(
 
     The negated Hessian of (R-D) with :math:`p` replaced by the distribution ``weights`` :math:`w`
     (``(g, m, n)``, rows summing to 1, zeros allowed), for right-hand sides ``rhs`` ``(g, m, r)`` and the
-    shared factor :math:`A` ``(g, n, r)`` of :func:`factor_gram`.  Solved by the solver's batched
-    Jacobi-preconditioned CG (the same operator and preconditioner as its Newton systems) to relative
-    residual ``rtol``, at most ``max_iter`` steps (default ``4 r + 20``).  Rows with ``rhs = 0`` return 0.
+    shared factor :math:`A` ``(g, n, r)`` of :func:`factor_gram`.  Where every row of a group has the same
+    weights (a preference shared by all heads and queries of an example), the group's ``r x r`` matrix
+    is formed and factored once (Cholesky) and every row solved with it; otherwise by the solver's
+    batched Jacobi-preconditioned CG (the operator of its Newton systems) to relative residual ``rtol``,
+    at most ``max_iter`` steps (default ``4 r + 20``).  Rows with ``rhs = 0`` return 0.
 
-    Returns ``(x, residual_norm)`` with :math:`\|b - Hx\|` recomputed from ``x`` (not CG's recursive
-    residual), so that callers can certify their error: :math:`H \succeq I/\alpha` gives
+    Returns ``(x, residual_norm)`` with :math:`\|b - Hx\|` recomputed from ``x`` with the operator
+    (:func:`_hessian_times`), so that callers can certify their error: :math:`H \succeq I/\alpha` gives
     :math:`\|x - H^{-1}b\| \le \alpha\,\|b - Hx\|`.
     """
     f64 = torch.float64
     factor, weights, rhs = factor.to(f64), weights.to(f64), rhs.to(f64)
-    a_weights = torch.bmm(weights, factor)  # A^T w
-    precond = (1.0 / alpha + torch.bmm(weights, factor * factor) - a_weights * a_weights).clamp_min(1.0 / alpha)
-    live = torch.ones(rhs.shape[:-1], dtype=torch.bool, device=rhs.device)
-    tolerance = torch.full(rhs.shape[:-1], rtol, dtype=f64, device=rhs.device)
-    steps = 4 * factor.shape[-1] + 20 if max_iter is None else max_iter
-    x = _conjugate_gradient(factor, alpha, weights, rhs.clone(), tolerance, steps, live, precond)
+    if weights.shape[1] > 0 and bool((weights == weights[:, :1]).all()):
+        shared = weights[:, 0]  # (g, n)
+        a_weights = torch.bmm(shared.unsqueeze(1), factor).squeeze(1)  # A^T w, (g, r)
+        hessian = torch.bmm(factor.transpose(1, 2), factor * shared.unsqueeze(-1))  # A^T diag(w) A
+        hessian -= a_weights.unsqueeze(-1) * a_weights.unsqueeze(-2)
+        hessian.diagonal(dim1=-2, dim2=-1).add_(1.0 / alpha)
+        hessian = 0.5 * (hessian + hessian.transpose(1, 2))
+        cholesky = torch.linalg.cholesky(hessian)
+        x = torch.cholesky_solve(rhs.transpose(1, 2), cholesky).transpose(1, 2)
+    else:
+        a_weights = torch.bmm(weights, factor)  # A^T w, per row
+        precond = (1.0 / alpha + torch.bmm(weights, factor * factor) - a_weights * a_weights).clamp_min(1.0 / alpha)
+        live = torch.ones(rhs.shape[:-1], dtype=torch.bool, device=rhs.device)
+        tolerance = torch.full(rhs.shape[:-1], rtol, dtype=f64, device=rhs.device)
+        steps = 4 * factor.shape[-1] + 20 if max_iter is None else max_iter
+        x = _conjugate_gradient(factor, alpha, weights, rhs.clone(), tolerance, steps, live, precond)
     residual = rhs - _hessian_times(factor, alpha, weights, x)
     return x, residual.norm(dim=-1)
