@@ -229,6 +229,7 @@ def _new_manifest(job: _Job) -> dict:
             "model_fingerprint": fingerprint.model_fingerprint(model_directory),
             "dataset_location": str(Path(config.dataset.name).expanduser().resolve()) if local_data else config.dataset.name,
             "batch_plan_sha256": _plan_sha256(job.batches),
+            **_tokenizer_inputs(config.tokenizer),
         },
         "segments": [],
     }
@@ -265,6 +266,17 @@ class _PartIndex:
         segment["batches"] = sum(entry["batches"] for entry in segment["ranks"])
         for key in ("capture_s", "solve_s"):
             segment["timings_s"][key] = sum(entry[key] for entry in segment["ranks"])
+
+
+def _tokenizer_inputs(tokenizer: str | None) -> dict:
+    """A separate tokenizer (--tokenizer): where it is (absolute, when local) and its fingerprint."""
+    if tokenizer is None:
+        return {}
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir():  # a hub id: the batch plan check covers it
+        return {"tokenizer_location": tokenizer}
+    path = path.resolve()
+    return {"tokenizer_location": str(path), "tokenizer_fingerprint": fingerprint.model_fingerprint(path)}
 
 
 def _timings(manifest: dict) -> dict:
@@ -341,9 +353,20 @@ def _prepare_resume(run_dir: Path, manifest: dict, config: RunConfig, device: st
             f"{'; ...' if len(differences) > 5 else ''}), so its rows would mix two models. Restore the "
             f"files in {directory}, or start a new run with `probe run`."
         )
+    if "tokenizer_fingerprint" in inputs:
+        now = _tokenizer_inputs(inputs["tokenizer_location"]).get("tokenizer_fingerprint", {})
+        changed = fingerprint.differences(inputs["tokenizer_fingerprint"], now)
+        if changed:
+            raise ProbeError(
+                f"The tokenizer files of {run_dir} ({inputs['tokenizer_location']}) changed since the run started "
+                f"({'; '.join(changed[:5])}). Restore them, or start a new run with `probe run`."
+            )
     dataset = DatasetSpec(**{**asdict(config.dataset), "name": inputs["dataset_location"]})
-    at_revision = replace(config, revision=inputs["model_revision"] or config.revision)  # a hub model: its commit
-    job = _prepare(at_revision, device, model_location=inputs["model_location"], dataset=dataset)
+    as_recorded = replace(  # a hub model at the run's commit; local files where the run found them
+        config, revision=inputs["model_revision"] or config.revision,
+        tokenizer=inputs.get("tokenizer_location", config.tokenizer),
+    )
+    job = _prepare(as_recorded, device, model_location=inputs["model_location"], dataset=dataset)
     if job.texts.sha256 != manifest["dataset"]["texts_sha256"]:
         raise ProbeError(
             f"The texts of {config.dataset.describe()} changed since the run started (SHA-256 "
