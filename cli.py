@@ -71,8 +71,8 @@ def run(
     )
     settings = RunConfig(
         model=model, dataset=spec, out=out, revision=revision, batch_size=batch_size, max_length=max_length,
-        alphas=_alphas(alpha), spaces=_spaces(space) if space is not None else None, init=init, device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance,
-        progress=progress,
+        alphas=_alphas(alpha), spaces=_spaces(space) if space is not None else None, init=init, device=device,
+        dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance, progress=progress,
     )
     try:
         run_dir = run_pipeline(settings)

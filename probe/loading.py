@@ -89,7 +89,9 @@ def load_model(
         if init == "random":
             model = adapter.init_model(config, dtype=DTYPES[dtype], seed=seed)
         else:
-            model = adapter.load_model(name, config=config, revision=revision, dtype=DTYPES[dtype], device_map=device_map)
+            model = adapter.load_model(
+                name, config=config, revision=revision, dtype=DTYPES[dtype], device_map=device_map
+            )
         tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
     except (OSError, ValueError) as error:
         raise ProbeError(
