@@ -12,7 +12,10 @@ from typing import Callable
 from ..errors import ProbeError
 from .base import SPACES, Adapter, SiteCapture, SpaceProblems, space_problems
 from .bert import BertAdapter
+from .bloom import BloomAdapter
+from .deberta_v2 import DebertaV2Adapter
 from .generic import BART_SITES, DECODER, ENCODER, ENCODER_DECODER, ROTARY_DECODER_SITES, Family, InterfaceAdapter
+from .mpnet import MPNetAdapter
 from .t5 import T5Adapter
 
 REGISTRY: dict[str, Callable[[], Adapter]] = {
@@ -37,6 +40,9 @@ REGISTRY: dict[str, Callable[[], Adapter]] = {
     "mistral": Family("mistral", DECODER, ROTARY_DECODER_SITES, key=None),
     "qwen2": Family("qwen2", DECODER, ROTARY_DECODER_SITES, key=None),
     "gemma": Family("gemma", DECODER, ROTARY_DECODER_SITES, key=None),
+    "mpnet": MPNetAdapter,
+    "deberta-v2": DebertaV2Adapter,
+    "bloom": BloomAdapter,
 }
 
 

@@ -165,9 +165,12 @@ class Adapter(ABC):
         (a value saved in config.json would otherwise win over the ``attn_implementation`` argument).
         ``device_map="auto"`` shards the model over the visible GPUs (accelerate); ``None`` loads it whole.
         """
+        from ..loading import from_pretrained_checked  # weight problems as ProbeErrors
+
         placement = {"device_map": device_map} if device_map is not None else {}
-        model = self.model_class(config).from_pretrained(
-            name_or_path, config=config, revision=revision, dtype=dtype, attn_implementation="eager", **placement
+        model = from_pretrained_checked(
+            self.model_class(config), name_or_path, config=config, revision=revision, dtype=dtype,
+            attn_implementation="eager", **placement,
         )
         self.prepare(model)
         return model
