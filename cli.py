@@ -46,9 +46,9 @@ def run(
         "1", help="Strength alpha of the inference problem; a comma-separated list (0.25,0.5,1,2,4) solves each "
         "from one capture."
     ),
-    space: str = typer.Option(
-        "hidden", help="Parameterisation(s), comma separated: hidden (t = x/sqrt(d'), z = c W_k^T q) and/or key "
-        "(t = k/sqrt(d'), z = c q)."
+    space: Optional[str] = typer.Option(
+        None, help="Parameterisation(s), comma separated: hidden (t = x/sqrt(d'), z = c W_k^T q) and/or key "
+        "(t = k/sqrt(d'), z = c q). Default: hidden, or key for rotary models (which have no hidden space)."
     ),
     init: str = typer.Option(
         "pretrained", help="pretrained, or random: the same architecture with fresh weights (seeded by --seed), "
@@ -64,11 +64,14 @@ def run(
     ),
     out: Path = typer.Option(Path("runs"), help="Parent directory of the run directory."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option("float32", help="Model dtype (the solver always works in float64)."),
+    dtype: str = typer.Option(
+        "float32", help="Model dtype: float32, bfloat16, float16 or float64 (the solver always works in float64)."
+    ),
     revision: Optional[str] = typer.Option(None, help="Model revision (hub branch, tag or commit)."),
     seed: int = typer.Option(0, help="Random seed (recorded in the manifest)."),
-    fidelity_tolerance: float = typer.Option(
-        1e-5, help="Max abs error allowed between reconstructed and eager attention (raise it for bf16/fp16)."
+    fidelity_tolerance: Optional[float] = typer.Option(
+        None, help="Max abs error allowed between reconstructed and eager attention; default by --dtype "
+        "(float64 1e-6, float32 1e-5, float16 1e-2, bfloat16 5e-2)."
     ),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
     report_format: Optional[str] = typer.Option(
@@ -99,7 +102,7 @@ def run(
         )
         settings = RunConfig(
             model=model, dataset=spec, out=out, revision=revision, batch_size=batch_size, max_length=max_length,
-            alphas=parse_numbers(alpha, "--alpha"), spaces=parse_names(space, "--space"), init=init,
+            alphas=parse_numbers(alpha, "--alpha"), spaces=parse_names(space, "--space") if space is not None else None, init=init,
             tokenizer=tokenizer, max_memory_bytes=parse_memory(max_memory) if max_memory is not None else None,
             device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance, progress=progress,
             threads=threads,

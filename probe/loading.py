@@ -157,6 +157,26 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0].rstrip(".") if text else type(error).__name__
 
 
+def _device_map(device: str, init: str) -> str | None:
+    """``"auto"`` (shard the model over every visible GPU, with accelerate) when ``device`` is auto and more
+    than one GPU is visible; ``None`` (one device) otherwise."""
+    if device != "auto" or not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return None
+    if init == "random":
+        raise ProbeError(
+            f"--init random builds the model on one device, but {torch.cuda.device_count()} GPUs are visible and "
+            "--device auto would shard it. Pass --device cuda:0 (or set CUDA_VISIBLE_DEVICES)."
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        raise ProbeError(
+            f"{torch.cuda.device_count()} GPUs are visible: probe shards the model over them with device_map='auto', "
+            "which needs the accelerate package (pip install 'probe[large]'). Or pass --device cuda:0."
+        )
+    return "auto"
+
+
 def load_model(
     name: str,
     *,
@@ -178,6 +198,7 @@ def load_model(
     if dtype not in DTYPES:
         raise ProbeError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
     resolved = resolve_device(device)  # before the (slow) load, so that a bad --device fails at once
+    device_map = _device_map(device, init)
     path = Path(name).expanduser()
     if path.exists() and not (path / "config.json").exists():
         raise ProbeError(
@@ -192,7 +213,9 @@ def load_model(
         if init == "random":
             model = adapter.init_model(config, dtype=DTYPES[dtype], seed=seed)
         else:
-            model = adapter.load_model(name, config=config, revision=revision, dtype=DTYPES[dtype])
+            model = adapter.load_model(
+                name, config=config, revision=revision, dtype=DTYPES[dtype], device_map=device_map
+            )
     except (OSError, ValueError) as error:
         raise ProbeError(
             f"Could not load the weights of '{name}': {_first_line(error)}. A model directory needs its "
@@ -204,7 +227,9 @@ def load_model(
             f"'{name}' loaded with {model.config._attn_implementation} attention, which hides attention "
             "probabilities; probe needs eager attention. Remove _attn_implementation from its config.json."
         )
-    model.eval().to(resolved)
+    model.eval()
+    if device_map is None:
+        model.to(resolved)
     info = {
         "id": name,
         "path": str(path.resolve()) if path.exists() else None,
@@ -216,5 +241,6 @@ def load_model(
         "tokenizer": tokenizer,  # None: the model's own
         "init": init,
         "init_seed": seed if init == "random" else None,
+        "device_map": {k: str(v) for k, v in model.hf_device_map.items()} if device_map else None,
     }
     return LoadedModel(adapter=adapter, model=model, tokenizer=loaded_tokenizer, info=info)

@@ -46,7 +46,7 @@ class RunConfig:
     batch_size: int = 8
     max_length: int = 128
     alphas: tuple[float, ...] = (1.0,)  # strengths solved for (one capture, one solve each)
-    spaces: tuple[str, ...] = ("hidden",)  # parameterisations: "hidden" and/or "key"
+    spaces: tuple[str, ...] | None = None  # "hidden" and/or "key"; None: the adapter's default (rotary: key)
     init: str = "pretrained"  # or "random": the same architecture with fresh weights (seeded by ``seed``)
     tokenizer: str | None = None  # where the tokenizer is when it is not beside the model (--tokenizer)
     max_memory_bytes: int | None = None  # --max-memory: bounds the problems held at once (probe.rows)
@@ -55,7 +55,7 @@ class RunConfig:
     dtype: str = "float32"
     seed: int = 0
     rtol: float = 1e-9
-    fidelity_tolerance: float = 1e-5
+    fidelity_tolerance: float | None = None  # None: by the model's dtype (probe.rows.FIDELITY_TOLERANCE)
     progress: bool = True
 
 
@@ -233,6 +233,7 @@ def _new_manifest(job: _Job) -> dict:
             "model_fingerprint": fingerprint.model_fingerprint(model_directory),
             "dataset_location": str(Path(config.dataset.name).expanduser().resolve()) if local_data else config.dataset.name,
             "batch_plan_sha256": _plan_sha256(job.batches),
+            **_tokenizer_inputs(config.tokenizer),
         },
         "segments": [],
     }
@@ -271,6 +272,17 @@ class _PartIndex:
             segment["timings_s"][key] = sum(entry[key] for entry in segment["ranks"])
 
 
+def _tokenizer_inputs(tokenizer: str | None) -> dict:
+    """A separate tokenizer (--tokenizer): where it is (absolute, when local) and its fingerprint."""
+    if tokenizer is None:
+        return {}
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir():  # a hub id: the batch plan check covers it
+        return {"tokenizer_location": tokenizer}
+    path = path.resolve()
+    return {"tokenizer_location": str(path), "tokenizer_fingerprint": fingerprint.model_fingerprint(path)}
+
+
 def _timings(manifest: dict) -> dict:
     """Seconds per stage, summed over the run's segments (capture and solve: over all their processes)."""
     timings: dict[str, float] = {}
@@ -287,6 +299,7 @@ def _timings(manifest: dict) -> dict:
 def run(config: RunConfig) -> Path:
     """Run probe on a model and dataset; return the run directory."""
     checked = check_run(config)  # every up-front check (probe.validate): before any weights load or file is written
+    config = checked.config  # defaults resolved: the adapter's space, the dtype's fidelity tolerance
     with Stops() as stops, distributed.join(config.device) as group, ExitStack() as held:
         job = group.agree(lambda: _prepare(config, group.device(config.device), texts=checked.texts))
         stops.hold()
@@ -344,9 +357,20 @@ def _prepare_resume(run_dir: Path, manifest: dict, config: RunConfig, device: st
             f"{'; ...' if len(differences) > 5 else ''}), so its rows would mix two models. Restore the "
             f"files in {directory}, or start a new run with `probe run`."
         )
+    if "tokenizer_fingerprint" in inputs:
+        now = _tokenizer_inputs(inputs["tokenizer_location"]).get("tokenizer_fingerprint", {})
+        changed = fingerprint.differences(inputs["tokenizer_fingerprint"], now)
+        if changed:
+            raise ProbeError(
+                f"The tokenizer files of {run_dir} ({inputs['tokenizer_location']}) changed since the run started "
+                f"({'; '.join(changed[:5])}). Restore them, or start a new run with `probe run`."
+            )
     dataset = DatasetSpec(**{**asdict(config.dataset), "name": inputs["dataset_location"]})
-    at_revision = replace(config, revision=inputs["model_revision"] or config.revision)  # a hub model: its commit
-    job = _prepare(at_revision, device, model_location=inputs["model_location"], dataset=dataset)
+    as_recorded = replace(  # a hub model at the run's commit; local files where the run found them
+        config, revision=inputs["model_revision"] or config.revision,
+        tokenizer=inputs.get("tokenizer_location", config.tokenizer),
+    )
+    job = _prepare(as_recorded, device, model_location=inputs["model_location"], dataset=dataset)
     if job.texts.sha256 != manifest["dataset"]["texts_sha256"]:
         raise ProbeError(
             f"The texts of {config.dataset.describe()} changed since the run started (SHA-256 "
@@ -520,8 +544,9 @@ def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _Par
         warnings.warn(
             f"Fidelity check failed: reconstructed attention differs from the model's by "
             f"{manifest['fidelity']['max_abs_error']:.2e} (> {config.fidelity_tolerance:.0e}); see "
-            f"{run_dir / storage.MANIFEST}. Low-precision dtypes (bfloat16, float16) round attention by ~1e-3: "
-            "pass --fidelity-tolerance.",
+            f"{run_dir / storage.MANIFEST}. A model whose attention adds something probe does not represent "
+            "fails this check; so can a low-precision model with very large logits (the default tolerance per "
+            "dtype is in the README): --fidelity-tolerance.",
             stacklevel=3,
         )
 

@@ -73,6 +73,15 @@ def site_problems(site: SiteCapture, alpha: float, space: str = "hidden") -> Dua
     return dual_problems(site, space_problems(site, space), alpha)
 
 
+#: default fidelity tolerance per model dtype (max abs difference of attention probabilities).  The
+#: reconstruction is exact in float64 from the queries and keys the model multiplies; what remains is the
+#: model's own rounding of its logits and probabilities.  A logit error d moves a probability p by at most
+#: about p(1 - p) * 2d, and rounding to a p-bit mantissa gives d ~ |logit| * 2^-p: float16 (p = 11) stays
+#: within 1e-2 and bfloat16 (p = 8) within 5e-2 for logits up to about 50.  float64 models are held to 1e-6,
+#: not tighter, because several families (Llama, Mistral, Qwen2, Gemma) take their softmax in float32.
+FIDELITY_TOLERANCE = {"float64": 1e-6, "float32": 1e-5, "float16": 1e-2, "bfloat16": 5e-2}
+
+
 def fidelity_error(site: SiteCapture, problems: SpaceProblems | None = None) -> float:
     """Max |softmax(log u + s) - model probabilities| over the site's real queries (alpha = 1)."""
     problems = space_problems(site, site.spaces[0]) if problems is None else problems

@@ -66,24 +66,34 @@ MEMORY_UNITS = {
 
 @dataclass
 class Checked:
-    """What the checks found and the run needs: the texts (read once, here)."""
+    """What the checks found and the run needs: the texts (read once, here) and the settings with their
+    defaults resolved (the adapter's default space, the fidelity tolerance of the model's dtype)."""
 
     texts: Texts
     load_data_s: float
+    config: object
 
 
 def check_run(config) -> Checked:
     """Run every up-front check on a :class:`probe.pipeline.RunConfig`, in the order of this module's
-    docstring; return the texts.  Nothing is written and no weights are loaded."""
+    docstring; return the texts and the settings with their defaults resolved.  Nothing is written and
+    no weights are loaded."""
     check_options(config)
     check_output(Path(config.out))
     started = time.perf_counter()
     texts = load_texts(config.dataset)
     load_data_s = time.perf_counter() - started
-    model_config, tokenizer = check_model(config)
+    model_config, tokenizer, spaces = check_model(config)
     check_max_length(config, model_config, tokenizer)
     check_not_applicable(config)
-    return Checked(texts=texts, load_data_s=load_data_s)
+    from dataclasses import replace
+
+    from .rows import FIDELITY_TOLERANCE
+
+    tolerance = config.fidelity_tolerance
+    resolved = replace(config, spaces=spaces, fidelity_tolerance=FIDELITY_TOLERANCE[config.dtype] if tolerance is None
+                       else tolerance)
+    return Checked(texts=texts, load_data_s=load_data_s, config=resolved)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -143,6 +153,8 @@ def check_options(config) -> None:
     if len(set(config.alphas)) != len(config.alphas):
         raise ProbeError(f"--alpha lists a value twice ({', '.join(map(str, config.alphas))}); list each once.")
     for option, value in (("--fidelity-tolerance", config.fidelity_tolerance), ("rtol", config.rtol)):
+        if value is None and option == "--fidelity-tolerance":  # None: by the model's dtype
+            continue
         if not math.isfinite(value) or value <= 0:
             raise ProbeError(f"{option} must be a finite number > 0, got {value}.")
     if config.dtype not in DTYPES:
@@ -153,12 +165,12 @@ def check_options(config) -> None:
             raise ProbeError(f"{option} must be at least 1, got {value}.")
     if config.dataset.samples is not None and config.dataset.samples < 1:
         raise ProbeError(f"--samples must be at least 1, got {config.dataset.samples}.")
-    if not config.spaces:
+    if config.spaces is not None and not config.spaces:
         raise ProbeError(f"--space needs at least one of: {', '.join(SPACES)}.")
-    unknown = [space for space in config.spaces if space not in SPACES]
+    unknown = [space for space in config.spaces or () if space not in SPACES]
     if unknown:
         raise ProbeError(f"Unknown --space {', '.join(unknown)}. Choose from: {', '.join(SPACES)} (comma separated).")
-    if len(set(config.spaces)) != len(config.spaces):
+    if config.spaces is not None and len(set(config.spaces)) != len(config.spaces):
         raise ProbeError(f"--space lists a space twice ({', '.join(config.spaces)}); list each once.")
     if config.init not in INITS:
         raise ProbeError(f"Unknown --init '{config.init}'. Choose {' or '.join(INITS)}.")
@@ -170,9 +182,9 @@ def check_options(config) -> None:
 
 def check_report_formats(formats: str) -> list[str]:
     """The figure formats of ``--format`` (checked by the report's own rule), before any work."""
-    from .report import _check_formats
+    from .report import check_formats
 
-    return _check_formats([item for item in formats.split(",")])
+    return check_formats(formats.split(","))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,7 +292,8 @@ def check_tokenizer_files(directory: Path, name: str, option: str) -> None:
 
 
 def check_model(config):
-    """The model's files and config, and its tokenizer; returns ``(transformers config, tokenizer)``."""
+    """The model's files and config, and its tokenizer; returns ``(transformers config, tokenizer, spaces)``
+    with the spaces asked for (or the adapter's default)."""
     from .adapters import adapter_for
     from .loading import load_config, load_tokenizer
 
@@ -293,7 +306,8 @@ def check_model(config):
     model_config = load_config(config.model, config.revision)
     adapter = adapter_for(model_config.model_type)  # an architecture without adapter fails before anything else
     adapter.model_class(model_config)  # the adapter may refuse a checkpoint (an encoder-only T5, for example)
-    unsupported = [space for space in config.spaces if space not in adapter.spaces]
+    spaces = tuple(config.spaces or adapter.spaces[:1])  # None: the adapter's default (rotary models: key)
+    unsupported = [space for space in spaces if space not in adapter.spaces]
     if unsupported:
         raise ProbeError(
             f"{model_config.model_type} supports the space(s) {', '.join(adapter.spaces)} only, not "
@@ -312,7 +326,7 @@ def check_model(config):
         if tokenizer_directory is not None:
             check_tokenizer_files(tokenizer_directory, config.tokenizer, "; given with --tokenizer")
     tokenizer = load_tokenizer(config.tokenizer or config.model, None if config.tokenizer else config.revision)
-    return model_config, tokenizer
+    return model_config, tokenizer, spaces
 
 
 # --------------------------------------------------------------------------------------------------
