@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from probe.reference import cvxpy_primal, gradient_ascent_dual, lbfgs_dual, relative_deviation
-from probe.solver import DualProblems, DualSolution, solve_dual
+from probe.solver import DualProblems, DualSolution, factor_gram, solve_dual, solve_spd_reduced
 
 TOL = 1e-7
 
@@ -423,3 +423,32 @@ def test_solve_spd_reduced_matches_dense_solves(shared):
             true_residual = np.linalg.norm(rhs[group, row] - H @ x[group, row].numpy())
             assert residual[group, row].item() == pytest.approx(true_residual, abs=1e-12)
     assert torch.equal(x[0, 2], torch.zeros_like(x[0, 2]))
+
+
+def test_solve_spd_reduced_matches_dense_solves_at_each_rows_tolerance():
+    """(I/alpha + A^T (diag w - w w^T) A) x = b against numpy's dense solve, row by row, with a tolerance
+    per row (zero weights and a zero right-hand side included); the residual it reports is the true one."""
+    rng = np.random.default_rng(3)
+    g, m, n, d, alpha = 2, 5, 9, 6, 1.7
+    T = rng.normal(size=(g, n, d))
+    factor = factor_gram(torch.as_tensor(T @ T.transpose(0, 2, 1)))
+    weights = rng.dirichlet(np.ones(n), size=(g, m))
+    weights[0, 1, :3] = 0.0
+    weights /= weights.sum(-1, keepdims=True)
+    rhs = rng.normal(size=(g, m, factor.shape[-1]))
+    rhs[1, 2] = 0.0
+    rtol = np.array([[1e-2, 1e-6, 1e-12, 1e-12, 1e-9]] * g)
+    x, residual = solve_spd_reduced(factor, torch.as_tensor(weights), torch.as_tensor(rhs), alpha, torch.as_tensor(rtol))
+    A = factor.numpy()
+    for i in range(g):
+        for j in range(m):
+            w = weights[i, j]
+            H = np.eye(A.shape[-1]) / alpha + A[i].T @ (np.diag(w) - np.outer(w, w)) @ A[i]
+            exact = np.linalg.solve(H, rhs[i, j])
+            true_residual = np.linalg.norm(rhs[i, j] - H @ x[i, j].numpy())
+            assert residual[i, j].item() == pytest.approx(true_residual, rel=1e-6, abs=1e-14)
+            assert true_residual <= 2 * rtol[i, j] * np.linalg.norm(rhs[i, j]) + 1e-14
+            # H >= I/alpha: the error is at most alpha times the residual
+            assert np.linalg.norm(x[i, j].numpy() - exact) <= alpha * true_residual + 1e-13
+    assert torch.equal(x[1, 2], torch.zeros_like(x[1, 2]))
+    assert solve_spd_reduced(factor, torch.as_tensor(weights), torch.as_tensor(rhs), alpha, residual=False)[1] is None
