@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import re
 import signal
@@ -49,6 +50,7 @@ class RunConfig:
     init: str = "pretrained"  # or "random": the same architecture with fresh weights (seeded by ``seed``)
     tokenizer: str | None = None  # where the tokenizer is when it is not beside the model (--tokenizer)
     max_memory_bytes: int | None = None  # --max-memory: bounds the problems held at once (probe.rows)
+    threads: int | None = None  # --threads: torch's intra-op threads (None: torch's default, all cores)
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
@@ -122,6 +124,8 @@ def _prepare(
     """Load the model (from ``model_location``, default ``config.model``) onto ``device`` and the texts
     (``texts`` when already read, else from ``dataset``, default ``config.dataset``); plan the batches."""
     torch.manual_seed(config.seed)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     started = time.perf_counter()
     loaded = load_model(
         model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
@@ -387,7 +391,7 @@ def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, grou
     config, ranks = job.config, group.ranks
     rank_info = group.gather({
         "rank": ranks.rank, **storage.process_identity(), "device": str(job.device),
-        "threads": torch.get_num_threads(), **job.timings,
+        "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), **job.timings,
     })
 
     def start() -> tuple[list[int], int]:  # rank 0: the batches left, and a new segment in the manifest

@@ -32,6 +32,22 @@ CORPUS = [
     "Every head of every layer attends to the tokens before it, and some heads attend to the first one.",
 ]
 
+#: encoder-decoder pairs, in words the T5 test tokenizer knows (other words become characters)
+SOURCES = [
+    "the quick brown fox",
+    "attention is a convex problem and every head of the model is a query",
+    "Why é?",
+    "every layer and every head",
+    "the lazy dog jumps over the quick brown fox and the dog is a fox over every token",
+]
+TARGETS = [
+    "the lazy dog jumps over the quick brown fox",
+    "every layer and every head of the model",
+    "a convex problem",
+    "attention over every token of the query , and the quick brown fox jumps over the lazy dog",
+    "ok",
+]
+
 
 @dataclass
 class Spec:
@@ -45,6 +61,11 @@ class Spec:
         return {"encoder": ("self",), "decoder": ("causal_self",)}.get(
             self.kind, ("encoder_self", "decoder_self", "cross")
         )
+
+    @property
+    def texts(self):
+        """The texts the tests run on (encoder input for encoder-decoders)."""
+        return SOURCES if self.kind == "encoder_decoder" else CORPUS
 
     @property
     def rotary(self):
@@ -111,8 +132,9 @@ def build_config(spec: Spec, tokenizer):
     if spec.name in T5_TYPES:
         config_class = {"t5": T.T5Config, "flan-t5": T.T5Config, "mt5": T.MT5Config, "umt5": T.UMT5Config}[spec.name]
         gated = spec.name != "t5"  # flan-t5, mt5 and umt5 use gated-gelu
-        return config_class(vocab_size=vocab, d_model=width, d_kv=8, d_ff=2 * width, num_heads=heads, num_layers=layers,
-                            num_decoder_layers=layers, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        return config_class(vocab_size=vocab, d_model=width, d_kv=8, d_ff=2 * width, num_heads=heads,
+                            num_layers=layers, num_decoder_layers=layers, relative_attention_num_buckets=8,
+                            relative_attention_max_distance=16,
                             feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings=not gated,
                             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
     if spec.name in BART_TYPES:

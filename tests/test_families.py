@@ -24,16 +24,7 @@ from probe.adapters import REGISTRY, space_problems
 from probe.loading import load_model
 from probe.reference import cvxpy_primal, relative_deviation
 from probe.rows import fidelity_error
-from tests.families import ALL, CORPUS, ROTARY_TYPES, save_tiny, spec
-
-TARGETS = [
-    "the lazy dog jumps over the quick brown fox",
-    "every layer and every head of the model",
-    "a convex problem",
-    "attention over every token of the query , and the quick brown fox jumps over the lazy dog",
-    "ok",
-]
-
+from tests.families import ALL, CORPUS, ROTARY_TYPES, TARGETS, save_tiny, spec
 
 @pytest.fixture(scope="module", params=ALL)
 def family(request, tmp_path_factory, minilm_dir):
@@ -49,7 +40,7 @@ def loaded(family):
     return load_model(str(family[1]), device="cpu")
 
 
-def encode(loaded, texts=CORPUS, targets=TARGETS):
+def encode(loaded, texts, targets=TARGETS):
     return loaded.adapter.encode(loaded.tokenizer, list(texts), list(targets) if targets else None, 128)
 
 
@@ -71,7 +62,7 @@ def test_capture_reproduces_model_attention(family, loaded):
     family_spec, _ = family
     assert family_spec.model_type in REGISTRY
     assert loaded.model.config._attn_implementation == "eager"
-    inputs = encode(loaded)
+    inputs = encode(loaded, family_spec.texts)
     assert inputs["attention_mask"].sum(-1).unique().numel() > 2  # really padded
     sites = loaded.adapter.sites(loaded.model, inputs)
     layers = loaded.model.config.num_hidden_layers if family_spec.kind != "encoder_decoder" else 2
@@ -98,7 +89,7 @@ def assert_left_and_right_padding_agree(loaded):
     sides = {}
     for side in ("left", "right"):
         tokenizer.padding_side = side
-        inputs = encode(loaded, targets=None)
+        inputs = encode(loaded, CORPUS, targets=None)
         sides[side] = (inputs, loaded.adapter.sites(loaded.model, inputs))
     tokenizer.padding_side = "left"
     (left_inputs, left_sites), (right_inputs, right_sites) = sides["left"], sides["right"]
@@ -130,7 +121,8 @@ def cli_run(family, tmp_path_factory):
     work = tmp_path_factory.mktemp(f"run-{family_spec.name}")
     if family_spec.kind == "encoder_decoder":
         data = work / "pairs.jsonl"
-        data.write_text("".join(json.dumps({"text": t, "target": g}) + "\n" for t, g in zip(CORPUS, TARGETS)))
+        pairs = zip(family_spec.texts, TARGETS)
+        data.write_text("".join(json.dumps({"text": t, "target": g}) + "\n" for t, g in pairs))
         options = ["--target-column", "target"]
     else:
         data = work / "texts.txt"
@@ -139,7 +131,7 @@ def cli_run(family, tmp_path_factory):
     if not family_spec.rotary:
         options += ["--space", "hidden,key"]
     out = work / "runs"
-    result = CliRunner().invoke(app, ["run", str(directory), "--dataset", str(data), "--batch-size", "3", "--out",
+    result = CliRunner().invoke(app, ["run", str(directory), "--dataset", str(data), "--batch-size", "5", "--out",
                                       str(out), "--no-progress", *options])
     assert result.exit_code == 0, result.output
     (run_dir,) = list(out.iterdir())
@@ -162,7 +154,7 @@ def test_cli_run_rows_converged_and_faithful(family, cli_run):
     config = AutoConfig.from_pretrained(directory)
     heads = getattr(config, "num_attention_heads", None) or config.num_heads
     layers = 2
-    source = token_lengths(tokenizer, CORPUS)
+    source = token_lengths(tokenizer, family_spec.texts)
     target = token_lengths(tokenizer, TARGETS)
     queries = {"self": source, "causal_self": source, "encoder_self": source, "decoder_self": target, "cross": target}
     spaces = ["key"] if family_spec.rotary else ["hidden", "key"]
@@ -259,7 +251,7 @@ def single_example_inputs(family_spec, model, tokenizer, example):
     import inspect
 
     accepted = inspect.signature(model.forward).parameters
-    encoded = tokenizer(CORPUS[example], return_tensors="pt")
+    encoded = tokenizer(family_spec.texts[example], return_tensors="pt")
     inputs = {k: v for k, v in encoded.items() if k in accepted}
     if family_spec.kind == "encoder_decoder":
         target = tokenizer(TARGETS[example], return_tensors="pt")["input_ids"]

@@ -36,7 +36,8 @@ def ids(model, length=7, batch=2):
     inputs = {"input_ids": torch.randint(3, 60, (batch, length), generator=generator),
               "attention_mask": torch.ones(batch, length, dtype=torch.long)}
     if model.config.is_encoder_decoder:
-        inputs.update(decoder_input_ids=inputs["input_ids"][:, :5], decoder_attention_mask=inputs["attention_mask"][:, :5])
+        inputs.update(decoder_input_ids=inputs["input_ids"][:, :5],
+                      decoder_attention_mask=inputs["attention_mask"][:, :5])
     return inputs
 
 
@@ -88,8 +89,8 @@ def test_blocks_do_not_nest():
 
 #: (case, model builder, family declaration, what the error must say)
 REFUSED = [
-    ("logit soft-capping (gemma2)", lambda: llama_like("Gemma2Config"), Family("gemma2", DECODER, ROTARY_DECODER_SITES, None),
-     "soft-capping"),
+    ("logit soft-capping (gemma2)", lambda: llama_like("Gemma2Config"),
+     Family("gemma2", DECODER, ROTARY_DECODER_SITES, None), "soft-capping"),
     ("attention sinks (gpt-oss)",
      lambda: llama_like("GptOssConfig", num_local_experts=2, num_experts_per_tok=1),
      Family("gpt_oss", DECODER, ROTARY_DECODER_SITES, None), "sinks"),

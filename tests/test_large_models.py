@@ -79,8 +79,12 @@ def test_device_map_when_several_gpus_are_visible(monkeypatch, device, gpus, ini
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: (object() if accelerate else None) if name == "accelerate" else real_find_spec(name, *a))
+    def find_spec(name, *args):
+        if name == "accelerate":
+            return object() if accelerate else None
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     if isinstance(expected, ProbeError):
         with pytest.raises(ProbeError, match=str(expected)):
             loading._device_map(device, init)

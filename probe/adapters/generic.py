@@ -79,7 +79,9 @@ class Family:
     notes: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        expected = {ENCODER: ("self",), DECODER: ("causal_self",), ENCODER_DECODER: ("encoder_self", "decoder_self", "cross")}
+        expected = {
+            ENCODER: ("self",), DECODER: ("causal_self",), ENCODER_DECODER: ("encoder_self", "decoder_self", "cross"),
+        }
         if tuple(self.sites) != expected.get(self.inputs):
             raise ValueError(f"{self.name}: inputs {self.inputs!r} needs sites for {expected.get(self.inputs)}")
 
@@ -153,7 +155,9 @@ class InterfaceAdapter(Adapter):
             raise ProbeError("The tokenizer has no pad token and the model no decoder_start_token_id.")
         label_ids, label_mask = labels["input_ids"], labels["attention_mask"]
         if tokenizer.padding_side == "left":
-            raise ProbeError("Encoder-decoder targets must be padded on the right; set tokenizer.padding_side = 'right'.")
+            raise ProbeError(
+                "Encoder-decoder targets must be padded on the right; set tokenizer.padding_side = 'right'."
+            )
         decoder_input_ids = torch.full_like(label_ids, start)
         decoder_input_ids[:, 1:] = label_ids[:, :-1]
         # Position j holds the start token (j = 0) or target token j - 1 and predicts target token j: the
@@ -170,7 +174,8 @@ class InterfaceAdapter(Adapter):
         token; padding is masked), and ``position_ids`` counting each text's tokens from 0 (as
         ``generate`` does), so that left padding leaves positions unchanged."""
         ids = tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]
-        pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) if t is not None), 0)
+        candidates = (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id)
+        pad = next((token for token in candidates if token is not None), 0)
         width = max(len(row) for row in ids)
         input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
         attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
@@ -238,10 +243,10 @@ class InterfaceAdapter(Adapter):
         silent = [names[module] for module in sites if module not in called]
         if silent:
             raise ProbeError(
-                f"{', '.join(silent[:3])}{' ...' if len(silent) > 3 else ''} computed attention without transformers' eager "
-                "attention function, so probe saw neither its logits nor its probabilities. probe loads models with "
-                "attn_implementation='eager'; load yours that way (and turn off options that bypass the attention "
-                "interface, e.g. GPT-2's reorder_and_upcast_attn)."
+                f"{', '.join(silent[:3])}{' ...' if len(silent) > 3 else ''} computed attention without "
+                "transformers' eager attention function, so probe saw neither its logits nor its probabilities. "
+                "probe loads models with attn_implementation='eager'; load yours that way (and turn off options that "
+                "bypass the attention interface, e.g. GPT-2's reorder_and_upcast_attn)."
             )
 
     def _roles(self, inputs) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -273,7 +278,9 @@ class InterfaceAdapter(Adapter):
         key_hidden = key_weight = None
         if self.family.key is not None:
             if key_input is None:
-                raise ProbeError(f"{self.family.name}: the key projection '{self.family.key}' did not run before attention.")
+                raise ProbeError(
+                    f"{self.family.name}: the key projection '{self.family.key}' did not run before attention."
+                )
             key_hidden = key_input.to(device)
             key_weight = self._key_weight(getattr(call.module, self.family.key)).to(device)
         return SiteCapture(
@@ -323,7 +330,8 @@ class InterfaceAdapter(Adapter):
             "future keys in causal attention, keys outside a sliding window) + position_bias where the family "
             "passes one",
             "logit_identity": "alpha <t_i, z> + log u_i = scaling * q.k_i + mask + position_bias (alpha = 1)",
-            "layer": "order of the site's calls among its attention type's calls (a shared module counts once per call)",
+            "layer": "order of the site's calls among its attention type's calls (a module shared by several "
+            "layers counts once per call)",
             "query": "the query's position within its own sequence (padding excluded)",
             "spaces_supported": list(self.spaces),
         }

@@ -26,7 +26,7 @@ compute
 attention, ``models/t5/modeling_t5.py`` with ``position_bias``; ``scaling=None`` means
 :math:`1/\sqrt{d'}`), which is probe's logit :math:`c_\text{scale}\,q\cdot k_i + \log u_i` with
 :math:`\log u` = position bias + mask.  What this form cannot represent is refused with a
-:class:`~probe.errors.ProbeError` (:func:`unrepresentable`): logit soft-capping (``softcap``, Gemma 2/3:
+:class:`~probe.errors.ProbeError` (:func:`unrepresentable`): logit soft-capping (``softcap``, Gemma 2:
 :math:`c\tanh(\ell/c)` is not affine in :math:`q\cdot k`), attention sinks (``s_aux``/``sinks``: an extra
 softmax-denominator term, so the weights over the keys do not sum to one), and any other parameter an
 eager function takes that probe does not know.  Sliding windows need nothing: transformers builds them
