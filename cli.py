@@ -3,10 +3,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
 import typer
+
+# Idle OpenMP threads sleep instead of spinning: on a machine shared with other work, spinning threads
+# fight the neighbours for cores (bench/results_e2e.md, threads: up to 8x slower).  It must be set before
+# torch loads its OpenMP runtime, so here, before any probe module imports torch (they are imported in
+# the commands); a value already in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 app = typer.Typer(
     add_completion=False,
@@ -51,6 +58,10 @@ def run(
         None, help="Directory (or hub id) of the tokenizer, when it is not beside the model."
     ),
     max_memory: Optional[str] = typer.Option(None, help="Memory budget for the solver, e.g. 4GB or 512MiB."),
+    threads: Optional[int] = typer.Option(
+        None, help="CPU threads for the model and the solver [default: torch's, one per core; idle threads "
+        "sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE unless set), so a shared machine loses little]."
+    ),
     out: Path = typer.Option(Path("runs"), help="Parent directory of the run directory."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option(
@@ -94,6 +105,7 @@ def run(
             alphas=parse_numbers(alpha, "--alpha"), spaces=parse_names(space, "--space") if space is not None else None, init=init,
             tokenizer=tokenizer, max_memory_bytes=parse_memory(max_memory) if max_memory is not None else None,
             device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance, progress=progress,
+            threads=threads,
         )
         run_dir = run_pipeline(settings)
     except ProbeError as error:

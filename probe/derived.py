@@ -44,11 +44,35 @@ G)^{-1} W T`, :math:`\lambda_2 = \alpha z + T^\top c_2` with
            b = A^\top W s ,
 
 an :math:`r \times r` SPD system per row (:math:`r = \mathrm{rank}\,G`) whose matrix is the solver's
-Newton matrix at :math:`p = u`; it is solved by the solver's batched CG
-(:func:`probe.solver.solve_spd_reduced`), never as an :math:`n \times n` system.
+Newton matrix at :math:`p = u`, never solved as an :math:`n \times n` system.
 
-*Error of* :math:`\lambda_2`.  CG returns :math:`\hat x` with residual :math:`\rho = b - H\hat x`
-(recomputed from :math:`\hat x`).  Exactly, :math:`A^\top c_2 = -\alpha^2(b - (H - I/\alpha)x) =
+*Solving the systems.*  :math:`H = H_u` depends on the row only through :math:`u`.  Rows of a group with
+bitwise equal :math:`u` form a class that shares one :math:`H_u`: every row of an example when the
+preference is uniform over its real keys (BERT-like models, and T5's cross-attention), every head of a
+query under a causal mask without position bias.  A class of at least
+:func:`_direct_min_rows` rows (the size above which it is cheaper) is solved directly: :math:`H_u` is
+formed (:math:`nr^2`) and Cholesky-factored (:math:`r^3/3`) once, then each row costs two triangular
+solves (:math:`2r^2`) instead of a CG run of :math:`\sim 2 \cdot` 5 to 12 products with :math:`A`
+(:math:`nr` each).  Rows with their own :math:`u` (T5's position bias, causal masks per query) go to
+the batched CG of :func:`probe.solver.solve_spd_reduced`.  Columns of :math:`A` that are zero in every
+group (null eigenvalues of :math:`G`, e.g. beyond the :math:`d'` dimensions of the key space) are
+dropped first: they contribute :math:`x_k/\alpha` to :math:`Hx` and nothing to :math:`b`, so
+:math:`x_k = 0` exactly.  Whichever way :math:`\hat x` was found, the bound below uses its residual,
+so no path needs to be trusted: a row whose residual is above its tolerance after the direct solve
+(or whose factorisation fails) is handed to CG.
+
+*Tolerance.*  CG stops a row at :math:`\|\rho\| \le` ``rtol`` :math:`\|b\|`, or earlier at
+``error_target`` :math:`/\alpha^2` when given.  The pipeline (:func:`probe.rows.derive`) passes a tenth
+of the solver's tolerance, :math:`\varepsilon_2 \le 0.1\,\mathrm{rtol}\,\|\hat\lambda\|` (:math:`10^{-10}`
+by default): the second-order deviation is then resolved like rel_deviation, its bound below being
+dominated by the solver's own :math:`\varepsilon \le \mathrm{rtol}\,\|\hat\lambda\|` (at most a quarter of
+that where the solver stops by its tolerance).  Two second-order solutions, to any tolerances, differ by
+at most the sum of their :math:`\varepsilon_2`.
+
+*Error of* :math:`\lambda_2`.  The solve returns :math:`\hat x` with residual :math:`\rho = b - H\hat x`,
+recomputed from :math:`\hat x` as :math:`\rho = A^\top W(s - A\hat x) - \hat x/\alpha` from the same
+vector :math:`W(s - A\hat x)` that gives :math:`\hat c_2` (so the identity below holds up to the
+rounding of one product).  Exactly, :math:`A^\top c_2 = -\alpha^2(b - (H - I/\alpha)x) =
 -\alpha x`; for :math:`\hat c_2 = -\alpha^2 W(s - A\hat x)`, :math:`A^\top \hat c_2 = -\alpha^2\rho
 - \alpha\hat x`.  With :math:`\hat x - x = -H^{-1}\rho` and :math:`T^\top = VA^\top` (:math:`V`
 orthonormal),
@@ -110,6 +134,8 @@ is the plain :math:`\|\hat p - p^*\|_1\max_i\|v_i\|`; the mean removes the value
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .solver import solve_spd_reduced
@@ -120,6 +146,7 @@ __all__ = [
     "model_attention",
     "attention_tv",
     "output_deviation",
+    "attention_deviations",
     "attention_entropy",
 ]
 
@@ -135,10 +162,17 @@ def second_order_coefficients(
     active: torch.Tensor | None = None,
     *,
     rtol: float = 1e-12,
+    error_target: torch.Tensor | None = None,
+    direct_min_rows: int | None = None,
     memory_budget_bytes: int = 1 << 29,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The paper's second-order prediction :math:`\lambda_2 = \alpha(I + \alpha\Sigma_u)^{-1}z` in reduced
     form, :math:`\lambda_2 = \alpha z + T^\top c_2` (module docstring, "Second-order prediction").
+
+    The systems :math:`H_u x = b` are solved directly where rows share their preference (one Cholesky
+    factorisation of :math:`H_u` per class of rows with bitwise equal :math:`u` in a group, then two
+    triangular solves per row) and by CG elsewhere; either way :math:`\varepsilon_2` comes from the
+    residual recomputed from :math:`\hat x` (module docstring, "Solving the systems").
 
     Args:
         factor: :math:`A` with :math:`AA^\top = G`, ``(g, n, r)``, from :func:`probe.solver.factor_gram`.
@@ -146,7 +180,14 @@ def second_order_coefficients(
         log_preference: :math:`\log u` up to a constant per row, ``-inf`` for excluded keys, ``(g, m, n)``.
         alpha: strength :math:`\alpha > 0`.
         active: rows to compute, ``(g, m)`` bool, ``None`` for all.
-        rtol: relative residual at which CG stops (the bound is certified whatever it reaches).
+        rtol: relative residual :math:`\|b - H\hat x\| \le` ``rtol`` :math:`\|b\|` that every row reaches
+            (CG stops there; the bound is certified whatever it reaches).
+        error_target: ``(g, m)``, optional: a row may stop earlier, once :math:`\varepsilon_2 \le`
+            ``error_target`` (the pipeline passes a tenth of the solver's tolerance on
+            :math:`\|\hat\lambda\|`).
+        direct_min_rows: classes of at least this many rows sharing :math:`u` are solved directly, the
+            others by CG; ``None``: by the cost model of :func:`_direct_min_rows`.  (1: every row
+            directly; more than ``m``: every row by CG.)
         memory_budget_bytes: rows are processed in tiles of about this working-set size.
 
     Returns:
@@ -156,7 +197,7 @@ def second_order_coefficients(
     """
     if alpha <= 0:
         raise ValueError(f"alpha must be positive, got {alpha}")
-    factor = factor.to(_F64)
+    factor = _used_columns(factor.to(_F64))
     device = factor.device
     logits = logits.to(device=device, dtype=_F64)
     log_pref = log_preference.to(device=device, dtype=_F64).expand_as(logits)
@@ -166,26 +207,218 @@ def second_order_coefficients(
     ok = support.any(-1) & torch.isfinite(torch.where(support, log_pref, 0.0) + logits).all(-1)
     active = ok if active is None else ok & active.to(device)
     # inactive rows become a harmless uniform problem, so that no NaN enters the batched products
-    log_pref = torch.where(active.unsqueeze(-1), log_pref, 0.0)
-    logits = torch.where(active.unsqueeze(-1), logits, 0.0)
-    u = torch.softmax(log_pref, dim=-1)
-
-    c2 = torch.empty_like(logits)
-    c2_error = torch.empty(g_count, m, dtype=_F64, device=device)
-    bytes_per_row = 16 * n * 8  # about 16 live (m, n)-sized float64 tensors in the CG
-    for g0, g1, j0, j1 in _tiles(g_count, m, max(1, memory_budget_bytes // bytes_per_row)):
-        a, s, w = factor[g0:g1], logits[g0:g1, j0:j1], u[g0:g1, j0:j1]
-        rhs = torch.bmm(_centred(w, s), a)  # b = A^T W s
-        x, residual = solve_spd_reduced(a, w, rhs, alpha, rtol)
-        c2[g0:g1, j0:j1] = -(alpha**2) * _centred(w, s - torch.bmm(x, a.transpose(1, 2)))
-        c2_error[g0:g1, j0:j1] = alpha**2 * residual
     inactive = ~active
-    return c2.masked_fill(inactive.unsqueeze(-1), _NAN), c2_error.masked_fill(inactive, _NAN)
+    if bool(inactive.any()):
+        log_pref = log_pref.masked_fill(inactive.unsqueeze(-1), 0.0)
+        logits.masked_fill_(inactive.unsqueeze(-1), 0.0)
+    u = torch.softmax(log_pref, dim=-1)
+    if error_target is not None:
+        error_target = error_target.to(device=device, dtype=_F64).expand(g_count, m)
+    if direct_min_rows is None:
+        direct_min_rows = _direct_min_rows(n, factor.shape[-1])
+
+    bytes_per_row = 16 * n * 8  # about 16 live (m, n)-sized float64 tensors in the CG
+    tiles = _tiles(g_count, m, max(1, memory_budget_bytes // bytes_per_row))
+    if len(tiles) == 1:
+        c2, c2_error = _second_order_tile(factor, logits, u, active, alpha, rtol, error_target, direct_min_rows)
+    else:
+        c2 = torch.empty_like(logits)
+        c2_error = torch.empty(g_count, m, dtype=_F64, device=device)
+        for g0, g1, j0, j1 in tiles:
+            target = None if error_target is None else error_target[g0:g1, j0:j1]
+            c2[g0:g1, j0:j1], c2_error[g0:g1, j0:j1] = _second_order_tile(
+                factor[g0:g1], logits[g0:g1, j0:j1], u[g0:g1, j0:j1], active[g0:g1, j0:j1], alpha, rtol, target,
+                direct_min_rows,
+            )
+    return c2.masked_fill_(inactive.unsqueeze(-1), _NAN), c2_error.masked_fill_(inactive, _NAN)
 
 
-def _centred(u, v):
-    r""":math:`W v = u \odot (v - u^\top v)` for :math:`W = \mathrm{diag}\,u - uu^\top`, row-wise."""
-    return u * (v - (u * v).sum(-1, keepdim=True))
+#: cost of one CG solve per row in units of the n r multiply-adds of one product with A, fitted to the
+#: measured crossovers (classes of k rows, n = r = 32 / 64 / 128 and n = 128, r = 32, CPU float64:
+#: direct faster from k = 4 / 8 / 17 and 8); CG converges in a few steps on these well-conditioned systems
+_CG_COST = 8
+
+
+def _direct_min_rows(n: int, r: int) -> int:
+    r"""The smallest class of rows sharing :math:`u` for which one factorisation (:math:`nr^2` to form
+    :math:`H_u`, :math:`r^3/3` to factor it) costs less than CG on each of its rows."""
+    if n == 0 or r == 0:
+        return 1
+    return max(1, math.ceil((n * r * r + r**3 / 3) / (_CG_COST * n * r)))
+
+
+def _used_columns(factor):
+    r"""The factor without the columns that are zero in every group (:func:`probe.solver.factor_gram` zeroes
+    those of null eigenvalues): they add :math:`x_k/\alpha` to :math:`Hx` and nothing to :math:`b`, so
+    :math:`x_k = 0` exactly and they can be dropped."""
+    used = (factor != 0).flatten(0, 1).any(0)
+    return factor if bool(used.all()) else factor[..., used]
+
+
+def _second_order_tile(a, s, u, live, alpha, rtol, target, direct_min_rows):
+    r"""``(c2, c2_error)`` for one tile: the direct solve on classes of rows sharing :math:`u`, then CG on
+    the live rows left (and on any row the direct solve leaves above its tolerance)."""
+    g_count, m, n = s.shape
+    rhs = torch.bmm(_centred(u, s), a)  # b = A^T W s
+    rhs_norm = rhs.norm(dim=-1)
+    tolerance = rtol * rhs_norm  # on ||b - H x||
+    if target is not None:
+        tolerance = torch.maximum(tolerance, torch.nan_to_num(target / alpha**2, nan=0.0))
+    x = torch.zeros_like(rhs)
+    solved = _solve_direct(a, u, rhs, live, alpha, direct_min_rows, x) if a.shape[-1] else live.clone()
+    if bool(solved.any()):
+        c2, residual = _coefficients_and_residual(a, s, u, x, alpha)
+        c2_error = alpha**2 * residual
+        solved = solved & (residual <= tolerance)
+    else:
+        c2 = torch.zeros_like(s)
+        c2_error = torch.zeros(g_count, m, dtype=_F64, device=s.device)
+    pending = live & ~solved
+    if bool(pending.any()):
+        c2_cg, error_cg, index = _solve_cg(a, s, u, rhs, rhs_norm, tolerance, pending, alpha, rtol)
+        c2[index] = c2_cg
+        c2_error[index] = error_cg
+    return c2, c2_error
+
+
+def _coefficients_and_residual(a, s, u, x, alpha):
+    r""":math:`\hat c_2 = -\alpha^2 W(s - A\hat x)` and :math:`\|b - H\hat x\| = \|A^\top W(s - A\hat x) -
+    \hat x/\alpha\|`, both from the same vector :math:`W(s - A\hat x)`."""
+    spread = _centred(u, torch.sub(s, torch.bmm(x, a.transpose(1, 2))), in_place=True)
+    residual = torch.baddbmm(x, spread, a, beta=-1.0 / alpha)
+    return spread.mul_(-(alpha**2)), residual.norm(dim=-1)
+
+
+def _solve_cg(a, s, u, rhs, rhs_norm, tolerance, pending, alpha, rtol):
+    """CG (:func:`probe.solver.solve_spd_reduced`) on the ``pending`` rows, gathered to the front of the
+    groups that have one.  Returns their ``(c2, c2_error)`` and the ``(group, row)`` index they belong at."""
+    g_count, m = pending.shape
+    if bool(pending.all()):
+        groups = torch.arange(g_count, device=s.device)
+        rows = torch.arange(m, device=s.device).expand(g_count, m)
+        valid = pending
+    else:
+        count = pending.sum(-1)
+        groups = count.nonzero().squeeze(-1)
+        order = torch.argsort((~pending[groups]).to(torch.int8), dim=-1, stable=True)[:, : int(count.max())]
+        rows, valid = order, pending[groups].gather(1, order)
+    pick = (groups.unsqueeze(-1), rows)
+    a_sub, rhs_sub, norm_sub = a[groups], torch.where(valid.unsqueeze(-1), rhs[pick], 0.0), rhs_norm[pick]
+    row_rtol = torch.where(norm_sub > 0, tolerance[pick] / norm_sub, rtol)
+    weights = u[pick]
+    x, _ = solve_spd_reduced(a_sub, weights, rhs_sub, alpha, row_rtol, residual=False)
+    c2, residual = _coefficients_and_residual(a_sub, s[pick], weights, x, alpha)
+    index = (groups.unsqueeze(-1).expand_as(rows)[valid], rows[valid])
+    return c2[valid], alpha**2 * residual[valid], index
+
+
+def _solve_direct(a, u, rhs, live, alpha, min_rows, x):
+    r"""Solve :math:`H_u x = b` by one Cholesky factorisation per class of at least ``min_rows`` live rows
+    of a group with bitwise equal :math:`u`, writing into ``x``; returns the rows solved ``(g, m)``.
+
+    :math:`H_u = I/\alpha + A_c^\top \mathrm{diag}(u) A_c` is formed from the centred factor
+    :math:`A_c = A - \mathbf{1}(A^\top u)^\top` (:math:`A^\top W A = A_c^\top \mathrm{diag}(u) A_c`), which
+    avoids the cancellation of :math:`A^\top\mathrm{diag}(u)A - (A^\top u)(A^\top u)^\top` when the
+    templates share a large mean.  A class whose factorisation fails (not SPD in rounding) is left to CG.
+    """
+    solved = torch.zeros_like(live)
+    classes = _preference_classes(u, live, min_rows)
+    if classes is None:
+        return solved
+    class_group, class_row, table, valid = classes
+    n, r = a.shape[1], a.shape[2]
+    width = live.shape[1] if table is None else table.shape[1]
+    step = max(1, (1 << 28) // (8 * (2 * n * r + r * r + 2 * width * r + n)))  # classes per chunk
+    eye = torch.eye(r, dtype=_F64, device=x.device) / alpha
+    everything = table is None and len(class_group) == live.shape[0]
+    for c0 in range(0, len(class_group), step):
+        groups = class_group[c0 : c0 + step]
+        weights = u[groups, class_row[c0 : c0 + step]]  # (C, n)
+        factor = a if everything and step >= len(class_group) else a[groups]
+        centred = factor - torch.bmm(weights.unsqueeze(1), factor)
+        hessian = torch.baddbmm(eye, centred.transpose(1, 2) * weights.unsqueeze(1), centred)
+        cholesky, info = torch.linalg.cholesky_ex(hessian)
+        factored = (info == 0).unsqueeze(-1)
+        if table is None:  # a class is every live row of its group
+            members_ok = valid[c0 : c0 + step] & factored
+            rhs_class = rhs if factor is a else rhs[groups]
+            solution = torch.cholesky_solve(rhs_class.transpose(1, 2), cholesky).transpose(1, 2)
+            if factor is a:
+                x.copy_(solution)
+                solved |= members_ok
+            else:
+                x[groups] = torch.where(members_ok.unsqueeze(-1), solution, x[groups])
+                solved[groups] |= members_ok
+            continue
+        members, members_ok = table[c0 : c0 + step], valid[c0 : c0 + step] & factored
+        solution = torch.cholesky_solve(rhs[groups.unsqueeze(-1), members].transpose(1, 2), cholesky).transpose(1, 2)
+        index = (groups.unsqueeze(-1).expand_as(members)[members_ok], members[members_ok])
+        x[index] = solution[members_ok]
+        solved[index] = True
+    return solved
+
+
+def _preference_classes(u, live, min_rows):
+    r"""The classes of at least ``min_rows`` live rows of a group with bitwise equal :math:`u`, or ``None``.
+
+    Returns ``(class_group, class_row, table, valid)``: each class's group and first row ``(C,)``, and its
+    member rows as a padded table ``(C, width)`` with ``valid`` marking real entries; ``table`` is
+    ``None`` when every class is all the live rows of its group (``valid`` is then ``(C, m)``).
+
+    The usual case, one preference per group (no position bias, no causal mask), is checked first.
+    Otherwise rows are sorted by a fixed random projection of :math:`u`, and the runs of equal codes long
+    enough to matter are compared exactly with their first row; a row that differs (a collision) is
+    left out, so the classes are always exact.
+    """
+    g_count, m, n = u.shape
+    index = torch.arange(g_count, device=u.device)
+    first = live.to(torch.int8).argmax(-1)  # the first live row (0 where none)
+    same = (u == u[index, first].unsqueeze(1)).all(-1)
+    if bool((same | ~live).all()):
+        keep = live.sum(-1) >= min_rows
+        if not bool(keep.any()):
+            return None
+        return index[keep], first[keep], None, live[keep]
+    weights = torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=_F64).to(u.device) + 0.5
+    code = torch.where(live, torch.linalg.vecdot(u, weights.expand_as(u)), torch.inf)
+    code, order = torch.sort(code, dim=-1, stable=True)
+    position = torch.arange(m, device=u.device).expand(g_count, m)
+    starts = torch.ones_like(live)
+    starts[:, 1:] = code[:, 1:] != code[:, :-1]
+    start = torch.where(starts, position, 0).cummax(-1).values  # sorted position of each row's run
+    run_length = torch.zeros(g_count, m, dtype=torch.long, device=u.device).scatter_add_(
+        1, start, torch.isfinite(code).long()
+    )
+    long_enough = torch.isfinite(code) & (run_length.gather(1, start) >= min_rows)  # upper bound on the class
+    if not bool(long_enough.any()):
+        return None
+    group_of, position_of = long_enough.nonzero(as_tuple=True)
+    row_of, first_of = order[group_of, position_of], order[group_of, start[group_of, position_of]]
+    exact = (u[group_of, row_of] == u[group_of, first_of]).all(-1)
+    group_of, row_of, first_of = group_of[exact], row_of[exact], first_of[exact]
+    keys, class_of, counts = torch.unique(group_of * m + first_of, return_inverse=True, return_counts=True)
+    big = counts >= min_rows
+    if not bool(big.any()):
+        return None
+    rank = torch.empty_like(class_of)
+    order_in_class = torch.argsort(class_of, stable=True)
+    rank[order_in_class] = torch.arange(len(class_of), device=u.device) - (torch.cumsum(counts, 0) - counts)[
+        class_of[order_in_class]
+    ]
+    width = int(counts[big].max())
+    table = torch.zeros(len(keys), width, dtype=torch.long, device=u.device)
+    valid = torch.zeros(len(keys), width, dtype=torch.bool, device=u.device)
+    member = big[class_of]
+    table[class_of[member], rank[member]] = row_of[member]
+    valid[class_of[member], rank[member]] = True
+    return keys[big] // m, keys[big] % m, table[big], valid[big]
+
+
+def _centred(u, v, in_place=False):
+    r""":math:`W v = u \odot (v - u^\top v)` for :math:`W = \mathrm{diag}\,u - uu^\top`, row-wise (``in_place``:
+    overwriting ``v``)."""
+    mean = torch.linalg.vecdot(u, v).unsqueeze(-1)
+    return (v.sub_(mean) if in_place else v - mean).mul_(u)
 
 
 def _tiles(g_count, m, rows_per_tile):
@@ -240,10 +473,10 @@ def model_attention(
     """
     logits = logits.to(_F64)
     log_pref = log_preference.to(device=logits.device, dtype=_F64)
-    theta = torch.where(log_pref > -torch.inf, log_pref + alpha * logits, -torch.inf)
+    theta = torch.add(log_pref, logits, alpha=alpha).masked_fill_(~(log_pref > -torch.inf), -torch.inf)
     p = torch.softmax(theta, dim=-1)  # an all -inf row gives NaN
     if active is not None:
-        p = p.masked_fill(~active.to(p.device).unsqueeze(-1), _NAN)
+        p = p.masked_fill_(~active.to(p.device).unsqueeze(-1), _NAN)
     return p
 
 
@@ -264,27 +497,8 @@ def attention_tv(
         ``(value, bound)`` ``(g, m)``: :math:`|value - \text{true}| \le bound = \tanh(D\varepsilon/8)`,
         :math:`D` the diameter of the group's templates (module docstring).
     """
-    attention, p_att = attention.to(_F64), p_att.to(device=attention.device, dtype=_F64)
-    value = 0.5 * (attention - p_att).abs().sum(-1)
-    return value, _tv_to_optimum(attention, p_att, gram, error_bound)
-
-
-def _tv_to_optimum(attention, p_att, gram, error_bound):
-    r"""The certified :math:`\tau = \tanh(D\varepsilon/8) \ge TV(\hat p, p^*)`, ``(g, m)``."""
-    gram = gram.to(device=attention.device, dtype=_F64)
-    keys = _keys_in_use(attention, p_att)
-    diagonal = torch.diagonal(gram, dim1=-2, dim2=-1)
-    squared = diagonal.unsqueeze(-1) + diagonal.unsqueeze(-2) - 2 * gram  # ||t_i - t_j||^2
-    pairs = keys.unsqueeze(-1) & keys.unsqueeze(-2)
-    diameter = torch.where(pairs, squared, 0.0).amax(dim=(-2, -1)).clamp_min(0).sqrt()  # (g,)
-    eps = error_bound.to(device=attention.device, dtype=_F64)
-    tau = torch.tanh(diameter.unsqueeze(-1) * eps / 8)
-    return torch.where((diameter.unsqueeze(-1) == 0) & ~torch.isnan(eps), 0.0, tau)  # D = 0 even if eps = inf
-
-
-def _keys_in_use(attention, p_att):
-    """Keys that carry probability in some row of the group, ``(g, n)`` bool (NaN rows count for none)."""
-    return ((attention > 0) | (p_att > 0)).any(dim=1)
+    common = _AttentionDifference(attention, p_att, gram, error_bound)
+    return common.tv(), common.tau
 
 
 def output_deviation(
@@ -306,25 +520,65 @@ def output_deviation(
         ``(value, bound)`` ``(g, m)``: :math:`|value - \text{true}| \le bound = 2\tanh(D\varepsilon/8)\,R /
         \|\sum_i p_{att,i}v_i\|`, :math:`R` the radius of the head's values (module docstring).
     """
-    attention, p_att = attention.to(_F64), p_att.to(device=attention.device, dtype=_F64)
-    g_count, m, n = attention.shape
-    heads = values.shape[1]
-    if values.shape[0] != g_count or values.shape[2] != n or m % heads:
-        raise ValueError(f"values {tuple(values.shape)} do not fit attention {tuple(attention.shape)}")
-    keys = _keys_in_use(attention, p_att)
-    values = torch.where(keys[:, None, :, None], values.to(device=attention.device, dtype=_F64), 0.0)
+    return _AttentionDifference(attention, p_att, gram, error_bound).output(values)
 
-    def per_head(p):  # (g, m, n) -> (g, H, Q, n)
-        return p.reshape(g_count, heads, m // heads, n)
 
-    output = per_head(p_att) @ values  # (g, H, Q, d_v)
-    change = per_head(attention - p_att) @ values
-    scale = output.norm(dim=-1).reshape(g_count, m)
-    value = change.norm(dim=-1).reshape(g_count, m) / scale
-    radius = _value_radius(values, keys)
-    tau = _tv_to_optimum(attention, p_att, gram, error_bound)
-    bound = 2 * tau * radius.repeat_interleave(m // heads, dim=1) / scale
-    return value, bound
+def attention_deviations(
+    attention: torch.Tensor, p_att: torch.Tensor, values: torch.Tensor, gram: torch.Tensor, error_bound: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`attention_tv` and :func:`output_deviation` of the same rows at once, ``((tv, tv_bound),
+    (output, output_bound))``: they share :math:`\\hat p - p_{att}`, the keys in use and the TV bound."""
+    common = _AttentionDifference(attention, p_att, gram, error_bound)
+    return (common.tv(), common.tau), common.output(values)
+
+
+class _AttentionDifference:
+    r"""What the attention quantities of a batch share: :math:`\hat p - p_{att}`, the keys in use and
+    the certified :math:`\tau = \tanh(D\varepsilon/8) \ge TV(\hat p, p^*)`."""
+
+    def __init__(self, attention, p_att, gram, error_bound):
+        self.attention = attention.to(_F64)
+        self.p_att = p_att.to(device=self.attention.device, dtype=_F64)
+        self.difference = self.attention - self.p_att
+        self.keys = _keys_in_use(self.attention, self.p_att)
+        self.tau = _tv_to_optimum(self.keys, gram, error_bound)
+
+    def tv(self):
+        return 0.5 * torch.linalg.vector_norm(self.difference, ord=1, dim=-1)
+
+    def output(self, values):
+        g_count, m, n = self.difference.shape
+        heads = values.shape[1]
+        if values.shape[0] != g_count or values.shape[2] != n or m % heads:
+            raise ValueError(f"values {tuple(values.shape)} do not fit attention {tuple(self.difference.shape)}")
+        keys = self.keys
+        values = torch.where(keys[:, None, :, None], values.to(device=keys.device, dtype=_F64), 0.0)
+
+        def per_head(p):  # (g, m, n) -> (g, H, Q, n)
+            return p.reshape(g_count, heads, m // heads, n)
+
+        scale = (per_head(self.p_att) @ values).norm(dim=-1).reshape(g_count, m)  # ||sum_i p_att,i v_i||
+        value = (per_head(self.difference) @ values).norm(dim=-1).reshape(g_count, m) / scale
+        radius = _value_radius(values, keys)
+        bound = 2 * self.tau * radius.repeat_interleave(m // heads, dim=1) / scale
+        return value, bound
+
+
+def _tv_to_optimum(keys, gram, error_bound):
+    r"""The certified :math:`\tau = \tanh(D\varepsilon/8) \ge TV(\hat p, p^*)`, ``(g, m)``."""
+    gram = gram.to(device=keys.device, dtype=_F64)
+    diagonal = torch.diagonal(gram, dim1=-2, dim2=-1)
+    squared = diagonal.unsqueeze(-1) + diagonal.unsqueeze(-2) - 2 * gram  # ||t_i - t_j||^2
+    pairs = keys.unsqueeze(-1) & keys.unsqueeze(-2)
+    diameter = torch.where(pairs, squared, 0.0).amax(dim=(-2, -1)).clamp_min(0).sqrt()  # (g,)
+    eps = error_bound.to(device=keys.device, dtype=_F64)
+    tau = torch.tanh(diameter.unsqueeze(-1) * eps / 8)
+    return torch.where((diameter.unsqueeze(-1) == 0) & ~torch.isnan(eps), 0.0, tau)  # D = 0 even if eps = inf
+
+
+def _keys_in_use(attention, p_att):
+    """Keys that carry probability in some row of the group, ``(g, n)`` bool (NaN rows count for none)."""
+    return (attention > 0).any(dim=1) | (p_att > 0).any(dim=1)
 
 
 def _value_radius(values, keys):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import re
 import signal
@@ -49,6 +50,7 @@ class RunConfig:
     init: str = "pretrained"  # or "random": the same architecture with fresh weights (seeded by ``seed``)
     tokenizer: str | None = None  # where the tokenizer is when it is not beside the model (--tokenizer)
     max_memory_bytes: int | None = None  # --max-memory: bounds the problems held at once (probe.rows)
+    threads: int | None = None  # --threads: torch's intra-op threads (None: torch's default, all cores)
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
@@ -122,6 +124,8 @@ def _prepare(
     """Load the model (from ``model_location``, default ``config.model``) onto ``device`` and the texts
     (``texts`` when already read, else from ``dataset``, default ``config.dataset``); plan the batches."""
     torch.manual_seed(config.seed)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     started = time.perf_counter()
     loaded = load_model(
         model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
@@ -229,6 +233,7 @@ def _new_manifest(job: _Job) -> dict:
             "model_fingerprint": fingerprint.model_fingerprint(model_directory),
             "dataset_location": str(Path(config.dataset.name).expanduser().resolve()) if local_data else config.dataset.name,
             "batch_plan_sha256": _plan_sha256(job.batches),
+            **_tokenizer_inputs(config.tokenizer),
         },
         "segments": [],
     }
@@ -265,6 +270,17 @@ class _PartIndex:
         segment["batches"] = sum(entry["batches"] for entry in segment["ranks"])
         for key in ("capture_s", "solve_s"):
             segment["timings_s"][key] = sum(entry[key] for entry in segment["ranks"])
+
+
+def _tokenizer_inputs(tokenizer: str | None) -> dict:
+    """A separate tokenizer (--tokenizer): where it is (absolute, when local) and its fingerprint."""
+    if tokenizer is None:
+        return {}
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir():  # a hub id: the batch plan check covers it
+        return {"tokenizer_location": tokenizer}
+    path = path.resolve()
+    return {"tokenizer_location": str(path), "tokenizer_fingerprint": fingerprint.model_fingerprint(path)}
 
 
 def _timings(manifest: dict) -> dict:
@@ -341,9 +357,20 @@ def _prepare_resume(run_dir: Path, manifest: dict, config: RunConfig, device: st
             f"{'; ...' if len(differences) > 5 else ''}), so its rows would mix two models. Restore the "
             f"files in {directory}, or start a new run with `probe run`."
         )
+    if "tokenizer_fingerprint" in inputs:
+        now = _tokenizer_inputs(inputs["tokenizer_location"]).get("tokenizer_fingerprint", {})
+        changed = fingerprint.differences(inputs["tokenizer_fingerprint"], now)
+        if changed:
+            raise ProbeError(
+                f"The tokenizer files of {run_dir} ({inputs['tokenizer_location']}) changed since the run started "
+                f"({'; '.join(changed[:5])}). Restore them, or start a new run with `probe run`."
+            )
     dataset = DatasetSpec(**{**asdict(config.dataset), "name": inputs["dataset_location"]})
-    at_revision = replace(config, revision=inputs["model_revision"] or config.revision)  # a hub model: its commit
-    job = _prepare(at_revision, device, model_location=inputs["model_location"], dataset=dataset)
+    as_recorded = replace(  # a hub model at the run's commit; local files where the run found them
+        config, revision=inputs["model_revision"] or config.revision,
+        tokenizer=inputs.get("tokenizer_location", config.tokenizer),
+    )
+    job = _prepare(as_recorded, device, model_location=inputs["model_location"], dataset=dataset)
     if job.texts.sha256 != manifest["dataset"]["texts_sha256"]:
         raise ProbeError(
             f"The texts of {config.dataset.describe()} changed since the run started (SHA-256 "
@@ -364,7 +391,7 @@ def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, grou
     config, ranks = job.config, group.ranks
     rank_info = group.gather({
         "rank": ranks.rank, **storage.process_identity(), "device": str(job.device),
-        "threads": torch.get_num_threads(), **job.timings,
+        "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), **job.timings,
     })
 
     def start() -> tuple[list[int], int]:  # rank 0: the batches left, and a new segment in the manifest

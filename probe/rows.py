@@ -200,22 +200,28 @@ class Derived:
     bounds: dict
 
 
-def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution) -> Derived:
-    """The second-order deviation, attention TV, output deviation and attention entropy of every row
-    (:mod:`probe.derived`, with their certified bounds).  ``problems.factor`` must be set."""
+def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rtol: float = 1e-9) -> Derived:
+    r"""The second-order deviation, attention TV, output deviation and attention entropy of every row
+    (:mod:`probe.derived`, with their certified bounds).  ``problems.factor`` must be set.
+
+    ``rtol`` is the solver's tolerance: the second-order systems are solved until their certified error
+    is at most ``rtol / 10`` of :math:`\|\hat\lambda\|`, so that ``second_order_deviation`` is resolved
+    like ``rel_deviation``."""
     factor, alpha = problems.factor, problems.alpha
     c2, c2_error = derived.second_order_coefficients(
-        factor, problems.logits, problems.log_preference, alpha, active=problems.active
+        factor, problems.logits, problems.log_preference, alpha, active=problems.active,
+        error_target=0.1 * rtol * solution.lambda_norm,
     )
     second, second_bound = derived.second_order_deviation(
         factor, solution.coefficients, c2, solution.lambda_norm, solution.error_bound, c2_error
     )
     p_att = derived.model_attention(problems.logits, problems.log_preference, alpha, active=problems.active)
-    tv, tv_bound = derived.attention_tv(solution.attention, p_att, problems.gram, solution.error_bound)
     # value heads: row j of a group uses value head j // (m / H); key space: one key head per group
     b, _, _, k = site.shape
     values = site.values.to(torch.float64).reshape(problems.gram.shape[0], -1, k, site.values.shape[-1])
-    output, output_bound = derived.output_deviation(solution.attention, p_att, values, problems.gram, solution.error_bound)
+    (tv, tv_bound), (output, output_bound) = derived.attention_deviations(
+        solution.attention, p_att, values, problems.gram, solution.error_bound
+    )
 
     def worst(bound):
         finite = bound[problems.active]
@@ -447,7 +453,7 @@ class BatchSolver:
                     dual.factor = factor  # one factorisation per space, shared by every alpha
                 solutions = solve_stacked(duals, self.rtol, self.solver_bytes)
                 for (site, offset), built, dual, solution in zip(stack, problems, duals, solutions):
-                    quantities = derive(site, dual, solution)
+                    quantities = derive(site, dual, solution, self.rtol)
                     table = site_rows(site, space, built, solution, quantities, alpha, self.context, offset)
                     self.summary.add(table, quantities.bounds)
                     self.tables.append(table)

@@ -176,6 +176,8 @@ def check_options(config) -> None:
         raise ProbeError(f"Unknown --init '{config.init}'. Choose {' or '.join(INITS)}.")
     if config.max_memory_bytes is not None and config.max_memory_bytes < 1:
         raise ProbeError(f"--max-memory must be more than 0 bytes, got {config.max_memory_bytes}.")
+    if config.threads is not None and config.threads < 1:
+        raise ProbeError(f"--threads must be at least 1, got {config.threads}.")
 
 
 def check_report_formats(formats: str) -> list[str]:

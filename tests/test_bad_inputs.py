@@ -144,7 +144,7 @@ def bad(tmp_path_factory, tiny_bert_dir):
     b.short_tokenizer = m("short-tokenizer", edit=_edit_json("tokenizer_config.json", model_max_length=64))
     b.empty_model = b.models / "empty"
     b.empty_model.mkdir()
-    b.xlnet = b.models / "xlnet"
+    b.xlnet = b.models / "xlnet"  # an architecture probe has no adapter for
     XLNetConfig(n_layer=1, n_head=2, d_model=8).save_pretrained(b.xlnet)
     b.t5_encoder = b.models / "t5-encoder-only"
     T5Config(d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2, architectures=["T5EncoderModel"]).save_pretrained(
@@ -283,7 +283,8 @@ CASES = [
     Case("config with unknown model type", lambda b: [b.unknown_type], ("Could not read the config",)),
     Case("architecture without adapter", lambda b: [b.xlnet],
          ("no adapter for model type 'xlnet'", "Supported model types:", "bert", "gpt2")),
-    Case("checkpoint the adapter refuses", lambda b: [b.t5_encoder], ("encoder-only t5 checkpoint", "no decoder")),
+    Case("checkpoint the adapter refuses", lambda b: [b.t5_encoder],
+         ("T5EncoderModel", "only one half of the encoder-decoder", "no decoder")),
     Case("no weights", lambda b: [b.no_weights], ("has no weights", "model.safetensors")),
     Case("no tokenizer files", lambda b: [b.no_tokenizer], ("has no tokenizer files", "--tokenizer")),
     Case("tokenizer path typo", lambda b: [b.no_tokenizer, "--tokenizer", "./no-such-tokenizer"],

@@ -11,6 +11,8 @@ import torch
 from scipy.stats import entropy as scipy_entropy
 
 from probe.derived import (
+    _preference_classes,
+    attention_deviations,
     attention_entropy,
     attention_tv,
     model_attention,
@@ -102,11 +104,13 @@ def reduced(T, Z, log_u, alpha):
     )
 
 
-def derive(problems, solution, values=None, cg_rtol=1e-12):
+def derive(problems, solution, values=None, cg_rtol=1e-12, direct_min_rows=None):
     """Every derived quantity of one batch, as the pipeline computes them: name -> (g, m) tensor(s)."""
     alpha, active = problems.alpha, problems.active
     factor = factor_gram(problems.gram)
-    c2, c2_error = second_order_coefficients(factor, problems.logits, problems.log_preference, alpha, active, rtol=cg_rtol)
+    c2, c2_error = second_order_coefficients(
+        factor, problems.logits, problems.log_preference, alpha, active, rtol=cg_rtol, direct_min_rows=direct_min_rows
+    )
     p_att = model_attention(problems.logits, problems.log_preference, alpha, active)
     eps = solution.error_bound
     out = {
@@ -120,6 +124,7 @@ def derive(problems, solution, values=None, cg_rtol=1e-12):
     if values is not None:
         values = torch.as_tensor(values, dtype=torch.float64)
         out["output"] = output_deviation(solution.attention, p_att, values, problems.gram, eps)
+        out["together"] = attention_deviations(solution.attention, p_att, values, problems.gram, eps)
     return out
 
 
@@ -173,6 +178,142 @@ def test_second_order_matches_dense_newton_and_cvxpy(n, d, alpha, duplicates, ze
         expected = np.linalg.norm(lam_cvxpy - lam_2) / np.linalg.norm(lam_cvxpy)
         assert value[0, j].item() == pytest.approx(expected, abs=1e-6)
         assert bound[0, j].item() < 1e-7
+
+
+#: how second_order_coefficients solves its systems: by its cost model, one factorisation per row, CG only
+PATHS = {"auto": None, "direct": 1, "cg": 10**9}
+
+
+def check_second_order(T, Z, log_u, alpha, c2, c2_error, rows=None):
+    """c2 against the dense lambda_2 of every (active) row, and its certified error against the true one."""
+    for j in range(len(Z)) if rows is None else rows:
+        lam_2 = dense_lambda_2(T, Z[j], log_u[j], alpha)
+        ours = alpha * Z[j] + c2[0, j].numpy() @ T
+        error = np.linalg.norm(ours - lam_2)
+        assert error <= TOL * np.linalg.norm(lam_2), j
+        assert error <= c2_error[0, j].item() + 1e-12 * max(1.0, np.linalg.norm(lam_2)), j
+        assert np.all(c2[0, j].numpy()[np.isinf(log_u[j])] == 0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("n,d,alpha,duplicates,zeros", CASES)
+def test_second_order_paths_match_dense(n, d, alpha, duplicates, zeros, path):
+    """Every row of a group with its own preference: factorised one by one, or by CG."""
+    T, Z, log_u = instance(n, d, 5, scale=0.5, duplicates=duplicates, zeros=zeros, seed=n * 100 + d)
+    problems = reduced(T, Z, log_u, alpha)
+    c2, c2_error = second_order_coefficients(
+        factor_gram(problems.gram), problems.logits, problems.log_preference, alpha, direct_min_rows=PATHS[path]
+    )
+    check_second_order(T, Z, log_u, alpha, c2, c2_error)
+
+
+def shared_preferences(kind, n=12, heads=3, queries=5, seed=0):
+    """One group of heads x queries rows (head-major) whose preferences repeat as in real sites: one for
+    the group (BERT), one per query shared by the heads (a causal mask: the first q + 1 keys), or a mix of
+    shared, distinct and inactive rows with zeros."""
+    rng = np.random.default_rng(seed)
+    T, Z, _ = instance(n, 7, heads * queries, scale=0.7, seed=seed)
+    m = heads * queries
+    active = np.ones(m, dtype=bool)
+    if kind == "group":
+        log_u = np.tile(np.where(np.arange(n) < n - 2, 0.0, -np.inf), (m, 1))  # two padding keys
+    elif kind == "causal":
+        per_query = np.array([np.where(np.arange(n) <= q + 3, 0.0, -np.inf) for q in range(queries)])
+        log_u = np.tile(per_query, (heads, 1))
+    else:
+        shared = rng.normal(size=n)
+        shared[[2, 5]] = -np.inf
+        log_u = np.tile(shared, (m, 1))
+        log_u[1::3] = rng.normal(size=(len(log_u[1::3]), n))  # distinct rows among shared ones
+        log_u[4] = log_u[1]  # a second class
+        active[[2, 7]] = False
+    return T, Z, log_u, active
+
+
+@pytest.mark.parametrize("kind", ["group", "causal", "mixed"])
+@pytest.mark.parametrize("path", PATHS)
+def test_second_order_rows_sharing_preferences_match_dense(kind, path):
+    T, Z, log_u, active = shared_preferences(kind)
+    problems = reduced(T, Z, log_u, 0.7)
+    c2, c2_error = second_order_coefficients(
+        factor_gram(problems.gram), problems.logits, problems.log_preference, 0.7, torch.as_tensor(active)[None],
+        direct_min_rows=PATHS[path],
+    )
+    check_second_order(T, Z, log_u, 0.7, c2, c2_error, rows=np.flatnonzero(active))
+    assert bool(c2[0, ~torch.as_tensor(active)].isnan().all())
+
+
+@pytest.mark.parametrize("kind", ["group", "causal", "mixed"])
+@pytest.mark.parametrize("min_rows", [1, 2, 4])
+def test_preference_classes_are_the_exact_partition(kind, min_rows):
+    """The classes found are numpy's unique rows of u among the live rows (those of at least min_rows)."""
+    T, Z, log_u, active = shared_preferences(kind)
+    u = torch.softmax(torch.as_tensor(np.where(active[:, None], log_u, 0.0)), dim=-1)[None]
+    found = _preference_classes(u, torch.as_tensor(active)[None], min_rows)
+    live = np.flatnonzero(active)
+    _, inverse, counts = np.unique(u[0].numpy()[live], axis=0, return_inverse=True, return_counts=True)
+    expected = sorted(tuple(live[inverse.ravel() == c]) for c in range(len(counts)) if counts[c] >= min_rows)
+    if not expected:
+        assert found is None
+        return
+    groups, first, table, valid = found
+    assert torch.equal(groups, torch.zeros_like(groups))
+    if table is None:  # each class is every live row of its group
+        classes = [tuple(np.flatnonzero(valid[c].numpy())) for c in range(len(groups))]
+    else:
+        classes = [tuple(sorted(table[c][valid[c]].tolist())) for c in range(len(groups))]
+    assert sorted(classes) == expected
+    assert all(row == min(c) for row, c in zip(first.tolist(), classes))
+
+
+def test_direct_solves_left_above_tolerance_go_to_cg():
+    """rtol = 0 is beyond any solve: the direct solutions fail their check and CG takes the rows over (to
+    its step limit); the values and their bounds stay right."""
+    T, Z, log_u, active = shared_preferences("group")
+    problems = reduced(T, Z, log_u, 1.3)
+    factor = factor_gram(problems.gram)
+    c2, c2_error = second_order_coefficients(factor, problems.logits, problems.log_preference, 1.3, rtol=0.0)
+    check_second_order(T, Z, log_u, 1.3, c2, c2_error)
+
+
+@pytest.mark.parametrize("path", ["direct", "cg"])
+def test_error_target_stops_rows_there_and_stays_certified(path):
+    """A row may stop once its certified error reaches error_target: its error is then at most about the
+    target, and still below the reported bound."""
+    T, Z, log_u = instance(30, 40, 6, scale=0.5, zeros=4, seed=7)
+    if path == "direct":
+        log_u[:] = log_u[0]
+    problems = reduced(T, Z, log_u, 2.0)
+    target = torch.full((1, 6), 1e-5)
+    c2, c2_error = second_order_coefficients(
+        factor_gram(problems.gram), problems.logits, problems.log_preference, 2.0, error_target=target,
+        direct_min_rows=PATHS[path],
+    )
+    assert bool((c2_error <= 1.5 * target).all())
+    if path == "cg":
+        assert bool((c2_error > 1e-9).any())  # it did stop early
+    for j in range(len(Z)):
+        lam_2 = dense_lambda_2(T, Z[j], log_u[j], 2.0)
+        assert np.linalg.norm(2.0 * Z[j] + c2[0, j].numpy() @ T - lam_2) <= c2_error[0, j].item() + 1e-12
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_second_order_tiles_give_the_same_answers(path):
+    """A memory budget of a few rows splits the groups into tiles (and classes across tiles)."""
+    T, Z, log_u, active = shared_preferences("causal")
+    groups = [reduced(T, Z, log_u, 0.5), reduced(T[::-1].copy(), Z, log_u, 0.5)]
+    factor = factor_gram(torch.cat([g.gram for g in groups]))
+    logits = torch.cat([g.logits for g in groups])
+    log_pref = torch.cat([g.log_preference for g in groups])
+    whole = second_order_coefficients(factor, logits, log_pref, 0.5, direct_min_rows=PATHS[path])
+    tiled = second_order_coefficients(
+        factor, logits, log_pref, 0.5, direct_min_rows=PATHS[path], memory_budget_bytes=4 * 16 * T.shape[0] * 8
+    )
+    bound = whole[1] + tiled[1] + 1e-13
+    difference = torch.bmm(whole[0] - tiled[0], factor).norm(dim=-1)  # ||lambda_2 - lambda_2'||
+    assert bool((difference <= bound).all())
+    for g, T_g in enumerate([T, T[::-1].copy()]):
+        check_second_order(T_g, Z, log_u, 0.5, tiled[0][g : g + 1], tiled[1][g : g + 1])
 
 
 def test_second_order_is_exact_for_a_single_key():
@@ -243,6 +384,10 @@ def test_attention_tv_output_and_entropy_match_numpy_on_cvxpy_solutions():
         assert out[0, j].item() == pytest.approx(expected, abs=TOL)
         assert entropy[0, j].item() == pytest.approx(scipy_entropy(p_model), abs=1e-12)
         assert tv_bound[0, j].item() < 1e-7 and out_bound[0, j].item() < 1e-7
+    # the pipeline's call computes both at once, with the same values and bounds
+    for ours, theirs in zip(derived["together"], (derived["tv"], derived["output"])):
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-15, atol=0)
 
 
 def test_inactive_rows_are_nan_and_active_rows_unchanged():
@@ -298,14 +443,16 @@ def test_hard_instances_have_huge_logits_and_duplicates():
 
 
 @pytest.mark.parametrize("case", range(12))
-@pytest.mark.parametrize("newton_steps,cg_rtol", [(1, 1e-2), (3, 1e-6), (100, 1e-12)])
-def test_bounds_hold_against_exact_values(case, newton_steps, cg_rtol):
+@pytest.mark.parametrize("newton_steps,cg_rtol,path", [(1, 1e-2, "cg"), (3, 1e-6, "cg"), (100, 1e-12, "cg"),
+                                                        (1, 1e-2, "direct"), (100, 1e-12, "direct")])
+def test_bounds_hold_against_exact_values(case, newton_steps, cg_rtol, path):
     """Every reported bound dominates the actual error against dense references, for solves stopped
-    after 1 or 3 Newton steps and second-order solves stopped at a loose CG tolerance too.  The
-    references carry their own certified error (dense Newton: alpha ||grad D||), added to the slack."""
+    after 1 or 3 Newton steps and second-order solves stopped at a loose CG tolerance too (or solved by
+    factorisation).  The references carry their own certified error (dense Newton: alpha ||grad D||),
+    added to the slack."""
     T, Z, log_u, values, alpha = hard_instances()[case]
     problems = reduced(T, Z, log_u, alpha)
-    derived = derive(problems, solve_dual(problems, max_iter=newton_steps), values[None], cg_rtol)
+    derived = derive(problems, solve_dual(problems, max_iter=newton_steps), values[None], cg_rtol, PATHS[path])
     c2, c2_error = derived["c2"], derived["c2_error"]
     (second, second_bound), (tv, tv_bound), (out, out_bound) = (derived[k] for k in ("second_order", "tv", "output"))
     per_head = len(Z) // len(values)

@@ -28,7 +28,7 @@ from probe.report import build_report, draw_figures, read_run
 from probe.report.data import dataset_text, model_name
 from probe.report.data import read_deviations
 from probe.report.figures import heads_figure, layers_figure, report_scale
-from probe.report.quantities import alpha_figure
+from probe.report.quantities import alpha_figure, spaces_figure
 from probe.report.findings import findings
 from probe.report.style import MIN_BINS_PER_PANEL, style
 from probe.report.summary import main_rows, summarize
@@ -514,18 +514,28 @@ def test_several_alphas_and_spaces(tmp_path):
     assert headline["mean"] == pytest.approx(main["rel_deviation"].mean(), rel=1e-12)
 
 
-def test_alpha_figure_plots_mean_and_p95_against_alpha(tmp_path):
-    rows = deviation_rows({"self": (2, 2)}, alphas=(0.25, 1.0, 4.0), non_converged=0)
+def test_alpha_and_space_figures(tmp_path):
+    rows = deviation_rows({"self": (2, 2)}, alphas=(0.25, 1.0, 4.0), spaces=("hidden", "key"), non_converged=0)
     run = read_run(write_run(tmp_path / "run", rows, manifest_for()))
+    summary = summarize(run.rows)
+    scale = report_scale(run, main_rows(summary, run, "head"))
     with style():
         figure = alpha_figure(run).figure
-    (ax,) = figure.axes
-    assert ax.get_xscale() == "log"
-    want = rows[rows["layer"] == 1].groupby("alpha")["rel_deviation"]
-    lines = [line for line in ax.get_lines() if line.get_label() == "layer 1"]
+        spaces = spaces_figure(run, scale).figure
+        assert overlapping_texts(figure) == [] and overlapping_texts(spaces) == []
+    hidden_ax, key_ax = figure.axes
+    assert hidden_ax.get_xscale() == "log" and "hidden space" in hidden_ax.get_title()
+    hidden = rows[rows["space"] == "hidden"]
+    want = hidden[hidden["layer"] == 1].groupby("alpha")["rel_deviation"]
+    lines = [line for line in hidden_ax.get_lines() if line.get_label() == "layer 1"]
+    np.testing.assert_allclose(lines[0].get_xdata(), [0.25, 1.0, 4.0])
     np.testing.assert_allclose(lines[0].get_ydata(), want.mean().to_numpy(), rtol=1e-12)
-    dashed = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    dashed = [line for line in hidden_ax.get_lines() if line.get_linestyle() == "--"]
     assert any(np.allclose(line.get_ydata(), want.quantile(0.95).to_numpy()) for line in dashed)
+    (ax,) = spaces.axes
+    key = rows[(rows["space"] == "key") & (rows["alpha"] == 1.0)].groupby("layer")["rel_deviation"]
+    (line,) = [line for line in ax.get_lines() if line.get_label() == "key: p95"]
+    np.testing.assert_allclose(line.get_ydata(), key.quantile(0.95).to_numpy(), rtol=1e-12)
 
 
 def test_a_directory_of_part_files_reads_like_one_file(tmp_path):

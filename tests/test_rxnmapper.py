@@ -5,9 +5,9 @@ one (rxnmapper's regex tokenisation as a fast tokenizer) next to links to the we
 rebuilt by ``bash ../shared/models/fetch.sh DIR`` and found under ``$PROBE_MODELS_DIR`` (default
 ``~/.cache/probe-models``); without it the end-to-end test is skipped and says so.
 
-``albert`` itself is registered by the generic capture through transformers' attention interface.
-Until that adapter is on this branch, the test registers a minimal hook-based one of its own
-(:class:`_AlbertAdapter`) for the duration of the test.
+``albert`` itself is captured through transformers' attention interface (``probe.adapters.generic``).
+The run goes the way the README says: the original checkpoint with ``--tokenizer`` pointing at the
+written tokenizer.
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from probe.adapters import REGISTRY
-from probe.adapters.base import Adapter, SiteCapture, project
 from tests.family_checks import assert_complete_run, cli_run, real_model_dir, token_counts, write_texts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,54 +38,20 @@ SHORT_REACTIONS = ["CC(=O)O.OCC>>CC(=O)OCC", REACTIONS[3]]
 
 
 @pytest.fixture(scope="module")
-def rxn_albert_dir(tmp_path_factory):
+def rxn_albert(tmp_path_factory):
+    """(the checkpoint, the tokenizer directory scripts/smiles_tokenizer.py writes for it)"""
     checkpoint = real_model_dir("rxnmapper-albert")
     out = tmp_path_factory.mktemp("rxn") / "rxn-albert"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "smiles_tokenizer.py"), str(checkpoint), str(out)],
                    check=True, capture_output=True)
-    return out
+    return checkpoint, out
 
 
-class _AlbertAdapter(Adapter):
-    """Temporary: ALBERT's shared attention module hooked once, one site per call (layer)."""
-
-    model_types = ("albert",)
-    attention_types = ("self",)
-
-    def encode(self, tokenizer, texts, targets, max_length):
-        encoded = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
-
-    def capture(self, model, inputs, emit):
-        key_mask = inputs["attention_mask"].bool()
-        log_u = torch.zeros(key_mask.shape, dtype=torch.float64).masked_fill(~key_mask, float("-inf"))[:, None, None]
-        calls = []
-
-        def hook(module, args, output):
-            x = args[0].detach()
-            heads = module.num_attention_heads
-            emit(SiteCapture(
-                attention_type="self", layer=len(calls), queries=project(x, module.query, heads),
-                keys=project(x, module.key, heads), values=project(x, module.value, heads),
-                logit_scale=module.scaling, log_preference=log_u, query_mask=key_mask, key_mask=key_mask,
-                query_ids=inputs["input_ids"], model_probs=output[1].detach(), key_hidden=x,
-                key_weight=module.key.weight.detach(),
-            ))
-            calls.append(1)
-
-        handles = [layer.attention.register_forward_hook(hook)
-                   for group in model.encoder.albert_layer_groups for layer in group.albert_layers]
-        try:
-            model(**inputs)
-        finally:
-            for handle in handles:
-                handle.remove()
-
-
-def test_smiles_tokenizer_matches_rxnmapper_regex(rxn_albert_dir):
+def test_smiles_tokenizer_matches_rxnmapper_regex(rxn_albert):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(rxn_albert_dir))
+    _, tokenizer_dir = rxn_albert
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     for reaction in REACTIONS + SHORT_REACTIONS + ["Brc1ccccc1.OB(O)c1ccccc1>>c1ccc(-c2ccccc2)cc1"]:
         pieces = re.findall(SMI_REGEX_PATTERN, reaction)
         assert "".join(pieces) == reaction
@@ -96,15 +60,15 @@ def test_smiles_tokenizer_matches_rxnmapper_regex(rxn_albert_dir):
         assert tokenizer.unk_token_id not in ids  # every token of these reactions is in the vocabulary
 
 
-def test_rxnmapper_albert_end_to_end(rxn_albert_dir, tmp_path, monkeypatch):
-    if "albert" not in REGISTRY:
-        monkeypatch.setitem(REGISTRY, "albert", _AlbertAdapter)
+def test_rxnmapper_albert_end_to_end(rxn_albert, tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
+    checkpoint, tokenizer_dir = rxn_albert
+    assert "albert" in REGISTRY
     data = write_texts(tmp_path, SHORT_REACTIONS)
-    frame, manifest = cli_run(rxn_albert_dir, data, tmp_path / "runs", "--batch-size", 2)
-    config = AutoConfig.from_pretrained(str(rxn_albert_dir))
-    tokenizer = AutoTokenizer.from_pretrained(str(rxn_albert_dir))
+    frame, manifest = cli_run(checkpoint, data, tmp_path / "runs", "--tokenizer", tokenizer_dir, "--batch-size", 2)
+    config = AutoConfig.from_pretrained(str(checkpoint))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     assert (config.model_type, config.num_hidden_layers, config.num_attention_heads) == ("albert", 12, 8)
     rows = sum(token_counts(tokenizer, SHORT_REACTIONS)) * config.num_attention_heads * config.num_hidden_layers
     assert_complete_run(frame, manifest, {"self": rows})

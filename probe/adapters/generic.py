@@ -116,9 +116,9 @@ class InterfaceAdapter(Adapter):
         for suffix, half, missing in halves:
             if architectures and all(name.endswith(suffix) for name in architectures):
                 raise ProbeError(
-                    f"This is {half} {config.model_type} checkpoint ({architectures[0]}): it has no {missing}, so "
-                    "probe's encoder-decoder adapter (encoder self-, decoder self- and cross-attention) cannot run "
-                    "on it."
+                    f"This is {half} {config.model_type} checkpoint ({architectures[0]}), only one half of the "
+                    f"encoder-decoder: it has no {missing}, so probe's encoder-decoder adapter (encoder self-, decoder "
+                    "self- and cross-attention) cannot run on it."
                 )
         # the user's path for seq2seq checkpoints; others (T5Model, heads) load as the base model
         seq2seq = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)

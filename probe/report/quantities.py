@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from matplotlib.colors import LogNorm
+from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
 from .data import Run, select_slice, type_label
 from .style import (
@@ -53,6 +54,9 @@ def alpha_figure(run: Run) -> Drawn | None:
                 ax.plot(by_alpha.mean(), color=color, marker=".", label=f"layer {layer}")
                 ax.plot(by_alpha.quantile(0.95), color=color, linestyle="--", alpha=0.8)
             ax.set_xscale("log")
+            ax.xaxis.set_major_locator(FixedLocator(run.alphas))
+            ax.xaxis.set_major_formatter(FixedFormatter([f"{a:g}" for a in run.alphas]))
+            ax.xaxis.set_minor_locator(NullLocator())
             ax.set_title(f"{type_label(attention_type)}" + (f" · {space} space" if space else ""))
             if i == len(spaces) - 1:
                 ax.set_xlabel("α (log scale)")
@@ -61,7 +65,8 @@ def alpha_figure(run: Run) -> Drawn | None:
     axes[0, 0].set_ylim(bottom=0)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     if handles:
-        figure.legend(handles, labels, loc="outside right upper", fontsize="small")
+        figure.legend(handles, labels, loc="outside lower center", fontsize="small", ncol=min(len(labels), 6),
+                      frameon=False)
     suptitle(figure, f"{run.name} · {run.dataset}", "relative deviation against α · solid: mean · dashed: 95th "
              "percentile · trivial rows left out · y axis from 0, shared")
     caption = "Mean (solid) and 95th percentile (dashed) of the relative deviation against α, per layer (log x)."
