@@ -1,11 +1,19 @@
-"""The ``probe`` command line (a typer app): ``probe run MODEL`` and ``probe report RUN_DIR``."""
+"""The ``probe`` command line (a typer app): ``probe run MODEL``, ``probe resume RUN_DIR``,
+``probe status RUN_DIR``, ``probe export RUN_DIR --to FILE`` and ``probe report RUN_DIR``."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
 import typer
+
+# Idle OpenMP threads sleep instead of spinning: on a machine shared with other work, spinning threads
+# fight the neighbours for cores (bench/results_e2e.md, threads: up to 8x slower).  It must be set before
+# torch loads its OpenMP runtime, so here, before any probe module imports torch (they are imported in
+# the commands); a value already in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 app = typer.Typer(
     add_completion=False,
@@ -25,86 +33,197 @@ def run(
     dataset: Optional[str] = typer.Option(
         None, help="Hub dataset name or a local .txt/.jsonl/.csv/.parquet file; default: the embedded corpus."
     ),
-    config: Optional[str] = typer.Option(None, help="Dataset configuration (e.g. wikitext-2-raw-v1)."),
-    split: str = typer.Option("train", help="Dataset split."),
-    column: str = typer.Option("text", help="Column holding the texts."),
+    config: Optional[str] = typer.Option(None, help="Hub dataset configuration (e.g. wikitext-2-raw-v1)."),
+    split: Optional[str] = typer.Option(None, help="Hub dataset split [default: train]."),
+    column: Optional[str] = typer.Option(None, help="Column holding the texts [default: text]."),
     target_column: Optional[str] = typer.Option(
         None, help="Column holding decoder targets (encoder-decoder models); default: the text itself."
     ),
     samples: Optional[int] = typer.Option(None, help="Use the first N non-empty texts."),
-    max_length: int = typer.Option(128, help="Truncate texts to this many tokens."),
+    max_length: int = typer.Option(128, help="Truncate texts to this many tokens (at most the model's limit)."),
     batch_size: int = typer.Option(8, help="Examples per forward pass."),
     alpha: str = typer.Option(
         "1", help="Strength alpha of the inference problem; a comma-separated list (0.25,0.5,1,2,4) solves each "
         "from one capture."
     ),
-    space: str = typer.Option(
-        "hidden", help="Parameterisation(s), comma separated: hidden (t = x/sqrt(d'), z = c W_k^T q) and/or key "
-        "(t = k/sqrt(d'), z = c q)."
+    space: Optional[str] = typer.Option(
+        None, help="Parameterisation(s), comma separated: hidden (t = x/sqrt(d'), z = c W_k^T q) and/or key "
+        "(t = k/sqrt(d'), z = c q). Default: hidden, or key for rotary models (which have no hidden space)."
     ),
     init: str = typer.Option(
         "pretrained", help="pretrained, or random: the same architecture with fresh weights (seeded by --seed), "
         "the control for what training did."
     ),
+    tokenizer: Optional[str] = typer.Option(
+        None, help="Directory (or hub id) of the tokenizer, when it is not beside the model."
+    ),
+    max_memory: Optional[str] = typer.Option(None, help="Memory budget for the solver, e.g. 4GB or 512MiB."),
+    threads: Optional[int] = typer.Option(
+        None, help="CPU threads for the model and the solver [default: torch's, one per core; idle threads "
+        "sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE unless set), so a shared machine loses little]."
+    ),
     out: Path = typer.Option(Path("runs"), help="Parent directory of the run directory."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("float32", help="Model dtype (the solver always works in float64)."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option(
+        "float32", help="Model dtype: float32, bfloat16, float16 or float64 (the solver always works in float64)."
+    ),
     revision: Optional[str] = typer.Option(None, help="Model revision (hub branch, tag or commit)."),
     seed: int = typer.Option(0, help="Random seed (recorded in the manifest)."),
-    fidelity_tolerance: float = typer.Option(
-        1e-5, help="Max abs error allowed between reconstructed and eager attention (raise it for bf16/fp16)."
+    fidelity_tolerance: Optional[float] = typer.Option(
+        None, help="Max abs error allowed between reconstructed and eager attention; default by --dtype "
+        "(float64 1e-6, float32 1e-5, float16 1e-2, bfloat16 5e-2)."
     ),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
-    report_format: str = typer.Option("png", "--format", help="Report figure formats, comma separated (png,pdf)."),
+    report_format: Optional[str] = typer.Option(
+        None, "--format", help="With --report: figure formats, comma separated (png,pdf) [default: png]."
+    ),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ):
-    """Solve the dual for every example, layer, head and query token; write deviations.parquet."""
+    """Solve the dual for every example, layer, head and query token; write deviations.parquet.
+
+    Every input is checked before the model loads (see probe/validate.py): a rejected run exits with
+    status 2, says what to do, and leaves nothing on disk.
+    """
     from probe.data import DatasetSpec
     from probe.errors import ProbeError
     from probe.pipeline import RunConfig, run as run_pipeline
+    from probe.stopping import RunStopped
+    from probe.validate import check_report_formats, parse_memory, parse_names, parse_numbers
 
-    spec = DatasetSpec(
-        name=dataset, config=config, split=split, column=column, target_column=target_column, samples=samples
-    )
-    settings = RunConfig(
-        model=model, dataset=spec, out=out, revision=revision, batch_size=batch_size, max_length=max_length,
-        alphas=_alphas(alpha), spaces=_spaces(space), init=init, device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance,
-        progress=progress,
-    )
     try:
+        if report_format is not None and not report:
+            raise ProbeError(
+                "--format applies to the report: add --report, or build it later with "
+                "`probe report RUN_DIR --format ...`."
+            )
+        formats = check_report_formats(report_format or "png") if report else None
+        spec = DatasetSpec(
+            name=dataset, config=config, split=split, column=column, target_column=target_column, samples=samples
+        )
+        settings = RunConfig(
+            model=model, dataset=spec, out=out, revision=revision, batch_size=batch_size, max_length=max_length,
+            alphas=parse_numbers(alpha, "--alpha"), spaces=parse_names(space, "--space") if space is not None else None, init=init,
+            tokenizer=tokenizer, max_memory_bytes=parse_memory(max_memory) if max_memory is not None else None,
+            device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance, progress=progress,
+            threads=threads,
+        )
         run_dir = run_pipeline(settings)
     except ProbeError as error:
         _fail(error)
-    _print_summary(run_dir)
-    if report:
-        _build_report(run_dir, None, report_format)
+    except RunStopped as stop:
+        _stopped(stop)
+    if _main_process():
+        _print_summary(run_dir)
+        if report:
+            _build_report(run_dir, None, ",".join(formats))
 
 
-def _alphas(text: str) -> tuple[float, ...]:
-    """``--alpha 0.25,1,4`` -> (0.25, 1.0, 4.0); a bad value is a clear error."""
-    values = []
-    for part in (p.strip() for p in text.split(",")):
-        try:
-            value = float(part)
-        except ValueError:
-            _fail(ValueError(f"--alpha takes numbers, comma separated (e.g. 0.25,1,4); got '{part}'."))
-        if not (0 < value < float("inf")):
-            _fail(ValueError(f"--alpha values must be finite and positive; got '{part}'."))
-        values.append(value)
-    if len(set(values)) != len(values):
-        _fail(ValueError(f"--alpha lists a value twice: {text}."))
-    return tuple(values)
+def _main_process() -> bool:
+    """False in the other processes of a torchrun launch: rank 0 speaks for the run."""
+    from probe.distributed import Ranks
+
+    return Ranks.from_environment().main
 
 
-def _spaces(text: str) -> tuple[str, ...]:
-    """``--space hidden,key`` -> ("hidden", "key")."""
-    from probe.adapters.base import SPACES
+def _stopped(stop) -> None:
+    """Say where a stopped run is and how to continue it; exit 130 (SIGINT) or 143 (SIGTERM)."""
+    import shlex
 
-    values = tuple(p.strip() for p in text.split(",") if p.strip())
-    unknown = [v for v in values if v not in SPACES]
-    if unknown or not values or len(set(values)) != len(values):
-        _fail(ValueError(f"--space takes {' and/or '.join(SPACES)}, comma separated, each once; got '{text}'."))
-    return values
+    from probe.storage import PARTS
+
+    if stop.rank != 0:
+        raise typer.Exit(code=stop.exit_code)
+    if stop.run_dir is None:
+        typer.echo(f"probe: stopped by {stop} before the run started; nothing was written.", err=True)
+    else:
+        manifest = stop.manifest or {}
+        rows = (manifest.get("solver") or {}).get("rows", 0)
+        typer.echo(
+            f"probe: stopped by {stop} after {manifest.get('batches_done', 0)} of {manifest.get('batches_total', '?')} "
+            f"batches; the {rows:,} rows of the finished batches are in {stop.run_dir / PARTS}.\n"
+            f"Continue with: probe resume {shlex.quote(str(stop.run_dir))}",
+            err=True,
+        )
+    raise typer.Exit(code=stop.exit_code)
+
+
+@app.command("resume")
+def resume_command(
+    run_dir: Path = typer.Argument(..., help="A run directory written by `probe run` and stopped before the end."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+    report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
+    report_format: str = typer.Option("png", "--format", help="Report figure formats, comma separated (png,pdf)."),
+):
+    """Continue a stopped run with the settings its manifest recorded (model, data, alpha, batch size, ...).
+
+    Refuses when the model files or the texts changed since the run started.  The finished run equals
+    an uninterrupted one; resuming a complete run does nothing.
+    """
+    from probe.errors import ProbeError
+    from probe.pipeline import resume
+    from probe.stopping import RunStopped
+    from probe.storage import read_manifest
+
+    try:
+        manifest = read_manifest(run_dir)
+        if manifest.get("status") == "complete":
+            if _main_process():
+                typer.echo(f"{run_dir} is complete ({manifest.get('batches_done')} batches): nothing to resume.")
+            return
+        resume(run_dir, progress=progress)
+    except ProbeError as error:
+        _fail(error)
+    except RunStopped as stop:
+        _stopped(stop)
+    if _main_process():
+        _print_summary(run_dir)
+        if report:
+            _build_report(run_dir, None, report_format)
+
+
+@app.command("status")
+def status_command(run_dir: Path = typer.Argument(..., help="A run directory written by `probe run`.")):
+    """Where a run is: running, interrupted (and how to continue it) or complete."""
+    import shlex
+
+    from probe.errors import ProbeError
+    from probe.storage import read_manifest
+
+    try:
+        manifest = read_manifest(run_dir)
+    except ProbeError as error:
+        _fail(error)
+    status = manifest.get("status")
+    rows = (manifest.get("solver") or {}).get("rows", 0)
+    typer.echo(
+        f"{run_dir}: {status}, {manifest.get('batches_done', 0)} of {manifest.get('batches_total', '?')} batches, "
+        f"{rows:,} rows, {len(manifest.get('segments', []))} segment(s)"
+    )
+    if manifest.get("stop_reason"):
+        typer.echo(f"stop: {manifest['stop_reason']}")
+    if status == "interrupted":
+        typer.echo(f"continue with: probe resume {shlex.quote(str(run_dir))}")
+
+
+@app.command("export")
+def export_command(
+    run_dir: Path = typer.Argument(..., help="A run directory written by `probe run`."),
+    to: Path = typer.Option(..., "--to", help="The parquet file to write (must not exist)."),
+):
+    """Write a run's rows (its directory of part files) into one parquet file."""
+    from probe.errors import ProbeError
+    from probe.storage import export, read_manifest
+
+    try:
+        manifest = read_manifest(run_dir)
+        rows = export(run_dir, to)
+    except ProbeError as error:
+        _fail(error)
+    note = "" if manifest.get("status") == "complete" else (
+        f" (the run is {manifest.get('status')}: {manifest.get('batches_done')} of "
+        f"{manifest.get('batches_total')} batches)"
+    )
+    typer.echo(f"{rows:,} rows written to {to}{note}")
 
 
 def _print_summary(run_dir: Path) -> None:
@@ -126,20 +245,39 @@ def report_command(
     run_dir: Path = typer.Argument(..., help="A run directory written by `probe run`."),
     out: Optional[Path] = typer.Option(None, help="Where to write the report (default: RUN_DIR/report)."),
     report_format: str = typer.Option("png", "--format", help="Figure formats, comma separated (png,pdf)."),
+    name: Optional[str] = typer.Option(None, help="The model's name in titles (default: its hub id or directory name)."),
 ):
-    """Figures per layer, head and attention type, summary tables and an HTML page."""
-    _build_report(run_dir, out, report_format)
+    """A landing summary with computed findings, figures on shared scales, summary.csv/json and an HTML page."""
+    _build_report(run_dir, out, report_format, name)
 
 
-def _build_report(run_dir: Path, out: Optional[Path], formats: str) -> None:
+def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Optional[str] = None) -> None:
     from probe.errors import ProbeError
     from probe.report import build_report
 
     try:
-        where = build_report(run_dir, out, [f.strip() for f in formats.split(",") if f.strip()])
+        where = build_report(run_dir, out, [f.strip() for f in formats.split(",") if f.strip()], name=name)
     except ProbeError as error:
         _fail(error)
     typer.echo(f"report: {where / 'index.html'}")
+
+
+@app.command("compare")
+def compare_command(
+    run_dirs: list[Path] = typer.Argument(..., help="Two or more run directories written by `probe run`."),
+    out: Path = typer.Option(Path("compare"), help="Where to write the comparison."),
+    report_format: str = typer.Option("png", "--format", help="Figure formats, comma separated (png,pdf)."),
+    name: Optional[list[str]] = typer.Option(None, help="A label per run, in order (repeat the option)."),
+):
+    """Overlay runs on shared axes: per-layer mean and p95 against relative depth, ECDFs, a table."""
+    from probe.errors import ProbeError
+    from probe.report import compare_runs
+
+    try:
+        where = compare_runs(run_dirs, out, [f.strip() for f in report_format.split(",") if f.strip()], names=name)
+    except ProbeError as error:
+        _fail(error)
+    typer.echo(f"comparison: {where / 'index.html'}")
 
 
 def main() -> None:

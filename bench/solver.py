@@ -133,7 +133,7 @@ def minilm_family(quick: bool, device) -> Family:
         source = "bench fallback sentences"
     max_length, batch_size = 128, 8
     lengths = [len(ids) for ids in loaded.tokenizer(corpus, truncation=True, max_length=max_length)["input_ids"]]
-    order = sorted(range(len(corpus)), key=lambda i: -lengths[i])  # as probe.pipeline._batches
+    order = sorted(range(len(corpus)), key=lambda i: -lengths[i])  # as probe.pipeline._plan_batches
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     positions = [0.5] if quick else [0.1, 0.3, 0.5, 0.7, 0.9]
     chosen = [batches[min(len(batches) - 1, int(q * len(batches)))] for q in positions]

@@ -1,18 +1,24 @@
 """Texts to run through the model: the embedded corpus, local files, or a hub dataset.
 
 Everything goes through the ``datasets`` library except the embedded corpus, which ships inside the
-package so that ``probe run <local model>`` works offline.
+package so that ``probe run <local model>`` works offline.  Problems are reported by probe, naming the
+file, the line or row and what was found there: when ``datasets`` cannot read a local file,
+:func:`diagnose_file` reads it again to say where and why.
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import json
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from itertools import repeat
 from importlib import resources
 from pathlib import Path
 
 from .errors import ProbeError
+from .hub import check_hub_name, hub_reachable, no_connection
 
 #: Local file endings and the ``datasets`` builder that reads them.
 LOCAL_BUILDERS = {
@@ -27,20 +33,43 @@ LOCAL_BUILDERS = {
 
 @dataclass
 class DatasetSpec:
-    """Where texts come from.  ``name=None`` means the embedded corpus."""
+    """Where texts come from.  ``name=None`` means the embedded corpus.
+
+    ``split`` and ``column`` are ``None`` when not given (then ``"train"`` and ``"text"``), so that an
+    option that does not apply to the chosen input (``--split`` on a local file, ``--column`` with the
+    embedded corpus) can be told from its default and rejected.
+    """
 
     name: str | None = None
     config: str | None = None
-    split: str = "train"
-    column: str = "text"
+    split: str | None = None
+    column: str | None = None
     target_column: str | None = None
     samples: int | None = None
+
+    @property
+    def split_name(self) -> str:
+        return self.split or "train"
+
+    @property
+    def text_column(self) -> str:
+        return self.column or "text"
+
+    @property
+    def local_path(self) -> Path | None:
+        """The local file or folder behind ``name``, or None (embedded corpus, hub dataset)."""
+        if self.name is None:
+            return None
+        path = Path(self.name).expanduser()
+        return path if path.exists() else None
 
     def describe(self) -> str:
         if self.name is None:
             return "embedded probe corpus"
-        parts = [self.name] + ([self.config] if self.config else []) + [self.split]
-        return "/".join(parts) + f" [{self.column}]"
+        if self.local_path is not None:
+            return f"{self.name} [{self.text_column}]"
+        parts = [self.name] + ([self.config] if self.config else []) + [self.split_name]
+        return "/".join(parts) + f" [{self.text_column}]"
 
 
 @dataclass
@@ -69,49 +98,274 @@ def embedded_corpus() -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+def local_files(path: Path) -> list[Path]:
+    """The data files behind a local ``--dataset`` (a file, or a folder of files of one kind)."""
+    files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_BUILDERS) if path.is_dir() else [path]
+    if not files:
+        raise ProbeError(
+            f"No data files in the folder '{path}'. Give a .txt, .jsonl, .csv or .parquet file (or a folder of them)."
+        )
+    for file in files:
+        if file.suffix not in LOCAL_BUILDERS:
+            raise ProbeError(
+                f"Unsupported data file '{file}' (ending '{file.suffix}'). Use .txt (one text per line), "
+                ".jsonl, .json, .csv or .parquet."
+            )
+        if file.is_dir():
+            raise ProbeError(f"'{file}' is a folder, not a data file. Pass the file or the folder holding it.")
+        try:
+            size = file.stat().st_size
+            with file.open("rb"):
+                pass
+        except OSError as error:
+            raise ProbeError(f"Cannot read the dataset file '{file}': {error.strerror}.") from None
+        if size == 0:
+            raise ProbeError(f"The dataset file '{file}' is empty (0 bytes). Pass a file with texts.")
+    builders = {LOCAL_BUILDERS[file.suffix] for file in files}
+    if len(builders) > 1:
+        raise ProbeError(
+            f"The folder '{path}' mixes data files of different kinds ({', '.join(sorted({f.suffix for f in files}))}). "
+            "Put one kind of file in it, or pass a single file."
+        )
+    return files
+
+
+@contextmanager
+def _quiet_datasets():
+    """Silence ``datasets``' own logging and progress bars while it reads local files: probe reports
+    problems itself (see :func:`diagnose_file`)."""
+    import datasets
+    from datasets.utils import logging as datasets_logging
+
+    verbosity, bars = datasets_logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets_logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+
+
 def _load_dataset(spec: DatasetSpec, streaming: bool):
     """The ``datasets`` dataset behind ``spec``; streamed when only the first rows are needed (so that
     ``--samples 200`` of a large hub dataset does not download the whole split)."""
     import datasets
 
-    path = Path(spec.name).expanduser()
-    try:
-        if path.exists():
-            files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_BUILDERS) if path.is_dir() else [path]
-            if not files:
-                raise ProbeError(
-                    f"No data files in '{path}'. Give a .txt, .jsonl, .csv or .parquet file (or a folder of them)."
-                )
-            suffix = files[0].suffix
-            if suffix not in LOCAL_BUILDERS:
-                raise ProbeError(
-                    f"Unsupported data file '{files[0]}'. Use .txt (one text per line), .jsonl, .csv or .parquet."
-                )
+    path = spec.local_path
+    if path is not None:
+        files = local_files(path)
+        try:
             return datasets.load_dataset(
-                LOCAL_BUILDERS[suffix], data_files=[str(f) for f in files], split="train", streaming=streaming
+                LOCAL_BUILDERS[files[0].suffix], data_files=[str(f) for f in files], split="train", streaming=streaming
             )
-        return datasets.load_dataset(spec.name, spec.config, split=spec.split, streaming=streaming)
-    except ProbeError:
-        raise
-    except ValueError as error:
-        if path.exists() and "corresponds to no data" in str(error):  # datasets' word for 0 rows
-            raise ProbeError(f"The dataset '{spec.name}' has no non-empty texts: the file has no rows.") from None
-        raise _load_error(spec, path, error) from None
+        except ValueError as error:
+            if "corresponds to no data" in str(error):  # datasets' word for 0 rows
+                raise ProbeError(
+                    f"The dataset {spec.describe()} has no non-empty texts (it has no rows: only blank lines?). "
+                    "Pass a file with texts."
+                ) from None
+            raise
+    if Path(spec.name).suffix in LOCAL_BUILDERS:
+        raise ProbeError(f"The dataset file '{spec.name}' does not exist (--dataset). Check the path.")
+    check_hub_name(spec.name, "dataset", "--dataset", "wikitext")
+    reachable = hub_reachable()
+    try:
+        return datasets.load_dataset(spec.name, spec.config, split=spec.split_name, streaming=streaming)
     except Exception as error:  # datasets raises many types (FileNotFound, ConnectionError, ...)
-        raise _load_error(spec, path, error) from None
+        if not reachable:
+            raise no_connection(spec.name, "dataset", "file (.txt, .jsonl, .csv or .parquet)") from None
+        raise _load_error(spec, error) from None
 
 
-def _load_error(spec: DatasetSpec, path: Path, error: Exception) -> ProbeError:
+def _load_error(spec: DatasetSpec, error: Exception) -> ProbeError:
     return ProbeError(
-        f"Could not load dataset '{spec.name}'"
-        + (f" (config '{spec.config}', split '{spec.split}')" if not path.exists() else "")
-        + f": {error}. Pass a local .txt/.jsonl/.csv/.parquet file, or check the dataset name, config, "
-        "split and your connection."
+        f"Could not load the hub dataset '{spec.name}' (config '{spec.config}', split '{spec.split_name}'): "
+        f"{_first_line(error)}. Check the dataset name, --config and --split, or pass a local "
+        ".txt/.jsonl/.csv/.parquet file."
     )
 
 
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(error).__name__
+
+
+# --------------------------------------------------------------------------------------------------
+# what is wrong with a local file that datasets could not read
+
+
+def unreadable(spec: DatasetSpec, files: list[Path], error: Exception) -> ProbeError:
+    """A message naming the file, the line and what was found there, where probe can tell."""
+    for file in files:
+        problem = diagnose_file(file, spec.text_column)
+        if problem:
+            return ProbeError(f"Cannot read the dataset file '{file}': {problem}. Fix the file or pass another one.")
+    cause = error.__cause__ or error.__context__ or error
+    return ProbeError(
+        f"Cannot read the dataset '{spec.name}': {_first_line(cause)}. Check that it is a valid "
+        f"{', '.join(sorted({f.suffix for f in files}))} file."
+    )
+
+
+def _excerpt(text: str, width: int = 60) -> str:
+    text = text.strip()
+    return repr(text if len(text) <= width else text[:width] + "...")
+
+
+class _Found(Exception):
+    """A problem found while reading a file line by line (its message is the description)."""
+
+
+def _lines(file: Path):
+    """``(number, text)`` of each line of ``file``, read one line at a time; a line that is not UTF-8
+    raises :class:`_Found`."""
+    with file.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise _Found(
+                    f"line {number} is not UTF-8 text (byte 0x{raw[error.start]:02x}); save the file as UTF-8"
+                ) from None
+
+
+def diagnose_file(file: Path, column: str) -> str | None:
+    """The first problem in a local data file, in words (``None`` if none is found).  Reads the file
+    once, one line (parquet: one batch) at a time."""
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            for _ in pq.ParquetFile(file).iter_batches():
+                pass
+        except Exception as error:  # pyarrow: ArrowInvalid, OSError, ...
+            return f"it is not a readable parquet file ({_first_line(error)})"
+        return None
+    try:
+        if file.suffix == ".json":
+            return _json_document_problem(file, column)
+        if file.suffix == ".jsonl":
+            return _json_lines_problem(_lines(file), column)
+        if file.suffix == ".csv":
+            return _csv_problem(_lines(file))
+        for _ in _lines(file):
+            pass
+    except _Found as found:
+        return str(found)
+    return None
+
+
+def _json_document_problem(file: Path, column: str) -> str | None:
+    """A .json file holds one JSON document (read whole, as ``datasets`` does) or JSON lines."""
+    first = next((line for _, line in _lines(file) if line.strip()), "")
+    try:
+        json.loads(first)
+        return _json_lines_problem(_lines(file), column)  # its first line is a whole record: JSON lines
+    except json.JSONDecodeError:
+        pass
+    try:
+        json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        return f"it is not valid JSON at line {error.lineno}, column {error.colno} ({error.msg})"
+    return None
+
+
+def _json_lines_problem(lines, column: str) -> str | None:
+    records = 0
+    for number, line in lines:
+        if not line.strip():
+            continue
+        records += 1
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            return f"line {number} is not valid JSON ({error.msg} at column {error.colno}): found {_excerpt(line)}"
+        if not isinstance(record, dict):
+            return f"line {number} is a JSON {type(record).__name__}, not an object like {{\"{column}\": \"...\"}}"
+        value = record.get(column)
+        if value is not None and not isinstance(value, str):
+            return f"line {number} has {column!r}: {_excerpt(json.dumps(value))}, which is not text"
+    return None if records else "it has no JSON lines (only blank lines)"
+
+
+def _csv_problem(lines) -> str | None:
+    reader = csv.reader(line for _, line in lines)
+    try:
+        header = next(reader, None)
+        if header is None:
+            return "it has no header line"
+        for row in reader:
+            if row and len(row) != len(header):
+                return (
+                    f"line {reader.line_num} has {len(row)} fields, the header has {len(header)} "
+                    f"({', '.join(header)}); quote fields that contain commas"
+                )
+    except csv.Error as error:
+        return f"line {reader.line_num} is not valid CSV ({error})"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# texts
+
+
+def _check_text_feature(spec: DatasetSpec, dataset, column: str, option: str) -> None:
+    """A column that is declared as something other than text (a parquet column of ints, lists)."""
+    import datasets
+
+    feature = (getattr(dataset, "features", None) or {}).get(column)
+    if feature is None or isinstance(feature, datasets.Json):  # undeclared or mixed: checked row by row
+        return
+    if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null"):
+        return
+    if isinstance(feature, datasets.Value):
+        kind = f"{feature.dtype} values"
+    elif isinstance(feature, (datasets.List, datasets.LargeList, datasets.Sequence, list)):
+        kind = "lists"
+    elif isinstance(feature, dict):
+        kind = "records"
+    else:
+        kind = f"{type(feature).__name__} values"
+    text_columns = [
+        name for name, f in dataset.features.items()
+        if isinstance(f, datasets.Value) and f.dtype in ("string", "large_string")
+    ]
+    raise ProbeError(
+        f"Column '{column}' of the dataset '{spec.name}' holds {kind}, not text. "
+        + (f"Text columns: {', '.join(text_columns)}; choose one with {option}." if text_columns
+           else "It has no text column.")
+    )
+
+
+def _dataset_rows(spec: DatasetSpec):
+    """(text, target) pairs of a local file or hub dataset, after checking that the columns exist
+    and hold text; a stream is read only as far as the caller iterates."""
+    streaming = spec.samples is not None
+    dataset = _load_dataset(spec, streaming)
+    columns = dataset.column_names
+    if columns is None:  # a stream that does not declare its features: look at its first row
+        first = next(iter(dataset), None)
+        columns = [] if first is None else list(first)
+    for wanted, option in ((spec.text_column, "--column"), (spec.target_column, "--target-column")):
+        if wanted is not None and columns and wanted not in columns:
+            raise ProbeError(
+                f"Dataset '{spec.name}' has no column '{wanted}'. Available columns: {', '.join(columns)}. "
+                f"Choose one with {option}."
+            )
+    _check_text_feature(spec, dataset, spec.text_column, "--column")
+    if streaming:
+        yield from ((row.get(spec.text_column), row.get(spec.target_column)) for row in dataset)
+    else:
+        yield from zip(dataset[spec.text_column], dataset[spec.target_column] if spec.target_column else repeat(None))
+
+
 def load_texts(spec: DatasetSpec) -> Texts:
-    """Load the texts (and targets, if asked) described by ``spec``; empty texts are skipped."""
+    """Load the texts (and targets, if asked) described by ``spec``; empty texts are skipped.
+
+    A value that is neither text nor missing (a number, a list) is an error naming its row.
+    """
     if spec.samples is not None and spec.samples < 1:
         raise ProbeError(f"--samples must be at least 1, got {spec.samples}.")
     if spec.name is None:
@@ -119,41 +373,39 @@ def load_texts(spec: DatasetSpec) -> Texts:
             raise ProbeError("--target-column needs --dataset: the embedded corpus has only a text column.")
         rows = ((text, None) for text in embedded_corpus())
     else:
-        streaming = spec.samples is not None
-        dataset = _load_dataset(spec, streaming)
-        columns = dataset.column_names
-        if columns is None:  # a stream that does not declare its features: look at its first row
-            first = next(iter(dataset), None)
-            columns = [] if first is None else list(first)
-        for wanted, option in ((spec.column, "--column"), (spec.target_column, "--target-column")):
-            if wanted is not None and columns and wanted not in columns:
-                raise ProbeError(
-                    f"Dataset '{spec.name}' has no column '{wanted}'. Available columns: {', '.join(columns)}. "
-                    f"Choose one with {option}."
-                )
-        if streaming:
-            rows = ((row.get(spec.column), row.get(spec.target_column)) for row in dataset)
-        else:
-            rows = zip(dataset[spec.column], dataset[spec.target_column] if spec.target_column else repeat(None))
+        rows = _dataset_rows(spec)
 
+    local = spec.local_path
     texts, indices, targets, skipped = [], [], [], 0
     try:
-        for i, (text, target) in enumerate(rows):  # (text, target) pairs; a stream is read only this far
-            if not isinstance(text, str) or not text.strip():
-                skipped += 1
-                continue
-            texts.append(text)
-            indices.append(i)
-            targets.append(target if isinstance(target, str) or target is None else str(target))
-            if spec.samples is not None and len(texts) >= spec.samples:
-                break
-    except Exception as error:  # a stream fails while it is read (connection lost, a corrupt file)
-        raise _load_error(spec, Path(spec.name or ""), error) from None
+        with _quiet_datasets() if local is not None else nullcontext():
+            for i, (text, target) in enumerate(rows):  # a stream is read only this far
+                if text is not None and not isinstance(text, str):
+                    raise ProbeError(
+                        f"Row {i} (counting from 0) of the dataset '{spec.name}' has {text!r} "
+                        f"({type(text).__name__}) in column '{spec.text_column}', which is not text. "
+                        "Fix the data or choose a text column with --column."
+                    )
+                if text is None or not text.strip():
+                    skipped += 1
+                    continue
+                texts.append(text)
+                indices.append(i)
+                targets.append(target if isinstance(target, str) or target is None else str(target))
+                if spec.samples is not None and len(texts) >= spec.samples:
+                    break
+    except ProbeError:
+        raise
+    except Exception as error:  # datasets raises many types while reading (ArrowInvalid, connection lost)
+        if local is not None:
+            raise unreadable(spec, local_files(local), error) from None
+        raise _load_error(spec, error) from None
     if not texts:
         raise ProbeError(
             f"The dataset {spec.describe()} has no non-empty texts"
-            + (f" ({skipped} empty rows skipped)" if skipped else "")
-            + ". Choose another dataset, split or column."
+            + (f" ({skipped} empty rows skipped)" if skipped else " (it has no rows)")
+            + ". Choose another dataset"
+            + (" or column." if local is not None else ", split or column.")
         )
     return Texts(texts=texts, indices=indices, targets=targets if spec.target_column else None,
                  skipped_empty=skipped, spec=spec)

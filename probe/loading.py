@@ -1,4 +1,10 @@
-"""Loading a model for probe: config, adapter, model (eager attention) and tokenizer."""
+"""Loading a model for probe: config, adapter, model (eager attention) and tokenizer.
+
+What can go wrong while loading becomes a one-paragraph :class:`ProbeError`: a config.json that does
+not parse, weights that do not fit the config (shape mismatch), weights the model needs that the
+checkpoint lacks (they would be random), a corrupt weights file, a tokenizer without a vocabulary.
+The cheap checks of the files themselves run earlier, in :mod:`probe.validate`.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,17 @@ from pathlib import Path
 
 import torch
 
-from .adapters import adapter_for
 from .errors import ProbeError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: Parts of a checkpoint that probe never uses: missing from a checkpoint, they do not matter (a
+#: BertModel loaded from a masked-LM checkpoint has no pooler weights, for example).
+UNUSED_MODULES = ("pooler", "lm_head", "cls", "classifier", "qa_outputs", "score")
+
+#: A sentence whose words any real vocabulary knows (a tokenizer that maps them all to the unknown
+#: token has no vocabulary).
+VOCABULARY_PROBE = "The quick brown fox jumps over the lazy dog."
 
 
 @dataclass
@@ -21,46 +34,178 @@ class LoadedModel:
     info: dict
 
 
-def _resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> torch.device:
+    """The torch device for ``--device``: auto, cpu, cuda, cuda:N or mps, each only where it exists."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         resolved = torch.device(device)
-    except RuntimeError:
-        raise ProbeError(f"Unknown device '{device}'. Use auto, cpu, cuda or cuda:N.") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ProbeError(f"Device '{device}' asked for, but CUDA is not available here. Use --device cpu.")
-    return resolved
+    except (RuntimeError, ValueError):
+        raise ProbeError(f"Unknown device '{device}'. Use auto, cpu, cuda, cuda:N or mps.") from None
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ProbeError(f"Device '{device}' asked for, but CUDA is not available here. Use --device cpu.")
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise ProbeError(
+                f"Device '{device}' asked for, but this machine has {count} CUDA device(s): "
+                f"use cuda:0 to cuda:{count - 1}."
+            )
+        return resolved
+    if resolved.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ProbeError(f"Device '{device}' asked for, but MPS (Apple GPU) is not available here. Use --device cpu.")
+        return resolved
+    if resolved.type == "meta":
+        raise ProbeError(
+            "Device 'meta' holds shapes but no values, so nothing can be measured on it. Use --device cpu or cuda."
+        )
+    raise ProbeError(f"probe does not run on '{device}'. Use auto, cpu, cuda, cuda:N or mps.")
+
+
+def load_config(name: str, revision: str | None = None):
+    """The model's transformers config, or a ProbeError that says why it cannot be read."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name, revision=revision)
+    except (OSError, ValueError, KeyError) as error:  # a JSONDecodeError is a ValueError
+        raise ProbeError(
+            f"Could not read the config of model '{name}': {_first_line(error)}. "
+            "A model directory needs the config.json written by save_pretrained."
+        ) from None
+
+
+def load_tokenizer(source: str, revision: str | None = None):
+    """The tokenizer at ``source`` (a model directory, a tokenizer directory or a hub id), checked to
+    have a vocabulary: a directory without tokenizer files can still give a tokenizer object that maps
+    every word to the unknown token, which would make every text the same."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
+    except Exception as error:  # tokenizers raise OSError, ValueError, Exception from the Rust side, ...
+        raise ProbeError(
+            f"Could not load the tokenizer from '{source}': {_first_line(error)}. Pass a directory with the "
+            "model's tokenizer files (tokenizer.json, vocab.txt, spiece.model, ...) with --tokenizer."
+        ) from None
+    ids = tokenizer(VOCABULARY_PROBE, add_special_tokens=False)["input_ids"]
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if not ids or (unknown is not None and all(i == unknown for i in ids)):
+        raise ProbeError(
+            f"The tokenizer from '{source}' has no vocabulary: it turns every word of {VOCABULARY_PROBE!r} "
+            f"into the unknown token, so every text would look the same to the model. Pass the model's "
+            "tokenizer with --tokenizer PATH."
+        )
+    return tokenizer
+
+
+def from_pretrained_checked(loader, name_or_path: str, **kwargs):
+    """``loader.from_pretrained(name_or_path, **kwargs)``, with weight problems as ProbeErrors.
+
+    transformers 5 only warns (with a long table) about weights the checkpoint lacks, and raises a
+    RuntimeError after the table for weights of the wrong shape.  Here the load report is silenced and
+    read instead: mismatched shapes and missing weights outside :data:`UNUSED_MODULES` are errors
+    (missing weights would be random), and a corrupt file is reported in one paragraph.
+    """
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = loader.from_pretrained(
+            name_or_path, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+        )
+    except ProbeError:
+        raise
+    except Exception as error:  # safetensors, torch.load, OSError, RuntimeError: all say "cannot read"
+        raise ProbeError(
+            f"Could not load the weights of '{name_or_path}': {type(error).__name__}: {_first_line(error)}. "
+            "The weights file is corrupt or incomplete (an interrupted download or copy?): copy or download "
+            "the model again."
+        ) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    # an attention weight matrix first, as the example: that is what probe measures
+    mismatched = sorted(
+        info.get("mismatched_keys") or [], key=lambda m: ("attention" not in m[0].lower(), len(m[1]) != 2, m[0])
+    )
+    if mismatched:
+        key, checkpoint_shape, model_shape = mismatched[0]
+        raise ProbeError(
+            f"The weights of '{name_or_path}' do not match its config.json: {len(mismatched)} tensors have "
+            f"other shapes than the config asks for, e.g. '{key}' is {tuple(checkpoint_shape)} in the "
+            f"checkpoint but {tuple(model_shape)} for the config. The config and the weights come from "
+            "different models: put the config.json that was saved with these weights beside them."
+        )
+    missing = sorted(
+        key for key in info.get("missing_keys") or [] if not set(key.split(".")) & set(UNUSED_MODULES)
+    )
+    if missing:
+        raise ProbeError(
+            f"The checkpoint of '{name_or_path}' lacks {len(missing)} weights the model needs, e.g. "
+            f"{', '.join(repr(key) for key in missing[:3])}: they would be random, and so would the attention "
+            "probe measures. The weights file does not belong to this config.json (or is incomplete)."
+        )
+    return model
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(error).__name__
+
+
+def _device_map(device: str, init: str) -> str | None:
+    """``"auto"`` (shard the model over every visible GPU, with accelerate) when ``device`` is auto and more
+    than one GPU is visible; ``None`` (one device) otherwise."""
+    if device != "auto" or not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return None
+    if init == "random":
+        raise ProbeError(
+            f"--init random builds the model on one device, but {torch.cuda.device_count()} GPUs are visible and "
+            "--device auto would shard it. Pass --device cuda:0 (or set CUDA_VISIBLE_DEVICES)."
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        raise ProbeError(
+            f"{torch.cuda.device_count()} GPUs are visible: probe shards the model over them with device_map='auto', "
+            "which needs the accelerate package (pip install 'probe[large]'). Or pass --device cuda:0."
+        )
+    return "auto"
 
 
 def load_model(
-    name: str, *, revision: str | None = None, dtype: str = "float32", device: str = "auto",
-    init: str = "pretrained", seed: int = 0,
+    name: str,
+    *,
+    revision: str | None = None,
+    dtype: str = "float32",
+    device: str = "auto",
+    init: str = "pretrained",
+    seed: int = 0,
+    tokenizer: str | None = None,
 ) -> LoadedModel:
     """Load config, adapter, model (eager attention) and tokenizer for a hub id or local directory.
 
     ``init="random"`` builds the same architecture with fresh weights instead (the random-init
-    control, :meth:`probe.adapters.base.Adapter.init_model`); the tokenizer still comes from the checkpoint.
+    control, :meth:`probe.adapters.base.Adapter.init_model`); the tokenizer still comes from the checkpoint,
+    or from ``tokenizer`` when it is not beside the model (``--tokenizer``).
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from .adapters import adapter_for
 
     if dtype not in DTYPES:
         raise ProbeError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
-    resolved = _resolve_device(device)  # before the (slow) load, so that a bad --device fails at once
+    resolved = resolve_device(device)  # before the (slow) load, so that a bad --device fails at once
+    device_map = _device_map(device, init)
     path = Path(name).expanduser()
     if path.exists() and not (path / "config.json").exists():
         raise ProbeError(
             f"'{name}' is a local path but has no config.json: it is not a Hugging Face model directory. "
             "Pass a directory written by save_pretrained, or a hub model id."
         )
-    try:
-        config = AutoConfig.from_pretrained(name, revision=revision)
-    except (OSError, ValueError) as error:
-        raise ProbeError(
-            f"Could not load model '{name}': {str(error).splitlines()[0]}\n"
-            "Pass a local model directory (one written by save_pretrained), or check the model id and your "
-            "connection to the Hugging Face Hub (offline? set HF_HUB_OFFLINE=1 and use a cached or local model)."
-        ) from None
+    config = load_config(name, revision)
     adapter = adapter_for(config.model_type)
     saved_implementation = getattr(config, "_attn_implementation", None)
     config._attn_implementation = "eager"
@@ -68,19 +213,23 @@ def load_model(
         if init == "random":
             model = adapter.init_model(config, dtype=DTYPES[dtype], seed=seed)
         else:
-            model = adapter.load_model(name, config=config, revision=revision, dtype=DTYPES[dtype])
-        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
+            model = adapter.load_model(
+                name, config=config, revision=revision, dtype=DTYPES[dtype], device_map=device_map
+            )
     except (OSError, ValueError) as error:
         raise ProbeError(
-            f"Could not load the weights or tokenizer of '{name}': {str(error).splitlines()[0]}\n"
-            "A model directory needs its weights and tokenizer files; for a hub id, check your connection."
+            f"Could not load the weights of '{name}': {_first_line(error)}. A model directory needs its "
+            "weights (model.safetensors or pytorch_model.bin); for a hub id, check your connection."
         ) from None
+    loaded_tokenizer = load_tokenizer(tokenizer or name, None if tokenizer else revision)
     if model.config._attn_implementation != "eager":
         raise ProbeError(
             f"'{name}' loaded with {model.config._attn_implementation} attention, which hides attention "
             "probabilities; probe needs eager attention. Remove _attn_implementation from its config.json."
         )
-    model.eval().to(resolved)
+    model.eval()
+    if device_map is None:
+        model.to(resolved)
     info = {
         "id": name,
         "path": str(path.resolve()) if path.exists() else None,
@@ -89,7 +238,9 @@ def load_model(
         "architectures": getattr(config, "architectures", None),
         "class": type(model).__name__,
         "saved_attention_implementation": saved_implementation,
+        "tokenizer": tokenizer,  # None: the model's own
         "init": init,
         "init_seed": seed if init == "random" else None,
+        "device_map": {k: str(v) for k, v in model.hf_device_map.items()} if device_map else None,
     }
-    return LoadedModel(adapter=adapter, model=model, tokenizer=tokenizer, info=info)
+    return LoadedModel(adapter=adapter, model=model, tokenizer=loaded_tokenizer, info=info)

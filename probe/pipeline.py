@@ -1,35 +1,43 @@
-"""The run pipeline: dataset -> batches -> captured sites -> dual solves -> rows -> parquet + manifest.
+"""The run pipeline: dataset -> batches -> captured sites -> dual solves -> rows -> part files + manifest.
 
-Rows are appended to ``deviations.parquet`` one row group per batch, so memory does not grow with the
-dataset, and the manifest is rewritten after every batch: an interrupted run keeps every finished batch
-and says where it stopped.
+A run is planned as a fixed list of batches (deterministic given its settings) and every finished batch
+is written as its own part file (:mod:`probe.storage`), so memory does not grow with the dataset and a
+run stopped at any moment, by any signal, keeps every finished batch.  SIGINT and SIGTERM drop the
+batch in flight, mark the manifest ``"interrupted"`` and raise :class:`RunStopped`.  :func:`resume`
+continues a stopped run with the settings its manifest recorded, after checking that the model files
+and the texts are the ones it started with; the finished run equals an uninterrupted one.  Launched by
+torchrun as several processes, the processes share the batches (:mod:`probe.distributed`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import platform
 import re
+import signal
 import time
-from dataclasses import asdict, dataclass, field
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
-from . import __version__
+from . import __version__, distributed, fingerprint, storage
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
 from .rows import RowContext, Summary, process_batch
-from .schema import DEVIATION_SCHEMA
+from .stopping import RunStopped, Stops
+from .validate import check_run
 
 
 @dataclass
 class RunConfig:
-    """Everything that defines a run; recorded in the manifest."""
+    """Everything that defines a run; recorded in the manifest (``config``) and used again by resume."""
 
     model: str
     dataset: DatasetSpec = field(default_factory=DatasetSpec)
@@ -38,18 +46,116 @@ class RunConfig:
     batch_size: int = 8
     max_length: int = 128
     alphas: tuple[float, ...] = (1.0,)  # strengths solved for (one capture, one solve each)
-    spaces: tuple[str, ...] = ("hidden",)  # parameterisations: "hidden" and/or "key"
+    spaces: tuple[str, ...] | None = None  # "hidden" and/or "key"; None: the adapter's default (rotary: key)
     init: str = "pretrained"  # or "random": the same architecture with fresh weights (seeded by ``seed``)
+    tokenizer: str | None = None  # where the tokenizer is when it is not beside the model (--tokenizer)
+    max_memory_bytes: int | None = None  # --max-memory: bounds the problems held at once (probe.rows)
+    threads: int | None = None  # --threads: torch's intra-op threads (None: torch's default, all cores)
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
     rtol: float = 1e-9
-    fidelity_tolerance: float = 1e-5
+    fidelity_tolerance: float | None = None  # None: by the model's dtype (probe.rows.FIDELITY_TOLERANCE)
     progress: bool = True
 
 
+def config_to_json(config: RunConfig) -> dict:
+    return json.loads(json.dumps(asdict(config), default=str))
+
+
+def config_from_json(data: dict) -> RunConfig:
+    """The :class:`RunConfig` a manifest recorded (lists become tuples, as the dataclass declares them)."""
+    known = {f.name: f for f in fields(RunConfig)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ProbeError(
+            f"The run was written by another version of probe (settings {', '.join(unknown)} are unknown to "
+            f"probe {__version__}); resume it with that version."
+        )
+    values = {}
+    for name, value in data.items():
+        if name == "dataset":
+            value = DatasetSpec(**value)
+        elif name == "out":
+            value = Path(value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        values[name] = value
+    return RunConfig(**values)
+
+
 # --------------------------------------------------------------------------------------------------
-# bookkeeping
+# preparing a run: model, texts, batch plan
+
+
+@dataclass
+class _Job:
+    """What a run segment works on: its settings, the loaded model, the texts and the batch plan."""
+
+    config: RunConfig
+    loaded: LoadedModel
+    texts: Texts
+    batches: list[list[int]]  # dataset positions of each batch, in the run's batch order
+    lengths: list[int]  # token count of each text
+    device: torch.device
+    context: RowContext  # what rows need beyond sites and solutions (token texts, cached over the run)
+    timings: dict
+    started: float  # time.perf_counter() when the segment started loading
+
+
+def _plan_batches(loaded: LoadedModel, texts: Texts, batch_size: int, max_length: int):
+    """Batches of dataset positions, longest first (less padding; memory problems show at once)."""
+    lengths = [
+        len(ids) for ids in loaded.tokenizer(texts.texts, truncation=True, max_length=max_length)["input_ids"]
+    ]
+    if max(lengths) > max_length:
+        raise ProbeError(
+            f"--max-length {max_length} is too small for this tokenizer: it produced {max(lengths)} tokens "
+            "(special tokens are never truncated). Use a larger --max-length."
+        )
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)], lengths
+
+
+def _prepare(
+    config: RunConfig, device: str, model_location: str | None = None, dataset: DatasetSpec | None = None,
+    texts: Texts | None = None,
+) -> _Job:
+    """Load the model (from ``model_location``, default ``config.model``) onto ``device`` and the texts
+    (``texts`` when already read, else from ``dataset``, default ``config.dataset``); plan the batches."""
+    torch.manual_seed(config.seed)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    started = time.perf_counter()
+    loaded = load_model(
+        model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
+        init=config.init, seed=config.seed, tokenizer=config.tokenizer,
+    )
+    unsupported = [space for space in config.spaces if space not in loaded.adapter.spaces]
+    if unsupported:
+        raise ProbeError(
+            f"{loaded.info['model_type']} supports the space(s) {', '.join(loaded.adapter.spaces)} only, not "
+            f"{', '.join(unsupported)} (rotary models have no hidden-space parameterisation). Pass "
+            f"--space {','.join(loaded.adapter.spaces)}."
+        )
+    loaded_at = time.perf_counter()
+    texts = texts if texts is not None else load_texts(dataset or config.dataset)
+    timings = {"load_model_s": loaded_at - started, "load_data_s": time.perf_counter() - loaded_at}
+    batches, lengths = _plan_batches(loaded, texts, config.batch_size, config.max_length)
+    device = next(loaded.model.parameters()).device
+    context = RowContext(
+        model_name=config.model, example_ids=[], special_ids=frozenset(loaded.tokenizer.all_special_ids),
+        token_text={}, tokenizer=loaded.tokenizer,
+    )
+    return _Job(config, loaded, texts, batches, lengths, device, context, timings, started)
+
+
+def _plan_sha256(batches: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(batches).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# the manifest
 
 
 def _package_versions() -> dict:
@@ -64,89 +170,29 @@ def _package_versions() -> dict:
     return versions
 
 
-def _run_directory(out: Path, model_name: str) -> Path:
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model_name.rstrip("/")).name or model_name).strip("-") or "model"
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    candidate = out / f"{slug}-{stamp}"
-    suffix = 1
-    while candidate.exists():
-        suffix += 1
-        candidate = out / f"{slug}-{stamp}-{suffix}"
-    candidate.mkdir(parents=True)
-    return candidate
+def _slug(model_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model_name.rstrip("/")).name or model_name).strip("-") or "model"
 
 
-def _write_json(path: Path, payload: dict):
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
-    tmp.replace(path)
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
 
 
-def _batches(loaded: LoadedModel, texts: Texts, batch_size: int, max_length: int):
-    """Batches of dataset positions, longest first (less padding; memory problems show at once)."""
-    lengths = [
-        len(ids) for ids in loaded.tokenizer(texts.texts, truncation=True, max_length=max_length)["input_ids"]
-    ]
-    if max(lengths) > max_length:
-        raise ProbeError(
-            f"--max-length {max_length} is too small for this tokenizer: it produced {max(lengths)} tokens "
-            "(special tokens are never truncated). Use a larger --max-length."
-        )
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)], lengths
-
-
-# --------------------------------------------------------------------------------------------------
-# the run
-
-
-def run(config: RunConfig) -> Path:
-    """Run probe on a model and dataset; return the run directory."""
-    if not config.alphas or any(not (alpha > 0 and alpha < float("inf")) for alpha in config.alphas):
-        raise ProbeError(f"--alpha must be finite and positive, got {', '.join(map(str, config.alphas))}.")
-    if config.init not in ("pretrained", "random"):
-        raise ProbeError(f"--init must be pretrained or random, got '{config.init}'.")
-    if config.batch_size < 1 or config.max_length < 1:
-        raise ProbeError("--batch-size and --max-length must be at least 1.")
-    torch.manual_seed(config.seed)
-    timings = {}
-    started = time.perf_counter()
-    loaded = load_model(
-        config.model, revision=config.revision, dtype=config.dtype, device=config.device, init=config.init,
-        seed=config.seed,
-    )
-    unsupported = [space for space in config.spaces if space not in loaded.adapter.spaces]
-    if unsupported:
-        raise ProbeError(
-            f"{loaded.info['model_type']} supports the space(s) {', '.join(loaded.adapter.spaces)} only, not "
-            f"{', '.join(unsupported)} (rotary models have no hidden-space parameterisation). Pass "
-            f"--space {','.join(loaded.adapter.spaces)}."
-        )
-    timings["load_model_s"] = time.perf_counter() - started
-    t0 = time.perf_counter()
-    texts = load_texts(config.dataset)
-    timings["load_data_s"] = time.perf_counter() - t0
-    device = next(loaded.model.parameters()).device
-
-    batches, lengths = _batches(loaded, texts, config.batch_size, config.max_length)
-    run_dir = _run_directory(Path(config.out), config.model)
-    parquet_path = run_dir / "deviations.parquet"
-    manifest_path = run_dir / "manifest.json"
-    summary = Summary(config.fidelity_tolerance)
-    context = RowContext(
-        model_name=config.model, example_ids=[], special_ids=frozenset(loaded.tokenizer.all_special_ids),
-        token_text={}, tokenizer=loaded.tokenizer,
-    )
-    manifest = {
+def _new_manifest(job: _Job) -> dict:
+    config, loaded, texts = job.config, job.loaded, job.texts
+    local_model = Path(config.model).expanduser().exists()
+    local_data = config.dataset.name is not None and Path(config.dataset.name).expanduser().exists()
+    model_directory = fingerprint.model_directory(config.model, config.revision)
+    return {
         "probe_version": __version__,
         "status": "running",
-        "started_at": datetime.now(timezone.utc).isoformat(),
+        "started_at": _now(),
         "model": loaded.info,
         "adapter": type(loaded.adapter).__name__,
         "attention_types": list(loaded.adapter.attention_types),
         "attention_implementation": "eager",
         "dtype": config.dtype,
-        "device": str(device),
+        "device": str(job.device),
         "dataset": {
             **asdict(config.dataset),
             "description": config.dataset.describe(),
@@ -154,7 +200,7 @@ def run(config: RunConfig) -> Path:
             "skipped_empty": texts.skipped_empty,
             "texts_sha256": texts.sha256,
             "max_length": config.max_length,
-            "truncated_examples": sum(length >= config.max_length for length in lengths),
+            "truncated_examples": sum(length >= config.max_length for length in job.lengths),
         },
         "alpha": list(config.alphas),
         "spaces": list(config.spaces),
@@ -175,81 +221,337 @@ def run(config: RunConfig) -> Path:
             "sites_stacked_per_call": "consecutive sites of one shape, up to 256 MiB of logits",
         },
         "versions": _package_versions(),
-        "timings_s": timings,
         "batches_done": 0,
-        "batches_total": len(batches),
+        "batches_total": len(job.batches),
+        "config": config_to_json(config),
+        # what resume loads and checks: the same model files, texts and batch plan
+        "inputs": {
+            "model_location": str(model_directory) if local_model else config.model,
+            # a hub model's commit: its cache snapshot's name (the directory is named after it)
+            "model_revision": None if local_model else loaded.info.get("revision") or model_directory.name,
+            "model_directory": str(model_directory),
+            "model_fingerprint": fingerprint.model_fingerprint(model_directory),
+            "dataset_location": str(Path(config.dataset.name).expanduser().resolve()) if local_data else config.dataset.name,
+            "batch_plan_sha256": _plan_sha256(job.batches),
+            **_tokenizer_inputs(config.tokenizer),
+        },
+        "segments": [],
     }
-    _write_json(manifest_path, manifest)
 
-    capture_s = solve_s = write_s = 0.0
-    problems_done = 0
-    writer = pq.ParquetWriter(parquet_path, DEVIATION_SCHEMA)
-    progress = _progress(len(batches), config.progress)
+
+class _PartIndex:
+    """The run's part files read so far: their records folded into the run's summary and into the
+    batches and seconds of each (segment, rank).  Rank 0 follows every rank's progress through it."""
+
+    def __init__(self, run_dir: Path, tolerance: float):
+        self.run_dir = run_dir
+        self.summary = Summary(tolerance)
+        self.records: dict[int, dict] = {}
+        self.work: dict[tuple[int, int], dict] = {}
+
+    def refresh(self) -> int:
+        """Read the part files not seen yet; return how many batches are finished."""
+        for batch, path in storage.part_files(self.run_dir).items():
+            if batch not in self.records:
+                record = self.records[batch] = storage.part_record(path)
+                self.summary.merge(Summary.from_state(record["summary"]))
+                work = self.work.setdefault(
+                    (record["segment"], record["rank"]), {"batches": 0, "capture_s": 0.0, "solve_s": 0.0}
+                )
+                work["batches"] += 1
+                work["capture_s"] += record["seconds"]["capture"]
+                work["solve_s"] += record["seconds"]["solve"]
+        return len(self.records)
+
+    def fold_into(self, segment: dict) -> None:
+        """Batches and seconds of the segment's ranks (and their sums) from the part files they wrote."""
+        for entry in segment["ranks"]:
+            entry.update(self.work.get((segment["segment"], entry["rank"]), {"batches": 0, "capture_s": 0.0, "solve_s": 0.0}))
+        segment["batches"] = sum(entry["batches"] for entry in segment["ranks"])
+        for key in ("capture_s", "solve_s"):
+            segment["timings_s"][key] = sum(entry[key] for entry in segment["ranks"])
+
+
+def _tokenizer_inputs(tokenizer: str | None) -> dict:
+    """A separate tokenizer (--tokenizer): where it is (absolute, when local) and its fingerprint."""
+    if tokenizer is None:
+        return {}
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir():  # a hub id: the batch plan check covers it
+        return {"tokenizer_location": tokenizer}
+    path = path.resolve()
+    return {"tokenizer_location": str(path), "tokenizer_fingerprint": fingerprint.model_fingerprint(path)}
+
+
+def _timings(manifest: dict) -> dict:
+    """Seconds per stage, summed over the run's segments (capture and solve: over all their processes)."""
+    timings: dict[str, float] = {}
+    for segment in manifest["segments"]:
+        for key, value in segment["timings_s"].items():
+            timings[key] = timings.get(key, 0.0) + value
+    return timings
+
+
+# --------------------------------------------------------------------------------------------------
+# the run
+
+
+def run(config: RunConfig) -> Path:
+    """Run probe on a model and dataset; return the run directory."""
+    checked = check_run(config)  # every up-front check (probe.validate): before any weights load or file is written
+    config = checked.config  # defaults resolved: the adapter's space, the dtype's fidelity tolerance
+    with Stops() as stops, distributed.join(config.device) as group, ExitStack() as held:
+        job = group.agree(lambda: _prepare(config, group.device(config.device), texts=checked.texts))
+        stops.hold()
+
+        def create() -> str:  # rank 0 creates the run directory and holds it
+            run_dir = storage.create_run_directory(Path(config.out), _slug(config.model))
+            held.enter_context(storage.writer_lock(run_dir))
+            return str(run_dir.resolve())
+
+        run_dir = Path(group.from_main(create))
+        return _execute(run_dir, _new_manifest(job) if group.main else None, job, stops, group)
+
+
+def resume(run_dir: Path, *, progress: bool = True) -> Path:
+    """Continue a stopped run with its recorded settings; a complete run is returned untouched."""
+    run_dir = Path(run_dir)
+    manifest = storage.read_manifest(run_dir)
+    if manifest.get("status") == "complete":
+        return run_dir
+    if "config" not in manifest or not (run_dir / storage.PARTS).is_dir():
+        raise ProbeError(f"{run_dir} was written by an older probe that cannot resume runs. Start a new `probe run`.")
+    if manifest.get("status") == "running":
+        alive, how = storage.writer_alive(manifest["process"])
+        raise ProbeError(f"{run_dir} is still running ({how}). Stop that process first, or wait for it.")
+    config = config_from_json(manifest["config"])
+    config.progress = progress
+    with Stops() as stops, distributed.join(config.device) as group, ExitStack() as held:
+        job = group.agree(lambda: _prepare_resume(run_dir, manifest, config, group.device(config.device)))
+        stops.hold()
+
+        def hold() -> None:  # rank 0 holds the run directory
+            held.enter_context(storage.writer_lock(run_dir))
+            for segment in manifest["segments"]:  # a segment killed without a chance to say so
+                if segment.get("status") == "running":
+                    segment.update(status="interrupted", stop_reason=manifest.get("stop_reason"))
+
+        group.from_main(hold)
+        return _execute(run_dir, manifest, job, stops, group)
+
+
+def _prepare_resume(run_dir: Path, manifest: dict, config: RunConfig, device: str) -> _Job:
+    """Check that the model files are the run's, load model and texts, and check the texts and batches."""
+    inputs = manifest["inputs"]
     try:
-        for batch_number, positions in enumerate(batches):
-            batch_texts = [texts.texts[i] for i in positions]
-            batch_targets = [texts.targets[i] for i in positions] if texts.targets is not None else None
-            example_ids = [texts.indices[i] for i in positions]
-            inputs = loaded.adapter.encode(loaded.tokenizer, batch_texts, batch_targets, config.max_length)
-            inputs = {key: value.to(device) for key, value in inputs.items()}
-            tables, seconds = process_batch(loaded, inputs, example_ids, config, summary, context)
-            capture_s += seconds["capture"]
-            solve_s += seconds["solve"]
-            problems_done += sum(table.num_rows for table in tables)
-            t1 = time.perf_counter()
-            writer.write_table(pa.concat_tables(tables))
-            write_s += time.perf_counter() - t1
-            manifest.update(
-                batches_done=batch_number + 1,
-                solver=summary.solver(),
-                deviations=summary.settings(),
-                fidelity=summary.fidelity_summary(),
-                timings_s={**timings, "capture_s": capture_s, "solve_s": solve_s, "write_s": write_s},
-            )
-            _write_json(manifest_path, manifest)
-            progress.update(1)
-            elapsed = progress.format_dict.get("elapsed") or 1e-9
-            progress.set_postfix(problems_per_s=f"{problems_done / max(elapsed, 1e-9):,.0f}", refresh=False)
-    except BaseException as error:
-        writer.close()
-        progress.close()
-        manifest.update(
-            solver=summary.solver(),
-            deviations=summary.settings(),
-            fidelity=summary.fidelity_summary(),
-            status="interrupted",
-            error=f"{type(error).__name__}: {error}",
-            note="deviations.parquet holds every batch finished before the interruption",
-            finished_at=datetime.now(timezone.utc).isoformat(),
+        directory = fingerprint.model_directory(inputs["model_location"], inputs["model_revision"])
+    except OSError as error:  # a hub snapshot that is no longer cached (and no connection)
+        raise ProbeError(
+            f"The model files of {run_dir} ({inputs['model_location']} at {inputs['model_revision']}) cannot be "
+            f"found: {str(error).splitlines()[0].rstrip('.')}. Restore them, or start a new run with `probe run`."
+        ) from None
+    differences = fingerprint.differences(inputs["model_fingerprint"], fingerprint.model_fingerprint(directory))
+    if differences:
+        raise ProbeError(
+            f"The model files of {run_dir} changed since the run started ({'; '.join(differences[:5])}"
+            f"{'; ...' if len(differences) > 5 else ''}), so its rows would mix two models. Restore the "
+            f"files in {directory}, or start a new run with `probe run`."
         )
-        _write_json(manifest_path, manifest)
+    if "tokenizer_fingerprint" in inputs:
+        now = _tokenizer_inputs(inputs["tokenizer_location"]).get("tokenizer_fingerprint", {})
+        changed = fingerprint.differences(inputs["tokenizer_fingerprint"], now)
+        if changed:
+            raise ProbeError(
+                f"The tokenizer files of {run_dir} ({inputs['tokenizer_location']}) changed since the run started "
+                f"({'; '.join(changed[:5])}). Restore them, or start a new run with `probe run`."
+            )
+    dataset = DatasetSpec(**{**asdict(config.dataset), "name": inputs["dataset_location"]})
+    as_recorded = replace(  # a hub model at the run's commit; local files where the run found them
+        config, revision=inputs["model_revision"] or config.revision,
+        tokenizer=inputs.get("tokenizer_location", config.tokenizer),
+    )
+    job = _prepare(as_recorded, device, model_location=inputs["model_location"], dataset=dataset)
+    if job.texts.sha256 != manifest["dataset"]["texts_sha256"]:
+        raise ProbeError(
+            f"The texts of {config.dataset.describe()} changed since the run started (SHA-256 "
+            f"{job.texts.sha256[:12]}... now, {manifest['dataset']['texts_sha256'][:12]}... then). Restore "
+            "the data, or start a new run with `probe run`."
+        )
+    if _plan_sha256(job.batches) != inputs["batch_plan_sha256"]:
+        raise ProbeError(
+            "The batches planned now differ from the run's (the tokenizer files changed?). Restore the "
+            "model directory, or start a new run with `probe run`."
+        )
+    return job
+
+
+def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, group: distributed.Group) -> Path:
+    """Run every batch of the plan that has no part file yet, as a new segment of the run; with several
+    processes, rank r takes every world-th of them and rank 0 keeps the manifest."""
+    config, ranks = job.config, group.ranks
+    rank_info = group.gather({
+        "rank": ranks.rank, **storage.process_identity(), "device": str(job.device),
+        "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), **job.timings,
+    })
+
+    def start() -> tuple[list[int], int]:  # rank 0: the batches left, and a new segment in the manifest
+        storage.remove_temporaries(run_dir)
+        done = storage.part_files(run_dir)
+        manifest["segments"].append({
+            "segment": len(manifest["segments"]),
+            **storage.process_identity(),
+            "status": "running",
+            "started_at": _now(),
+            "device": str(job.device),
+            "versions": _package_versions(),
+            "processes": ranks.world,
+            "ranks": rank_info,
+            "batches": 0,
+            "timings_s": {**job.timings, "capture_s": 0.0, "solve_s": 0.0, "write_s": 0.0, "total_s": 0.0},
+        })
+        for stale in ("stop_reason", "note", "finished_at"):
+            manifest.pop(stale, None)
+        manifest.update(status="running", process=storage.heartbeat(storage.process_identity(), 3600.0),
+                        batches_done=len(done))
+        storage.write_manifest(run_dir, manifest)
+        return [batch for batch in range(len(job.batches)) if batch not in done], len(manifest["segments"]) - 1
+
+    todo, segment_number = group.from_main(start)
+    index = _PartIndex(run_dir, config.fidelity_tolerance) if group.main else None
+    segment = manifest["segments"][-1] if group.main else None
+    longest_batch_s, reported_at = 0.0, time.perf_counter()
+    progress = _progress(len(job.batches), len(job.batches) - len(todo), config.progress and group.main)
+
+    def report() -> None:  # rank 0: progress, totals and heartbeat into the manifest
+        nonlocal reported_at
+        index.fold_into(segment)
+        segment["timings_s"]["total_s"] = time.perf_counter() - job.started
+        manifest.update(
+            batches_done=len(index.records),
+            process=storage.heartbeat(storage.process_identity(), max(600.0, 10 * longest_batch_s)),
+            solver=index.summary.solver(),
+            deviations=index.summary.settings(),
+            fidelity=index.summary.fidelity_summary(),
+            timings_s=_timings(manifest),
+        )
+        storage.write_manifest(run_dir, manifest)
+        progress.update(len(index.records) - progress.n)
+        progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)
+        reported_at = time.perf_counter()
+
+    try:
+        for batch in todo[ranks.rank :: ranks.world]:
+            batch_started = time.perf_counter()
+            with stops.interruptible():  # a stop while the batch is computed drops it
+                table, batch_summary, seconds = _process(job, batch)
+            written = time.perf_counter()
+            storage.write_part(run_dir, batch, table, {
+                "examples": [job.texts.indices[i] for i in job.batches[batch]],
+                "segment": segment_number,
+                "rank": ranks.rank,
+                "summary": batch_summary.state(),
+                "seconds": seconds,
+            })
+            longest_batch_s = max(longest_batch_s, time.perf_counter() - batch_started)
+            if group.main:
+                segment["timings_s"]["write_s"] += time.perf_counter() - written
+                index.refresh()
+                report()
+        if group.main:  # follow the other ranks until every batch has its part file
+            while (finished := index.refresh()) < len(job.batches):
+                if finished > progress.n or time.perf_counter() - reported_at > 10:
+                    report()
+                with stops.interruptible():
+                    time.sleep(0.1)
+        with stops.interruptible():  # a stop that arrived while the last batch was written
+            pass
+    except BaseException as error:
+        progress.close()
+        if group.main:
+            _record_stop(run_dir, manifest, segment, index, error, job.started)
+        if isinstance(error, KeyboardInterrupt):  # Ctrl-C before our handler, or raised by a library
+            raise RunStopped(signal.SIGINT, run_dir, manifest, ranks.rank) from error
+        if isinstance(error, RunStopped):
+            error.run_dir, error.manifest, error.rank = run_dir, manifest, ranks.rank
         raise
-    writer.close()
     progress.close()
-    timings.update(capture_s=capture_s, solve_s=solve_s, write_s=write_s, total_s=time.perf_counter() - started)
+    if group.main:
+        _record_completion(run_dir, manifest, segment, index, config, job.started)
+    return run_dir
+
+
+def _process(job: _Job, batch: int) -> tuple[pa.Table, Summary, dict]:
+    """One batch of the plan: its rows, its summary and the seconds spent capturing and solving."""
+    positions = job.batches[batch]
+    texts = [job.texts.texts[i] for i in positions]
+    targets = [job.texts.targets[i] for i in positions] if job.texts.targets is not None else None
+    example_ids = [job.texts.indices[i] for i in positions]
+    inputs = job.loaded.adapter.encode(job.loaded.tokenizer, texts, targets, job.config.max_length)
+    inputs = {key: value.to(job.device) for key, value in inputs.items()}
+    summary = Summary(job.config.fidelity_tolerance)
+    tables, seconds = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context)
+    return pa.concat_tables(tables), summary, seconds
+
+
+def _record_stop(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex, error: BaseException,
+                 started: float) -> None:
+    if isinstance(error, RunStopped):
+        reason = f"stopped by {signal.Signals(error.signum).name}"
+    elif isinstance(error, KeyboardInterrupt):
+        reason = "stopped by SIGINT (Ctrl-C)"
+    else:
+        reason = f"failed: {type(error).__name__}: {error}"
+    index.refresh()
+    index.fold_into(segment)
+    segment.update(status="interrupted", stop_reason=reason, finished_at=_now())
+    segment["timings_s"]["total_s"] = time.perf_counter() - started
+    manifest.update(
+        status="interrupted",
+        stop_reason=reason,
+        batches_done=len(index.records),
+        solver=index.summary.solver(),
+        deviations=index.summary.settings(),
+        fidelity=index.summary.fidelity_summary(),
+        timings_s=_timings(manifest),
+        note=f"{storage.PARTS} holds every batch finished before the stop; `probe resume` continues the run",
+    )
+    storage.write_manifest(run_dir, manifest)
+
+
+def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex, config: RunConfig,
+                       started: float) -> None:
+    """Totals over every part file (whichever segment and rank wrote it) and every segment."""
+    index.refresh()
+    for each in manifest["segments"]:  # batches and seconds of every segment, from its part files
+        index.fold_into(each)
+    segment.update(status="complete", finished_at=_now())
+    segment["timings_s"]["total_s"] = time.perf_counter() - started
+    timings = _timings(manifest)
     manifest.update(
         status="complete",
-        finished_at=datetime.now(timezone.utc).isoformat(),
+        finished_at=_now(),
+        batches_done=len(index.records),
+        solver=index.summary.solver(),
+        deviations=index.summary.settings(),
+        fidelity=index.summary.fidelity_summary(),
         timings_s=timings,
-        solver=summary.solver(),
-        deviations=summary.settings(),
-        fidelity=summary.fidelity_summary(),
-        problems_per_second=problems_done / solve_s if solve_s else None,
+        problems_per_second=index.summary.rows / timings["solve_s"] if timings["solve_s"] else None,
     )
-    _write_json(manifest_path, manifest)
+    storage.write_manifest(run_dir, manifest)
     if not manifest["fidelity"]["passed"]:
         import warnings
 
         warnings.warn(
             f"Fidelity check failed: reconstructed attention differs from the model's by "
-            f"{manifest['fidelity']['max_abs_error']:.2e} (> {config.fidelity_tolerance:.0e}); see {manifest_path}. "
-            "Low-precision dtypes (bfloat16, float16) round attention by ~1e-3: pass --fidelity-tolerance.",
-            stacklevel=2,
+            f"{manifest['fidelity']['max_abs_error']:.2e} (> {config.fidelity_tolerance:.0e}); see "
+            f"{run_dir / storage.MANIFEST}. A model whose attention adds something probe does not represent "
+            "fails this check; so can a low-precision model with very large logits (the default tolerance per "
+            "dtype is in the README): --fidelity-tolerance.",
+            stacklevel=3,
         )
-    return run_dir
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, initial: int, enabled: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="batch", desc="probe", disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, unit="batch", desc="probe", disable=not enabled, dynamic_ncols=True)

@@ -10,6 +10,7 @@ solved for every requested alpha.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -72,6 +73,15 @@ def site_problems(site: SiteCapture, alpha: float, space: str = "hidden") -> Dua
     return dual_problems(site, space_problems(site, space), alpha)
 
 
+#: default fidelity tolerance per model dtype (max abs difference of attention probabilities).  The
+#: reconstruction is exact in float64 from the queries and keys the model multiplies; what remains is the
+#: model's own rounding of its logits and probabilities.  A logit error d moves a probability p by at most
+#: about p(1 - p) * 2d, and rounding to a p-bit mantissa gives d ~ |logit| * 2^-p: float16 (p = 11) stays
+#: within 1e-2 and bfloat16 (p = 8) within 5e-2 for logits up to about 50.  float64 models are held to 1e-6,
+#: not tighter, because several families (Llama, Mistral, Qwen2, Gemma) take their softmax in float32.
+FIDELITY_TOLERANCE = {"float64": 1e-6, "float32": 1e-5, "float16": 1e-2, "bfloat16": 5e-2}
+
+
 def fidelity_error(site: SiteCapture, problems: SpaceProblems | None = None) -> float:
     """Max |softmax(log u + s) - model probabilities| over the site's real queries (alpha = 1)."""
     problems = space_problems(site, site.spaces[0]) if problems is None else problems
@@ -96,13 +106,14 @@ def stacked_problems(problems: list[DualProblems]) -> DualProblems:
     )
 
 
-def solve_stacked(problems: list[DualProblems], rtol: float) -> list[DualSolution]:
+def solve_stacked(problems: list[DualProblems], rtol: float, memory_bytes: int | None = None) -> list[DualSolution]:
     """Solve problems of one shape with one :func:`solve_dual` call, one solution per entry.
 
     Per-call overhead is paid once and the solver's batched products run on larger batches; the
     problems stay independent of one another.
     """
-    solution = solve_dual(stacked_problems(problems), rtol=rtol)
+    budget = {} if memory_bytes is None else {"memory_budget_bytes": memory_bytes}
+    solution = solve_dual(stacked_problems(problems), rtol=rtol, **budget)
     solutions, start = [], 0
     for part in problems:
         stop = start + part.gram.shape[0]
@@ -345,6 +356,37 @@ class Summary:
             for key, sums in self.by_setting.items()
         }
 
+    def state(self) -> dict:
+        """The running totals as JSON values (each part file stores its batch's; see :meth:`merge`)."""
+        return copy.deepcopy(vars(self))
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Summary":
+        summary = cls(state["tolerance"])
+        vars(summary).update(copy.deepcopy(state))
+        return summary
+
+    def merge(self, other: "Summary") -> "Summary":
+        """Fold another summary (another batch, segment or rank) into this one; return self."""
+        self.rows += other.rows
+        self.not_converged += other.not_converged
+        self.max_duality_gap = max(self.max_duality_gap, other.max_duality_gap)
+        self.max_relative_error_bound = max(self.max_relative_error_bound, other.max_relative_error_bound)
+        self.iterations_total += other.iterations_total
+        self.iterations_max = max(self.iterations_max, other.iterations_max)
+        for mine, theirs in (
+            (self.fidelity, other.fidelity),
+            (self.fidelity_by_space, other.fidelity_by_space),
+            (self.derived_bounds, other.derived_bounds),
+        ):
+            for key, value in theirs.items():
+                mine[key] = max(mine.get(key, 0.0), value)
+        for key, sums in other.by_setting.items():
+            mine = self.by_setting.setdefault(key, dict.fromkeys(sums, 0.0))
+            for name, value in sums.items():
+                mine[name] = mine.get(name, 0.0) + value
+        return self
+
     def fidelity_summary(self) -> dict:
         worst = max(self.fidelity.values(), default=0.0)
         return {
@@ -364,13 +406,17 @@ class Summary:
 class BatchSolver:
     """Receives sites as the model emits them and solves them in stacks of bounded size.
 
-    ``spaces`` and ``alphas`` are the parameterisations and strengths to solve; ``limit_bytes`` bounds
-    the float64 logits of one stack (the problems held at once).
+    ``spaces`` and ``alphas`` are the parameterisations and strengths to solve; ``memory_bytes`` (the
+    run's ``--max-memory``) bounds the problems held at once and the solver's working set.
     """
 
-    def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, limit_bytes: int = STACK_BYTES):
+    def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, memory_bytes: int | None = None):
         self.spaces, self.alphas, self.rtol = tuple(spaces), tuple(alphas), rtol
-        self.context, self.summary, self.limit_bytes = context, summary, limit_bytes
+        self.context, self.summary = context, summary
+        # --max-memory: an eighth for the logits of the stack held at once (the problems built from
+        # them take a few times that), half for the solver's working set
+        self.limit_bytes = STACK_BYTES if memory_bytes is None else max(1, memory_bytes // 8)
+        self.solver_bytes = None if memory_bytes is None else max(1, memory_bytes // 2)
         self.pending: list[tuple[SiteCapture, int]] = []  # (piece, offset of its first example in the batch)
         self.pending_bytes = 0
         self.tables: list[pa.Table] = []
@@ -405,7 +451,7 @@ class BatchSolver:
                 duals = [dual_problems(site, built, alpha) for site, built in zip(sites, problems)]
                 for dual, factor in zip(duals, factors):
                     dual.factor = factor  # one factorisation per space, shared by every alpha
-                solutions = solve_stacked(duals, self.rtol)
+                solutions = solve_stacked(duals, self.rtol, self.solver_bytes)
                 for (site, offset), built, dual, solution in zip(stack, problems, duals, solutions):
                     quantities = derive(site, dual, solution, self.rtol)
                     table = site_rows(site, space, built, solution, quantities, alpha, self.context, offset)
@@ -416,10 +462,8 @@ class BatchSolver:
 @torch.no_grad()
 def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary: Summary, context: RowContext):
     """Capture every attention site of one batch, solve its problems and return the rows, site by site."""
-    solver = BatchSolver(
-        config.spaces, config.alphas, config.rtol, context, summary,
-        limit_bytes=getattr(config, "stack_bytes", None) or STACK_BYTES,
-    )
+    budget = getattr(config, "max_memory_bytes", None)
+    solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget)
     t0 = time.perf_counter()
     context.example_ids = example_ids
     loaded.adapter.capture(loaded.model, inputs, solver)

@@ -149,103 +149,244 @@ def duality_gap_reduced(gradient: torch.Tensor, alpha: float) -> torch.Tensor:
     return 0.5 * alpha * (gradient * gradient).sum(-1)
 
 
-class _Group:
-    """Quantities of one tile of problems that stay fixed during the Newton iterations."""
+class _WorkingSet:
+    r"""Quantities of a set of problems that stay fixed during the Newton iterations.
 
-    def __init__(self, factor, logits, log_pref, alpha, direction_dtype):
-        self.A = factor  # (g, n, r), shared by the m problems of each group
-        self.A_sq = factor * factor  # for the Jacobi preconditioner
-        self.A_low = factor.to(direction_dtype)  # the Newton direction's precision (CG only)
+    Groups share the factor :math:`A` ``(g, n, r)``; their problems are rows ``(g, m, n)``.
+    """
+
+    def __init__(self, factor, factor_low, logits, base, u, evidence_sqnorm, alpha):
+        self.A = factor
+        self.A_low = factor_low  # in the Newton direction's precision
         self.alpha = alpha
-        self.base = log_pref + alpha * logits  # log u + alpha s   (-inf off the support)
-        self.u = log_pref.exp()  # log_pref is normalised
-        self.m = torch.bmm(self.u, factor)  # m = A^T u, as rows: (g, m, r)
+        self.logits = logits
+        self.evidence_sqnorm = evidence_sqnorm
+        self.base = base  # log u + alpha s   (-inf off the support)
+        self.u = u
+        self.m = torch.bmm(u, factor)  # m = A^T u, as rows (g, m, r)
 
-    def times_A_T(self, y):
-        """Rows of A y: (g, m, r) -> (g, m, n)."""
-        return torch.bmm(y, self.A.transpose(1, 2))
+    def subset(self, groups, pick):
+        """The working set of rows ``pick = (group index, row index)`` of the groups ``groups``."""
+        out = _WorkingSet.__new__(_WorkingSet)
+        out.A, out.A_low, out.alpha = self.A[groups], self.A_low[groups], self.alpha
+        out.logits, out.evidence_sqnorm = self.logits[pick], self.evidence_sqnorm[pick]
+        out.base, out.u, out.m = self.base[pick], self.u[pick], self.m[pick]
+        return out
 
-    def times_A(self, w):
-        """Rows of A^T w: (g, m, n) -> (g, m, r)."""
-        return torch.bmm(w, self.A)
+    def initial_state(self):
+        r"""The state at :math:`y = 0` (:math:`\lambda = \alpha z`, where :math:`p` is the model's attention)."""
+        y = self.m.new_zeros(self.m.shape)
+        p, lse = _softmax_and_lse(self.base)
+        return self.state_from(y, self.base, p, lse)
 
     def state(self, y):
-        r"""Return (p, objective without constant, :math:`A^\top(u - p)`) at y.
+        """The :class:`_State` at ``y``."""
+        theta = torch.baddbmm(self.base, y, self.A.transpose(1, 2))  # log u + alpha s + A y
+        p, lse = _softmax_and_lse(theta)
+        return self.state_from(y, theta, p, lse)
+
+    def state_from(self, y, theta, p, lse):
+        r"""The state at ``y`` given :math:`\theta = \log u + \alpha s + Ay` and its softmax and log-sum-exp.
 
         :math:`A^\top(u-p)` is formed from the difference :math:`u - p`, not as :math:`m - A^\top p`:
         near the optimum the two terms nearly cancel, and the subtraction would cost digits of the
         gradient (and so of the certificate) for problems whose :math:`\lambda^*` is small.
         """
-        theta = self.base + self.times_A_T(y)
-        lse = torch.logsumexp(theta, dim=-1)
-        p = torch.exp(theta - lse.unsqueeze(-1))
-        return p, self._objective(y, lse), self.times_A(self.u - p)
-
-    def objective(self, y):
-        r"""(R-D) at y, without its constant :math:`\alpha s^\top u + \tfrac{\alpha}{2}\|z\|^2`."""
-        return self._objective(y, torch.logsumexp(self.base + self.times_A_T(y), dim=-1))
-
-    def _objective(self, y, lse):
-        return (y * self.m).sum(-1) - (y * y).sum(-1) / (2 * self.alpha) - lse
-
-    def hessian_times(self, p, v):
-        r"""Rows of :math:`(I/\alpha + A^\top(\mathrm{diag}\,p - pp^\top)A)\,v` (the negated Hessian),
-        in the Newton direction's precision (``p`` and ``v`` must be in it)."""
-        w = torch.bmm(v, self.A_low.transpose(1, 2))
-        sigma_w = p * (w - (p * w).sum(-1, keepdim=True))
-        return torch.baddbmm(v, sigma_w, self.A_low, beta=1.0 / self.alpha)
-
-    def hessian_diagonal(self, p, spread):
-        """Diagonal of the negated Hessian, used as the CG preconditioner (``spread`` = A^T(u - p))."""
-        a_p = self.m - spread  # A^T p
-        return 1.0 / self.alpha + torch.bmm(p, self.A_sq) - a_p * a_p
+        alpha = self.alpha
+        u_minus_p = self.u - p
+        spread = torch.bmm(u_minus_p, self.A)  # A^T (u - p)
+        gradient = spread - y / alpha
+        y_dot_m = torch.linalg.vecdot(y, self.m)
+        y_sq = torch.linalg.vecdot(y, y)
+        # ||lambda_hat|| = alpha ||z + T^T (u - p)||, expanded in reduced quantities
+        spread_sq = torch.linalg.vecdot(spread, spread)
+        lambda_sq = self.evidence_sqnorm + 2 * torch.linalg.vecdot(self.logits, u_minus_p) + spread_sq
+        return _State(
+            y=y, theta=theta, p=p, gradient=gradient, gradient_sq=torch.linalg.vecdot(gradient, gradient),
+            objective=y_dot_m - y_sq / (2 * alpha) - lse, y_dot_m=y_dot_m, y_sq=y_sq,
+            lambda_norm=alpha * lambda_sq.clamp_min(0).sqrt(), deviation=alpha * spread_sq.sqrt(),
+        )
 
 
-def _conjugate_gradient(group, p, rhs, precond, rtol, max_iter, live):
-    """Batched preconditioned CG for (negated Hessian) x = rhs, stopping each problem at its rtol.
+def _softmax_and_lse(theta):
+    """``(softmax(theta), logsumexp(theta))`` over the last axis."""
+    top = theta.amax(dim=-1, keepdim=True)
+    p = torch.sub(theta, top).exp_()
+    total = p.sum(dim=-1, keepdim=True)
+    lse = (top + total.log()).squeeze(-1)
+    return p.div_(total), lse
 
-    Runs in the group's direction precision and returns x in the precision of ``rhs``.
+
+@dataclass
+class _State:
+    r"""Newton's state at :math:`y`: :math:`\theta = \log u + \alpha s + Ay`, :math:`p = p(y)`, the gradient
+    :math:`g` of (R-D), the objective (R-D) without its constant and the inner products the line search
+    reuses, :math:`\|\hat\lambda\|` and :math:`\|\hat\lambda - \alpha z\| = \alpha\|A^\top(u-p)\|`."""
+
+    y: torch.Tensor
+    theta: torch.Tensor
+    p: torch.Tensor
+    gradient: torch.Tensor
+    gradient_sq: torch.Tensor
+    objective: torch.Tensor
+    y_dot_m: torch.Tensor
+    y_sq: torch.Tensor
+    lambda_norm: torch.Tensor
+    deviation: torch.Tensor
+
+
+def _hessian_times(factor, alpha, p, v, out=None, buffer=None):
+    r"""Rows of :math:`Hv = v/\alpha + A^\top \Sigma_p A v`, the negated Hessian of (R-D) at :math:`p`,
+    with :math:`\Sigma_p = \mathrm{diag}\,p - pp^\top` (two products with the group's :math:`A`)."""
+    Av = torch.bmm(v, factor.transpose(1, 2), out=buffer)
+    Av.sub_(torch.linalg.vecdot(p, Av).unsqueeze(-1)).mul_(p)  # Sigma_p A v
+    return torch.baddbmm(v, Av, factor, beta=1.0 / alpha, out=out)
+
+
+def _conjugate_gradient(factor, alpha, p, rhs, forcing, max_iter, live, precond=None):
+    r"""Batched CG on :math:`H x = b` (:func:`_hessian_times`), each row stopping when its residual's norm
+    reaches ``forcing`` times its right-hand side's; rows not ``live`` return 0.
+
+    For the Newton directions there is no preconditioner: a Jacobi one did not reduce the step count on
+    MiniLM's problems (their Hessians have condition numbers of 3 to 5) and costs a pass per step.
+    ``p``, ``rhs`` (overwritten) and ``precond`` (the diagonal, or None) are in ``factor``'s precision,
+    which is that of the result.
     """
-    out_dtype = rhs.dtype
-    low = group.A_low.dtype
-    p, rhs, precond, rtol = p.to(low), rhs.to(low), precond.to(low), rtol.to(low)
+    g_count, m, n = p.shape
     x = torch.zeros_like(rhs)
-    r = rhs.clone()
-    z = r / precond
+    r = rhs
+    z = r if precond is None else r / precond
     d = z.clone()
-    rz = (r * z).sum(-1)
-    target = (rtol * rhs.norm(dim=-1)) ** 2
-    running = live & ((r * r).sum(-1) > target)
+    Ad = torch.empty(g_count, m, n, dtype=p.dtype, device=p.device)
+    Hd = torch.empty_like(r)
+    rz = torch.linalg.vecdot(r, z)
+    target = forcing.to(rz.dtype).square() * torch.linalg.vecdot(r, r)
+    running = live & (torch.linalg.vecdot(r, r) > target)
     for _ in range(max_iter):
         if not bool(running.any()):
             break
-        x, r, d, rz, running = _cg_step(group, p, precond, target, x, r, d, rz, running)
-    return x.to(out_dtype)
+        _hessian_times(factor, alpha, p, d, out=Hd, buffer=Ad)
+        curvature = torch.linalg.vecdot(d, Hd)
+        step = torch.where(running, rz / torch.where(curvature > 0, curvature, 1.0), 0.0).unsqueeze(-1)
+        x.addcmul_(step, d)
+        r.addcmul_(step, Hd, value=-1.0)
+        if precond is None:
+            z = r
+            rz_new = torch.linalg.vecdot(r, r)
+            running = running & (rz_new > target)
+        else:
+            z = torch.div(r, precond, out=z)
+            rz_new = torch.linalg.vecdot(r, z)
+            running = running & (torch.linalg.vecdot(r, r) > target)
+        beta = torch.where(running, rz_new / torch.where(rz > 0, rz, 1.0), 0.0).unsqueeze(-1)
+        torch.addcmul(z, beta, d, out=d)  # a row that stopped gets d = z: bounded, and never used again
+        rz = rz_new
+    return x
 
 
-def _cg_step(group, p, precond, target, x, r, d, rz, running):
-    """One preconditioned CG step for the rows still ``running``: returns the new (x, r, d, rz, running);
-    a row whose squared residual reaches ``target`` stops."""
-    hd = group.hessian_times(p, d)
-    curvature = (d * hd).sum(-1)
-    step = torch.where(running, rz / torch.where(curvature > 0, curvature, 1.0), 0.0)
-    x = x + step.unsqueeze(-1) * d
-    r = r - step.unsqueeze(-1) * hd
-    z = r / precond
-    rz_new = (r * z).sum(-1)
-    beta = torch.where(running, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)
-    d = torch.where(running.unsqueeze(-1), z + beta.unsqueeze(-1) * d, d)
-    rz = torch.where(running, rz_new, rz)
-    running = running & ((r * r).sum(-1) > target)
-    return x, r, d, rz, running
+_COMPACT_BELOW = 0.5  # gather the live problems once they fit in this fraction of the working set
 
 
-def _solve_tile(factor, logits, log_pref, evidence_sqnorm, active, alpha, rtol, atol, max_iter, direction_dtype):
+def _forcing(gradient_norm, initial_norm, goal, floor):
+    r"""Relative CG residual for the Newton direction: :math:`\min(0.1, (\|g\|/\|g_0\|)^2)`
+    (superlinear convergence), loosened near the end to what still reaches the goal
+    (:math:`\tfrac12\,\mathrm{goal}/\|g\|`), and floored at the direction's precision (a float32
+    direction cannot resolve residuals much below 1e-6; Newton then converges linearly, at that rate)."""
+    ratio = gradient_norm / initial_norm
+    return torch.maximum(ratio * ratio, 0.5 * goal / gradient_norm).clamp(min=floor, max=0.1)
+
+
+def _newton(work, state, iterations, live, initial_norm, rtol, atol, max_iter):
+    """Newton iterations with Armijo backtracking on (R-D), for the problems of one working set.
+
+    Returns ``(state, iterations, live, initial_norm, remaining)``: it stops when no problem is live,
+    after ``max_iter`` iterations (``remaining`` = 0), or when the live problems would fit in a working
+    set below ``_COMPACT_BELOW`` of this one (the caller compacts and calls again, carrying
+    ``initial_norm`` for the forcing term).
+    """
+    alpha = work.alpha
+    dtype = state.y.dtype
+    low = work.A_low.dtype
+    g_count, m, _ = state.p.shape
+    gradient_norm = state.gradient_sq.sqrt()
+    if initial_norm is None:
+        initial_norm = gradient_norm.clamp_min(torch.finfo(dtype).tiny)
+    cg_cap = max(10, 2 * work.A.shape[-1])
+    forcing_floor = max(1e-12, 8 * torch.finfo(low).eps)
+    for done in range(max_iter):
+        # stop well inside the tolerance: 2 alpha ||g|| <= 0.25 (rtol ||lambda|| + atol)
+        goal = 0.25 * (rtol * state.lambda_norm + atol) / (2 * alpha)
+        live = live & (gradient_norm > goal)
+        per_group = live.sum(-1)
+        if int((per_group > 0).sum()) * int(per_group.max()) <= _COMPACT_BELOW * g_count * m:
+            return state, iterations, live, initial_norm, max_iter - done  # no live problem, or compact
+        # Inexact Newton; the gradient, the line search and the certificate stay in the solver's dtype.
+        forcing = _forcing(gradient_norm, initial_norm, goal, forcing_floor)
+        direction = _conjugate_gradient(
+            work.A_low, alpha, state.p.to(low), state.gradient.to(low, copy=True), forcing, cg_cap, live
+        ).to(dtype)
+        a_direction = torch.bmm(direction, work.A.transpose(1, 2))  # A dy
+        slope = torch.linalg.vecdot(state.gradient, direction)  # > 0: CG from 0 on an SPD system ascends
+        # (R-D) along the step: y^T m and ||y||^2 are polynomials in t, only the log-sum-exp needs a pass
+        dir_dot_m = torch.linalg.vecdot(direction, work.m)
+        y_dot_dir = torch.linalg.vecdot(state.y, direction)
+        dir_sq = torch.linalg.vecdot(direction, direction)
+        objective = state.objective
+        step = torch.ones(g_count, m, dtype=dtype, device=state.y.device)
+        taken = torch.zeros_like(step)
+        # Below this predicted increase the objective cannot resolve progress: the rounding floor.
+        floor = 64 * torch.finfo(dtype).eps * (objective.abs() + 1)
+        searching = live.clone()
+        at_floor = torch.zeros_like(live)
+        full_step = None
+        for trial in range(60):  # Armijo backtracking on the dual objective
+            theta = torch.addcmul(state.theta, step.unsqueeze(-1), a_direction)
+            p, lse = _softmax_and_lse(theta)
+            if trial == 0:
+                full_step = (theta, p, lse)
+            value = (
+                state.y_dot_m + step * dir_dot_m
+                - (state.y_sq + step * (2 * y_dot_dir + step * dir_sq)) / (2 * alpha)
+                - lse
+            )
+            tiny = (step == 1) & (slope <= floor)  # a full Newton step too small to measure
+            accepted = ((value >= objective + 1e-4 * step * slope) | tiny) & torch.isfinite(value)
+            take = searching & accepted
+            taken = torch.where(take, step, taken)
+            at_floor = at_floor | (take & tiny)
+            searching = searching & ~accepted
+            if not bool(searching.any()):
+                break
+            step = torch.where(searching, 0.5 * step, step)
+        moved = live & ~searching
+        taken = torch.where(moved, taken, 0.0)
+        # every live row took the full step (rows not live have a zero direction): reuse its softmax
+        full = bool((moved | ~live).all()) and bool((taken[moved] == 1).all())
+        taken = taken.unsqueeze(-1)
+        y = torch.addcmul(state.y, taken, direction)
+        iterations = iterations + live.to(torch.int32)
+        previous_norm = gradient_norm
+        if full:
+            state = work.state_from(y, *full_step)
+        else:
+            theta = torch.addcmul(state.theta, taken, a_direction)
+            state = work.state_from(y, theta, *_softmax_and_lse(theta))
+        gradient_norm = state.gradient_sq.sqrt()
+        # Near the optimum the objective cannot resolve the gain of a Newton step (it is below its
+        # rounding), but the gradient still can: such steps are taken in full while they shrink the
+        # gradient.  A problem stops when they no longer do, or when no acceptable step exists; whether
+        # it converged is then decided by the certificate alone.
+        stalled = at_floor & (gradient_norm > 0.5 * previous_norm)
+        live = live & ~searching & ~stalled
+    return state, iterations, live, initial_norm, 0
+
+
+def _solve_tile(work, active, rtol, atol, max_iter):
     """Newton-CG on every active problem of a tile; returns its :class:`DualSolution`.
 
     Problems finish after different numbers of Newton iterations.  Once the live problems fit in a
     working set below ``_COMPACT_BELOW`` of the current one, they are gathered into it (the groups
-    that still have one, each with its live rows packed to the front; the Gram factor stays shared per
+    that still have one, each with its live rows packed to the front; the Gram matrix stays shared per
     group) and iterated there, so stragglers do not pay for the finished.
 
     All operations are row-wise, so a problem's iterates do not depend on the rest of the batch, up to
@@ -254,27 +395,18 @@ def _solve_tile(factor, logits, log_pref, evidence_sqnorm, active, alpha, rtol, 
     Newton steps, and the final iterates of the same problem in two batches agree within their
     certificates (not bit for bit).
     """
-    g_count, m, _ = logits.shape
-    r = factor.shape[-1]
-    device = factor.device
-    y = torch.zeros(g_count, m, r, dtype=factor.dtype, device=device)
+    g_count, m, _ = work.base.shape
+    device = work.base.device
     iterations = torch.zeros(g_count, m, dtype=torch.int32, device=device)
+    state, iterations, live, initial_norm, remaining = _newton(
+        work, work.initial_state(), iterations, active.clone(), None, rtol, atol, max_iter
+    )
+    if remaining == 0 or not bool(live.any()):
+        return _finish(work, state, active, rtol, atol, iterations)
+    y = state.y
     groups = torch.arange(g_count, device=device)  # working set: rows[k, j] of group groups[k]
     rows = torch.arange(m, device=device).expand(g_count, m)
-    live = active.clone()
-    initial_norm = None
-    remaining = max_iter
-    while True:
-        pick = (groups.unsqueeze(-1), rows)
-        work = _Group(factor[groups], logits[pick], log_pref[pick], alpha, direction_dtype)
-        y_work, iterations_work, live, initial_norm, remaining = _newton(
-            work, logits[pick], evidence_sqnorm[pick], y[pick], iterations[pick], live, initial_norm, alpha,
-            rtol, atol, remaining,
-        )
-        y[pick] = y_work  # rows that were not live come back unchanged
-        iterations[pick] = iterations_work
-        if remaining == 0 or not bool(live.any()):
-            break
+    while remaining > 0 and bool(live.any()):
         # gather the live problems: groups that have one, live rows first
         per_group = live.sum(-1)
         keep = per_group.nonzero().squeeze(-1)
@@ -282,110 +414,37 @@ def _solve_tile(factor, logits, log_pref, evidence_sqnorm, active, alpha, rtol, 
         order = torch.argsort((~live[keep]).to(torch.int8), dim=-1, stable=True)[:, :width]
         groups, rows = groups[keep], rows[keep].gather(1, order)
         live, initial_norm = live[keep].gather(1, order), initial_norm[keep].gather(1, order)
-
-    group = _Group(factor, logits, log_pref, alpha, direction_dtype)
-    p, _, spread = group.state(y)
-    return _finish(group, logits, evidence_sqnorm, active, alpha, rtol, atol, y, p, spread, iterations)
-
-
-_COMPACT_BELOW = 0.5  # gather the live problems once they fit in this fraction of the working set
-
-
-def _newton(group, logits, evidence_sqnorm, y, iterations, live, initial_norm, alpha, rtol, atol, max_iter):
-    """Newton iterations with Armijo backtracking on (R-D), for the problems of one working set.
-
-    Returns ``(y, iterations, live, initial_norm, remaining)``: it stops when no problem is live, after
-    ``max_iter`` iterations (``remaining`` = 0), or when the live problems would fit in a working set
-    below ``_COMPACT_BELOW`` of this one (the caller compacts and calls again, carrying
-    ``initial_norm`` for the forcing term).
-    """
-    dtype = y.dtype
-    g_count, m, r = y.shape
-    p, objective, spread = group.state(y)
-    gradient = spread - y / alpha
-    if initial_norm is None:
-        initial_norm = gradient.norm(dim=-1).clamp_min(torch.finfo(dtype).tiny)
-    cg_cap = max(10, 2 * r)
-    # a float32 direction cannot resolve CG residuals much below its precision
-    forcing_floor = max(1e-12, 8 * torch.finfo(group.A_low.dtype).eps)
-    for done in range(max_iter):
-        error = alpha * gradient.norm(dim=-1)  # >= ||lambda(y) - lambda*||
-        lam = _lambda_norm(logits, evidence_sqnorm, group.u - p, spread, alpha)
-        live = live & (2 * error > 0.25 * (rtol * lam + atol))  # stop well inside the tolerance
-        per_group = live.sum(-1)
-        if int((per_group > 0).sum()) * int(per_group.max()) <= _COMPACT_BELOW * g_count * m:
-            return y, iterations, live, initial_norm, max_iter - done  # no live problem, or compact
-        # Inexact Newton: CG to relative residual min(0.1, ||g||/||g0||), floored at the direction's
-        # precision (superlinear convergence, then linear at rate ~1e-6 for a float32 direction; a
-        # looser forcing term stalls on near-hard-max instances with logits ~1e4).  The gradient, the
-        # line search and the certificate stay in the solver's dtype.
-        forcing = torch.clamp(gradient.norm(dim=-1) / initial_norm, max=0.1).clamp_min(forcing_floor)
-        precond = group.hessian_diagonal(p, spread)
-        direction = _conjugate_gradient(group, p, gradient, precond, forcing, cg_cap, live)
-        slope = (gradient * direction).sum(-1)  # > 0: CG from 0 on an SPD system gives ascent
-        step = torch.ones(g_count, m, dtype=dtype, device=y.device)
-        # Below this predicted increase the objective cannot resolve progress: the rounding floor.
-        floor = 64 * torch.finfo(dtype).eps * (objective.abs() + 1)
-        searching = live.clone()
-        at_floor = torch.zeros_like(live)
-        candidate = y
-        for _ in range(60):  # Armijo backtracking on the dual objective
-            trial = y + step.unsqueeze(-1) * direction
-            value = group.objective(trial)
-            tiny = (step == 1) & (slope <= floor)  # a full Newton step too small to measure
-            accepted = ((value >= objective + 1e-4 * step * slope) | tiny) & torch.isfinite(value)
-            take = searching & accepted
-            candidate = torch.where(take.unsqueeze(-1), trial, candidate)
-            at_floor = at_floor | (take & tiny)
-            searching = searching & ~accepted
-            if not bool(searching.any()):
-                break
-            step = torch.where(searching, 0.5 * step, step)
-        y = torch.where((live & ~searching).unsqueeze(-1), candidate, y)
-        iterations = iterations + live.to(torch.int32)
-        previous_norm = gradient.norm(dim=-1)
-        p, objective, spread = group.state(y)
-        gradient = spread - y / alpha
-        # Near the optimum the objective cannot resolve the gain of a Newton step (it is below its
-        # rounding), but the gradient still can: such steps are taken in full while they shrink the
-        # gradient.  A problem stops when they no longer do, or when no acceptable step exists; whether
-        # it converged is then decided by the certificate alone.
-        stalled = at_floor & (gradient.norm(dim=-1) > 0.5 * previous_norm)
-        live = live & ~searching & ~stalled
-    return y, iterations, live, initial_norm, 0
+        pick = (groups.unsqueeze(-1), rows)
+        subset = work.subset(groups, pick)
+        state, iterations_work, live, initial_norm, remaining = _newton(
+            subset, subset.state(y[pick]), iterations[pick], live, initial_norm, rtol, atol, remaining
+        )
+        y[pick] = state.y  # rows that were not live come back unchanged
+        iterations[pick] = iterations_work
+    return _finish(work, work.state(y), active, rtol, atol, iterations)
 
 
-def _lambda_norm(logits, evidence_sqnorm, u_minus_p, spread, alpha):
-    r""":math:`\|\hat\lambda\| = \alpha\|z + T^\top(u-p)\|`, expanded in reduced quantities
-    (:math:`\|z\|^2 + 2 s^\top(u-p) + \|A^\top(u-p)\|^2`)."""
-    sq = evidence_sqnorm + 2 * (logits * u_minus_p).sum(-1) + (spread * spread).sum(-1)
-    return alpha * sq.clamp_min(0).sqrt()
-
-
-def _finish(group, logits, evidence_sqnorm, active, alpha, rtol, atol, y, p, spread, iterations):
-    gradient = spread - y / alpha
-    gap = duality_gap_reduced(gradient, alpha)
-    error_bound = 2 * alpha * gradient.norm(dim=-1)
-    deviation = alpha * spread.norm(dim=-1)  # ||lambda_hat - alpha z|| = alpha ||A^T (u - p)||
-    lambda_norm = _lambda_norm(logits, evidence_sqnorm, group.u - p, spread, alpha)
-    rel_deviation = deviation / lambda_norm
-    converged = active & torch.isfinite(error_bound) & (error_bound <= rtol * lambda_norm + atol)
-    nan = torch.tensor(float("nan"), dtype=y.dtype, device=y.device)
-    inactive = ~active
-
-    def mask(x):
-        return torch.where(inactive if x.dim() == 2 else inactive.unsqueeze(-1), nan, x)
-
+def _finish(work, state, active, rtol, atol, iterations):
+    """The tile's :class:`DualSolution` from the final state (its certificate: module docstring)."""
+    alpha = work.alpha
+    error_bound = 2 * alpha * state.gradient_sq.sqrt()
+    converged = active & torch.isfinite(error_bound) & (error_bound <= rtol * state.lambda_norm + atol)
     return DualSolution(
-        coefficients=mask(alpha * (group.u - p)),
-        attention=mask(p),
-        rel_deviation=mask(rel_deviation),
-        lambda_norm=mask(lambda_norm),
-        duality_gap=mask(gap),
-        error_bound=mask(error_bound),
-        iterations=torch.where(inactive, torch.zeros_like(iterations), iterations),
+        coefficients=(work.u - state.p).mul_(alpha),
+        attention=state.p,
+        rel_deviation=state.deviation / state.lambda_norm,
+        lambda_norm=state.lambda_norm,
+        duality_gap=duality_gap_reduced(state.gradient, alpha),
+        error_bound=error_bound,
+        iterations=iterations,
         converged=converged,
     )
+
+
+#: tile size of :func:`solve_dual` per device type: on a CPU, small enough for a tile's working set to
+#: stay in cache (the elementwise work is bound by memory traffic; bench/NOTES.md); on a GPU, large
+#: enough to fill the device
+TILE_BYTES = {"cpu": 1 << 24, "cuda": 1 << 29}
 
 
 def solve_dual(
@@ -396,13 +455,14 @@ def solve_dual(
     max_iter: int = 100,
     dtype: torch.dtype = torch.float64,
     direction_dtype: torch.dtype = torch.float32,
-    memory_budget_bytes: int = 1 << 29,
+    memory_budget_bytes: int | None = None,
 ) -> DualSolution:
     r"""Solve every dual problem in ``problems`` (eq. (D) of the module docstring, reduced to (R-D)).
 
     Runs on the device of ``problems.gram`` in ``dtype`` (float64 by default).  Problems are processed
-    in tiles of whole groups (or slices of a group) sized so that the working set stays within
-    ``memory_budget_bytes``.
+    in tiles of whole groups (or slices of a group) whose working set stays within the device's
+    :data:`TILE_BYTES` (on a CPU, about its cache) and within ``memory_budget_bytes`` when given.
+    Beyond its inputs, the solver holds one tile's working set and its outputs.
 
     The Newton directions (the conjugate-gradient solves, most of the work) are computed in
     ``direction_dtype``; the gradient, the line search and the certificate stay in ``dtype``, so a
@@ -417,48 +477,81 @@ def solve_dual(
         raise ValueError(f"alpha must be positive, got {problems.alpha}")
     if not (dtype.is_floating_point and direction_dtype.is_floating_point):
         raise ValueError(f"dtype and direction_dtype must be floating point, got {dtype} and {direction_dtype}")
-    gram = problems.gram.to(dtype)
-    device = gram.device
-    logits = problems.logits.to(device=device, dtype=dtype)
-    log_pref = problems.log_preference.to(device=device, dtype=dtype)
-    evidence_sqnorm = problems.evidence_sqnorm.to(device=device, dtype=dtype)
-    n_groups, m, n = logits.shape
-    if gram.shape != (n_groups, n, n) or log_pref.shape != logits.shape or evidence_sqnorm.shape != (n_groups, m):
+    device = problems.gram.device
+    n_groups, m, n = problems.logits.shape
+    if (
+        problems.gram.shape != (n_groups, n, n)
+        or problems.log_preference.shape != problems.logits.shape
+        or problems.evidence_sqnorm.shape != (n_groups, m)
+    ):
         raise ValueError(
-            f"inconsistent shapes: gram {tuple(gram.shape)}, logits {tuple(logits.shape)}, "
-            f"log_preference {tuple(log_pref.shape)}, evidence_sqnorm {tuple(evidence_sqnorm.shape)}"
+            f"inconsistent shapes: gram {tuple(problems.gram.shape)}, logits {tuple(problems.logits.shape)}, "
+            f"log_preference {tuple(problems.log_preference.shape)}, "
+            f"evidence_sqnorm {tuple(problems.evidence_sqnorm.shape)}"
         )
+    out = _empty_solution(n_groups, m, n, dtype, device)
     if m == 0 or n_groups == 0 or n == 0:
-        return _empty_solution(n_groups, m, n, dtype, device)
-    active = problems.active
-    active = torch.ones(n_groups, m, dtype=torch.bool, device=device) if active is None else active.to(device)
-    active = active & torch.isfinite(log_pref).any(-1)  # a problem needs at least one key
-    # Inactive rows get a harmless uniform problem so that no NaN enters the batched products.
-    log_pref = torch.where(active.unsqueeze(-1), log_pref, torch.zeros_like(log_pref))
-    logits = torch.where(active.unsqueeze(-1), logits, torch.zeros_like(logits))
-    evidence_sqnorm = torch.where(active, evidence_sqnorm, torch.ones_like(evidence_sqnorm))
-    log_pref = _log_softmax_normalised(log_pref)
+        return out
+    if problems.factor is None:
+        factor = factor_gram(problems.gram.to(dtype))
+    else:
+        factor = problems.factor.to(device=device, dtype=dtype)
+    kept = factor.abs().amax(dim=(0, 1)) > 0  # zero columns (a rank-deficient G in every group) do nothing
+    if not bool(kept.all()):
+        factor = factor[..., kept]
+    factor_low = factor if direction_dtype == dtype else factor.to(direction_dtype)
 
-    factor = factor_gram(gram) if problems.factor is None else problems.factor.to(device=device, dtype=dtype)
-
-    # About 24 live (m, n)-sized tensors per problem slice during CG and line search.
-    bytes_per_row = 24 * n * torch.finfo(dtype).bits // 8
-    rows_per_tile = max(1, memory_budget_bytes // max(1, bytes_per_row))
+    # About 16 (m, n)-sized tensors of the solver's dtype per problem slice are live at once.
+    tile_bytes = TILE_BYTES.get(device.type, TILE_BYTES["cuda"])
+    if memory_budget_bytes is not None:
+        tile_bytes = min(tile_bytes, memory_budget_bytes)
+    bytes_per_row = 16 * n * torch.finfo(dtype).bits // 8
+    rows_per_tile = max(1, tile_bytes // bytes_per_row)
     if rows_per_tile >= m:
         groups_per_tile = max(1, rows_per_tile // m)
         tiles = [(g, min(g + groups_per_tile, n_groups), 0, m) for g in range(0, n_groups, groups_per_tile)]
-    else:
-        tiles = [(g, g + 1, j, min(j + rows_per_tile, m)) for g in range(n_groups) for j in range(0, m, rows_per_tile)]
-    parts = []
+    else:  # slices of one group, of equal size
+        slices = -(-m // rows_per_tile)
+        bounds = [round(i * m / slices) for i in range(slices + 1)]
+        tiles = [(g, g + 1, j0, j1) for g in range(n_groups) for j0, j1 in zip(bounds[:-1], bounds[1:])]
     for g0, g1, j0, j1 in tiles:
-        part = _solve_tile(
-            factor[g0:g1], logits[g0:g1, j0:j1], log_pref[g0:g1, j0:j1], evidence_sqnorm[g0:g1, j0:j1],
-            active[g0:g1, j0:j1], problems.alpha, rtol, atol, max_iter, direction_dtype,
-        )
-        parts.append(((g0, g1, j0, j1), part))
-    if len(parts) == 1:
-        return parts[0][1]
-    return _assemble(parts, n_groups, m, n, dtype, device)
+        logits, base, u, evidence_sqnorm, active = _tile_inputs(problems, g0, g1, j0, j1, dtype, device)
+        work = _WorkingSet(factor[g0:g1], factor_low[g0:g1], logits, base, u, evidence_sqnorm, problems.alpha)
+        part = _solve_tile(work, active, rtol, atol, max_iter)
+        inactive = ~active
+        for name, value in vars(part).items():
+            target = getattr(out, name)[g0:g1, j0:j1]
+            target.copy_(value)
+            if name != "converged":  # inactive problems: NaN (iterations 0)
+                target[inactive] = 0 if name == "iterations" else float("nan")
+    return out
+
+
+def _tile_inputs(problems, g0, g1, j0, j1, dtype, device):
+    r"""(logits, :math:`\log u + \alpha s`, :math:`u`, :math:`\|z\|^2`, active) of one tile in the
+    solver's dtype, with :math:`u` normalised; inactive problems get a harmless uniform problem, so
+    that no NaN enters the batched products."""
+    alpha = problems.alpha
+    logits = problems.logits[g0:g1, j0:j1].to(device=device, dtype=dtype)
+    log_pref = problems.log_preference[g0:g1, j0:j1].to(device=device, dtype=dtype)
+    evidence_sqnorm = problems.evidence_sqnorm[g0:g1, j0:j1].to(device=device, dtype=dtype)
+    active = problems.active
+    if active is None:
+        active = torch.ones(logits.shape[:2], dtype=torch.bool, device=device)
+    else:
+        active = active[g0:g1, j0:j1].to(device)
+    active = active & torch.isfinite(log_pref).any(-1)  # a problem needs at least one key
+    log_norm = torch.logsumexp(log_pref, dim=-1, keepdim=True)  # normalise u
+    base = torch.sub(log_pref, log_norm).add_(logits, alpha=alpha)  # log u + alpha s
+    u = torch.sub(log_pref, log_norm).exp_()
+    inactive = ~active
+    if bool(inactive.any()):
+        base[inactive] = 0.0
+        u[inactive] = 1.0 / logits.shape[-1]
+        logits = logits.clone() if logits.data_ptr() == problems.logits.data_ptr() else logits
+        logits[inactive] = 0.0
+        evidence_sqnorm = torch.where(active, evidence_sqnorm, 1.0)
+    return logits, base, u, evidence_sqnorm, active
 
 
 def _empty_solution(n_groups, m, n, dtype, device):
@@ -475,18 +568,6 @@ def _empty_solution(n_groups, m, n, dtype, device):
         iterations=full((n_groups, m), 0, torch.int32),
         converged=full((n_groups, m), False, torch.bool),
     )
-
-
-def _assemble(parts, n_groups, m, n, dtype, device):
-    fields = {}
-    for name in DualSolution.__dataclass_fields__:
-        sample = getattr(parts[0][1], name)
-        shape = (n_groups, m, n) if sample.dim() == 3 else (n_groups, m)
-        fields[name] = torch.empty(shape, dtype=sample.dtype, device=device)
-    for (g0, g1, j0, j1), part in parts:
-        for name, out in fields.items():
-            out[g0:g1, j0:j1] = getattr(part, name)
-    return DualSolution(**fields)
 
 
 def solve_spd_reduced(

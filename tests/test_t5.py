@@ -358,13 +358,14 @@ def test_decoder_problem_matches_lbfgs_reference(tiny_t5):
             log_u[query + 1 :] = -np.inf  # causal
             lam, _ = lbfgs_dual(T, z, log_u, 1.0, gtol=1e-13)
             reference = relative_deviation(lam, z, 1.0)
-            # the captured reduced data is the explicit problem's
-            np.testing.assert_allclose(space_problems(site, "hidden").logits[example, head, query, :n].numpy(), T @ z, rtol=1e-9, atol=1e-9)
-            np.testing.assert_allclose(float(space_problems(site, "hidden").evidence_sqnorm[example, head, query]), z @ z, rtol=1e-10)
+            # the captured reduced data is the explicit problem's, up to float32 rounding: the capture takes the
+            # queries the model multiplies (float32), the explicit problem computes q here in float64
+            np.testing.assert_allclose(space_problems(site, "hidden").logits[example, head, query, :n].numpy(), T @ z, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(float(space_problems(site, "hidden").evidence_sqnorm[example, head, query]), z @ z, rtol=1e-6)
             row = head * n_dec + query
             assert bool(solution.converged[example, row])
             got = float(solution.rel_deviation[example, row])
-            assert abs(got - reference) <= 1e-7 * max(1.0, abs(reference)), (site.layer, example, head, query)
+            assert abs(got - reference) <= 1e-6 * max(1.0, abs(reference)), (site.layer, example, head, query)
             checked += 1
     assert checked == 6 * len(sites)
 

@@ -158,14 +158,19 @@ class Adapter(ABC):
 
         return AutoModel
 
-    def load_model(self, name_or_path: str, *, config, revision: str | None, dtype: torch.dtype):
+    def load_model(self, name_or_path: str, *, config, revision: str | None, dtype: torch.dtype, device_map=None):
         """Load pretrained weights with eager attention (so that attention probabilities are observable).
 
         ``config`` is the checkpoint's config with its attention implementation already set to eager
         (a value saved in config.json would otherwise win over the ``attn_implementation`` argument).
+        ``device_map="auto"`` shards the model over the visible GPUs (accelerate); ``None`` loads it whole.
         """
-        model = self.model_class(config).from_pretrained(
-            name_or_path, config=config, revision=revision, dtype=dtype, attn_implementation="eager"
+        from ..loading import from_pretrained_checked  # weight problems as ProbeErrors
+
+        placement = {"device_map": device_map} if device_map is not None else {}
+        model = from_pretrained_checked(
+            self.model_class(config), name_or_path, config=config, revision=revision, dtype=dtype,
+            attn_implementation="eager", **placement,
         )
         self.prepare(model)
         return model

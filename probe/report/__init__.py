@@ -1,0 +1,107 @@
+"""The report: a run directory -> figures, ``summary.csv`` / ``summary.json`` and ``index.html``; and
+``probe compare``, which overlays several runs.
+
+One idea per module:
+
+* :mod:`.data`: reading the run (table file or directory of part files, manifest, provenance, the
+  main (space, alpha) slice, trivial rows);
+* :mod:`.summary`: the statistics (three levels) and the headline numbers;
+* :mod:`.findings`: the token role, query position, token and head that deviate most;
+* :mod:`.style`: drawing primitives, shared bins and scales, saving (TrueType fonts in PDFs);
+* :mod:`.figures`: the deviation figures (overview, layers, heads, heatmaps);
+* :mod:`.breakdowns`: by token role, query position and likely drivers;
+* :mod:`.quantities`: across alphas and spaces, and the other measured quantities;
+* :mod:`.explorer` and :mod:`.page`: the interactive, self-contained page;
+* :mod:`.compare`: several runs on shared axes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from ..errors import ProbeError
+from . import explorer
+from .compare import compare_runs
+from .breakdowns import drivers_figure, positions_figure, roles_figure
+from .data import Run, read_run
+from .figures import heads_figure, heatmap_figure, layers_figure, overview_figure, report_scale
+from .findings import findings as compute_findings
+from .page import page
+from .quantities import alpha_figure, quantity_figure, second_order_figure, spaces_figure
+from .style import FORMATS, Drawn, Scale, check_formats, save, style
+from .summary import main_rows, quantity_stats, summarize, summary_json
+
+__all__ = ["FORMATS", "Drawn", "build_report", "compare_runs", "draw_figures", "read_run"]
+
+
+def draw_figures(run: Run, summary, scale: Scale):
+    """Every figure of the report, in page order (a generator of :class:`Drawn`; call inside ``style()``).
+
+    Figures whose data is absent (no ``token_role``, one alpha, a quantity not computed) are skipped.
+    """
+    head_stats = main_rows(summary, run, "head")
+    yield overview_figure(run, scale)
+    optional = [roles_figure(run, scale), alpha_figure(run), spaces_figure(run, scale)]
+    yield from (drawn for drawn in optional if drawn is not None)
+    for attention_type in run.types:
+        yield layers_figure(run, attention_type, scale)
+        yield heatmap_figure(run, head_stats, "mean", attention_type, scale)
+        yield heatmap_figure(run, head_stats, "p95", attention_type, scale)
+        for drawn in (positions_figure(run, attention_type, scale), drivers_figure(run, attention_type, scale)):
+            if drawn is not None:
+                yield drawn
+        yield heads_figure(run, attention_type, scale)
+    for drawn in (second_order_figure(run, scale), quantity_figure(run, "attention_tv"),
+                  quantity_figure(run, "output_deviation")):
+        if drawn is not None:
+            yield drawn
+
+
+def build_report(
+    run_dir: str | Path,
+    out_dir: str | Path | None = None,
+    formats: Sequence[str] = ("png",),
+    *,
+    name: str | None = None,
+) -> Path:
+    """Build figures, ``summary.csv``, ``summary.json`` and ``index.html`` for a run; return the report directory.
+
+    ``out_dir`` defaults to ``<run_dir>/report``; ``formats`` are figure formats (``png``, ``pdf``; the
+    page embeds PNG renderings whatever is written); ``name`` overrides the model's name in titles.
+    Raises :class:`ProbeError` for a missing run directory, a missing, unreadable or incomplete
+    deviations table and unknown formats.  A missing or invalid ``manifest.json`` only warns; a table
+    without rows gives a report that says there is no data.
+    """
+    formats = check_formats(formats)
+    run_dir = Path(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
+    run = read_run(run_dir, name=name)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ProbeError(f"Report directory {out_dir} exists and is not a directory. Choose another --out.")
+
+    summary = summarize(run.rows)
+    found = compute_findings(run)
+    quantities = quantity_stats(run)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary.to_csv(out_dir / "summary.csv", index=False)
+    (out_dir / "summary.json").write_text(json.dumps(summary_json(run, summary, found), indent=1, allow_nan=False),
+                                          encoding="utf-8")
+    saved, explorer_html, explorer_data = [], "<p>No data.</p>", None
+    if len(run.measured):
+        head_stats = main_rows(summary, run, "head")
+        scale = report_scale(run, head_stats)
+        with style():
+            for drawn in draw_figures(run, summary, scale):
+                saved.append(save(drawn, out_dir, formats))
+        explorer_data = explorer.payload(run, head_stats, scale, explorer.recover_texts(run.manifest))
+        explorer_html = (
+            explorer.filters(run)
+            + '<div class="explorer"><div>' + explorer.heatmap_tables(run, head_stats, scale) + "</div>"
+            + explorer.HEAD_PANEL + "</div>"
+        )
+    html_text = page(run, summary, found, saved, explorer_html, explorer_data, quantities)
+    (out_dir / "index.html").write_text(html_text, encoding="utf-8")
+    return out_dir
+

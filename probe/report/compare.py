@@ -1,0 +1,197 @@
+"""``probe compare RUN_DIR... --out DIR``: several runs on shared axes.
+
+Each run contributes the non-trivial rows of one common slice (alpha = 1 and the hidden space when
+every run has them, else the first (space, alpha) all runs share).  Figures:
+
+* ``depth``: per-layer mean (solid) and 95th percentile (dashed) against relative depth
+  ``(layer + 1) / number of layers``, so that models of different depth line up; one panel per
+  attention type the runs share;
+* ``ecdf``: the ECDF of every run, one panel per shared attention type, on one x axis;
+
+and ``compare.csv`` (one row per run and attention type) with ``index.html``.  Its main uses: a
+pretrained model against its random-initialisation control, and one model against another.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from ..errors import ProbeError
+from .data import Run, read_run, type_label
+from .style import (
+    DEVIATION_LABEL, Drawn, check_formats, ecdf, new_figure, save, style, suptitle,
+)
+from .summary import FAR
+
+COMPARE_COLUMNS = ("run", "model", "run_dir", "attention_type", "layers", "rows", "trivial", "count", "mean", "median",
+                   "p95", "max", f"share_above_{FAR:g}")
+RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+
+
+def common_slice(runs: list[Run]) -> tuple[str | None, float | None]:
+    """The (space, alpha) every run has: alpha 1 / hidden space preferred; ProbeError when there is none."""
+    def slices(run: Run) -> set:
+        keys = run.rows[["space", "alpha"]].astype({"space": object}).drop_duplicates()
+        return {(None if pd.isna(s) else str(s), None if pd.isna(a) else round(float(a), 12))
+                for s, a in keys.itertuples(index=False)}
+
+    shared = set.intersection(*(slices(run) for run in runs))
+    if not shared:
+        listing = "; ".join(f"{run.name}: " + ", ".join(f"{s or '?'} space α = {a}" for s, a in sorted(
+            slices(run), key=str)) for run in runs)
+        raise ProbeError(f"The runs share no (space, alpha) slice, so there is nothing to compare ({listing}). "
+                         "Compare runs made with a common --alpha.")
+
+    def preference(key):
+        space, alpha = key
+        return (space != "hidden", alpha is None or not math.isclose(alpha, 1.0), str(space), alpha or 0.0)
+
+    return min(shared, key=preference)
+
+
+def _labels(runs: list[Run], names: Sequence[str] | None) -> list[str]:
+    """One label per run: given names, else model names made unique with the run directory's name."""
+    if names:
+        if len(names) != len(runs):
+            raise ProbeError(f"Give one --name per run: {len(names)} names for {len(runs)} runs.")
+        return list(names)
+    labels = [run.name for run in runs]
+    for i, label in enumerate(labels):
+        if labels.count(label) > 1:
+            labels[i] = f"{label} ({runs[i].run_dir.name})"
+    return labels
+
+
+def comparison_table(runs: list[Run], labels: list[str], types: list[str]) -> pd.DataFrame:
+    """Per run and attention type: layers, rows, trivial rows, and statistics of the non-trivial rows."""
+    records = []
+    for run, label in zip(runs, labels):
+        for attention_type in types:
+            rows = run.main[run.main["attention_type"] == attention_type]
+            values = rows.loc[~rows["trivial"], "rel_deviation"].dropna()
+            records.append({
+                "run": label, "model": run.name, "run_dir": run.run_dir.name, "attention_type": attention_type,
+                "layers": int(rows["layer"].nunique()), "rows": len(rows), "trivial": int(rows["trivial"].sum()),
+                "count": len(values), "mean": values.mean(), "median": values.median(), "p95": values.quantile(0.95),
+                "max": values.max(), f"share_above_{FAR:g}": float((values > FAR).mean()) if len(values) else math.nan,
+            })
+    return pd.DataFrame.from_records(records, columns=list(COMPARE_COLUMNS))
+
+
+def relative_depth(layers: pd.Series | np.ndarray, n_layers: int) -> np.ndarray:
+    """``(layer + 1) / n_layers``: 1 is the last layer whatever the model's depth."""
+    return (np.asarray(layers, dtype=float) + 1) / n_layers
+
+
+def depth_figure(runs: list[Run], labels: list[str], types: list[str], x_max: float, title: str) -> Drawn:
+    figure = new_figure(max(6.5, 4.4 * len(types) + 1.0), 4.6)
+    axes = figure.subplots(1, len(types), squeeze=False, sharey=True)[0]
+    for ax, attention_type in zip(axes, types):
+        for (run, label), color in zip(zip(runs, labels), RUN_COLORS * 4):
+            rows = run.measured[run.measured["attention_type"] == attention_type]
+            n_layers = int(run.main.loc[run.main["attention_type"] == attention_type, "layer"].max()) + 1
+            by_layer = rows.groupby("layer")["rel_deviation"]
+            mean, p95 = by_layer.mean(), by_layer.quantile(0.95)
+            ax.plot(relative_depth(mean.index, n_layers), mean.to_numpy(), color=color, marker="o", label=f"{label}: mean")
+            ax.plot(relative_depth(p95.index, n_layers), p95.to_numpy(), color=color, marker="o", linestyle="--",
+                    label=f"{label}: p95")
+        ax.set_title(type_label(attention_type))
+        ax.set_xlabel("relative depth (layer + 1) / layers")
+        ax.set_xlim(0, 1.05)
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(0, -0.2), ncol=2, frameon=False)
+    axes[0].set_ylim(0, x_max * 1.05)
+    axes[0].set_ylabel(DEVIATION_LABEL)
+    suptitle(figure, title, "solid: mean · dashed: 95th percentile per layer · trivial rows left out · "
+             "y axis from 0, shared by every panel and run")
+    caption = ("Per-layer mean (solid) and 95th percentile (dashed) against relative depth, every run on the "
+               "same axes.")
+    return Drawn("depth", caption, figure)
+
+
+def ecdf_figure(runs: list[Run], labels: list[str], types: list[str], x_max: float, title: str) -> Drawn:
+    figure = new_figure(max(6.5, 4.4 * len(types) + 1.0), 4.4)
+    axes = figure.subplots(1, len(types), squeeze=False, sharex=True, sharey=True)[0]
+    for ax, attention_type in zip(axes, types):
+        for (run, label), color in zip(zip(runs, labels), RUN_COLORS * 4):
+            values = run.measured.loc[run.measured["attention_type"] == attention_type, "rel_deviation"]
+            ecdf(ax, values.to_numpy(dtype=float), color=color, label=label, linewidth=1.3)
+        ax.set_title(type_label(attention_type))
+        ax.set_xlabel(DEVIATION_LABEL)
+        ax.legend(fontsize="x-small", loc="lower right")
+    axes[0].set_xlim(0, x_max * 1.02)
+    axes[0].set_ylim(0, 1)
+    axes[0].set_ylabel("fraction of rows ≤ x")
+    suptitle(figure, title, "ECDF over every non-trivial row · x axis shared by every panel and run")
+    caption = "ECDF of the relative deviation of every run, per attention type, on one x axis."
+    return Drawn("ecdf", caption, figure)
+
+
+def compare_runs(
+    run_dirs: Sequence[str | Path], out_dir: str | Path = "compare", formats: Sequence[str] = ("png",),
+    *, names: Sequence[str] | None = None,
+) -> Path:
+    """Compare runs on shared axes; write ``depth`` and ``ecdf`` figures, ``compare.csv`` and ``index.html``.
+
+    Raises :class:`ProbeError` for fewer than two runs, a run given twice, runs that share no attention
+    type or no (space, alpha) slice, and for everything :func:`probe.report.data.read_run` rejects.
+    """
+    formats = check_formats(formats)
+    paths = [Path(p) for p in run_dirs]
+    if len(paths) < 2:
+        raise ProbeError("Give at least two run directories to compare (e.g. a model and its --init random control).")
+    resolved = [p.resolve() for p in paths]
+    if len(set(resolved)) < len(resolved):
+        raise ProbeError("A run directory is given twice; give each run once.")
+    runs = [read_run(path) for path in paths]
+    empty = [str(run.run_dir) for run in runs if run.rows.empty]
+    if empty:
+        raise ProbeError(f"These runs have no rows, so there is nothing to compare: {', '.join(empty)}.")
+    shared_types = [t for t in runs[0].types if all(t in run.types for run in runs[1:])]
+    if not shared_types:
+        listing = "; ".join(f"{run.name}: {', '.join(run.types)}" for run in runs)
+        raise ProbeError(f"The runs share no attention type, so there is nothing to compare ({listing}).")
+    space, alpha = common_slice(runs)
+    runs = [replace(run, space=space, alpha=alpha) for run in runs]
+    labels = _labels(runs, names)
+    table = comparison_table(runs, labels, shared_types)
+    x_max = float(np.nanmax(table["max"].to_numpy(dtype=float))) if table["max"].notna().any() else 1.0
+    x_max = x_max if x_max > 0 else 1.0
+    title = f"{' vs '.join(labels)} · {runs[0].slice_text}"
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ProbeError(f"{out_dir} exists and is not a directory. Choose another --out.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out_dir / "compare.csv", index=False)
+    with style():
+        saved = [save(drawn, out_dir, formats) for drawn in (
+            depth_figure(runs, labels, shared_types, x_max, title), ecdf_figure(runs, labels, shared_types, x_max, title))]
+    esc = html.escape
+    images = "".join(
+        f'<figure><img alt="{esc(s.caption)}" width="{s.size_px[0]}" height="{s.size_px[1]}" '
+        f'src="data:image/png;base64,{base64.b64encode(s.png).decode("ascii")}"><figcaption>{esc(s.caption)}'
+        f"</figcaption></figure>" for s in saved
+    )
+    datasets = "".join(f"<li>{esc(label)}: {esc(run.dataset)} ({esc(run.run_dir.name)})</li>"
+                       for run, label in zip(runs, labels))
+    table_html = table.to_html(index=False, border=0, na_rep="", float_format=lambda v: f"{v:.4g}")
+    (out_dir / "index.html").write_text(
+        f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>probe compare: {esc(title)}</title>
+<style>body {{ font-family: system-ui, sans-serif; max-width: 1280px; margin: 0 auto; padding: 0.6em 1.2em; }}
+table {{ border-collapse: collapse; font-size: 0.85em; }} th, td {{ padding: 0.15em 0.6em;
+border-bottom: 1px solid #e5e5e5; text-align: right; }} figure img {{ max-width: 100%; }}</style></head>
+<body><h1>probe compare</h1><p>{esc(title)}. Trivial rows (one key) are left out of every statistic.</p>
+<ul>{datasets}</ul>{table_html}{images}</body></html>
+""",
+        encoding="utf-8",
+    )
+    return out_dir

@@ -1,0 +1,252 @@
+"""The deviation figures of one run (the paper's Figs 4 to 8 in form), on shared scales:
+
+* ``overview``: box plots per layer for every attention type side by side (quartiles, 5th-95th
+  percentile whiskers, the mean and the maximum marked; y axis from 0, shared);
+* ``layers_<type>``: one histogram per layer of the head-averaged deviation of each (example, query),
+  then every layer on a log y axis and every layer's ECDF;
+* ``heads_<type>``: a layers x heads grid of per-head histograms on a shared log y axis, the figure
+  growing with the grid;
+* ``heatmap_mean_<type>`` / ``heatmap_p95_<type>``: layer x head heatmaps on one colour scale shared
+  by every heatmap of the report.
+
+Trivial rows (one key) are left out of every panel and counted in the titles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator, NullFormatter
+
+from .breakdowns import position_grid
+from .data import Run, type_label
+from .style import (
+    CMAP, DEVIATION_LABEL, HIST_COLOR, MAX_COLOR, MEAN_COLOR, Drawn, Scale, draw_counts, ecdf, file_stem, histogram,
+    layer_colors, mark_mean_max, new_figure, shared_edges, stats_line, suptitle, wrap,
+)
+
+#: Heatmaps get a number in every cell up to this many heads and cells.
+ANNOTATE_MAX_HEADS = 16
+ANNOTATE_MAX_CELLS = 400
+
+
+def head_averaged(rows: pd.DataFrame) -> pd.Series:
+    """Each (layer, example, query) value averaged over the layer's heads (non-trivial rows)."""
+    return rows.groupby(["layer", "example", "query"])["rel_deviation"].mean()
+
+
+def report_scale(run: Run, head_stats: pd.DataFrame) -> Scale:
+    """The report's shared x range, bins and colour range, from the main slice's non-trivial rows.
+
+    ``head_stats`` is the summary's head level in the main slice (its means and p95s are heatmap cells).
+    """
+    measured = run.measured
+    values = measured["rel_deviation"].to_numpy(dtype=float)
+    finite = values[np.isfinite(values)]
+    x_max = float(finite.max()) if finite.size else 1.0
+    x_max = x_max if x_max > 0 else 1.0
+    averaged_panels, head_panels, color_values = [], [], [head_stats["mean"], head_stats["p95"]]
+    for attention_type in run.types:
+        rows = measured[measured["attention_type"] == attention_type]
+        averaged = head_averaged(rows)
+        averaged_panels += [group.to_numpy() for _, group in averaged.groupby(level="layer")]
+        head_panels += [group.to_numpy(dtype=float) for _, group in rows.groupby(["layer", "head"])["rel_deviation"]]
+        color_values.append(position_grid(rows).stack())
+    pooled = np.concatenate(averaged_panels) if averaged_panels else finite
+    edges = shared_edges(pooled, averaged_panels, x_max, n=int(np.median([p.size for p in averaged_panels] or [1])))
+    head_edges = shared_edges(finite, head_panels, x_max, n=int(np.median([p.size for p in head_panels] or [1])))
+    colors = pd.concat([pd.Series(v, dtype=float) for v in color_values]).dropna()
+    color_max = float(colors.max()) if len(colors) and colors.max() > 0 else x_max
+    return Scale(x_max=x_max, edges=edges, head_edges=head_edges, color_max=color_max)
+
+
+def _counts_line(rows: pd.DataFrame, main: pd.DataFrame) -> str:
+    """``N rows, T trivial left out, C not converged`` for one attention type."""
+    return (
+        f"{len(main):,} rows, {int(main['trivial'].sum()):,} trivial (one key) left out, "
+        f"{int((~main['converged']).sum()):,} not converged"
+    )
+
+
+def overview_figure(run: Run, scale: Scale) -> Drawn:
+    """Box plots per layer over every non-trivial row, one panel per attention type, y axis from 0 shared."""
+    types = run.types
+    measured, main = run.measured, run.main
+    layers = {t: sorted(main.loc[main["attention_type"] == t, "layer"].unique()) for t in types}
+    widths = [max(len(layers[t]), 4) for t in types]
+    figure = new_figure(min(24.0, max(6.5, 0.55 * sum(widths) + 1.0 * len(types) + 1.0)), 5.0)
+    axes = figure.subplots(1, len(types), sharey=True, squeeze=False, width_ratios=widths)[0]
+    for ax, attention_type in zip(axes, types, strict=True):
+        rows = measured[measured["attention_type"] == attention_type]
+        groups = rows.groupby("layer")["rel_deviation"]
+        data = [groups.get_group(layer).dropna().to_numpy() if layer in groups.groups else np.array([])
+                for layer in layers[attention_type]]
+        positions = np.arange(1, len(data) + 1)
+        ax.boxplot(
+            data, positions=positions, tick_labels=[str(layer) for layer in layers[attention_type]],
+            whis=(5, 95), showfliers=False, showmeans=True, patch_artist=True,
+            boxprops={"facecolor": HIST_COLOR, "alpha": 0.6}, medianprops={"color": "black"},
+            meanprops={"marker": "D", "markersize": 4, "markerfacecolor": MEAN_COLOR, "markeredgecolor": MEAN_COLOR},
+        )
+        maxima = [values.max() if values.size else np.nan for values in data]
+        ax.scatter(positions, maxima, marker="^", color=MAX_COLOR, s=22, zorder=5)
+        type_rows = main[main["attention_type"] == attention_type]
+        ax.set_title(
+            f"{type_label(attention_type)}\n{len(type_rows):,} rows\n{int(type_rows['trivial'].sum()):,} trivial left out"
+            f"\n{int((~type_rows['converged']).sum()):,} not converged"
+        )
+        ax.set_xlabel("layer")
+    axes[0].set_ylim(0, scale.x_max * 1.06)
+    axes[0].set_ylabel(DEVIATION_LABEL)
+    suptitle(
+        figure, run.title,
+        "box: quartiles · whiskers: 5th–95th percentile · ◆ mean · ▲ maximum · y axis from 0, shared",
+    )
+    caption = (
+        "All attention types side by side: the relative deviation per layer over every non-trivial query token "
+        "and head (box: quartiles; whiskers: 5th–95th percentile; red diamond: mean; dark red triangle: maximum)."
+    )
+    return Drawn("overview", caption, figure)
+
+
+def layers_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
+    """Per-layer histograms of the head-averaged deviation, then all layers on log y, then their ECDFs."""
+    main = run.main[run.main["attention_type"] == attention_type]
+    rows = run.measured[run.measured["attention_type"] == attention_type]
+    averaged = head_averaged(rows)
+    layers = sorted(averaged.index.get_level_values("layer").unique())
+    per_layer = {layer: averaged.xs(layer, level="layer").to_numpy() for layer in layers}
+    ncols = 3 if len(layers) + 2 <= 12 else 4
+    nrows = math.ceil((len(layers) + 2) / ncols)
+    figure = new_figure(3.1 * ncols + 0.9, 2.45 * nrows + 1.4)
+    axes = figure.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax in axes[len(layers) + 2 :]:
+        ax.remove()
+    edges = scale.edges
+    top = max([np.histogram(v, bins=edges)[0].max() for v in per_layer.values()] or [1]) * 1.05
+    colors = dict(zip(layers, layer_colors(len(layers))))
+    for ax, layer in zip(axes, layers):
+        values = per_layer[layer]
+        histogram(ax, values, edges)
+        mark_mean_max(ax, values)
+        ax.set_xlim(0, scale.x_end)
+        ax.set_ylim(0, top)
+        ax.set_title(f"layer {layer} · {values.size:,} values\n{stats_line(values)}", fontsize="small")
+    if layers:
+        log_ax, ecdf_ax = axes[len(layers)], axes[len(layers) + 1]
+        for layer in layers:
+            counts, _ = np.histogram(per_layer[layer], bins=edges)
+            log_ax.stairs(np.where(counts > 0, counts, np.nan), edges, color=colors[layer], linewidth=1.1)
+            ecdf(ecdf_ax, per_layer[layer], color=colors[layer], linewidth=1.1, label=f"layer {layer}")
+        log_ax.set_yscale("log")
+        log_ax.set_xlim(0, scale.x_end)
+        log_ax.set_title("every layer, log y (tails)", fontsize="small")
+        ecdf_ax.set_xlim(0, scale.x_end)
+        ecdf_ax.set_ylim(0, 1.0)
+        ecdf_ax.set_title("every layer, ECDF", fontsize="small")
+        ecdf_ax.set_ylabel("fraction ≤ x")
+        ecdf_ax.legend(fontsize="x-small", loc="lower right", ncol=2 if len(layers) > 6 else 1)
+    for ax in axes[: len(layers) + 2]:
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+    figure.supxlabel(f"{DEVIATION_LABEL}, per query token averaged over the layer's heads")
+    figure.supylabel("(example, query) values per bin")
+    suptitle(
+        figure, f"{run.title} · {type_label(attention_type)}", _counts_line(rows, main),
+        f"red line: mean · ▲ maximum · {len(edges) - 1} bins (Freedman–Diaconis) · {scale.x_text}",
+    )
+    caption = (
+        f"{type_label(attention_type)}: histogram per layer of the deviation of each (example, query token), "
+        "averaged over the layer's heads (shared bins and axes; red line: mean; triangle: maximum), every layer "
+        "again on a log y axis, and every layer's ECDF."
+    )
+    return Drawn(f"layers_{file_stem(attention_type)}", caption, figure, attention_type)
+
+
+def heads_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
+    """A layers x heads grid of histograms on one log y axis; the figure grows with the grid.
+
+    The panels get the same limits set by hand rather than shared axes, and a fixed grid rather than
+    constrained layout: both cost time quadratic in the number of panels (144 for a 12 x 12 model).
+    """
+    main = run.main[run.main["attention_type"] == attention_type]
+    rows = run.measured[run.measured["attention_type"] == attention_type]
+    layers = sorted(main["layer"].unique())
+    head_ids = sorted(main["head"].unique())
+    edges = scale.head_edges
+    groups = {key: group.to_numpy(dtype=float) for key, group in rows.groupby(["layer", "head"])["rel_deviation"]}
+    counts = {key: np.histogram(values[np.isfinite(values)], bins=edges)[0] for key, values in groups.items()}
+    top = max([int(c.max()) for c in counts.values()] or [1])
+    panel_w, panel_h = 1.75, 1.3
+    width = max(7.0, panel_w * len(head_ids) + 1.6)
+    title = "\n".join(
+        [wrap(f"{run.title} · {type_label(attention_type)}", width), wrap(_counts_line(rows, main), width),
+         wrap(f"per head, log y shared by every panel · red line: mean · ▲ maximum · {scale.x_text}", width)]
+    )
+    title_h = 0.24 * (title.count("\n") + 1) + 0.55  # the title, then the "head k" panel titles
+    left, bottom, right = 1.25, 0.95, 0.25
+    height = panel_h * len(layers) + title_h + bottom
+    figure = new_figure(width, height, constrained=False)
+    figure.subplots_adjust(
+        left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - title_h / height,
+        wspace=0.12, hspace=0.22,
+    )
+    axes = figure.subplots(len(layers), len(head_ids), squeeze=False)
+    # no tick label near a panel's right edge, where it would meet the next panel's "0"
+    x_ticks = FixedLocator([t for t in MaxNLocator(3).tick_values(0, scale.x_end) if 0 <= t <= 0.85 * scale.x_end])
+    for row, layer in enumerate(layers):
+        for col, head in enumerate(head_ids):
+            ax = axes[row, col]
+            if (layer, head) in counts:
+                draw_counts(ax, counts[(layer, head)], edges, log=True)
+                mark_mean_max(ax, groups[(layer, head)])
+            ax.set_yscale("log")
+            ax.set_xlim(0, scale.x_end)
+            ax.set_ylim(0.7, top * 1.8)
+            ax.xaxis.set_major_locator(x_ticks)
+            ax.yaxis.set_major_locator(LogLocator(numticks=4))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.tick_params(labelleft=col == 0, labelbottom=row == len(layers) - 1, labelsize="small")
+            if row == 0:
+                ax.set_title(f"head {head}", fontsize="medium")
+            if col == 0:
+                ax.set_ylabel(f"layer {layer}", fontsize="medium")
+    figure.supxlabel(f"{DEVIATION_LABEL} (every non-trivial query token)", y=0.12 / height, va="bottom")
+    figure.supylabel("rows per bin (log)", x=0.08 / width, ha="left")
+    figure.suptitle(title, y=1 - 0.08 / height, va="top")
+    caption = (
+        f"{type_label(attention_type)}: histogram per head (rows: layers, columns: heads) over every non-trivial "
+        "query token, on one log y axis with shared bins; red line: the head's mean; triangle: its maximum. "
+        "Click the image to open it at full size."
+    )
+    return Drawn(f"heads_{file_stem(attention_type)}", caption, figure, attention_type, wide=len(head_ids) > 4)
+
+
+def heatmap_figure(run: Run, head_stats: pd.DataFrame, statistic: str, attention_type: str, scale: Scale) -> Drawn:
+    """Layer x head heatmap of one statistic (``mean`` or ``p95``) on the report's shared colour scale."""
+    stats = head_stats[head_stats["attention_type"] == attention_type]
+    grid = stats.pivot(index="layer", columns="head", values=statistic).sort_index().sort_index(axis=1)
+    n_layers, n_heads = grid.shape
+    name = {"mean": "mean", "p95": "95th percentile"}[statistic]
+    figure = new_figure(max(6.5, 0.62 * n_heads + 2.6), max(3.4, 0.42 * n_layers + 2.2))
+    ax = figure.subplots()
+    sns.heatmap(
+        grid.astype(float), ax=ax, cmap=CMAP, vmin=0, vmax=scale.color_max, linewidths=0.5,
+        cbar_kws={"label": f"{statistic} rel. deviation"},
+        annot=n_heads <= ANNOTATE_MAX_HEADS and grid.size <= ANNOTATE_MAX_CELLS, fmt=".3g",
+        annot_kws={"fontsize": "x-small"},
+    )
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.tick_params(axis="y", rotation=0)
+    suptitle(
+        figure, f"{run.title} · {type_label(attention_type)}",
+        f"{name} per layer and head over {int(stats['count'].sum()):,} non-trivial rows · {scale.color_text}",
+    )
+    caption = (
+        f"{type_label(attention_type)}: {name} of the relative deviation per layer and head; every heatmap of "
+        "the report shares one colour scale."
+    )
+    return Drawn(f"heatmap_{statistic}_{file_stem(attention_type)}", caption, figure, attention_type)

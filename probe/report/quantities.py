@@ -1,0 +1,175 @@
+"""Views across the run's slices and its other measured quantities:
+
+* ``alpha``: mean and p95 of the relative deviation against alpha (log x), one line per layer, when the
+  run has several alphas;
+* ``spaces``: mean and p95 per layer in each parameterisation (hidden / key space), when it has both;
+* ``second_order``: the paper's second-order correction against the first-order deviation;
+* ``attention_tv`` and ``output_deviation``: per layer box plots of the attention's total variation
+  distance from the exact solution and of the resulting deviation of the head's output.
+
+A figure is skipped when its column is absent or entirely null (old runs, or a pipeline that does
+not compute it yet).  Trivial rows are left out throughout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from matplotlib.colors import LogNorm
+from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
+
+from .data import Run, select_slice, type_label
+from .style import (
+    DEVIATION_LABEL, HIST_COLOR, MAX_COLOR, MEAN_COLOR, P95_COLOR, Drawn, Scale, layer_colors, new_figure, suptitle,
+)
+
+QUANTITY_LABELS = {
+    "attention_tv": "attention total variation ½ Σ|p* − p_att|",
+    "output_deviation": "output deviation ‖Σ(p* − p_att) v‖ / ‖Σ p_att v‖",
+    "second_order_deviation": "second-order deviation ‖λ* − λ₂‖ / ‖λ*‖",
+}
+
+
+def _present_types(run: Run, rows: pd.DataFrame) -> list[str]:
+    return [t for t in run.types if (rows["attention_type"] == t).any()]
+
+
+def alpha_figure(run: Run) -> Drawn | None:
+    """Mean (solid) and p95 (dashed) against alpha, one line per layer; rows: spaces, columns: types."""
+    if len(run.alphas) < 2:
+        return None
+    measured = run.rows[~run.rows["trivial"]]
+    spaces = run.spaces or [None]
+    types = _present_types(run, measured)
+    figure = new_figure(max(6.5, 4.2 * len(types) + 1.0), 3.5 * len(spaces) + 1.3)
+    axes = figure.subplots(len(spaces), len(types), squeeze=False, sharex=True, sharey=True)
+    for i, space in enumerate(spaces):
+        in_space = measured if space is None else measured[measured["space"] == space]
+        for j, attention_type in enumerate(types):
+            ax = axes[i, j]
+            rows = in_space[in_space["attention_type"] == attention_type]
+            layers = sorted(rows["layer"].unique())
+            for layer, color in zip(layers, layer_colors(len(layers))):
+                by_alpha = rows[rows["layer"] == layer].groupby("alpha")["rel_deviation"]
+                ax.plot(by_alpha.mean(), color=color, marker=".", label=f"layer {layer}")
+                ax.plot(by_alpha.quantile(0.95), color=color, linestyle="--", alpha=0.8)
+            ax.set_xscale("log")
+            ax.xaxis.set_major_locator(FixedLocator(run.alphas))
+            ax.xaxis.set_major_formatter(FixedFormatter([f"{a:g}" for a in run.alphas]))
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_title(f"{type_label(attention_type)}" + (f" · {space} space" if space else ""))
+            if i == len(spaces) - 1:
+                ax.set_xlabel("α (log scale)")
+            if j == 0:
+                ax.set_ylabel("relative deviation")
+    axes[0, 0].set_ylim(bottom=0)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    if handles:
+        figure.legend(handles, labels, loc="outside lower center", fontsize="small", ncol=min(len(labels), 6),
+                      frameon=False)
+    suptitle(figure, f"{run.name} · {run.dataset}", "relative deviation against α · solid: mean · dashed: 95th "
+             "percentile · trivial rows left out · y axis from 0, shared")
+    caption = "Mean (solid) and 95th percentile (dashed) of the relative deviation against α, per layer (log x)."
+    return Drawn("alpha", caption, figure)
+
+
+def spaces_figure(run: Run, scale: Scale) -> Drawn | None:
+    """Mean and p95 per layer in each space (at the main alpha), one panel per attention type."""
+    if len(run.spaces) < 2:
+        return None
+    rows = select_slice(run.rows, None, run.alpha)
+    rows = rows[~rows["trivial"]]
+    types = _present_types(run, rows)
+    figure = new_figure(max(6.5, 4.0 * len(types) + 1.0), 4.2)
+    axes = figure.subplots(1, len(types), squeeze=False, sharey=True)[0]
+    for ax, attention_type in zip(axes, types):
+        subset = rows[rows["attention_type"] == attention_type]
+        for space, color in zip(run.spaces, ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")):
+            by_layer = subset[subset["space"] == space].groupby("layer")["rel_deviation"]
+            ax.plot(by_layer.mean(), color=color, marker="o", label=f"{space}: mean")
+            ax.plot(by_layer.quantile(0.95), color=color, marker="o", linestyle="--", label=f"{space}: p95")
+        ax.set_title(type_label(attention_type))
+        ax.set_xlabel("layer")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(0, -0.18), ncol=2, frameon=False)
+    axes[0].set_ylim(0, scale.x_max * 1.05)
+    axes[0].set_ylabel(DEVIATION_LABEL)
+    alpha = "" if run.alpha is None else f" · α = {run.alpha:g}"
+    suptitle(figure, f"{run.name} · {run.dataset}{alpha}", "hidden space against key space · y axis from 0, shared")
+    caption = "Mean (solid) and 95th percentile (dashed) per layer in each parameterisation (hidden and key space)."
+    return Drawn("spaces", caption, figure)
+
+
+def second_order_figure(run: Run, scale: Scale) -> Drawn | None:
+    """Per layer mean/p95 of the first- and second-order deviations, and the rows' joint density."""
+    measured = run.measured
+    if not run.has("second_order_deviation", measured):
+        return None
+    types = _present_types(run, measured)
+    figure = new_figure(10.0, 3.6 * len(types) + 1.3)
+    axes = figure.subplots(len(types), 2, squeeze=False)
+    for (left, right), attention_type in zip(axes, types):
+        rows = measured[measured["attention_type"] == attention_type]
+        for column, color, name in (("rel_deviation", HIST_COLOR, "first order (αz)"),
+                                    ("second_order_deviation", P95_COLOR, "second order (λ₂)")):
+            by_layer = rows.groupby("layer")[column]
+            left.plot(by_layer.mean(), color=color, marker="o", label=f"{name}: mean")
+            left.plot(by_layer.quantile(0.95), color=color, marker="o", linestyle="--", label=f"{name}: p95")
+        left.set_ylim(0, scale.x_max * 1.05)
+        left.set_xlabel("layer")
+        left.set_ylabel("relative deviation")
+        left.xaxis.get_major_locator().set_params(integer=True)
+        left.set_title(type_label(attention_type))
+        left.legend(fontsize="x-small", loc="upper left")
+        ok = rows["second_order_deviation"].notna() & rows["rel_deviation"].notna()
+        x = rows.loc[ok, "rel_deviation"].to_numpy(dtype=float)
+        y = rows.loc[ok, "second_order_deviation"].to_numpy(dtype=float)
+        if x.size:
+            top = float(max(x.max(), y.max())) * 1.02 or 1.0
+            right.hist2d(x, y, bins=60, range=[[0, top], [0, top]], cmap="Greys", norm=LogNorm(), rasterized=True)
+            right.plot([0, top], [0, top], color=MEAN_COLOR, linewidth=1, label="equal")
+            right.legend(fontsize="x-small", loc="upper left")
+            better = float((y < x).mean())
+            right.set_title(f"per row: second order smaller in {better:.1%} of {x.size:,} rows")
+        right.set_xlabel("first-order deviation ‖λ* − αz‖ / ‖λ*‖")
+        right.set_ylabel("second-order deviation")
+    suptitle(figure, run.title, "the paper's second-order correction λ₂ against the first-order αz · "
+             "trivial rows left out")
+    caption = ("Second-order deviation ‖λ* − λ₂‖/‖λ*‖ against the first-order deviation: mean and 95th percentile "
+               "per layer, and the joint density of the rows (log colour) with the diagonal.")
+    return Drawn("second_order", caption, figure)
+
+
+def quantity_figure(run: Run, column: str) -> Drawn | None:
+    """Box plots per layer of ``column`` (``attention_tv`` or ``output_deviation``), one panel per type."""
+    measured = run.measured
+    if not run.has(column, measured):
+        return None
+    types = _present_types(run, measured)
+    layers = {t: sorted(measured.loc[measured["attention_type"] == t, "layer"].unique()) for t in types}
+    widths = [max(len(layers[t]), 4) for t in types]
+    figure = new_figure(min(24.0, max(6.5, 0.55 * sum(widths) + 1.0 * len(types) + 1.0)), 4.6)
+    axes = figure.subplots(1, len(types), sharey=True, squeeze=False, width_ratios=widths)[0]
+    top = 0.0
+    for ax, attention_type in zip(axes, types):
+        rows = measured[measured["attention_type"] == attention_type]
+        groups = rows.groupby("layer")[column]
+        data = [groups.get_group(layer).dropna().to_numpy() for layer in layers[attention_type]]
+        positions = np.arange(1, len(data) + 1)
+        ax.boxplot(
+            data, positions=positions, tick_labels=[str(layer) for layer in layers[attention_type]],
+            whis=(5, 95), showfliers=False, showmeans=True, patch_artist=True,
+            boxprops={"facecolor": HIST_COLOR, "alpha": 0.6}, medianprops={"color": "black"},
+            meanprops={"marker": "D", "markersize": 4, "markerfacecolor": MEAN_COLOR, "markeredgecolor": MEAN_COLOR},
+        )
+        maxima = [values.max() if values.size else np.nan for values in data]
+        ax.scatter(positions, maxima, marker="^", color=MAX_COLOR, s=22, zorder=5)
+        top = max(top, np.nanmax(maxima) if np.isfinite(maxima).any() else 0.0)
+        ax.set_title(f"{type_label(attention_type)}\n{int(rows[column].notna().sum()):,} rows")
+        ax.set_xlabel("layer")
+    axes[0].set_ylim(0, (top or 1.0) * 1.06)
+    axes[0].set_ylabel(QUANTITY_LABELS.get(column, column))
+    suptitle(figure, run.title, "box: quartiles · whiskers: 5th–95th percentile · ◆ mean · ▲ maximum · "
+             "y axis from 0, shared · trivial rows left out")
+    caption = f"{QUANTITY_LABELS.get(column, column)} per layer (box: quartiles, whiskers 5th–95th percentile)."
+    return Drawn(column, caption, figure)

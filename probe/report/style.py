@@ -1,0 +1,244 @@
+"""Drawing primitives shared by every figure: the style (TrueType fonts in PDFs), figures on the Agg
+canvas, data-driven shared bins, histograms with their mean and maximum marked, ECDFs, saving.
+
+Figures are drawn on :class:`matplotlib.figure.Figure` objects with the Agg canvas, never through
+pyplot, so building a report neither needs a display nor changes the caller's matplotlib state.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+import textwrap
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib as mpl
+import numpy as np
+import seaborn as sns
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from ..errors import ProbeError
+
+#: Figure formats the report can write.
+FORMATS = ("png", "pdf")
+DEVIATION_LABEL = "relative deviation ‖λ* − αz‖ / ‖λ*‖"
+PNG_DPI = 130
+HIST_COLOR = "#4c72b0"
+MEAN_COLOR = "#d62728"
+MAX_COLOR = "#7f0000"
+P95_COLOR = "#ff7f0e"
+CMAP = "viridis"
+#: Every panel's central 98% of values spans at least this many bins (the floor on Freedman-Diaconis).
+MIN_BINS_PER_PANEL = 15
+#: The most bins over the whole shared x range.
+MAX_BINS = 400
+
+
+@contextmanager
+def style():
+    """Seaborn's paper style; TrueType (Type 42) fonts in PDF and PS so that no Type 3 font is embedded.
+
+    Saving must happen inside the block: matplotlib reads ``pdf.fonttype`` when it writes the file.
+    """
+    with sns.axes_style("whitegrid"), sns.plotting_context("paper", font_scale=1.1), mpl.rc_context(
+        {"pdf.fonttype": 42, "ps.fonttype": 42, "svg.fonttype": "none", "axes.titlesize": "medium"}
+    ):
+        yield
+
+
+def new_figure(width: float, height: float, *, constrained: bool = True) -> Figure:
+    """A figure on the Agg canvas (no pyplot, no display), with constrained layout unless told not to."""
+    figure = Figure(figsize=(width, height), layout="constrained" if constrained else None)
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def wrap(text: str, width_inches: float) -> str:
+    """Wrap a title to a figure's width (about 11 characters per inch at title size)."""
+    return "\n".join(textwrap.wrap(text, width=max(30, int(width_inches * 11)), break_on_hyphens=False))
+
+
+def suptitle(figure: Figure, first: str, *more: str) -> None:
+    """A figure title: ``first`` wrapped to the figure's width, then each further line as given."""
+    lines = [wrap(first, figure.get_figwidth())] + [wrap(line, figure.get_figwidth()) for line in more if line]
+    figure.suptitle("\n".join(lines))
+
+
+# --------------------------------------------------------------------------------------------------
+# shared bins and scales
+
+
+def freedman_diaconis_width(values: np.ndarray, n: int | None = None) -> float:
+    """Freedman-Diaconis bin width ``2 IQR / n^(1/3)`` (``n`` defaults to the number of values)."""
+    values = values[np.isfinite(values)]
+    if values.size < 2:
+        return math.nan
+    q25, q75 = np.percentile(values, [25, 75])
+    return 2.0 * float(q75 - q25) / (n or values.size) ** (1 / 3)
+
+
+def shared_edges(pooled: np.ndarray, panels: list[np.ndarray], x_max: float, *, n: int | None = None) -> np.ndarray:
+    """Bin edges from 0 to ``x_max`` for histograms that share one x axis.
+
+    The width is Freedman-Diaconis on the pooled values (with ``n`` the typical panel size), narrowed
+    so that every panel's central 98% spans at least :data:`MIN_BINS_PER_PANEL` bins, and never so
+    narrow that the range holds more than :data:`MAX_BINS` bins.
+    """
+    x_max = float(x_max) if np.isfinite(x_max) and x_max > 0 else 1.0
+    width = freedman_diaconis_width(pooled, n)
+    if not np.isfinite(width) or width <= 0:
+        width = x_max / 40
+    for values in panels:
+        values = values[np.isfinite(values)]
+        if values.size >= 2:
+            low, high = np.percentile(values, [1, 99])
+            if high > low:
+                width = min(width, (high - low) / MIN_BINS_PER_PANEL)
+    width = max(width, x_max / MAX_BINS)
+    n_bins = max(1, math.ceil(x_max / width * (1 + 1e-12)))
+    return np.arange(n_bins + 1) * width
+
+
+@dataclass
+class Scale:
+    """Axes and colours shared by every figure of a report (or of a comparison)."""
+
+    x_max: float  # the shared x range of deviation histograms: 0 to x_max
+    edges: np.ndarray  # bins of histograms over (example, query) values
+    head_edges: np.ndarray  # bins of per-head histograms (fewer values per panel)
+    color_max: float  # heatmaps of deviation statistics share the colour range 0 to color_max
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def x_end(self) -> float:
+        """The right end of every deviation histogram's x axis (the last bin edge of either binning)."""
+        return float(max(self.edges[-1], self.head_edges[-1]))
+
+    @property
+    def x_text(self) -> str:
+        return f"x axis 0 to {self.x_end:.3g}, shared by every deviation histogram"
+
+    @property
+    def color_text(self) -> str:
+        return f"colour scale 0 to {self.color_max:.3g}, shared by every heatmap"
+
+
+# --------------------------------------------------------------------------------------------------
+# panels
+
+
+def histogram(ax, values: np.ndarray, edges: np.ndarray, *, log: bool = False, color: str = HIST_COLOR) -> np.ndarray:
+    """A filled histogram of ``values`` on ``edges`` (log y: empty bins stay empty); returns the counts."""
+    counts, _ = np.histogram(values[np.isfinite(values)], bins=edges)
+    draw_counts(ax, counts, edges, log=log, color=color)
+    return counts
+
+
+def draw_counts(ax, counts: np.ndarray, edges: np.ndarray, *, log: bool = False, color: str = HIST_COLOR) -> None:
+    if log:
+        ax.stairs(np.where(counts > 0, counts, np.nan), edges, fill=True, color=color, alpha=0.85, baseline=0.7)
+        ax.set_yscale("log")
+    else:
+        ax.stairs(counts, edges, fill=True, color=color, alpha=0.85)
+
+
+def mark_mean_max(ax, values: np.ndarray) -> None:
+    """The mean as a red vertical line and the maximum as a dark red triangle on the x axis.
+
+    Their values belong in the panel's title (see :func:`stats_line`), never inside the axes, so no
+    label covers a bar.
+    """
+    values = values[np.isfinite(values)]
+    if not values.size:
+        return
+    ax.axvline(float(values.mean()), color=MEAN_COLOR, linewidth=1.2)
+    ax.plot([float(values.max())], [0], marker="^", color=MAX_COLOR, markersize=6, clip_on=False,
+            transform=ax.get_xaxis_transform(), zorder=5)
+
+
+def stats_line(values: np.ndarray) -> str:
+    """``mean … · p95 … · max …`` of the finite values (for panel titles)."""
+    values = values[np.isfinite(values)]
+    if not values.size:
+        return "no values"
+    return f"mean {values.mean():.3g} · p95 {np.percentile(values, 95):.3g} · max {values.max():.3g}"
+
+
+def ecdf(ax, values: np.ndarray, **style) -> None:
+    """Empirical CDF as a step line."""
+    values = np.sort(values[np.isfinite(values)])
+    if values.size:
+        ax.step(np.concatenate([[0.0], values]), np.arange(values.size + 1) / values.size, where="post", **style)
+
+
+def file_stem(attention_type: str) -> str:
+    """An attention type as a safe file-name part."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", attention_type)
+
+
+def layer_colors(n: int):
+    """One colour per layer, shallow to deep."""
+    cmap = mpl.colormaps["viridis"]
+    return [cmap(0.9 * i / max(1, n - 1)) for i in range(n)]
+
+
+# --------------------------------------------------------------------------------------------------
+# saving
+
+
+@dataclass
+class Drawn:
+    """A drawn figure: its file stem, caption, the figure, and the attention type it shows (None: all)."""
+
+    stem: str
+    caption: str
+    figure: Figure
+    attention_type: str | None = None
+    wide: bool = False  # shown full width on the page (large grids)
+
+
+@dataclass
+class Saved:
+    """A saved figure: stem, caption, PNG bytes for the page, files written, attention type, width."""
+
+    stem: str
+    caption: str
+    png: bytes
+    files: list[Path]
+    attention_type: str | None
+    wide: bool
+    size_px: tuple[int, int]
+
+
+def save(drawn: Drawn, out_dir: Path, formats: list[str]) -> Saved:
+    """Write a drawn figure in every format (call inside :func:`style`); keep its PNG bytes for the page."""
+    figure = drawn.figure
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=PNG_DPI)
+    files = []
+    for fmt in formats:
+        path = out_dir / f"{drawn.stem}.{fmt}"
+        if fmt == "png":
+            path.write_bytes(buffer.getvalue())
+        else:
+            figure.savefig(path, format=fmt)
+        files.append(path)
+    size = (int(round(figure.get_figwidth() * PNG_DPI)), int(round(figure.get_figheight() * PNG_DPI)))
+    return Saved(drawn.stem, drawn.caption, buffer.getvalue(), files, drawn.attention_type, drawn.wide, size)
+
+
+def check_formats(formats) -> list[str]:
+    """Normalise figure formats (lower case, no leading dot, no duplicates) and reject unknown ones."""
+    if isinstance(formats, str):
+        formats = formats.split(",")
+    cleaned = list(dict.fromkeys(f.strip().lower().lstrip(".") for f in formats if f.strip()))
+    if not cleaned:
+        raise ProbeError(f"No figure format given. Use one or more of: {', '.join(FORMATS)}.")
+    unknown = [f for f in cleaned if f not in FORMATS]
+    if unknown:
+        raise ProbeError(f"Unknown figure format(s) {', '.join(unknown)}. Use one or more of: {', '.join(FORMATS)}.")
+    return cleaned

@@ -1,0 +1,178 @@
+"""The run directory on disk: part files that readers see only when whole, the documented one-liners
+(pandas, pyarrow, DuckDB, polars), export, and recognising a run whose process is gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from probe import storage
+from probe.errors import ProbeError
+from probe.schema import DEVIATION_SCHEMA
+
+
+def batch_table(batch: int, examples=(0, 1), queries=3) -> pa.Table:
+    """Rows of a fake batch in the deviations schema (only the key columns vary)."""
+    n = len(examples) * queries
+    columns = {
+        "model": ["m"] * n,
+        "attention_type": ["self"] * n,
+        "layer": np.zeros(n, np.int32),
+        "head": np.zeros(n, np.int32),
+        "example": np.repeat(np.asarray(examples, np.int64) + 10 * batch, queries),
+        "query": np.tile(np.arange(queries, dtype=np.int32), len(examples)),
+        "rel_deviation": np.linspace(0, 1, n) + batch,
+        "space": ["hidden"] * n,
+    }
+    for name in DEVIATION_SCHEMA.names:
+        columns.setdefault(name, pa.nulls(n, DEVIATION_SCHEMA.field(name).type))
+    return pa.table(columns, schema=DEVIATION_SCHEMA)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory with two finished batches, a half-written third one and a half-written manifest,
+    as a kill during the third batch's write leaves them."""
+    run_dir = storage.create_run_directory(tmp_path, "model")
+    for batch in (0, 1):
+        storage.write_part(run_dir, batch, batch_table(batch), {"examples": [10 * batch, 10 * batch + 1]})
+    storage.write_manifest(run_dir, {"status": "complete"})
+    parts = run_dir / storage.PARTS
+    (parts / ".part-000002.parquet.tmp-12345").write_bytes(pq_bytes(batch_table(2))[:100])  # no footer
+    (run_dir / ".manifest.json.tmp-12345").write_text('{"status": "runn')
+    return run_dir
+
+
+def pq_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def expected_frame() -> pd.DataFrame:
+    return pa.concat_tables([batch_table(0), batch_table(1)]).to_pandas()
+
+
+def test_readers_see_finished_batches_only(run_dir):
+    """The README's one-liners read exactly the two whole batches; the temporaries are invisible."""
+    duckdb = pytest.importorskip("duckdb")
+    polars = pytest.importorskip("polars")
+    import pyarrow.dataset as ds
+
+    expected = expected_frame()
+    path = run_dir / "deviations.parquet"
+    readers = {
+        "pandas": lambda: pd.read_parquet(path),
+        "pyarrow": lambda: pq.read_table(path).to_pandas(),
+        "pyarrow.dataset": lambda: ds.dataset(path).to_table().to_pandas(),
+        "duckdb": lambda: duckdb.sql(f"SELECT * FROM '{path}/*.parquet'").df(),
+        "polars": lambda: polars.read_parquet(f"{path}/*.parquet").to_pandas(),
+        "probe": lambda: storage.read_deviations(run_dir).to_pandas(),
+    }
+    for name, read in readers.items():
+        frame = read().sort_values(["example", "query"]).reset_index(drop=True)
+        assert len(frame) == len(expected), name
+        assert frame["example"].tolist() == expected["example"].tolist(), name
+        np.testing.assert_array_equal(frame["rel_deviation"], expected["rel_deviation"], err_msg=name)
+    assert json.loads((run_dir / "manifest.json").read_text()) == {"status": "complete"}
+
+
+def test_part_records_and_cleanup(run_dir):
+    records = storage.finished_batches(run_dir)
+    assert sorted(records) == [0, 1]
+    assert records[1]["examples"] == [10, 11] and records[1]["batch"] == 1
+    assert storage.remove_temporaries(run_dir) == 2
+    assert sorted(p.name for p in (run_dir / storage.PARTS).iterdir()) == ["part-000000.parquet", "part-000001.parquet"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["deviations.parquet", "manifest.json"]
+
+
+def test_rewriting_a_batch_replaces_it(run_dir):
+    """A batch redone (after a kill between its rename and the manifest) replaces its file: no duplicates."""
+    storage.write_part(run_dir, 1, batch_table(1), {"examples": [10, 11]})
+    assert len(pd.read_parquet(run_dir / "deviations.parquet")) == len(expected_frame())
+
+
+def test_export_writes_one_file(run_dir, tmp_path):
+    to = tmp_path / "all.parquet"
+    assert storage.export(run_dir, to) == len(expected_frame())
+    exported = pq.ParquetFile(to)
+    assert exported.num_row_groups == 2 and exported.schema_arrow == DEVIATION_SCHEMA
+    pd.testing.assert_frame_equal(pd.read_parquet(to), pd.read_parquet(run_dir / "deviations.parquet"))
+    with pytest.raises(ProbeError, match="exists already"):
+        storage.export(run_dir, to)
+    with pytest.raises(ProbeError, match="does not exist"):
+        storage.export(run_dir, tmp_path / "nowhere" / "x.parquet")
+
+
+def test_empty_run_reads_as_no_rows(tmp_path):
+    run_dir = storage.create_run_directory(tmp_path, "model")
+    table = storage.read_deviations(run_dir)
+    assert table.num_rows == 0 and table.schema == DEVIATION_SCHEMA
+    assert len(pd.read_parquet(run_dir / "deviations.parquet")) == 0
+
+
+# ---------------------------------------------------------------------------------------------- liveness
+
+
+def running_manifest(**process) -> dict:
+    identity = storage.process_identity()
+    return {"status": "running", "process": storage.heartbeat({**identity, **process}, 600.0)}
+
+
+def test_a_live_writer_is_running():
+    assert storage.with_liveness(running_manifest())["status"] == "running"
+
+
+def test_a_dead_writer_is_interrupted():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    gone = storage.with_liveness(running_manifest(pid=child.pid, start_ticks=None))
+    assert gone["status"] == "interrupted" and f"process {child.pid}" in gone["stop_reason"]
+
+
+def test_a_killed_unreaped_child_is_interrupted():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("process states are read from /proc")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        manifest = running_manifest(pid=child.pid, start_ticks=None)
+        assert storage.with_liveness(manifest)["status"] == "running"
+        os.kill(child.pid, 9)
+        deadline = time.time() + 10
+        while storage.with_liveness(manifest)["status"] == "running" and time.time() < deadline:
+            time.sleep(0.02)
+        assert storage.with_liveness(manifest)["status"] == "interrupted"  # a zombie until reaped
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_reused_pid_is_not_the_writer():
+    """Our own pid, but another start time: the run's process is gone and the pid was reused."""
+    if storage.process_identity()["start_ticks"] is None:
+        pytest.skip("no process start times on this platform")
+    manifest = running_manifest(start_ticks=storage.process_identity()["start_ticks"] - 1)
+    assert storage.with_liveness(manifest)["status"] == "interrupted"
+
+
+def test_another_host_is_judged_by_its_heartbeat():
+    fresh = running_manifest(host=socket.gethostname() + "-elsewhere")
+    assert storage.with_liveness(fresh)["status"] == "running"
+    stale = json.loads(json.dumps(fresh))
+    stale["process"]["heartbeat_unix"] -= 601
+    judged = storage.with_liveness(stale)
+    assert judged["status"] == "interrupted" and "heartbeat" in judged["stop_reason"]
+
+
+def test_finished_runs_are_left_alone():
+    assert storage.with_liveness({"status": "complete", "process": {"pid": -5}})["status"] == "complete"
