@@ -22,13 +22,16 @@ Cases
 
 Protocol
 --------
-The machine this was written on is shared with other jobs (its load moved single timings by 2x and
-more), so every number is a median over ``--repeats`` pairs of runs, and each pair runs the two
-variants back to back in alternating order, so that both see the same load.  Reported per case: the
-median wall time of each variant, the ratio of the medians, and the median of the per-pair ratios.
-One warm-up run per case (not timed) pays for imports and first-call costs, which a real run also
-pays but which would only lower the ratio.  Each timed run also records the time spent inside
-``derive`` (a wrapper around it) and checks that the two variants wrote identical solver columns.
+The machine this was written on is shared with other jobs (load average 10 to 14 on its 2 cores), so
+every number is a median over ``--repeats`` pairs of runs, and each pair runs the two variants back to
+back in alternating order, so that both see the same load.  Reported per case: the median wall time of
+each variant, the ratio of the medians, and the median of the per-pair ratios.  Torch runs on one
+thread (``--threads``, default 1): on the oversubscribed machine torch's default of 2 threads made
+single operations up to 10x slower and erratic (a tiny T5 run took 99 s instead of 10 s), which
+measures the contention, not the work.  One warm-up run per case (not timed) pays for imports and
+first-call costs, which a real run also pays but which would only lower the ratio.  Each timed run also
+records the time spent inside ``derive`` (a wrapper around it) and checks that the two variants wrote
+identical solver columns.
 
     python bench/derived.py                # full run: bench/results_derived.json and .md
     python bench/derived.py --quick        # smoke run, small inputs, one repeat (about a minute)
@@ -213,9 +216,9 @@ def markdown(results: dict) -> str:
         "",
         "Wall time of `probe.pipeline.run` with its defaults, with the real `probe.rows.derive` and with it",
         "replaced by a no-op (NaN columns), in one process. **The machine is shared with other jobs** (load",
-        "average around 10 on 2 cores while this ran), so absolute times are slow and noisy: every number is a",
-        f"median over {results['repeats']} pair(s) of runs, each pair run back to back in alternating order;",
-        "compare the ratios, not the times. Target (issue 12): ratio <= "
+        f"average {(results['load_average'] or [float('nan')])[0]:.0f} on {os.cpu_count()} cores at the end of this run), so absolute",
+        f"times are slow and noisy: every number is a median over {results['repeats']} pair(s) of runs, each pair",
+        "run back to back in alternating order; compare the ratios, not the times. Target (issue 12): ratio <= "
         f"{TARGET:.2f}.",
         "",
         "| case | rows | with derived (s) | without (s) | ratio of medians | median paired ratio | in derive (s) | derive share |",
@@ -228,6 +231,23 @@ def markdown(results: dict) -> str:
             f"{case['median_paired_ratio']:.3f} | {case['median_derive_s']:.2f} | "
             f"{100 * case['median_derive_share_of_wall']:.1f}% |"
         )
+    baseline = results.get("baseline")
+    if baseline:
+        lines += [
+            "",
+            f"Before ({baseline['label']}: the same script, run separately on {baseline['date']} with load average "
+            f"{(baseline['load_average'] or [float('nan')])[0]:.0f}):",
+            "",
+            "| case | rows | with derived (s) | without (s) | ratio of medians | median paired ratio | in derive (s) | derive share |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for case in baseline["cases"]:
+            lines.append(
+                f"| {case['case']} | {case['rows']:,} | {case['median_wall_with_derived_s']:.2f} | "
+                f"{case['median_wall_without_derived_s']:.2f} | {case['ratio_of_medians']:.3f} | "
+                f"{case['median_paired_ratio']:.3f} | {case['median_derive_s']:.2f} | "
+                f"{100 * case['median_derive_share_of_wall']:.1f}% |"
+            )
     lines += ["", "Cases:", ""]
     for case in results["cases"]:
         check = "identical" if case["solver_columns_identical"] else "DIFFERENT"
@@ -247,6 +267,8 @@ def main(argv=None):
     parser.add_argument("--cases", default="minilm-corpus,minilm-128,t5-corpus,t5-128")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=HERE / "results_derived.json")
+    parser.add_argument("--baseline", type=Path, help="an earlier results file to show beside this run's")
+    parser.add_argument("--baseline-label", default="baseline", help="what the earlier results measured")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -284,6 +306,9 @@ def main(argv=None):
         "target_ratio": TARGET,
         "cases": results,
     }
+    if args.baseline:
+        baseline = json.loads(args.baseline.read_text())
+        payload["baseline"] = {"label": args.baseline_label, **{k: baseline[k] for k in ("date", "load_average", "cases")}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(payload))

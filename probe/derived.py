@@ -220,7 +220,9 @@ def second_order_coefficients(
     bytes_per_row = 16 * n * 8  # about 16 live (m, n)-sized float64 tensors in the CG
     tiles = _tiles(g_count, m, max(1, memory_budget_bytes // bytes_per_row))
     if len(tiles) == 1:
-        c2, c2_error = _second_order_tile(factor, logits, u, active, alpha, rtol, error_target, direct_min_rows)
+        c2, c2_error = _second_order_tile(
+            factor, logits, u, active, alpha, rtol, error_target, direct_min_rows, memory_budget_bytes
+        )
     else:
         c2 = torch.empty_like(logits)
         c2_error = torch.empty(g_count, m, dtype=_F64, device=device)
@@ -228,7 +230,7 @@ def second_order_coefficients(
             target = None if error_target is None else error_target[g0:g1, j0:j1]
             c2[g0:g1, j0:j1], c2_error[g0:g1, j0:j1] = _second_order_tile(
                 factor[g0:g1], logits[g0:g1, j0:j1], u[g0:g1, j0:j1], active[g0:g1, j0:j1], alpha, rtol, target,
-                direct_min_rows,
+                direct_min_rows, memory_budget_bytes,
             )
     return c2.masked_fill_(inactive.unsqueeze(-1), _NAN), c2_error.masked_fill_(inactive, _NAN)
 
@@ -255,7 +257,7 @@ def _used_columns(factor):
     return factor if bool(used.all()) else factor[..., used]
 
 
-def _second_order_tile(a, s, u, live, alpha, rtol, target, direct_min_rows):
+def _second_order_tile(a, s, u, live, alpha, rtol, target, direct_min_rows, memory_budget_bytes):
     r"""``(c2, c2_error)`` for one tile: the direct solve on classes of rows sharing :math:`u`, then CG on
     the live rows left (and on any row the direct solve leaves above its tolerance)."""
     g_count, m, n = s.shape
@@ -265,7 +267,10 @@ def _second_order_tile(a, s, u, live, alpha, rtol, target, direct_min_rows):
     if target is not None:
         tolerance = torch.maximum(tolerance, torch.nan_to_num(target / alpha**2, nan=0.0))
     x = torch.zeros_like(rhs)
-    solved = _solve_direct(a, u, rhs, live, alpha, direct_min_rows, x) if a.shape[-1] else live.clone()
+    if a.shape[-1]:
+        solved = _solve_direct(a, u, rhs, live, alpha, direct_min_rows, x, memory_budget_bytes)
+    else:  # no templates to speak of: x is empty and c2 = -alpha^2 W s exactly
+        solved = live.clone()
     if bool(solved.any()):
         c2, residual = _coefficients_and_residual(a, s, u, x, alpha)
         c2_error = alpha**2 * residual
@@ -275,7 +280,9 @@ def _second_order_tile(a, s, u, live, alpha, rtol, target, direct_min_rows):
         c2_error = torch.zeros(g_count, m, dtype=_F64, device=s.device)
     pending = live & ~solved
     if bool(pending.any()):
-        c2_cg, error_cg, index = _solve_cg(a, s, u, rhs, rhs_norm, tolerance, pending, alpha, rtol)
+        c2_cg, error_cg, index = _solve_cg(a, s, u, rhs, rhs_norm, tolerance, pending, live, alpha, rtol)
+        if index is None:
+            return c2_cg, error_cg
         c2[index] = c2_cg
         c2_error[index] = error_cg
     return c2, c2_error
@@ -289,30 +296,30 @@ def _coefficients_and_residual(a, s, u, x, alpha):
     return spread.mul_(-(alpha**2)), residual.norm(dim=-1)
 
 
-def _solve_cg(a, s, u, rhs, rhs_norm, tolerance, pending, alpha, rtol):
+def _solve_cg(a, s, u, rhs, rhs_norm, tolerance, pending, live, alpha, rtol):
     """CG (:func:`probe.solver.solve_spd_reduced`) on the ``pending`` rows, gathered to the front of the
-    groups that have one.  Returns their ``(c2, c2_error)`` and the ``(group, row)`` index they belong at."""
-    g_count, m = pending.shape
-    if bool(pending.all()):
-        groups = torch.arange(g_count, device=s.device)
-        rows = torch.arange(m, device=s.device).expand(g_count, m)
-        valid = pending
+    groups that have one.  Returns their ``(c2, c2_error)`` and the ``(group, row)`` index they belong at
+    (``None``: every live row is pending, all rows were solved in place and the results are the tile's)."""
+    if bool((pending | ~live).all()):
+        index, valid = None, None
     else:
         count = pending.sum(-1)
         groups = count.nonzero().squeeze(-1)
-        order = torch.argsort((~pending[groups]).to(torch.int8), dim=-1, stable=True)[:, : int(count.max())]
-        rows, valid = order, pending[groups].gather(1, order)
-    pick = (groups.unsqueeze(-1), rows)
-    a_sub, rhs_sub, norm_sub = a[groups], torch.where(valid.unsqueeze(-1), rhs[pick], 0.0), rhs_norm[pick]
-    row_rtol = torch.where(norm_sub > 0, tolerance[pick] / norm_sub, rtol)
-    weights = u[pick]
-    x, _ = solve_spd_reduced(a_sub, weights, rhs_sub, alpha, row_rtol, residual=False)
-    c2, residual = _coefficients_and_residual(a_sub, s[pick], weights, x, alpha)
-    index = (groups.unsqueeze(-1).expand_as(rows)[valid], rows[valid])
+        rows = torch.argsort((~pending[groups]).to(torch.int8), dim=-1, stable=True)[:, : int(count.max())]
+        valid = pending[groups].gather(1, rows)
+        pick = (groups.unsqueeze(-1), rows)
+        a, s, u, tolerance, rhs_norm = a[groups], s[pick], u[pick], tolerance[pick], rhs_norm[pick]
+        rhs = torch.where(valid.unsqueeze(-1), rhs[pick], 0.0)  # padding rows: nothing to solve
+        index = (groups.unsqueeze(-1).expand_as(rows)[valid], rows[valid])
+    row_rtol = torch.where(rhs_norm > 0, tolerance / rhs_norm, rtol)
+    x, _ = solve_spd_reduced(a, u, rhs, alpha, row_rtol, residual=False)
+    c2, residual = _coefficients_and_residual(a, s, u, x, alpha)
+    if index is None:
+        return c2, alpha**2 * residual, None
     return c2[valid], alpha**2 * residual[valid], index
 
 
-def _solve_direct(a, u, rhs, live, alpha, min_rows, x):
+def _solve_direct(a, u, rhs, live, alpha, min_rows, x, memory_budget_bytes):
     r"""Solve :math:`H_u x = b` by one Cholesky factorisation per class of at least ``min_rows`` live rows
     of a group with bitwise equal :math:`u`, writing into ``x``; returns the rows solved ``(g, m)``.
 
@@ -328,7 +335,7 @@ def _solve_direct(a, u, rhs, live, alpha, min_rows, x):
     class_group, class_row, table, valid = classes
     n, r = a.shape[1], a.shape[2]
     width = live.shape[1] if table is None else table.shape[1]
-    step = max(1, (1 << 28) // (8 * (2 * n * r + r * r + 2 * width * r + n)))  # classes per chunk
+    step = max(1, memory_budget_bytes // (8 * (2 * n * r + r * r + 2 * width * r + n)))  # classes per chunk
     eye = torch.eye(r, dtype=_F64, device=x.device) / alpha
     everything = table is None and len(class_group) == live.shape[0]
     for c0 in range(0, len(class_group), step):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,3 +25,22 @@ def test_benchmark_quick_mode(tmp_path):
         for method in ("cvxpy", "lbfgs", "ascent", "ascent_reduced"):
             assert family[f"{method}_max_abs_diff_rel_deviation"] < 1e-6, (family["family"], method)
     assert out.with_suffix(".md").exists()
+
+
+def test_derived_benchmark_quick_mode(tmp_path):
+    """bench/derived.py runs both variants of a default run; the no-op derive changes nothing but the
+    derived columns, which the real one fills."""
+    out = tmp_path / "results_derived.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "derived.py"), "--quick", "--cases", "minilm-corpus,t5-corpus",
+         "--out", str(out)],
+        check=True, cwd=ROOT, capture_output=True, timeout=600,
+    )
+    results = json.loads(out.read_text())
+    assert [case["case"] for case in results["cases"]] == ["minilm-corpus", "t5-corpus"]
+    for case in results["cases"]:
+        assert case["solver_columns_identical"], case["case"]
+        assert case["derived_filled_fraction"] == 1.0, case["case"]
+        assert case["rows"] > 0 and case["median_wall_without_derived_s"] > 0
+        assert 0 < case["median_derive_s"] < case["median_wall_with_derived_s"]
+    assert "ratio of medians" in out.with_suffix(".md").read_text()
