@@ -125,7 +125,7 @@ def _vocabulary_of_special_tokens_only(directory):
 
 @pytest.fixture(scope="module")
 def bad(tmp_path_factory, tiny_bert_dir):
-    from transformers import GPT2Config, T5Config
+    from transformers import T5Config, XLNetConfig
 
     b = Bad(tmp_path_factory.mktemp("bad-inputs"), Path(tiny_bert_dir))
     m = b.model
@@ -144,8 +144,8 @@ def bad(tmp_path_factory, tiny_bert_dir):
     b.short_tokenizer = m("short-tokenizer", edit=_edit_json("tokenizer_config.json", model_max_length=64))
     b.empty_model = b.models / "empty"
     b.empty_model.mkdir()
-    b.gpt2 = b.models / "gpt2"
-    GPT2Config(n_layer=1, n_head=2, n_embd=8).save_pretrained(b.gpt2)
+    b.xlnet = b.models / "xlnet"  # an architecture probe has no adapter for
+    XLNetConfig(n_layer=1, n_head=2, d_model=8).save_pretrained(b.xlnet)
     b.t5_encoder = b.models / "t5-encoder-only"
     T5Config(d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2, architectures=["T5EncoderModel"]).save_pretrained(
         b.t5_encoder
@@ -281,8 +281,10 @@ CASES = [
     Case("model folder empty", lambda b: [b.empty_model], ("has no config.json", "save_pretrained")),
     Case("config.json not JSON", lambda b: [b.broken_config], ("Could not read the config",)),
     Case("config with unknown model type", lambda b: [b.unknown_type], ("Could not read the config",)),
-    Case("architecture without adapter", lambda b: [b.gpt2], ("no adapter for model type 'gpt2'", "Supported model types:", "bert")),
-    Case("checkpoint the adapter refuses", lambda b: [b.t5_encoder], ("encoder-only t5 checkpoint", "no decoder")),
+    Case("architecture without adapter", lambda b: [b.xlnet],
+         ("no adapter for model type 'xlnet'", "Supported model types:", "bert", "gpt2")),
+    Case("checkpoint the adapter refuses", lambda b: [b.t5_encoder],
+         ("T5EncoderModel", "only one half of the encoder-decoder", "no decoder")),
     Case("no weights", lambda b: [b.no_weights], ("has no weights", "model.safetensors")),
     Case("no tokenizer files", lambda b: [b.no_tokenizer], ("has no tokenizer files", "--tokenizer")),
     Case("tokenizer path typo", lambda b: [b.no_tokenizer, "--tokenizer", "./no-such-tokenizer"],

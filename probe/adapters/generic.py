@@ -112,11 +112,14 @@ class InterfaceAdapter(Adapter):
         if self.family.inputs != ENCODER_DECODER:
             return AutoModel  # the base model: attention is all probe needs (no LM head in memory)
         architectures = list(getattr(config, "architectures", None) or [])
-        if architectures and all(name.endswith(("EncoderModel", "ForCausalLM")) for name in architectures):
-            raise ProbeError(
-                f"This {config.model_type} checkpoint is {architectures[0]}: only one half of the encoder-decoder, so "
-                "probe's encoder-decoder adapter (encoder self-, decoder self- and cross-attention) cannot run on it."
-            )
+        halves = (("EncoderModel", "an encoder-only", "decoder"), ("ForCausalLM", "a decoder-only", "encoder"))
+        for suffix, half, missing in halves:
+            if architectures and all(name.endswith(suffix) for name in architectures):
+                raise ProbeError(
+                    f"This is {half} {config.model_type} checkpoint ({architectures[0]}), only one half of the "
+                    f"encoder-decoder: it has no {missing}, so probe's encoder-decoder adapter (encoder self-, decoder "
+                    "self- and cross-attention) cannot run on it."
+                )
         # the user's path for seq2seq checkpoints; others (T5Model, heads) load as the base model
         seq2seq = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         return AutoModelForSeq2SeqLM if not architectures or seq2seq in architectures else AutoModel
