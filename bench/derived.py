@@ -25,10 +25,10 @@ Protocol
 The machine this was written on is shared with other jobs (load average 10 to 14 on its 2 cores), so
 every number is a median over ``--repeats`` pairs of runs, and each pair runs the two variants back to
 back in alternating order, so that both see the same load.  Reported per case: the median wall time of
-each variant, the ratio of the medians, and the median of the per-pair ratios.  Torch runs on one
-thread (``--threads``, default 1): on the oversubscribed machine torch's default of 2 threads made
-single operations up to 10x slower and erratic (a tiny T5 run took 99 s instead of 10 s), which
-measures the contention, not the work.  One warm-up run per case (not timed) pays for imports and
+each variant, the ratio of the medians, and the median of the per-pair ratios.  Threads are those of a
+default ``probe run``: torch's default count, with ``OMP_WAIT_POLICY=PASSIVE`` as ``cli.py`` sets it
+(with spinning OpenMP threads the oversubscribed machine made a tiny T5 run 50x slower; ``--threads``
+overrides the count).  One warm-up run per case (not timed) pays for imports and
 first-call costs, which a real run also pays but which would only lower the ratio.  Each timed run also
 records the time spent inside ``derive`` (a wrapper around it) and checks that the two variants wrote
 identical solver columns.
@@ -53,6 +53,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as cli.py sets it for every probe run
 
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
@@ -211,7 +212,8 @@ def markdown(results: dict) -> str:
     lines = [
         "# What the derived columns add to a default `probe run`",
         "",
-        f"{results['date']}, {results['machine']}, torch {results['torch']}, {results['threads']} torch threads"
+        f"{results['date']}, {results['machine']}, torch {results['torch']}, {results['threads']} torch threads, "
+        f"OMP_WAIT_POLICY={results.get('omp_wait_policy')}"
         + (" (quick mode)" if results["quick"] else "") + ".",
         "",
         "Wall time of `probe.pipeline.run` with its defaults, with the real `probe.rows.derive` and with it",
@@ -265,7 +267,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="small inputs, one repeat")
     parser.add_argument("--repeats", type=int, default=None, help="pairs of runs per case (default 3; quick 1)")
     parser.add_argument("--cases", default="minilm-corpus,minilm-128,t5-corpus,t5-128")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, as probe run)")
     parser.add_argument("--out", type=Path, default=HERE / "results_derived.json")
     parser.add_argument("--baseline", type=Path, help="an earlier results file to show beside this run's")
     parser.add_argument("--baseline-label", default="baseline", help="what the earlier results measured")
@@ -300,6 +302,7 @@ def main(argv=None):
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".replace("  ", " "),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "quick": args.quick,
         "repeats": repeats,

@@ -578,15 +578,11 @@ def solve_spd_reduced(
 
     The negated Hessian of (R-D) with :math:`p` replaced by the distribution ``weights`` :math:`w`
     (``(g, m, n)``, rows summing to 1, zeros allowed), for right-hand sides ``rhs`` ``(g, m, r)`` and the
-    shared factor :math:`A` ``(g, n, r)`` of :func:`factor_gram`.  Solved by batched conjugate gradients
-    with the operator and Jacobi preconditioner of the solver's Newton systems to relative residual
-    ``rtol`` (a number, or one per row ``(g, m)``), at most ``max_iter`` steps (default ``4 r + 20``).
-    Rows with ``rhs = 0`` return 0.
-
-    The loop is leaner than the Newton systems' :func:`_conjugate_gradient` (one fixed system per row,
-    no forcing terms, float64 throughout): per step two products with :math:`A`, three passes over
-    :math:`n`-vectors and seven over :math:`r`-vectors, fused where torch allows (``addcmul``,
-    ``vecdot``).  A row stops moving once its recursive residual reaches its tolerance.
+    shared factor :math:`A` ``(g, n, r)`` of :func:`factor_gram`.  Solved by the Newton systems'
+    batched CG (:func:`_conjugate_gradient`, the same operator) with a Jacobi preconditioner, to relative
+    residual ``rtol`` (a number, or one per row ``(g, m)``), at most ``max_iter`` steps (default
+    ``4 r + 20``).  Rows with ``rhs = 0`` return 0.  (Unlike the Newton directions these systems are
+    solved to near float64 precision, and the preconditioner saves steps where :math:`w` is spread out.)
 
     Returns ``(x, residual_norm)`` with :math:`\|b - Hx\|` recomputed from ``x`` (not CG's recursive
     residual), so that callers can certify their error: :math:`H \succeq I/\alpha` gives
@@ -595,37 +591,12 @@ def solve_spd_reduced(
     """
     f64 = torch.float64
     factor, weights, rhs = factor.to(f64), weights.to(f64), rhs.to(f64)
-    factor_t = factor.transpose(1, 2)
-
-    def hessian_times(v):
-        w = torch.bmm(v, factor_t)
-        w = weights * (w - torch.linalg.vecdot(weights, w).unsqueeze(-1))
-        return torch.baddbmm(v, w, factor, beta=1.0 / alpha)
-
     mean = torch.bmm(weights, factor)  # A^T w, as rows
-    diagonal = 1.0 / alpha + torch.bmm(weights, factor * factor) - mean * mean
-    inverse_diagonal = 1.0 / diagonal.clamp_min(1.0 / alpha)
-    tolerance = torch.as_tensor(rtol, dtype=f64, device=rhs.device).expand(rhs.shape[:-1])
-    target = (tolerance * rhs.norm(dim=-1)) ** 2
-    x = torch.zeros_like(rhs)
-    remainder = rhs.clone()  # CG's recursive residual
-    z = remainder * inverse_diagonal
-    direction = z
-    rz = torch.linalg.vecdot(remainder, z)
-    squared = torch.linalg.vecdot(remainder, remainder)
-    for _ in range(4 * factor.shape[-1] + 20 if max_iter is None else max_iter):
-        running = squared > target
-        if not bool(running.any()):
-            break
-        product = hessian_times(direction)
-        curvature = torch.linalg.vecdot(direction, product)
-        step = torch.where(running & (curvature > 0), rz / curvature, 0.0).unsqueeze(-1)
-        x.addcmul_(step, direction)
-        remainder.addcmul_(step, product, value=-1.0)
-        z = remainder * inverse_diagonal
-        rz_next = torch.linalg.vecdot(remainder, z)
-        beta = torch.where(rz > 0, rz_next / rz, 0.0).unsqueeze(-1)
-        direction = torch.addcmul(z, beta, direction)
-        rz = rz_next
-        squared = torch.linalg.vecdot(remainder, remainder)
-    return x, (rhs - hessian_times(x)).norm(dim=-1) if residual else None
+    diagonal = (torch.bmm(weights, factor * factor) - mean * mean).add_(1.0 / alpha).clamp_min_(1.0 / alpha)
+    forcing = torch.as_tensor(rtol, dtype=f64, device=rhs.device).expand(rhs.shape[:-1])
+    live = torch.ones(rhs.shape[:-1], dtype=torch.bool, device=rhs.device)
+    steps = 4 * factor.shape[-1] + 20 if max_iter is None else max_iter
+    x = _conjugate_gradient(factor, alpha, weights, rhs.clone(), forcing, steps, live, precond=diagonal)
+    if not residual:
+        return x, None
+    return x, (rhs - _hessian_times(factor, alpha, weights, x)).norm(dim=-1)
