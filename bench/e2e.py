@@ -60,7 +60,7 @@ TEXTS = {
     "minilm": {"corpus": None, 16: 64, 64: 32, 128: 16, 256: 8, 512: 8},
     "bert-base-random": {16: 32, 64: 16, 128: 8, 256: 8, 512: 4},
 }
-QUICK_TEXTS = {"minilm": {"corpus": None, 16: 8, 64: 8}, "bert-base-random": {16: 4}}
+QUICK_TEXTS = {"minilm": {"corpus": 16, 16: 4}, "bert-base-random": {16: 2}}
 TARGETS = {("minilm", "corpus"): 3.0, ("minilm", 128): 10.0, ("minilm", 512): 40.0}
 
 
@@ -114,12 +114,14 @@ def texts_of_length(tokenizer, length: int, count: int) -> list[str]:
 # one configuration: forward and analysis, alternating
 
 
-def run_config(model_path: str, texts: list[str] | None, length: int, batch_size: int, workdir: Path, **extra):
+def run_config(model_path: str, texts: list[str] | None, length: int, batch_size: int, workdir: Path,
+               samples: int | None = None, **extra):
+    """The run's settings: ``texts`` written to a file, or the embedded corpus (its first ``samples``)."""
     from probe.data import DatasetSpec
     from probe.pipeline import RunConfig
 
     if texts is None:
-        dataset = DatasetSpec()
+        dataset = DatasetSpec(samples=samples)
     else:
         data_file = workdir / f"texts-{length}-{len(texts)}.txt"
         data_file.write_text("\n".join(texts) + "\n")
@@ -185,7 +187,8 @@ def measure(name: str, model_path: str, length, count, batch_size: int, repeats:
     loaded = load_model(model_path, device="cpu")
     max_length = 128 if length == "corpus" else length
     texts = None if length == "corpus" else texts_of_length(loaded.tokenizer, length, count)
-    config = run_config(model_path, texts, max_length, batch_size, workdir)
+    samples = count if length == "corpus" else None
+    config = run_config(model_path, texts, max_length, batch_size, workdir, samples=samples)
     batches = forward_batches(loaded, config, texts)
     forward_seconds(loaded.model, batches[:1])  # warm-up
     forwards, analyses = [], []
@@ -197,7 +200,7 @@ def measure(name: str, model_path: str, length, count, batch_size: int, repeats:
     row = {
         "model": name,
         "tokens": length,
-        "texts": len(texts) if texts is not None else len(corpus()),
+        "texts": len(texts) if texts is not None else (count or len(corpus())),
         "batch_size": batch_size,
         "batches": len(batches),
         "padded_lengths": sorted({int(b["input_ids"].shape[1]) for b in batches}),
@@ -291,7 +294,10 @@ THREAD_SETTINGS = (
 )
 
 
-def threads(model_path: str, length: int, count: int, repeats: int, workdir: Path) -> dict:
+NEIGHBOURS = ("alone", "beside a busy core")
+
+
+def threads(model_path: str, length: int, count: int, repeats: int, workdir: Path, neighbours=NEIGHBOURS) -> dict:
     from transformers import AutoTokenizer
 
     texts = texts_of_length(AutoTokenizer.from_pretrained(model_path), length, count)
@@ -299,9 +305,9 @@ def threads(model_path: str, length: int, count: int, repeats: int, workdir: Pat
     texts_file.write_text(json.dumps(texts))
     base = {"model": model_path, "length": length, "texts_file": str(texts_file), "workdir": str(workdir),
             "mode": "run", "batch_size": 8}
-    results = {label: {"alone": [], "beside a busy core": []} for label, _, _ in THREAD_SETTINGS}
+    results = {label: {where: [] for where in neighbours} for label, _, _ in THREAD_SETTINGS}
     for _ in range(repeats):
-        for neighbour in ("alone", "beside a busy core"):
+        for neighbour in neighbours:
             busy = None
             if neighbour != "alone":
                 busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -367,7 +373,7 @@ def markdown(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        tokens = "corpus (5–63)" if r["tokens"] == "corpus" else str(r["tokens"])
+        tokens = f"corpus ({r['padded_lengths'][0]}–{r['padded_lengths'][-1]})" if r["tokens"] == "corpus" else str(r["tokens"])
         target = r.get("target_ratio")
         verdict = "" if target is None else f"≤ {target:g}x: {'met' if r['ratio_median'] <= target else '**not met**'}"
         lines.append(
@@ -397,9 +403,9 @@ def markdown(results: dict) -> str:
             f"## Threads (MiniLM, {thr['tokens']} tokens, {thr['texts']} texts; analysis seconds, median of "
             f"{thr['repeats']}; one child process each)",
             "",
-            "| setting | alone | beside a busy core |",
-            "|---|---|---|",
-            *[f"| {label} | {by['alone']:.2f} | {by['beside a busy core']:.2f} |" for label, by in thr["median_s"].items()],
+            "| setting | " + " | ".join(next(iter(thr["median_s"].values()))) + " |",
+            "|---|" + "---|" * len(next(iter(thr["median_s"].values()))),
+            *[f"| {label} | " + " | ".join(f"{s:.2f}" for s in by.values()) + " |" for label, by in thr["median_s"].items()],
         ]
     return "\n".join(lines) + "\n"
 
@@ -444,11 +450,11 @@ def main(argv=None):
                 )
         mem = thr = None
         if not args.skip_memory:
-            mem = memory(paths["minilm"], 32 if args.quick else 512, 4 if args.quick else 16,
-                         (1, 4) if args.quick else (1, 16), workdir)
+            mem = memory(paths["minilm"], 16 if args.quick else 512, 2 if args.quick else 16,
+                         (1, 2) if args.quick else (1, 16), workdir)
         if not args.skip_threads:
-            thr = threads(paths["minilm"], 32 if args.quick else 128, 8 if args.quick else 16,
-                          1 if args.quick else 3, workdir)
+            thr = threads(paths["minilm"], 16 if args.quick else 128, 2 if args.quick else 16,
+                          1 if args.quick else 3, workdir, neighbours=("alone",) if args.quick else NEIGHBOURS)
 
     results = {
         "command": "python bench/e2e.py" + (" --quick" if args.quick else ""),

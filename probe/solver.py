@@ -403,7 +403,7 @@ def _solve_tile(work, active, rtol, atol, max_iter):
     )
     if remaining == 0 or not bool(live.any()):
         return _finish(work, state, active, rtol, atol, iterations)
-    y = state.y
+    final, y = state, state.y
     groups = torch.arange(g_count, device=device)  # working set: rows[k, j] of group groups[k]
     rows = torch.arange(m, device=device).expand(g_count, m)
     while remaining > 0 and bool(live.any()):
@@ -421,7 +421,9 @@ def _solve_tile(work, active, rtol, atol, max_iter):
         )
         y[pick] = state.y  # rows that were not live come back unchanged
         iterations[pick] = iterations_work
-    return _finish(work, work.state(y), active, rtol, atol, iterations)
+        for name in ("p", "gradient", "gradient_sq", "lambda_norm", "deviation"):  # what _finish reads
+            getattr(final, name)[pick] = getattr(state, name)
+    return _finish(work, final, active, rtol, atol, iterations)
 
 
 def _finish(work, state, active, rtol, atol, iterations):

@@ -212,6 +212,7 @@ CASES = [
     Case("device unsupported", lambda b: [b.tiny, "--device", "xla"], ("probe does not run on 'xla'",)),
     Case("batch size zero", lambda b: [b.tiny, "--batch-size", "0"], ("--batch-size must be at least 1",)),
     Case("batch size negative", lambda b: [b.tiny, "--batch-size", "-4"], ("--batch-size must be at least 1",)),
+    Case("threads zero", lambda b: [b.tiny, "--threads", "0"], ("--threads must be at least 1",)),
     Case("samples zero", lambda b: [b.tiny, "--samples", "0"], ("--samples must be at least 1",)),
     Case("samples negative", lambda b: [b.tiny, "--samples", "-5"], ("--samples must be at least 1",)),
     Case("max length zero", lambda b: [b.tiny, "--max-length", "0"], ("--max-length must be at least 1",)),

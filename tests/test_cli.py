@@ -151,3 +151,27 @@ def test_run_with_report_and_report_command(tiny_bert_dir, texts_file, tmp_path)
     assert again.exit_code == 0, again.output
     assert (tmp_path / "pdf" / "layers_self.pdf").exists()
     assert_clean_error(invoke("report", tmp_path / "nowhere"), "nowhere")
+
+
+def test_threads_option_and_passive_wait_policy(tiny_bert_dir, texts_file, tmp_path):
+    """--threads sets torch's threads for the run, and the probe command lets idle OpenMP threads sleep
+    (OMP_WAIT_POLICY=PASSIVE unless the environment says otherwise); the manifest records both.  In a
+    subprocess: the policy only takes effect before torch starts, and threads are process-wide."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    environment = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    out = tmp_path / "runs"
+    done = subprocess.run(
+        [sys.executable, str(root / "cli.py"), "run", str(tiny_bert_dir), "--dataset", str(texts_file),
+         "--threads", "1", "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, env=environment, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((only_run_dir(out) / "manifest.json").read_text())
+    (rank,) = manifest["segments"][0]["ranks"]
+    assert rank["threads"] == 1
+    assert rank["omp_wait_policy"] == "PASSIVE"
+    assert manifest["config"]["threads"] == 1
