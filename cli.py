@@ -10,7 +10,9 @@ from typing import Optional
 import typer
 
 # Idle OpenMP threads sleep instead of spinning: on a machine shared with other work, spinning threads
-# fight the neighbours for cores (bench/results_e2e.md, threads: up to 8x slower).  It must be set before
+# fight the neighbours for cores (bench/results_e2e.md, threads).  The solver's many small operations
+# would pay for waking the sleeping threads each time, so it runs its tiles side by side instead, one
+# thread each (probe/parallel.py, bench/results_parallel.md).  It must be set before
 # torch loads its OpenMP runtime, so here, before any probe module imports torch (they are imported in
 # the commands); a value already in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -57,10 +59,14 @@ def run(
     tokenizer: Optional[str] = typer.Option(
         None, help="Directory (or hub id) of the tokenizer, when it is not beside the model."
     ),
-    max_memory: Optional[str] = typer.Option(None, help="Memory budget for the solver, e.g. 4GB or 512MiB."),
+    max_memory: Optional[str] = typer.Option(
+        None, help="Memory budget for the problems held at once and the solver's working set, e.g. 4GB or 512MiB "
+        "(the model and a batch's forward pass come on top: README, Memory)."
+    ),
     threads: Optional[int] = typer.Option(
-        None, help="CPU threads for the model and the solver [default: torch's, one per core; idle threads "
-        "sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE unless set), so a shared machine loses little]."
+        None, help="CPU threads for the model and the solver [default: torch's, one per core; the solver "
+        "runs that many pieces side by side; idle threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE "
+        "unless set), so a shared machine loses little]."
     ),
     out: Path = typer.Option(Path("runs"), help="Parent directory of the run directory."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),

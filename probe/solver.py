@@ -57,6 +57,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .parallel import cpu_workers, run_all
+
 __all__ = ["DualProblems", "DualSolution", "solve_dual", "duality_gap_reduced", "factor_gram", "solve_spd_reduced"]
 
 
@@ -458,6 +460,7 @@ def solve_dual(
     dtype: torch.dtype = torch.float64,
     direction_dtype: torch.dtype = torch.float32,
     memory_budget_bytes: int | None = None,
+    workers: int | None = None,
 ) -> DualSolution:
     r"""Solve every dual problem in ``problems`` (eq. (D) of the module docstring, reduced to (R-D)).
 
@@ -471,6 +474,10 @@ def solve_dual(
     float32 direction (the default, about 1.5x faster) changes how a problem gets to its answer but
     not what is certified about it.  Pass ``direction_dtype=torch.float64`` for answers that do not
     depend on the rest of the batch beyond 1e-16 rounding.
+
+    On a CPU the tiles are solved ``workers`` at a time (default: the intra-op thread count), each by a
+    thread of its own (:mod:`probe.parallel`); the tiles, and so the answers, do not depend on
+    ``workers``.  With a memory budget, fewer workers run when their tiles would not fit in it together.
 
     Returns a :class:`DualSolution`.  ``converged`` is true only where the certified error bound on
     :math:`\hat\lambda` is at most ``rtol * lambda_norm + atol``.
@@ -504,11 +511,16 @@ def solve_dual(
     factor_low = factor if direction_dtype == dtype else factor.to(direction_dtype)
 
     # About 16 (m, n)-sized tensors of the solver's dtype per problem slice are live at once.
+    # The tiles depend on the shapes and the budget only, not on ``workers``: a problem's answer is the
+    # same whichever number of threads solves the batch.
     tile_bytes = TILE_BYTES.get(device.type, TILE_BYTES["cuda"])
     if memory_budget_bytes is not None:
         tile_bytes = min(tile_bytes, memory_budget_bytes)
     bytes_per_row = 16 * n * torch.finfo(dtype).bits // 8
     rows_per_tile = max(1, tile_bytes // bytes_per_row)
+    workers = cpu_workers(device) if workers is None else max(1, workers)
+    if memory_budget_bytes is not None:  # each tile in flight holds its working set
+        workers = max(1, min(workers, memory_budget_bytes // (min(rows_per_tile, m * n_groups) * bytes_per_row)))
     if rows_per_tile >= m:
         groups_per_tile = max(1, rows_per_tile // m)
         tiles = [(g, min(g + groups_per_tile, n_groups), 0, m) for g in range(0, n_groups, groups_per_tile)]
@@ -516,7 +528,8 @@ def solve_dual(
         slices = -(-m // rows_per_tile)
         bounds = [round(i * m / slices) for i in range(slices + 1)]
         tiles = [(g, g + 1, j0, j1) for g in range(n_groups) for j0, j1 in zip(bounds[:-1], bounds[1:])]
-    for g0, g1, j0, j1 in tiles:
+
+    def solve(g0, g1, j0, j1):  # one tile, written into its own slice of ``out``
         logits, base, u, evidence_sqnorm, active = _tile_inputs(problems, g0, g1, j0, j1, dtype, device)
         work = _WorkingSet(factor[g0:g1], factor_low[g0:g1], logits, base, u, evidence_sqnorm, problems.alpha)
         part = _solve_tile(work, active, rtol, atol, max_iter)
@@ -526,6 +539,8 @@ def solve_dual(
             target.copy_(value)
             if name != "converged":  # inactive problems: NaN (iterations 0)
                 target[inactive] = 0 if name == "iterations" else float("nan")
+
+    run_all([lambda tile=tile: solve(*tile) for tile in tiles], workers)
     return out
 
 
@@ -550,8 +565,7 @@ def _tile_inputs(problems, g0, g1, j0, j1, dtype, device):
     if bool(inactive.any()):
         base[inactive] = 0.0
         u[inactive] = 1.0 / logits.shape[-1]
-        logits = logits.clone() if logits.data_ptr() == problems.logits.data_ptr() else logits
-        logits[inactive] = 0.0
+        logits = torch.where(active.unsqueeze(-1), logits, 0.0)  # a copy: the caller's logits stay as given
         evidence_sqnorm = torch.where(active, evidence_sqnorm, 1.0)
     return logits, base, u, evidence_sqnorm, active
 

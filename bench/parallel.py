@@ -1,0 +1,153 @@
+"""How the solver should use a CPU's cores: each operation on all threads, or tiles side by side.
+
+The problems of real MiniLM batches (the embedded corpus's texts joined to exactly ``--tokens``
+tokens, hidden space, alpha 1), captured once, are solved in one process, alternating, by
+``probe.solver.solve_dual`` in three ways:
+
+* **intra-op, W threads**: tiles one after another, each operation spread over torch's W intra-op
+  threads (``workers=1``; how the solver ran before ``probe.parallel``);
+* **1 thread**: the same on one thread;
+* **side by side, W workers**: W tiles at a time, each in a worker thread whose operations use one
+  intra-op thread (``probe.parallel``; the default since).
+
+``OMP_WAIT_POLICY`` is what the ``probe`` command sets (PASSIVE) unless the environment says otherwise;
+``--wait-policy active`` measures OpenMP's spinning default instead (a separate run: the policy is read
+when torch starts).  Side by side and on one thread, every operation runs on one thread, and the answers
+are bitwise identical (checked here); spread over intra-op threads, a product may be split differently
+and round differently, within the certificates (checked here).
+
+    python bench/parallel.py                     # bench/results_parallel.{json,md}
+    python bench/parallel.py --wait-policy active --out bench/results_parallel_active.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="16,128,512", help="comma-separated text lengths")
+    parser.add_argument("--texts", type=int, default=8, help="texts per batch (at 512 tokens: a quarter)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--wait-policy", choices=("passive", "active"), default="passive")
+    parser.add_argument("--out", type=Path, default=HERE / "results_parallel.json")
+    args = parser.parse_args(argv)
+    if args.wait_policy == "passive":
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    else:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    import torch
+
+    import e2e
+    from probe.adapters.base import space_problems
+    from probe.loading import load_model
+    from probe.rows import dual_problems, stacked_problems
+    from probe.solver import factor_gram, solve_dual
+
+    cores = torch.get_num_threads()
+    loaded = load_model(e2e.minilm_path(), device="cpu")
+    results = []
+    for tokens in (int(x) for x in args.tokens.split(",")):
+        count = max(2, args.texts // 4) if tokens >= 512 else args.texts
+        texts = e2e.texts_of_length(loaded.tokenizer, tokens, count)
+        inputs = loaded.adapter.encode(loaded.tokenizer, texts, None, tokens)
+        sites = []
+        with torch.no_grad():
+            loaded.adapter.capture(loaded.model, inputs, sites.append)
+        duals = []
+        for site in sites:
+            built = space_problems(site, "hidden")
+            dual = dual_problems(site, built, 1.0)
+            dual.factor = factor_gram(built.gram.reshape(-1, *built.gram.shape[-2:]))
+            duals.append(dual)
+        problems = stacked_problems(duals)
+        ways = {
+            f"intra-op, {cores} threads": (cores, 1),
+            "1 thread": (1, 1),
+            f"side by side, {cores} workers": (cores, cores),
+        }
+        seconds = {name: [] for name in ways}
+        answers = {}
+        solve_dual(problems, workers=1)  # warm-up
+        for _ in range(args.repeats):
+            for name, (threads, workers) in ways.items():
+                torch.set_num_threads(threads)
+                started = time.perf_counter()
+                answers[name] = solve_dual(problems, workers=workers)
+                seconds[name].append(time.perf_counter() - started)
+        torch.set_num_threads(cores)
+        def same(a, b):
+            return all(torch.equal(torch.nan_to_num(getattr(a, k), nan=-1.0), torch.nan_to_num(getattr(b, k), nan=-1.0))
+                       for k in vars(a))
+
+        intra, single, side = (answers[name] for name in ways)
+        identical = same(single, side)  # one intra-op thread per operation in both: bitwise the same
+        intra_identical = same(intra, single)  # several intra-op threads may split a product differently
+        certified = bool((((intra.rel_deviation - single.rel_deviation).abs()
+                           <= 2 * (intra.error_bound / intra.lambda_norm + single.error_bound / single.lambda_norm) + 1e-15)
+                          | ~problems.active).all())
+        row = {
+            "tokens": tokens, "texts": count, "problems": int(problems.active.sum()),
+            "seconds": seconds, "median_s": {name: statistics.median(s) for name, s in seconds.items()},
+            "side_by_side_bitwise_identical_to_1_thread": identical,
+            "intra_op_bitwise_identical_to_1_thread": intra_identical,
+            "intra_op_within_certificates_of_1_thread": certified,
+        }
+        results.append(row)
+        print(tokens, {name: round(s, 2) for name, s in row["median_s"].items()}, identical, intra_identical, certified,
+              flush=True)
+    out = {
+        "command": "python bench/parallel.py" + ("" if args.wait_policy == "passive" else " --wait-policy active"),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu_model": e2e.cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: OpenMP's default, spinning)"),
+        "load_average_end": e2e._loadavg(), "results": results,
+    }
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    text = markdown(out, args.repeats)
+    args.out.with_suffix(".md").write_text(text)
+    print(text)
+
+
+def markdown(out: dict, repeats: int) -> str:
+    results = out["results"]
+    names = list(results[0]["median_s"])
+    lines = [
+        "# The solver on a CPU's cores: each operation on every thread, or tiles side by side",
+        "",
+        f"Command: `{out['command']}`, run {out['date']}. Machine: {out['cpu_model']}, {out['cores']} cores, "
+        f"torch {out['torch']}, OMP_WAIT_POLICY={out['omp_wait_policy']}; load average at the end "
+        f"{out['load_average_end']}. `solve_dual` on the captured problems of real MiniLM batches (hidden "
+        f"space, alpha 1); seconds, median of {repeats}, the three ways alternating in one process.",
+        "",
+        "| tokens per text | texts | problems | " + " | ".join(names)
+        + " | intra-op time / side by side time | side by side = 1 thread | intra-op = 1 thread |",
+        "|---|---|---|" + "---|" * len(names) + "---|---|---|",
+    ]
+    for row in results:
+        median = row["median_s"]
+        lines.append(
+            f"| {row['tokens']} | {row['texts']} | {row['problems']:,} | "
+            + " | ".join(f"{median[name]:.2f}" for name in names)
+            + f" | {median[names[0]] / median[names[2]]:.1f}x | "
+            + ("bitwise" if row["side_by_side_bitwise_identical_to_1_thread"] else "**differ**") + " | "
+            + ("bitwise" if row["intra_op_bitwise_identical_to_1_thread"] else
+               "within the certificates" if row["intra_op_within_certificates_of_1_thread"] else "**differ**") + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Running independent pieces of tensor work side by side on the CPU's cores.
+
+torch parallelises each operation over its intra-op threads.  The solver's operations are many and
+small (a tile's elementwise updates take tens of microseconds), and handing each one to a team of
+threads costs more than it saves, most of all under ``OMP_WAIT_POLICY=PASSIVE`` (which ``probe``
+sets so that idle threads sleep instead of taking cores from other work): waking the sleeping team
+for every operation made the solver 2.2x slower on 2 threads than on 1 at 128 tokens
+(``bench/results_parallel.md``).
+
+So independent pieces (the solver's tiles, the sites of a stack) run side by side instead, each in a
+worker thread whose own operations use one intra-op thread; torch releases the GIL inside its
+kernels, so the workers' kernels run in parallel.  Each piece computes exactly what it would alone,
+in the same order, so the results do not depend on the number of workers or on their scheduling.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _one_intra_op_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def cpu_workers(device: torch.device | str | None = None) -> int:
+    """How many pieces to run side by side: the process's intra-op thread count (``--threads``,
+    default one per core) on a CPU, 1 elsewhere (a GPU parallelises each operation itself)."""
+    if device is not None and torch.device(device).type != "cpu":
+        return 1
+    return max(1, torch.get_num_threads())
+
+
+def run_all(jobs: list[Callable[[], T]], workers: int) -> list[T]:
+    """``[job() for job in jobs]``, computed by ``workers`` threads of one intra-op thread each.
+
+    With ``workers == 1`` the jobs run here, in order.  The workers compute with the caller's grad mode
+    (``torch.no_grad`` is per thread).  An exception in a job, or in the waiting thread
+    (a stop signal), cancels the jobs not yet started and propagates; a job already running finishes
+    in its worker.
+    """
+    if workers <= 1:
+        return [job() for job in jobs]
+    pool = _pools.get(workers)
+    if pool is None:
+        pool = _pools[workers] = ThreadPoolExecutor(
+            workers, thread_name_prefix="probe-worker", initializer=_one_intra_op_thread
+        )
+    grad = torch.is_grad_enabled()  # thread-local in torch: the workers compute in the caller's mode
+
+    def in_callers_mode(job):
+        with torch.set_grad_enabled(grad):
+            return job()
+
+    futures = [pool.submit(in_callers_mode, job) for job in jobs]
+    try:
+        return [future.result() for future in futures]
+    finally:
+        for future in futures:
+            future.cancel()

@@ -1,0 +1,127 @@
+"""Independent pieces of tensor work run side by side (probe.parallel): the answers do not depend on
+how many threads compute them, errors and stops propagate, and a memory budget limits what runs at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pandas as pd
+import pytest
+import torch
+
+import probe.solver as solver
+from probe.data import DatasetSpec
+from probe.parallel import cpu_workers, run_all
+from probe.pipeline import RunConfig, run
+from probe.solver import DualSolution, solve_dual
+
+from .test_solver import _random_groups
+
+
+def _identical(a: DualSolution, b: DualSolution):
+    for name, x in vars(a).items():
+        y = getattr(b, name)
+        assert torch.equal(torch.nan_to_num(x, nan=-7.0), torch.nan_to_num(y, nan=-7.0)), name
+
+
+def test_solver_answers_do_not_depend_on_the_workers(monkeypatch):
+    """Many small tiles (a small tile size) solved by 1, 2 and 3 threads: bitwise the same solution, with
+    the padding queries and keys of the problems in place, and the problems themselves untouched."""
+    monkeypatch.setitem(solver.TILE_BYTES, "cpu", 16 * 24 * 8 * 10)  # 10 rows of 24 keys a tile
+    problems = _random_groups(groups=5, per_group=17, n=24, d=12, template_scale=0.5, logit_std=4.0, seed=3)
+    given = {name: value.clone() for name, value in vars(problems).items() if isinstance(value, torch.Tensor)}
+    one = solve_dual(problems, workers=1)
+    assert bool(one.converged[problems.active].all())
+    for workers in (2, 3):
+        _identical(one, solve_dual(problems, workers=workers))
+    for name, value in given.items():  # the tiles leave the caller's problems as they were
+        assert torch.equal(getattr(problems, name), value), name
+
+
+def test_a_memory_budget_limits_the_tiles_in_flight(monkeypatch):
+    """With a budget of one tile's working set, tiles are solved one at a time whatever the workers."""
+    in_flight, most = [0], [0]
+    lock = threading.Lock()
+    original = solver._solve_tile
+
+    def counting(*args, **kwargs):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        try:
+            time.sleep(0.01)
+            return original(*args, **kwargs)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(solver, "_solve_tile", counting)
+    problems = _random_groups(groups=4, per_group=9, n=16, d=8, template_scale=0.5, logit_std=2.0, seed=1)
+    group_bytes = 9 * 16 * 16 * 8  # a group's working set: 9 rows of 16 keys
+    monkeypatch.setitem(solver.TILE_BYTES, "cpu", group_bytes)  # one group a tile
+    budgeted = solve_dual(problems, workers=4, memory_budget_bytes=group_bytes)
+    assert most[0] == 1
+    most[0] = 0
+    free = solve_dual(problems, workers=4, memory_budget_bytes=4 * group_bytes)  # the same tiles, all at once
+    assert most[0] > 1
+    _identical(budgeted, free)
+
+
+def test_run_all_keeps_order_uses_one_intra_op_thread_and_propagates_errors():
+    seen = []
+
+    def job(i):
+        time.sleep(0.002 * (5 - i))  # finish out of order
+        seen.append(torch.get_num_threads())
+        return i * i
+
+    assert run_all([lambda i=i: job(i) for i in range(5)], workers=3) == [0, 1, 4, 9, 16]
+    assert set(seen) == {1}
+    assert run_all([lambda i=i: job(i) for i in range(3)], workers=1) == [0, 1, 4]
+    with torch.no_grad():  # grad mode is per thread: the workers take the caller's
+        assert run_all([torch.is_grad_enabled] * 4, workers=2) == [False] * 4
+    assert run_all([torch.is_grad_enabled] * 4, workers=2) == [True] * 4
+
+    started = []
+
+    def failing(i):
+        started.append(i)
+        if i == 0:
+            raise ValueError("tile 0 failed")
+        time.sleep(0.05)
+        return i
+
+    with pytest.raises(ValueError, match="tile 0 failed"):
+        run_all([lambda i=i: failing(i) for i in range(40)], workers=2)
+    time.sleep(0.2)
+    assert len(started) < 40  # the jobs not yet started were cancelled
+
+
+def test_cpu_workers_follow_the_thread_count():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert cpu_workers() == 3 and cpu_workers("cpu") == 3
+        assert cpu_workers("meta") == 1  # any device that is not a CPU parallelises its own operations
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_runs_on_one_and_two_threads_are_bitwise_identical(tiny_bert_dir, texts_file, tmp_path):
+    """A whole run (capture, stacked solves, derived quantities side by side) on 1 and on 2 threads:
+    the same rows, bitwise."""
+    threads = torch.get_num_threads()
+    frames = []
+    try:
+        for count in (1, 2):
+            config = RunConfig(
+                model=str(tiny_bert_dir), dataset=DatasetSpec(name=str(texts_file)), out=tmp_path / f"t{count}",
+                batch_size=2, max_length=32, device="cpu", progress=False, threads=count, alphas=(0.5, 2.0),
+            )
+            frames.append(pd.read_parquet(run(config) / "deviations.parquet"))
+    finally:
+        torch.set_num_threads(threads)
+    one, two = frames
+    assert len(one) > 0
+    pd.testing.assert_frame_equal(one, two, check_exact=True)
