@@ -5,7 +5,7 @@ tokens, hidden space, alpha 1), captured once, are solved in one process, altern
 ``probe.solver.solve_dual`` in three ways:
 
 * **intra-op, W threads**: tiles one after another, each operation spread over torch's W intra-op
-  threads (``workers=1``; how the solver ran before ``probe.parallel``);
+  threads (``workers=0``; how the solver ran before ``probe.parallel``);
 * **1 thread**: the same on one thread;
 * **side by side, W workers**: W tiles at a time, each in a worker thread whose operations use one
   intra-op thread (``probe.parallel``; the default since).
@@ -74,13 +74,13 @@ def main(argv=None):
             duals.append(dual)
         problems = stacked_problems(duals)
         ways = {
-            f"intra-op, {cores} threads": (cores, 1),
+            f"intra-op, {cores} threads": (cores, 0),
             "1 thread": (1, 1),
             f"side by side, {cores} workers": (cores, cores),
         }
         seconds = {name: [] for name in ways}
         answers = {}
-        solve_dual(problems, workers=1)  # warm-up
+        solve_dual(problems, workers=0)  # warm-up
         for _ in range(args.repeats):
             for name, (threads, workers) in ways.items():
                 torch.set_num_threads(threads)

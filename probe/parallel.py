@@ -31,21 +31,25 @@ def _one_intra_op_thread() -> None:
 
 def cpu_workers(device: torch.device | str | None = None) -> int:
     """How many pieces to run side by side: the process's intra-op thread count (``--threads``,
-    default one per core) on a CPU, 1 elsewhere (a GPU parallelises each operation itself)."""
+    default one per core) on a CPU; 0 elsewhere (a GPU parallelises each operation itself, so the
+    pieces run in the caller's thread: :func:`run_all`)."""
     if device is not None and torch.device(device).type != "cpu":
-        return 1
+        return 0
     return max(1, torch.get_num_threads())
 
 
 def run_all(jobs: list[Callable[[], T]], workers: int) -> list[T]:
     """``[job() for job in jobs]``, computed by ``workers`` threads of one intra-op thread each.
 
-    With ``workers == 1`` the jobs run here, in order.  The workers compute with the caller's grad mode
+    With ``workers == 0``, or 1 when this thread already has one intra-op thread, the jobs run here, in
+    order.  One worker for a caller with several intra-op threads (a memory budget that lets one piece
+    run at a time) still runs the pieces in a worker, so that their operations use one thread each,
+    like those of the other workers.  The workers compute with the caller's grad mode
     (``torch.no_grad`` is per thread).  An exception in a job, or in the waiting thread
     (a stop signal), cancels the jobs not yet started and propagates; a job already running finishes
     in its worker.
     """
-    if workers <= 1:
+    if workers <= 0 or (workers == 1 and torch.get_num_threads() == 1):
         return [job() for job in jobs]
     pool = _pools.get(workers)
     if pool is None:

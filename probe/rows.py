@@ -444,7 +444,9 @@ class BatchSolver:
     def _solve(self, stack: list[tuple[SiteCapture, int]]) -> None:
         sites = [piece for piece, _ in stack]
         # the sites' own work runs side by side on a CPU (probe.parallel); with a memory budget, one at a time
-        workers = cpu_workers(sites[0].queries.device) if self.solver_bytes is None else 1
+        workers = cpu_workers(sites[0].queries.device)
+        if self.solver_bytes is not None:
+            workers = min(workers, 1)
         for space in self.spaces:
 
             def build(site):

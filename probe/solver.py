@@ -476,8 +476,10 @@ def solve_dual(
     depend on the rest of the batch beyond 1e-16 rounding.
 
     On a CPU the tiles are solved ``workers`` at a time (default: the intra-op thread count), each by a
-    thread of its own (:mod:`probe.parallel`); the tiles, and so the answers, do not depend on
-    ``workers``.  With a memory budget, fewer workers run when their tiles would not fit in it together.
+    thread of its own with one intra-op thread (:mod:`probe.parallel`; ``workers=0``: one after another
+    in this thread, each operation on all of torch's threads); the tiles, and so the answers, do not
+    depend on ``workers``.  With a memory budget, fewer workers run when their tiles would not fit in
+    it together.
 
     Returns a :class:`DualSolution`.  ``converged`` is true only where the certified error bound on
     :math:`\hat\lambda` is at most ``rtol * lambda_norm + atol``.
@@ -518,8 +520,8 @@ def solve_dual(
         tile_bytes = min(tile_bytes, memory_budget_bytes)
     bytes_per_row = 16 * n * torch.finfo(dtype).bits // 8
     rows_per_tile = max(1, tile_bytes // bytes_per_row)
-    workers = cpu_workers(device) if workers is None else max(1, workers)
-    if memory_budget_bytes is not None:  # each tile in flight holds its working set
+    workers = cpu_workers(device) if workers is None else max(0, workers)
+    if memory_budget_bytes is not None and workers > 1:  # each tile in flight holds its working set
         workers = max(1, min(workers, memory_budget_bytes // (min(rows_per_tile, m * n_groups) * bytes_per_row)))
     if rows_per_tile >= m:
         groups_per_tile = max(1, rows_per_tile // m)

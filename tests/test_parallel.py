@@ -79,6 +79,9 @@ def test_run_all_keeps_order_uses_one_intra_op_thread_and_propagates_errors():
     assert run_all([lambda i=i: job(i) for i in range(5)], workers=3) == [0, 1, 4, 9, 16]
     assert set(seen) == {1}
     assert run_all([lambda i=i: job(i) for i in range(3)], workers=1) == [0, 1, 4]
+    assert set(seen) == {1}  # one worker for a caller with several threads: still one thread per operation
+    here = threading.get_ident()
+    assert run_all([threading.get_ident] * 3, workers=0) == [here] * 3  # workers=0: in the caller's thread
     with torch.no_grad():  # grad mode is per thread: the workers take the caller's
         assert run_all([torch.is_grad_enabled] * 4, workers=2) == [False] * 4
     assert run_all([torch.is_grad_enabled] * 4, workers=2) == [True] * 4
@@ -103,7 +106,7 @@ def test_cpu_workers_follow_the_thread_count():
     try:
         torch.set_num_threads(3)
         assert cpu_workers() == 3 and cpu_workers("cpu") == 3
-        assert cpu_workers("meta") == 1  # any device that is not a CPU parallelises its own operations
+        assert cpu_workers("meta") == 0  # any device that is not a CPU parallelises its own operations
     finally:
         torch.set_num_threads(threads)
 
