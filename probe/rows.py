@@ -59,9 +59,10 @@ def dual_problems(site: SiteCapture, problems: SpaceProblems, alpha: float) -> D
     per_group = h * q * b // groups.shape[0]
     log_pref = site.log_preference.expand(b, h, q, k).reshape(-1, per_group, k)
     active = site.query_mask[:, None, :].expand(b, h, q).reshape(-1, per_group)
+    logits = problems.logits.reshape(-1, per_group, k)
     return DualProblems(
         gram=groups,
-        logits=problems.logits.reshape(-1, per_group, k) / alpha,
+        logits=logits if alpha == 1 else logits / alpha,  # x / 1 == x: no copy of the largest input for alpha 1
         log_preference=log_pref,
         evidence_sqnorm=problems.evidence_sqnorm.reshape(-1, per_group) / alpha**2,
         alpha=alpha,
