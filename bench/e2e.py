@@ -64,6 +64,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the probe command sets
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))
+
+from machine import cpu_model, load_average  # noqa: E402
 
 LENGTHS = (16, 64, 128, 256, 512)
 #: texts per configuration (full mode): enough batches for a stable median at short lengths, a bounded
@@ -150,7 +153,12 @@ def analysis(config) -> dict:
     """One ``probe.pipeline.run``: analysis seconds (start-up excluded), rows, certificate, timings."""
     from probe.pipeline import run
 
-    run_dir = run(config)
+    return measurements(run(config))
+
+
+def measurements(run_dir: Path) -> dict:
+    """A finished run's analysis seconds (its manifest's ``total_s - load_model_s - load_data_s``, rank
+    0's on several processes), rows, certificate and timings."""
     manifest = json.loads((run_dir / "manifest.json").read_text())
     timings = manifest["timings_s"]
     solver = manifest["solver"]
@@ -211,7 +219,7 @@ def measure(name: str, model_path: str, length, count, batch_size: int, repeats:
         forwards.append(forward_seconds(loaded.model, batches))
         analyses.append(analysis(config))
         if 2 in processes:
-            parallel.append(torchrun_analysis(model_path, texts, max_length, batch_size, workdir, 2, samples))
+            parallel.append(torchrun_analysis(config, 2))
     ratios = [a["seconds"] / f for a, f in zip(analyses, forwards)]
     seconds = [a["seconds"] for a in analyses]
     row = {
@@ -235,7 +243,7 @@ def measure(name: str, model_path: str, length, count, batch_size: int, repeats:
         "max_relative_error_bound": max(a["max_relative_error_bound"] for a in analyses),
         "mean_iterations": analyses[0]["mean_iterations"],
         "timings_s": [a["timings_s"] for a in analyses],
-        "load_average": _loadavg(),
+        "load_average": load_average(),
     }
     if parallel:
         ratios2 = [a["seconds"] / f for a, f in zip(parallel, forwards)]
@@ -277,14 +285,14 @@ def arithmetic(loaded, config, texts, batches) -> dict:
     lengths the first batch, whose shape every batch shares; for the corpus every batch)."""
     import dataclasses
 
+    import torch
+
     if texts is not None:
         texts = texts[: config.batch_size]
         batches = batches[:1]
         data_file = Path(str(config.dataset.name).replace(".txt", "-arithmetic.txt"))
         data_file.write_text("\n".join(texts) + "\n")
         config = dataclasses.replace(config, dataset=dataclasses.replace(config.dataset, name=str(data_file)))
-    import torch
-
     threads = torch.get_num_threads()
     # one thread: the flop counter sees the operations of the thread it runs in only, and a run on one
     # thread does all its work there (probe.parallel); the counts do not depend on the thread count
@@ -307,38 +315,31 @@ def arithmetic(loaded, config, texts, batches) -> dict:
     }
 
 
-def torchrun_analysis(model_path: str, texts: list[str] | None, length: int, batch_size: int, workdir: Path,
-                      processes: int, samples: int | None = None) -> dict:
-    """The same run on ``processes`` processes of one thread each (``torchrun ... -m probe run``),
-    timed from rank 0's manifest like :func:`analysis`."""
-    out = workdir / f"torchrun-{processes}-{length}"
+def torchrun_analysis(config, processes: int) -> dict:
+    """The run of ``config`` on ``processes`` processes of one thread each (``torchrun ... -m probe
+    run``), measured like :func:`analysis`."""
+    import shutil
+
+    out = Path(config.out).with_name(f"torchrun-{processes}")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-        "-m", "probe", "run", model_path, "--max-length", str(length), "--batch-size", str(batch_size),
-        "--out", str(out), "--threads", "1", "--device", "cpu", "--no-progress",
+        "-m", "probe", "run", config.model, "--max-length", str(config.max_length),
+        "--batch-size", str(config.batch_size), "--out", str(out), "--threads", "1", "--device", "cpu",
+        "--no-progress",
     ]
-    if texts is None:
-        if samples is not None:
-            command += ["--samples", str(samples)]
-    else:
-        data_file = workdir / f"texts-{length}-{len(texts)}.txt"
-        data_file.write_text("\n".join(texts) + "\n")
-        command += ["--dataset", str(data_file)]
+    if config.dataset.name is not None:
+        command += ["--dataset", str(config.dataset.name)]
+    if config.dataset.samples is not None:
+        command += ["--samples", str(config.dataset.samples)]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"torchrun failed ({done.returncode}): {done.stderr[-3000:]}")
     (run_dir,) = [path for path in out.iterdir() if (path / "manifest.json").exists()]
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    timings, solver = manifest["timings_s"], manifest["solver"]
-    import shutil
-
-    shutil.rmtree(out)
-    return {
-        "seconds": timings["total_s"] - timings.get("load_model_s", 0.0) - timings.get("load_data_s", 0.0),
-        "timings_s": timings, "rows": solver["rows"], "not_converged": solver["not_converged"],
-        "max_relative_error_bound": solver["max_relative_error_bound"],
-    }
+    try:
+        return measurements(run_dir)
+    finally:
+        shutil.rmtree(out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -470,23 +471,6 @@ def threads(model_path: str, length: int, count: int, repeats: int, workdir: Pat
 
 # --------------------------------------------------------------------------------------------------
 # report
-
-
-def _loadavg():
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def scaling_table(results: dict) -> str:
@@ -643,7 +627,7 @@ def main(argv=None):
     import torch
 
     start = time.perf_counter()
-    load_start = _loadavg()
+    load_start = load_average()
     plan = QUICK_TEXTS if args.quick else TEXTS
     repeats = 1 if args.quick else args.repeats
     wanted = None if args.lengths is None else [x if x == "corpus" else int(x) for x in args.lengths.split(",")]
@@ -683,7 +667,7 @@ def main(argv=None):
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
         "load_average_start": load_start,
-        "load_average_end": _loadavg(),
+        "load_average_end": load_average(),
         "configurations": configurations,
         "memory": mem,
         "threads": thr,

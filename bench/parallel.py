@@ -51,6 +51,7 @@ def main(argv=None):
     import torch
 
     import e2e
+    from machine import cpu_model, load_average
     from probe.adapters.base import space_problems
     from probe.loading import load_model
     from probe.rows import dual_problems, stacked_problems
@@ -111,9 +112,9 @@ def main(argv=None):
     out = {
         "command": "python bench/parallel.py" + ("" if args.wait_policy == "passive" else " --wait-policy active"),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu_model": e2e.cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "cpu_model": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: OpenMP's default, spinning)"),
-        "load_average_end": e2e._loadavg(), "results": results,
+        "load_average_end": load_average(), "results": results,
     }
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     text = markdown(out, args.repeats)

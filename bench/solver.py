@@ -73,6 +73,9 @@ import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))
+
+from machine import cpu_model, load_average  # noqa: E402
 
 from probe.reference import (  # noqa: E402
     cvxpy_primal,
@@ -201,23 +204,6 @@ def _sync(device):
 
 def _cpu_solution(solution):
     return type(solution)(**{k: v.detach().cpu() for k, v in vars(solution).items()})
-
-
-def _loadavg():
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def explicit(family: Family, key, form: str):
@@ -488,7 +474,7 @@ def time_grouped_ascent(family, device, index, probe_rel, rule, max_iter, time_c
 
 def run_family(family: Family, device, args, cores: int):
     t_family = time.perf_counter()
-    load_before = _loadavg()
+    load_before = load_average()
     index = family.index()
     seconds, solutions = time_probe(family, device, args.repeats)
     rel, its, conv, bound = probe_stats(solutions, index)
@@ -568,7 +554,7 @@ def run_family(family: Family, device, args, cores: int):
                 abs(int(grouped_its[position[k]]) - int(i)) for k, i in zip(ascent_picks, ascent_its)
             )
     row["load_average_before"] = load_before
-    row["load_average_after"] = _loadavg()
+    row["load_average_after"] = load_average()
     row["family_wall_seconds"] = time.perf_counter() - t_family
     print(_summary_line(row), flush=True)
     return row
@@ -742,7 +728,7 @@ def main(argv=None):
         args.baseline_repeats, args.ascent, args.ascent_seconds, args.ascent_repeats = 1, 64, 20.0, 1
     cores = os.cpu_count() or 1
     start = time.perf_counter()
-    load_start = _loadavg()
+    load_start = load_average()
     sizes = {16: (48, 192), 64: (12, 768), 128: (6, 1536), 512: (2, 1536)}
     if args.quick:
         sizes = {16: (8, 64), 64: (2, 128)}
