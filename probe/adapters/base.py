@@ -142,6 +142,13 @@ def space_problems(site: SiteCapture, space: str, examples: slice = slice(None))
     return SpaceProblems(gram=gram, logits=logits, evidence_sqnorm=evidence_sqnorm)
 
 
+def padded_batch(tokenizer, texts: list[str], max_length: int) -> dict:
+    """``input_ids`` and ``attention_mask`` of ``texts``, padded to the longest and truncated to
+    ``max_length`` tokens: the inputs of an encoder (or decoder) that takes nothing else."""
+    encoded = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+
+
 class Adapter(ABC):
     """Per-architecture capture.  Subclasses are declared in :data:`probe.adapters.REGISTRY`."""
 

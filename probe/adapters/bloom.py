@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ProbeError
-from .base import Adapter, SiteCapture, head_split
+from .base import Adapter, SiteCapture, head_split, padded_batch
 from .hooks import recording
 from .t5 import mask_to_log
 
@@ -67,8 +67,7 @@ class BloomAdapter(Adapter):
             if tokenizer.eos_token is None:
                 raise ProbeError("The tokenizer has neither a pad nor an eos token to pad batches with.")
             tokenizer.pad_token = tokenizer.eos_token
-        encoded = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+        return padded_batch(tokenizer, texts, max_length)
 
     def describe(self):
         return {

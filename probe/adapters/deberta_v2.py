@@ -37,8 +37,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ProbeError
-from .base import Adapter, SiteCapture, project
+from .base import Adapter, SiteCapture, padded_batch, project
 from .hooks import recording
+from .interface import mask_to_log
 
 #: further DisentangledSelfAttention inputs to record, as (keyword, positional index)
 RECORDED_INPUTS = (("attention_mask", 1), ("query_states", 3), ("relative_pos", 4), ("rel_embeddings", 5))
@@ -66,20 +67,12 @@ def position_terms(module, x: torch.Tensor, relative_pos, rel_embeddings) -> tor
     return terms.view(b, heads, n, terms.shape[-1])
 
 
-def mask_log(mask: torch.Tensor) -> torch.Tensor:
-    """The module's attention mask (nonzero = allowed; it calls ``.bool()``) as ``0`` / ``-inf``, float64."""
-    allowed = mask.bool()
-    log = torch.zeros(allowed.shape, dtype=torch.float64, device=allowed.device)
-    return log.masked_fill(~allowed, float("-inf"))
-
-
 class DebertaV2Adapter(Adapter):
     model_types = ("deberta-v2",)
     attention_types = ("self",)
 
     def encode(self, tokenizer, texts, targets, max_length):
-        encoded = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+        return padded_batch(tokenizer, texts, max_length)
 
     def describe(self):
         return {
@@ -104,7 +97,8 @@ class DebertaV2Adapter(Adapter):
             if record.inputs["query_states"] is not None:
                 raise ProbeError("DeBERTa-v2 attention with separate query_states (DebertaV2Model.z_steps > 1) is "
                                  "not supported: probe captures the encoder's self-attention.")
-            log_u = mask_log(record.inputs["attention_mask"])
+            # the module's mask: nonzero = allowed (it calls .bool())
+            log_u = mask_to_log(record.inputs["attention_mask"].bool())
             terms = position_terms(module, x, record.inputs["relative_pos"], record.inputs["rel_embeddings"])
             if terms is not None:
                 log_u = log_u + terms.to(torch.float64)

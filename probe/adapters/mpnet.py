@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ProbeError
-from .base import Adapter, SiteCapture, project
+from .base import Adapter, SiteCapture, padded_batch, project
 from .hooks import recording
 from .t5 import mask_to_log
 
@@ -40,8 +40,7 @@ class MPNetAdapter(Adapter):
     attention_types = ("self",)
 
     def encode(self, tokenizer, texts, targets, max_length):
-        encoded = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+        return padded_batch(tokenizer, texts, max_length)
 
     def describe(self):
         return {
