@@ -24,8 +24,8 @@ from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator, NullFormatt
 from .breakdowns import position_grid
 from .data import Run, type_label
 from .style import (
-    CMAP, DEVIATION_LABEL, HIST_COLOR, MAX_COLOR, MEAN_COLOR, Drawn, Scale, draw_counts, ecdf, file_stem, histogram,
-    layer_colors, mark_mean_max, new_figure, shared_edges, stats_line, suptitle, wrap,
+    CMAP, DEVIATION_LABEL, Drawn, Scale, draw_counts, ecdf, file_stem, histogram,
+    layer_boxes, layer_colors, mark_mean_max, new_figure, shared_edges, stats_line, suptitle, wrap,
 )
 
 #: Heatmaps get a number in every cell up to this many heads and cells.
@@ -81,18 +81,7 @@ def overview_figure(run: Run, scale: Scale) -> Drawn:
     axes = figure.subplots(1, len(types), sharey=True, squeeze=False, width_ratios=widths)[0]
     for ax, attention_type in zip(axes, types, strict=True):
         rows = measured[measured["attention_type"] == attention_type]
-        groups = rows.groupby("layer")["rel_deviation"]
-        data = [groups.get_group(layer).dropna().to_numpy() if layer in groups.groups else np.array([])
-                for layer in layers[attention_type]]
-        positions = np.arange(1, len(data) + 1)
-        ax.boxplot(
-            data, positions=positions, tick_labels=[str(layer) for layer in layers[attention_type]],
-            whis=(5, 95), showfliers=False, showmeans=True, patch_artist=True,
-            boxprops={"facecolor": HIST_COLOR, "alpha": 0.6}, medianprops={"color": "black"},
-            meanprops={"marker": "D", "markersize": 4, "markerfacecolor": MEAN_COLOR, "markeredgecolor": MEAN_COLOR},
-        )
-        maxima = [values.max() if values.size else np.nan for values in data]
-        ax.scatter(positions, maxima, marker="^", color=MAX_COLOR, s=22, zorder=5)
+        layer_boxes(ax, rows, "rel_deviation", layers[attention_type])
         type_rows = main[main["attention_type"] == attention_type]
         ax.set_title(
             f"{type_label(attention_type)}\n{len(type_rows):,} rows\n{int(type_rows['trivial'].sum()):,} trivial left out"

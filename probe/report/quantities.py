@@ -20,7 +20,8 @@ from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
 from .data import Run, select_slice, type_label
 from .style import (
-    DEVIATION_LABEL, HIST_COLOR, MAX_COLOR, MEAN_COLOR, P95_COLOR, Drawn, Scale, layer_colors, new_figure, suptitle,
+    DEVIATION_LABEL, HIST_COLOR, MEAN_COLOR, P95_COLOR, Drawn, Scale, layer_boxes, layer_colors, new_figure,
+    suptitle,
 )
 
 QUANTITY_LABELS = {
@@ -153,17 +154,7 @@ def quantity_figure(run: Run, column: str) -> Drawn | None:
     top = 0.0
     for ax, attention_type in zip(axes, types):
         rows = measured[measured["attention_type"] == attention_type]
-        groups = rows.groupby("layer")[column]
-        data = [groups.get_group(layer).dropna().to_numpy() for layer in layers[attention_type]]
-        positions = np.arange(1, len(data) + 1)
-        ax.boxplot(
-            data, positions=positions, tick_labels=[str(layer) for layer in layers[attention_type]],
-            whis=(5, 95), showfliers=False, showmeans=True, patch_artist=True,
-            boxprops={"facecolor": HIST_COLOR, "alpha": 0.6}, medianprops={"color": "black"},
-            meanprops={"marker": "D", "markersize": 4, "markerfacecolor": MEAN_COLOR, "markeredgecolor": MEAN_COLOR},
-        )
-        maxima = [values.max() if values.size else np.nan for values in data]
-        ax.scatter(positions, maxima, marker="^", color=MAX_COLOR, s=22, zorder=5)
+        maxima = layer_boxes(ax, rows, column, layers[attention_type])
         top = max(top, np.nanmax(maxima) if np.isfinite(maxima).any() else 0.0)
         ax.set_title(f"{type_label(attention_type)}\n{int(rows[column].notna().sum()):,} rows")
         ax.set_xlabel("layer")

@@ -146,6 +146,25 @@ def draw_counts(ax, counts: np.ndarray, edges: np.ndarray, *, log: bool = False,
         ax.stairs(counts, edges, fill=True, color=color, alpha=0.85)
 
 
+def layer_boxes(ax, rows, column: str, layers) -> list[float]:
+    """One box per layer of ``rows[column]`` (whiskers at the 5th and 95th percentiles, the mean as a
+    diamond) and each layer's maximum as a triangle; a layer without rows gets an empty box.  Returns
+    the maxima (NaN for an empty layer)."""
+    groups = rows.groupby("layer")[column]
+    data = [groups.get_group(layer).dropna().to_numpy() if layer in groups.groups else np.array([])
+            for layer in layers]
+    positions = np.arange(1, len(data) + 1)
+    ax.boxplot(
+        data, positions=positions, tick_labels=[str(layer) for layer in layers],
+        whis=(5, 95), showfliers=False, showmeans=True, patch_artist=True,
+        boxprops={"facecolor": HIST_COLOR, "alpha": 0.6}, medianprops={"color": "black"},
+        meanprops={"marker": "D", "markersize": 4, "markerfacecolor": MEAN_COLOR, "markeredgecolor": MEAN_COLOR},
+    )
+    maxima = [values.max() if values.size else np.nan for values in data]
+    ax.scatter(positions, maxima, marker="^", color=MAX_COLOR, s=22, zorder=5)
+    return maxima
+
+
 def mark_mean_max(ax, values: np.ndarray) -> None:
     """The mean as a red vertical line and the maximum as a dark red triangle on the x axis.
 
