@@ -105,6 +105,15 @@ def assert_reproduces_output_attentions(sites, attentions, tolerance=1e-5):
             assert difference.numel() and float(difference.max()) <= tolerance, (site.layer, space)
 
 
+def assert_preference_matters(site, attention, kept_log, threshold=0.05):
+    """The preference the adapter captured is not decoration: with ``kept_log`` (the masks) in its place,
+    ``softmax(kept_log + s)`` is off from the model's attention by more than ``threshold`` on some real
+    query, so the fidelity check on the site could fail."""
+    without = torch.softmax(kept_log + space_problems(site, "hidden").logits, dim=-1)
+    real = site.query_mask[:, None, :, None].expand_as(without)
+    assert float((without - attention.double()).abs()[real].max()) > threshold
+
+
 def sample_rows(frame: pd.DataFrame, count=20, seed=0) -> pd.DataFrame:
     """``count`` rows drawn at random, always including a first query and a last one."""
     rng = np.random.default_rng(seed)

@@ -21,7 +21,8 @@ from probe.derived import (
     second_order_deviation,
 )
 from probe.reference import cvxpy_primal
-from probe.solver import DualProblems, factor_gram, solve_dual
+from probe.solver import factor_gram, solve_dual
+from tests.test_solver import reduced
 
 TOL = 1e-7
 
@@ -89,19 +90,6 @@ def newton_dual(T, z, log_u, alpha, max_iter=500):
         lam = trial
     grad, _ = gradient(lam)
     return lam, alpha * np.linalg.norm(grad)
-
-
-def reduced(T, Z, log_u, alpha):
-    """One group: explicit templates T (n, d), evidences Z (m, d), log u (m, n)."""
-    T = torch.as_tensor(T, dtype=torch.float64)
-    Z = torch.as_tensor(Z, dtype=torch.float64)
-    return DualProblems(
-        gram=(T @ T.T)[None],
-        logits=(Z @ T.T)[None],
-        log_preference=torch.as_tensor(log_u, dtype=torch.float64)[None],
-        evidence_sqnorm=(Z * Z).sum(-1)[None],
-        alpha=alpha,
-    )
 
 
 def derive(problems, solution, values=None, cg_rtol=1e-12, direct_min_rows=None):
