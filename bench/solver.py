@@ -583,6 +583,34 @@ def _fmt_x(x, lower_bound=False):
     return ("≥ " + s) if lower_bound else s
 
 
+FAMILY_LABELS = {
+    "minilm": "real MiniLM, embedded corpus", "illcond-64": "random, ill-conditioned (κ ≤ 64)",
+}
+
+
+def readme_table(results) -> str:
+    """The summary table the README quotes: probe's rate and its speedups, per family."""
+
+    def ratio(x):
+        return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x < 10 else f"{x:.0f}"
+
+    lines = [
+        "| problems | n | probe /s | x CVXPY | x L-BFGS | x gradient ascent, paper's method "
+        "| x the same, on probe's reduced form | x gradient ascent, best step, probe's layout |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for f in results["families"]:
+        low, high = min(f["n_keys"]), max(f["n_keys"])
+        n = str(low) if low == high else f"{low}–{high}"
+        lines.append(
+            f"| {FAMILY_LABELS.get(f['family'], 'random')} | {n} | {f['probe_problems_per_s']:,.0f} | "
+            f"{ratio(f['speedup_vs_cvxpy'])} ({ratio(f['speedup_vs_cvxpy_single_process'])}) | "
+            f"{ratio(f['speedup_vs_lbfgs'])} | {ratio(f['speedup_vs_ascent'])} | "
+            f"{ratio(f['speedup_vs_ascent_reduced'])} | {ratio(f['speedup_vs_ascent_best'])} |"
+        )
+    return "\n".join(lines)
+
+
 def markdown(results) -> str:
     cores = results["cores"]
     fams = results["families"]
@@ -719,7 +747,12 @@ def main(argv=None):
     parser.add_argument("--ascent-iterations", type=int, default=20000)
     parser.add_argument("--ascent-repeats", type=int, default=2, help="timed gradient-ascent runs (best kept)")
     parser.add_argument("--ascent-seconds", type=float, default=120.0, help="time cap of the grouped ascent")
+    parser.add_argument("--readme-table", type=Path, default=None,
+                        help="print the README's summary table of an existing results JSON (nothing is measured)")
     args = parser.parse_args(argv)
+    if args.readme_table is not None:
+        print(readme_table(json.loads(args.readme_table.read_text())))
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
     device = torch.device(args.device)
