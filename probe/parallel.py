@@ -11,10 +11,16 @@ So independent pieces (the solver's tiles, the sites of a stack) run side by sid
 worker thread whose own operations use one intra-op thread; torch releases the GIL inside its
 kernels, so the workers' kernels run in parallel.  Each piece computes exactly what it would alone,
 in the same order, so the results do not depend on the number of workers or on their scheduling.
+
+The workers still take turns for the GIL between operations, and for small operations that turn-taking
+costs more than the operations: a loop of them runs slower on two threads than on one.  The solver's
+hottest loops are therefore compiled with TorchScript (:func:`without_gil`), whose interpreter runs
+them without the GIL.
 """
 
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -36,6 +42,23 @@ def cpu_workers(device: torch.device | str | None = None) -> int:
     if device is not None and torch.device(device).type != "cpu":
         return 0
     return max(1, torch.get_num_threads())
+
+
+def without_gil(function: Callable) -> Callable:
+    """``function`` compiled by TorchScript, whose interpreter releases the GIL while it runs, so that the
+    workers of :func:`run_all` run its loop truly side by side; ``function`` itself where TorchScript
+    cannot compile it (it is deprecated in torch, and may go).
+
+    The compiled function runs the same operations in the same order, so its results are identical
+    (``tests/test_parallel.py`` checks it).  ``function`` must be written in the TorchScript subset
+    (annotated arguments, no closures) and is still an ordinary Python function.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the deprecation notice: the fallback below covers removal
+            return torch.jit.script(function)
+    except Exception:  # noqa: BLE001 - any failure to compile leaves the (identical) Python function
+        return function
 
 
 def run_all(jobs: list[Callable[[], T]], workers: int) -> list[T]:

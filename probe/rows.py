@@ -181,13 +181,16 @@ class RowContext:
     token_text: dict  # token id -> token string, filled as ids are met
     tokenizer: object = None
 
-    def tokens(self, ids: np.ndarray) -> list[str]:
-        missing = [int(i) for i in np.unique(ids) if int(i) not in self.token_text]
+    def tokens(self, ids: np.ndarray) -> pa.Array:
+        """The token strings of ``ids`` as a string column (each distinct id looked up once)."""
+        distinct, position = np.unique(ids, return_inverse=True)
+        missing = [int(i) for i in distinct if int(i) not in self.token_text]
         if missing:
             texts = self.tokenizer.convert_ids_to_tokens(missing) if self.tokenizer is not None else None
             for i, text in zip(missing, texts or [None] * len(missing)):
                 self.token_text[i] = text if text is not None else str(i)
-        return [self.token_text[int(i)] for i in ids]
+        strings = pa.array([self.token_text[int(i)] for i in distinct], pa.string())
+        return strings.take(pa.array(position.reshape(-1), pa.int64()))
 
 
 @dataclass
@@ -256,12 +259,12 @@ def site_rows(
     positions = query_np if site.query_positions is None else site.query_positions[ex, query].cpu().numpy()
     token_ids = site.query_ids[ex, query].cpu().numpy().astype(np.int64)
     keys = n_keys[ex, head, query].cpu().numpy().astype(np.int32)
-    roles = np.where(np.isin(token_ids, list(context.special_ids)), "special", "word").astype(object)
+    role_codes = np.isin(token_ids, list(context.special_ids)).astype(np.int64)  # index into _ROLES
     if site.attention_type in ("decoder_self", "cross"):
-        roles[positions == 0] = "first"
+        role_codes[positions == 0] = 2
     columns = {
-        "model": pa.array([context.model_name] * count, pa.string()),
-        "attention_type": pa.array([site.attention_type] * count, pa.string()),
+        "model": _repeated(context.model_name, count),
+        "attention_type": _repeated(site.attention_type, count),
         "layer": np.full(count, site.layer, np.int32),
         "head": head.cpu().numpy().astype(np.int32),
         "example": examples,
@@ -274,10 +277,10 @@ def site_rows(
         "error_bound": pick(solution.error_bound),
         "iterations": pick(solution.iterations).astype(np.int32),
         "converged": pick(solution.converged),
-        "space": pa.array([space] * count, pa.string()),
+        "space": _repeated(space, count),
         "token_id": token_ids.astype(np.int32),
-        "token": pa.array(context.tokens(token_ids), pa.string()),
-        "token_role": pa.array(roles, pa.string()),
+        "token": context.tokens(token_ids),
+        "token_role": _ROLES.take(pa.array(role_codes)),
         "trivial": keys == 1,
         "second_order_deviation": pick(quantities.second_order_deviation),
         "attention_tv": pick(quantities.attention_tv),
@@ -287,6 +290,15 @@ def site_rows(
         "attention_entropy": pick(quantities.attention_entropy),
     }
     return pa.table(columns, schema=DEVIATION_SCHEMA)
+
+
+#: the ``token_role`` values, by code
+_ROLES = pa.array(["word", "special", "first"], pa.string())
+
+
+def _repeated(value: str, count: int) -> pa.Array:
+    """A string column of ``count`` copies of ``value``."""
+    return pa.repeat(pa.scalar(value, pa.string()), count)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -465,13 +477,16 @@ class BatchSolver:
                 for dual, factor in zip(duals, factors):
                     dual.factor = factor  # one factorisation per space, shared by every alpha
                 solutions = solve_stacked(duals, self.rtol, self.solver_bytes)
-                derived_sites = run_all(
-                    [lambda site=site, dual=dual, solution=solution: derive(site, dual, solution, self.rtol)
-                     for site, dual, solution in zip(sites, duals, solutions)],
+
+                def rows_of(site, offset, built, dual, solution, space=space, alpha=alpha):
+                    quantities = derive(site, dual, solution, self.rtol)
+                    return site_rows(site, space, built, solution, quantities, alpha, self.context, offset), quantities
+
+                finished = run_all(
+                    [lambda args=args: rows_of(*args[0], *args[1:]) for args in zip(stack, problems, duals, solutions)],
                     workers,
                 )
-                for (site, offset), built, solution, quantities in zip(stack, problems, solutions, derived_sites):
-                    table = site_rows(site, space, built, solution, quantities, alpha, self.context, offset)
+                for table, quantities in finished:  # in the stack's order, whichever worker finished first
                     self.summary.add(table, quantities.bounds)
                     self.tables.append(table)
 

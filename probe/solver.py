@@ -54,10 +54,11 @@ and their certificates, which follow from this one, are in :mod:`probe.derived`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from .parallel import cpu_workers, run_all
+from .parallel import cpu_workers, run_all, without_gil
 
 __all__ = ["DualProblems", "DualSolution", "solve_dual", "duality_gap_reduced", "factor_gram", "solve_spd_reduced"]
 
@@ -194,23 +195,35 @@ class _WorkingSet:
         near the optimum the two terms nearly cancel, and the subtraction would cost digits of the
         gradient (and so of the certificate) for problems whose :math:`\lambda^*` is small.
         """
-        alpha = self.alpha
-        u_minus_p = self.u - p
-        spread = torch.bmm(u_minus_p, self.A)  # A^T (u - p)
-        gradient = spread - y / alpha
-        y_dot_m = torch.linalg.vecdot(y, self.m)
-        y_sq = torch.linalg.vecdot(y, y)
-        # ||lambda_hat|| = alpha ||z + T^T (u - p)||, expanded in reduced quantities
-        spread_sq = torch.linalg.vecdot(spread, spread)
-        lambda_sq = self.evidence_sqnorm + 2 * torch.linalg.vecdot(self.logits, u_minus_p) + spread_sq
-        return _State(
-            y=y, theta=theta, p=p, gradient=gradient, gradient_sq=torch.linalg.vecdot(gradient, gradient),
-            objective=y_dot_m - y_sq / (2 * alpha) - lse, y_dot_m=y_dot_m, y_sq=y_sq,
-            lambda_norm=alpha * lambda_sq.clamp_min(0).sqrt(), deviation=alpha * spread_sq.sqrt(),
-        )
+        terms = _state_terms(self.A, self.m, self.u, self.logits, self.evidence_sqnorm, float(self.alpha), y, p, lse)
+        return _State(y, theta, p, *terms)
 
 
-def _softmax_and_lse(theta):
+def _state_terms_python(
+    A: torch.Tensor, m: torch.Tensor, u: torch.Tensor, logits: torch.Tensor, evidence_sqnorm: torch.Tensor,
+    alpha: float, y: torch.Tensor, p: torch.Tensor, lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""The fields of :class:`_State` after ``(y, theta, p)`` at ``y`` (:meth:`_WorkingSet.state_from`).
+    Written in the TorchScript subset: :data:`_state_terms` is this function compiled."""
+    u_minus_p = u - p
+    spread = torch.bmm(u_minus_p, A)  # A^T (u - p)
+    gradient = spread - y / alpha
+    y_dot_m = torch.linalg.vecdot(y, m)
+    y_sq = torch.linalg.vecdot(y, y)
+    # ||lambda_hat|| = alpha ||z + T^T (u - p)||, expanded in reduced quantities
+    spread_sq = torch.linalg.vecdot(spread, spread)
+    lambda_sq = evidence_sqnorm + 2 * torch.linalg.vecdot(logits, u_minus_p) + spread_sq
+    return (
+        gradient, torch.linalg.vecdot(gradient, gradient), y_dot_m - y_sq / (2 * alpha) - lse, y_dot_m, y_sq,
+        alpha * lambda_sq.clamp_min(0).sqrt(), alpha * spread_sq.sqrt(),
+    )
+
+
+#: :func:`_state_terms_python`, compiled so that it runs without the GIL (identical results)
+_state_terms = without_gil(_state_terms_python)
+
+
+def _softmax_and_lse(theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(softmax(theta), logsumexp(theta))`` over the last axis."""
     top = theta.amax(dim=-1, keepdim=True)
     p = torch.sub(theta, top).exp_()
@@ -237,29 +250,39 @@ class _State:
     deviation: torch.Tensor
 
 
-def _hessian_times(factor, alpha, p, v, out=None, buffer=None):
+def _hessian_times(factor, alpha, p, v):
     r"""Rows of :math:`Hv = v/\alpha + A^\top \Sigma_p A v`, the negated Hessian of (R-D) at :math:`p`,
     with :math:`\Sigma_p = \mathrm{diag}\,p - pp^\top` (two products with the group's :math:`A`)."""
+    return _hessian_times_into(factor, alpha, p, v, torch.empty_like(v), torch.empty_like(p))
+
+
+def _hessian_times_into(
+    factor: torch.Tensor, alpha: float, p: torch.Tensor, v: torch.Tensor, out: torch.Tensor, buffer: torch.Tensor
+) -> torch.Tensor:
+    """:func:`_hessian_times` into ``out``, with ``buffer`` (shaped like ``p``) for :math:`Av`."""
     Av = torch.bmm(v, factor.transpose(1, 2), out=buffer)
     Av.sub_(torch.linalg.vecdot(p, Av).unsqueeze(-1)).mul_(p)  # Sigma_p A v
     return torch.baddbmm(v, Av, factor, beta=1.0 / alpha, out=out)
 
 
-def _conjugate_gradient(factor, alpha, p, rhs, forcing, max_iter, live, precond=None):
+def _conjugate_gradient_steps(
+    factor: torch.Tensor, alpha: float, p: torch.Tensor, rhs: torch.Tensor, forcing: torch.Tensor, max_iter: int,
+    live: torch.Tensor, precond: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     r"""Batched CG on :math:`H x = b` (:func:`_hessian_times`), each row stopping when its residual's norm
     reaches ``forcing`` times its right-hand side's; rows not ``live`` return 0.
 
     For the Newton directions there is no preconditioner: a Jacobi one did not reduce the step count on
     MiniLM's problems (their Hessians have condition numbers of 3 to 5) and costs a pass per step.
     ``p``, ``rhs`` (overwritten) and ``precond`` (the diagonal, or None) are in ``factor``'s precision,
-    which is that of the result.
+    which is that of the result.  Written in the TorchScript subset: :data:`_conjugate_gradient` is
+    this function compiled (:func:`probe.parallel.without_gil`).
     """
-    g_count, m, n = p.shape
     x = torch.zeros_like(rhs)
     r = rhs
     z = r if precond is None else r / precond
     d = z.clone()
-    Ad = torch.empty(g_count, m, n, dtype=p.dtype, device=p.device)
+    Ad = torch.empty_like(p)
     Hd = torch.empty_like(r)
     rz = torch.linalg.vecdot(r, z)
     target = forcing.to(rz.dtype).square() * torch.linalg.vecdot(r, r)
@@ -267,7 +290,7 @@ def _conjugate_gradient(factor, alpha, p, rhs, forcing, max_iter, live, precond=
     for _ in range(max_iter):
         if not bool(running.any()):
             break
-        _hessian_times(factor, alpha, p, d, out=Hd, buffer=Ad)
+        _hessian_times_into(factor, alpha, p, d, Hd, Ad)
         curvature = torch.linalg.vecdot(d, Hd)
         step = torch.where(running, rz / torch.where(curvature > 0, curvature, 1.0), 0.0).unsqueeze(-1)
         x.addcmul_(step, d)
@@ -286,6 +309,11 @@ def _conjugate_gradient(factor, alpha, p, rhs, forcing, max_iter, live, precond=
     return x
 
 
+#: :func:`_conjugate_gradient_steps`, compiled so that its loop runs without the GIL (the same operations
+#: in the same order: identical results)
+_conjugate_gradient = without_gil(_conjugate_gradient_steps)
+
+
 _COMPACT_BELOW = 0.5  # gather the live problems once they fit in this fraction of the working set
 
 
@@ -296,6 +324,66 @@ def _forcing(gradient_norm, initial_norm, goal, floor):
     direction cannot resolve residuals much below 1e-6; Newton then converges linearly, at that rate)."""
     ratio = gradient_norm / initial_norm
     return torch.maximum(ratio * ratio, 0.5 * goal / gradient_norm).clamp(min=floor, max=0.1)
+
+
+def _newton_step_python(
+    A: torch.Tensor, A_low: torch.Tensor, m: torch.Tensor, alpha: float, y: torch.Tensor, theta: torch.Tensor,
+    p_low: torch.Tensor, gradient: torch.Tensor, gradient_low: torch.Tensor, objective: torch.Tensor,
+    y_dot_m: torch.Tensor, y_sq: torch.Tensor, forcing: torch.Tensor, cg_cap: int, live: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""One inexact Newton step on (R-D) for the ``live`` rows, with Armijo backtracking on the objective.
+
+    The direction solves :math:`H\,dy = g` by CG in ``A_low``'s precision (``p_low``, ``gradient_low``:
+    :math:`p` and :math:`g` in it, the latter overwritten) to relative residual ``forcing``; everything
+    else is in the solver's dtype, whose machine epsilon is ``eps``.  Returns ``(y, theta, p, lse,
+    searching, at_floor)``: the new point with :math:`\theta = \log u + \alpha s + Ay` and its softmax and
+    log-sum-exp, the rows for which no acceptable step was found (they stay where they were) and those
+    whose full step was below the objective's rounding (taken; see :func:`_newton`).  Written in the
+    TorchScript subset: :data:`_newton_step` is this function compiled (:func:`probe.parallel.without_gil`).
+    """
+    direction = _conjugate_gradient_steps(A_low, alpha, p_low, gradient_low, forcing, cg_cap, live, None).to(y.dtype)
+    a_direction = torch.bmm(direction, A.transpose(1, 2))  # A dy
+    slope = torch.linalg.vecdot(gradient, direction)  # > 0: CG from 0 on an SPD system ascends
+    # (R-D) along the step: y^T m and ||y||^2 are polynomials in t, only the log-sum-exp needs a pass
+    dir_dot_m = torch.linalg.vecdot(direction, m)
+    y_dot_dir = torch.linalg.vecdot(y, direction)
+    dir_sq = torch.linalg.vecdot(direction, direction)
+    step = torch.ones_like(objective)
+    taken = torch.zeros_like(step)
+    # Below this predicted increase the objective cannot resolve progress: the rounding floor.
+    floor = 64 * eps * (objective.abs() + 1)
+    tiny = slope <= floor  # a full Newton step too small to measure (only ever taken in full)
+    searching = live.clone()
+    at_floor = torch.zeros_like(live)
+    full_theta = torch.addcmul(theta, step.unsqueeze(-1), a_direction)
+    full_p, full_lse = _softmax_and_lse(full_theta)
+    trial_lse = full_lse
+    for trial in range(60):  # Armijo backtracking on the dual objective
+        if trial > 0:
+            trial_lse = _softmax_and_lse(torch.addcmul(theta, step.unsqueeze(-1), a_direction))[1]
+        value = y_dot_m + step * dir_dot_m - (y_sq + step * (2 * y_dot_dir + step * dir_sq)) / (2 * alpha) - trial_lse
+        first = tiny & (step == 1)
+        accepted = ((value >= objective + 1e-4 * step * slope) | first) & torch.isfinite(value)
+        take = searching & accepted
+        taken = torch.where(take, step, taken)
+        at_floor = at_floor | (take & first)
+        searching = searching & ~accepted
+        if not bool(searching.any()):
+            break
+        step = torch.where(searching, 0.5 * step, step)
+    moved = live & ~searching
+    taken = torch.where(moved, taken, 0.0)
+    y = torch.addcmul(y, taken.unsqueeze(-1), direction)
+    # every live row took the full step (rows not live have a zero direction): reuse its softmax
+    if bool((moved | ~live).all()) and bool((taken[moved] == 1).all()):
+        return y, full_theta, full_p, full_lse, searching, at_floor
+    theta = torch.addcmul(theta, taken.unsqueeze(-1), a_direction)
+    p, lse = _softmax_and_lse(theta)
+    return y, theta, p, lse, searching, at_floor
+
+
+#: :func:`_newton_step_python`, compiled so that it runs without the GIL (identical results)
+_newton_step = without_gil(_newton_step_python)
 
 
 def _newton(work, state, iterations, live, initial_norm, rtol, atol, max_iter):
@@ -324,55 +412,14 @@ def _newton(work, state, iterations, live, initial_norm, rtol, atol, max_iter):
             return state, iterations, live, initial_norm, max_iter - done  # no live problem, or compact
         # Inexact Newton; the gradient, the line search and the certificate stay in the solver's dtype.
         forcing = _forcing(gradient_norm, initial_norm, goal, forcing_floor)
-        direction = _conjugate_gradient(
-            work.A_low, alpha, state.p.to(low), state.gradient.to(low, copy=True), forcing, cg_cap, live
-        ).to(dtype)
-        a_direction = torch.bmm(direction, work.A.transpose(1, 2))  # A dy
-        slope = torch.linalg.vecdot(state.gradient, direction)  # > 0: CG from 0 on an SPD system ascends
-        # (R-D) along the step: y^T m and ||y||^2 are polynomials in t, only the log-sum-exp needs a pass
-        dir_dot_m = torch.linalg.vecdot(direction, work.m)
-        y_dot_dir = torch.linalg.vecdot(state.y, direction)
-        dir_sq = torch.linalg.vecdot(direction, direction)
-        objective = state.objective
-        step = torch.ones(g_count, m, dtype=dtype, device=state.y.device)
-        taken = torch.zeros_like(step)
-        # Below this predicted increase the objective cannot resolve progress: the rounding floor.
-        floor = 64 * torch.finfo(dtype).eps * (objective.abs() + 1)
-        searching = live.clone()
-        at_floor = torch.zeros_like(live)
-        full_step = None
-        for trial in range(60):  # Armijo backtracking on the dual objective
-            theta = torch.addcmul(state.theta, step.unsqueeze(-1), a_direction)
-            p, lse = _softmax_and_lse(theta)
-            if trial == 0:
-                full_step = (theta, p, lse)
-            value = (
-                state.y_dot_m + step * dir_dot_m
-                - (state.y_sq + step * (2 * y_dot_dir + step * dir_sq)) / (2 * alpha)
-                - lse
-            )
-            tiny = (step == 1) & (slope <= floor)  # a full Newton step too small to measure
-            accepted = ((value >= objective + 1e-4 * step * slope) | tiny) & torch.isfinite(value)
-            take = searching & accepted
-            taken = torch.where(take, step, taken)
-            at_floor = at_floor | (take & tiny)
-            searching = searching & ~accepted
-            if not bool(searching.any()):
-                break
-            step = torch.where(searching, 0.5 * step, step)
-        moved = live & ~searching
-        taken = torch.where(moved, taken, 0.0)
-        # every live row took the full step (rows not live have a zero direction): reuse its softmax
-        full = bool((moved | ~live).all()) and bool((taken[moved] == 1).all())
-        taken = taken.unsqueeze(-1)
-        y = torch.addcmul(state.y, taken, direction)
+        y, theta, p, lse, searching, at_floor = _newton_step(
+            work.A, work.A_low, work.m, float(alpha), state.y, state.theta, state.p.to(low),
+            state.gradient, state.gradient.to(low, copy=True), state.objective, state.y_dot_m, state.y_sq,
+            forcing, cg_cap, live, torch.finfo(dtype).eps,
+        )
         iterations = iterations + live.to(torch.int32)
         previous_norm = gradient_norm
-        if full:
-            state = work.state_from(y, *full_step)
-        else:
-            theta = torch.addcmul(state.theta, taken, a_direction)
-            state = work.state_from(y, theta, *_softmax_and_lse(theta))
+        state = work.state_from(y, theta, p, lse)
         gradient_norm = state.gradient_sq.sqrt()
         # Near the optimum the objective cannot resolve the gain of a Newton step (it is below its
         # rounding), but the gradient still can: such steps are taken in full while they shrink the
@@ -450,6 +497,10 @@ def _finish(work, state, active, rtol, atol, iterations):
 #: enough to fill the device
 TILE_BYTES = {"cpu": 1 << 24, "cuda": 1 << 29}
 
+#: a call of at least twice this many problems is cut into an even number (at least 2) of equal tiles, so
+#: that two workers share it evenly (three tiles on two workers left one idle for a third of the call)
+_MIN_TILE_ROWS = 1024
+
 
 def solve_dual(
     problems: DualProblems,
@@ -523,9 +574,12 @@ def solve_dual(
     workers = cpu_workers(device) if workers is None else max(0, workers)
     if memory_budget_bytes is not None and workers > 1:  # each tile in flight holds its working set
         workers = max(1, min(workers, memory_budget_bytes // (min(rows_per_tile, m * n_groups) * bytes_per_row)))
-    if rows_per_tile >= m:
-        groups_per_tile = max(1, rows_per_tile // m)
-        tiles = [(g, min(g + groups_per_tile, n_groups), 0, m) for g in range(0, n_groups, groups_per_tile)]
+    if rows_per_tile >= m:  # whole groups, in tiles of equal size
+        count = -(-n_groups // max(1, rows_per_tile // m))
+        if n_groups * m >= 2 * _MIN_TILE_ROWS:
+            count = min(n_groups, max(2, count + count % 2))
+        bounds = [round(i * n_groups / count) for i in range(count + 1)]
+        tiles = [(g0, g1, 0, m) for g0, g1 in zip(bounds[:-1], bounds[1:])]
     else:  # slices of one group, of equal size
         slices = -(-m // rows_per_tile)
         bounds = [round(i * m / slices) for i in range(slices + 1)]
@@ -614,7 +668,7 @@ def solve_spd_reduced(
     forcing = torch.as_tensor(rtol, dtype=f64, device=rhs.device).expand(rhs.shape[:-1])
     live = torch.ones(rhs.shape[:-1], dtype=torch.bool, device=rhs.device)
     steps = 4 * factor.shape[-1] + 20 if max_iter is None else max_iter
-    x = _conjugate_gradient(factor, alpha, weights, rhs.clone(), forcing, steps, live, precond=diagonal)
+    x = _conjugate_gradient(factor, float(alpha), weights, rhs.clone(), forcing, int(steps), live, diagonal)
     if not residual:
         return x, None
     return x, (rhs - _hessian_times(factor, alpha, weights, x)).norm(dim=-1)

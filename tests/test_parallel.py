@@ -12,7 +12,7 @@ import torch
 
 import probe.solver as solver
 from probe.data import DatasetSpec
-from probe.parallel import cpu_workers, run_all
+from probe.parallel import cpu_workers, run_all, without_gil
 from probe.pipeline import RunConfig, run
 from probe.solver import DualSolution, solve_dual
 
@@ -37,6 +37,49 @@ def test_solver_answers_do_not_depend_on_the_workers(monkeypatch):
         _identical(one, solve_dual(problems, workers=workers))
     for name, value in given.items():  # the tiles leave the caller's problems as they were
         assert torch.equal(getattr(problems, name), value), name
+
+
+#: the solver's functions compiled by TorchScript, with the Python functions they are compiled from
+COMPILED = {
+    "_conjugate_gradient": "_conjugate_gradient_steps",
+    "_newton_step": "_newton_step_python",
+    "_state_terms": "_state_terms_python",
+}
+
+
+@pytest.mark.skipif(not hasattr(torch.jit, "script"), reason="this torch has no TorchScript")
+def test_the_solver_loops_are_compiled_and_answer_as_their_python():
+    """The compiled loops are TorchScript (a change that made them uncompilable would silently cost the
+    parallel speed), and running their Python originals instead gives bitwise the same solutions, with
+    and without the CG preconditioner (solve_spd_reduced)."""
+    for compiled in COMPILED:
+        assert isinstance(getattr(solver, compiled), torch.jit.ScriptFunction), compiled
+    problems = _random_groups(groups=3, per_group=20, n=24, d=12, template_scale=0.7, logit_std=4.0, seed=5)
+    factor = solver.factor_gram(problems.gram)
+    weights = torch.softmax(problems.logits, -1)
+    rhs = torch.randn(3, 20, factor.shape[-1], dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    fast = solve_dual(problems, workers=0), solver.solve_spd_reduced(factor, weights, rhs, 1.0)
+    with pytest.MonkeyPatch.context() as patch:
+        for compiled, python in COMPILED.items():
+            patch.setattr(solver, compiled, getattr(solver, python))
+        slow = solve_dual(problems, workers=0), solver.solve_spd_reduced(factor, weights, rhs, 1.0)
+    assert bool(fast[0].converged[problems.active].all())
+    _identical(fast[0], slow[0])
+    for x, y in zip(fast[1], slow[1]):
+        assert torch.equal(x, y)
+
+
+def test_without_gil_keeps_a_function_torchscript_cannot_compile():
+    """A function outside the TorchScript subset comes back as itself, still working."""
+
+    def uncompilable(x: torch.Tensor) -> torch.Tensor:
+        try:  # try blocks are not TorchScript
+            return x + 3.0
+        except RuntimeError:
+            return x
+
+    assert without_gil(uncompilable) is uncompilable
+    assert without_gil(uncompilable)(torch.ones(1)).item() == 4.0
 
 
 def test_a_memory_budget_limits_the_tiles_in_flight(monkeypatch):
