@@ -1,60 +1,154 @@
-"""Experiment (evidence for a solver change; not used by probe): fuse the elementwise work of a CG step.
+"""Experiment (evidence for a solver choice; not used by probe): the CG loop of the Newton directions, run
+four ways, on one thread and on two threads side by side.
 
-One step of ``probe.solver._conjugate_gradient`` (``probe.solver._cg_step``, with ``_Group.hessian_times``)
-is two batched products plus about twenty elementwise/reduction kernels over ``(groups, m, n)`` tensors,
-each a separate pass through memory.  This times the solver's own step eagerly and under
-``torch.compile`` (Inductor fuses the elementwise kernels), next to the two ``bmm`` alone (the floor).
-The Newton direction is float64 here, as in the measurements quoted in ``NOTES.md`` (the solver's
-default is float32; the ratios are similar).
+``probe.solver._conjugate_gradient_steps`` runs a fixed number of CG steps (``forcing`` 0, so no row stops
+early) on random problems of the solver's tile shapes, in float32 like the Newton directions:
 
-    python bench/fusion_experiment.py        # needs a C++ compiler for Inductor on CPU
+* **python**: the function as written, each operation dispatched from Python;
+* **torchscript**: ``probe.solver._conjugate_gradient``, the same function compiled by TorchScript
+  (what the solver runs; its interpreter releases the GIL);
+* **inductor**: ``torch.compile`` of one CG step (Inductor fuses the elementwise kernels into C++ loops;
+  the loop's data-dependent stop stays in Python);
+* **2 bmm**: the two products of each step alone, the floor of any fusion.
+
+"2 threads" runs two copies at once, each in a thread with one intra-op thread, as the solver's workers
+do; its column is the throughput against one copy on one thread (2.0x: the two threads never wait for
+each other).
+
+    python bench/fusion_experiment.py > bench/results_fusion.md     # Inductor needs a C++ compiler
+    python bench/fusion_experiment.py --quick    # the smallest tile, without Inductor (the tests run this)
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the probe command sets it (cli.py), before torch loads
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from probe.solver import _cg_step, _Group  # noqa: E402
+from probe import solver  # noqa: E402
+from machine import cpu_model, load_average  # noqa: E402
+
+STEPS = 10
+SHAPES = [(48, 192, 16, 16), (1, 768, 128, 128), (1, 192, 512, 384)]  # (groups, m, n, r): corpus, 128, 512 tokens
 
 
-def best(f, repeats=20):
-    f()
-    f()
+def problem(g, m, n, r):
+    generator = torch.Generator().manual_seed(0)
+    factor = torch.randn(g, n, r, generator=generator) / r**0.5
+    p = torch.softmax(2 * torch.randn(g, m, n, generator=generator), -1)
+    rhs = torch.randn(g, m, r, generator=generator)
+    return factor, p, rhs
+
+
+def cg_step(factor, p, x, r, d, rz):
+    """One step of ``_conjugate_gradient_steps`` (no preconditioner, every row running)."""
+    Hd = solver._hessian_times(factor, 1.0, p, d)
+    step = (rz / torch.linalg.vecdot(d, Hd)).unsqueeze(-1)
+    x = x + step * d
+    r = r - step * Hd
+    rz_new = torch.linalg.vecdot(r, r)
+    d = r + (rz_new / rz).unsqueeze(-1) * d
+    return x, r, d, rz_new
+
+
+def ways(factor, p, rhs, inductor=True):
+    g, m, _ = p.shape
+    zero, live = torch.zeros(g, m), torch.ones(g, m, dtype=torch.bool)
+    compiled_step = torch.compile(cg_step, dynamic=False) if inductor else None
+
+    def python():
+        solver._conjugate_gradient_steps(factor, 1.0, p, rhs.clone(), zero, STEPS, live)
+
+    def torchscript():
+        solver._conjugate_gradient(factor, 1.0, p, rhs.clone(), zero, STEPS, live)
+
+    def inductor():
+        x, r, d = torch.zeros_like(rhs), rhs.clone(), rhs.clone()
+        rz = torch.linalg.vecdot(r, r)
+        for _ in range(STEPS):
+            x, r, d, rz = compiled_step(factor, p, x, r, d, rz)
+
+    def products():
+        for _ in range(STEPS):
+            torch.bmm(torch.bmm(rhs, factor.transpose(1, 2)), factor)
+
+    out = {"python": python, "torchscript": torchscript, "inductor": inductor, "2 bmm": products}
+    return out if compiled_step is not None else {name: way for name, way in out.items() if name != "inductor"}
+
+
+def repeated(function, calls):
+    def many():
+        for _ in range(calls):
+            function()
+
+    return many
+
+
+def best(function, repeats=5):
+    function()
     out = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        f()
+        function()
         out = min(out, time.perf_counter() - start)
     return out
 
 
-def main():
-    torch.manual_seed(0)
-    compiled = torch.compile(_cg_step, dynamic=False)
-    print("| tile (groups, m, n) | eager step (ms) | compiled step (ms) | speedup | 2 bmm alone (ms) |")
+def side_by_side(function, repeats=5):
+    """Best time of two copies of ``function`` at once, each in a thread with one intra-op thread."""
+
+    def worker(barrier):
+        torch.set_num_threads(1)
+        barrier.wait()
+        function()
+
+    out = float("inf")
+    for _ in range(repeats):
+        barrier = threading.Barrier(3)
+        threads = [threading.Thread(target=worker, args=(barrier,)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        barrier.wait()
+        start = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        out = min(out, time.perf_counter() - start)
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the smallest tile, without Inductor")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print("# The CG loop four ways, on one thread and on two side by side (`bench/fusion_experiment.py`)")
+    print()
+    print(f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {cpu_model()}, {os.cpu_count()} cores, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load average at start {load_average()}.")
+    print()
+    timing = "one call each" if args.quick else "best of 5 runs of about 50 ms"
+    print(f"{STEPS} CG steps, float32, torch {torch.__version__}; ms per call ({timing}), and the throughput of two "
+          "threads side by side against one")
+    print()
+    print("| tile (groups, m, n, r) | way | 1 thread (ms) | 2 threads side by side (ms) | throughput on 2 threads |")
     print("|---|---|---|---|---|")
-    for g, m, n in [(48, 192, 16), (8, 300, 25), (12, 768, 64), (6, 1536, 128), (2, 1536, 512)]:
-        r_dim = min(n, 384)
-        f64 = torch.float64
-        A = torch.randn(g, n, r_dim, dtype=f64) / 4
-        logits = torch.randn(g, m, n, dtype=f64)
-        log_pref = torch.full((g, m, n), -torch.log(torch.tensor(float(n), dtype=f64)).item(), dtype=f64)
-        group = _Group(A, logits, log_pref, 1.0, f64)
-        p = torch.softmax(logits, -1)
-        d = torch.randn(g, m, r_dim, dtype=f64)
-        args = (group, p, torch.full_like(d, 2.0), torch.zeros(g, m, dtype=f64),
-                torch.zeros_like(d), d.clone(), d, (d * d).sum(-1), torch.ones(g, m, dtype=torch.bool))
-        eager = best(lambda: _cg_step(*args))
-        fused = best(lambda: compiled(*args))
-        floor = best(lambda: torch.bmm(torch.bmm(d, A.transpose(1, 2)), A))
-        print(f"| ({g}, {m}, {n}) | {1e3 * eager:.2f} | {1e3 * fused:.2f} | {eager / fused:.2f}x | {1e3 * floor:.2f} |",
-              flush=True)
+    for shape in SHAPES[:1] if args.quick else SHAPES:
+        for name, function in ways(*problem(*shape), inductor=not args.quick).items():
+            calls = 1 if args.quick else max(1, round(0.05 / best(function, 1)))  # about 50 ms: starting threads is noise
+            one = best(repeated(function, calls)) / calls
+            two = side_by_side(repeated(function, calls)) / calls
+            print(f"| {shape} | {name} | {1e3 * one:.2f} | {1e3 * two:.2f} | {2 * one / two:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,17 @@ tokens, hidden space, alpha 1), captured once, are solved in one process, altern
   threads (``workers=0``; how the solver ran before ``probe.parallel``);
 * **1 thread**: the same on one thread;
 * **side by side, W workers**: W tiles at a time, each in a worker thread whose operations use one
-  intra-op thread (``probe.parallel``; the default since).
+  intra-op thread (``probe.parallel``; the default since), with the solver's loops compiled by
+  TorchScript, which runs them without the GIL (``probe.parallel.without_gil``; the default);
+* **side by side, Python loops**: the same with those loops run as the Python functions they are
+  compiled from (how the solver ran before), so the workers take turns for the GIL between operations.
 
 ``OMP_WAIT_POLICY`` is what the ``probe`` command sets (PASSIVE) unless the environment says otherwise;
 ``--wait-policy active`` measures OpenMP's spinning default instead (a separate run: the policy is read
 when torch starts).  Side by side and on one thread, every operation runs on one thread, and the answers
 are bitwise identical (checked here); spread over intra-op threads, a product may be split differently
-and round differently, within the certificates (checked here).
+and round differently, within the certificates (checked here).  The Python loops give bitwise the
+answers of the compiled ones (checked here).
 
     python bench/parallel.py                     # bench/results_parallel.{json,md}
     python bench/parallel.py --wait-policy active --out bench/results_parallel_active.json
@@ -36,6 +40,14 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 
+#: the solver's loops compiled by TorchScript, and the Python functions they are compiled from
+PYTHON_LOOPS = {
+    "_conjugate_gradient": "_conjugate_gradient_steps",
+    "_newton_step": "_newton_step_python",
+    "_state_terms": "_state_terms_python",
+}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="16,128,512", help="comma-separated text lengths")
@@ -55,7 +67,11 @@ def main(argv=None):
     from probe.adapters.base import space_problems
     from probe.loading import load_model
     from probe.rows import dual_problems, stacked_problems
+    from probe import solver
     from probe.solver import factor_gram, solve_dual
+
+    compiled = {name: getattr(solver, name) for name in PYTHON_LOOPS}
+    python = {name: getattr(solver, source) for name, source in PYTHON_LOOPS.items()}
 
     cores = torch.get_num_threads()
     loaded = load_model(e2e.minilm_path(), device="cpu")
@@ -75,26 +91,31 @@ def main(argv=None):
             duals.append(dual)
         problems = stacked_problems(duals)
         ways = {
-            f"intra-op, {cores} threads": (cores, 0),
-            "1 thread": (1, 1),
-            f"side by side, {cores} workers": (cores, cores),
+            f"intra-op, {cores} threads": (cores, 0, compiled),
+            "1 thread": (1, 1, compiled),
+            f"side by side, {cores} workers": (cores, cores, compiled),
+            "side by side, Python loops": (cores, cores, python),
         }
         seconds = {name: [] for name in ways}
         answers = {}
         solve_dual(problems, workers=0)  # warm-up
         for _ in range(args.repeats):
-            for name, (threads, workers) in ways.items():
+            for name, (threads, workers, loops) in ways.items():
                 torch.set_num_threads(threads)
+                for loop, function in loops.items():
+                    setattr(solver, loop, function)
                 started = time.perf_counter()
                 answers[name] = solve_dual(problems, workers=workers)
                 seconds[name].append(time.perf_counter() - started)
         torch.set_num_threads(cores)
+        for loop, function in compiled.items():
+            setattr(solver, loop, function)
         def same(a, b):
             return all(torch.equal(torch.nan_to_num(getattr(a, k), nan=-1.0), torch.nan_to_num(getattr(b, k), nan=-1.0))
                        for k in vars(a))
 
-        intra, single, side = (answers[name] for name in ways)
-        identical = same(single, side)  # one intra-op thread per operation in both: bitwise the same
+        intra, single, side, side_python = (answers[name] for name in ways)
+        identical = same(single, side) and same(side, side_python)  # one thread per operation: bitwise the same
         intra_identical = same(intra, single)  # several intra-op threads may split a product differently
         certified = bool((((intra.rel_deviation - single.rel_deviation).abs()
                            <= 2 * (intra.error_bound / intra.lambda_norm + single.error_bound / single.lambda_norm) + 1e-15)
@@ -131,18 +152,19 @@ def markdown(out: dict, repeats: int) -> str:
         f"Command: `{out['command']}`, run {out['date']}. Machine: {out['cpu_model']}, {out['cores']} cores, "
         f"torch {out['torch']}, OMP_WAIT_POLICY={out['omp_wait_policy']}; load average at the end "
         f"{out['load_average_end']}. `solve_dual` on the captured problems of real MiniLM batches (hidden "
-        f"space, alpha 1); seconds, median of {repeats}, the three ways alternating in one process.",
+        f"space, alpha 1); seconds, median of {repeats}, the ways alternating in one process.",
         "",
         "| tokens per text | texts | problems | " + " | ".join(names)
-        + " | intra-op time / side by side time | side by side = 1 thread | intra-op = 1 thread |",
-        "|---|---|---|" + "---|" * len(names) + "---|---|---|",
+        + " | intra-op time / side by side time | Python loops time / compiled time | side by side = 1 thread "
+        "| intra-op = 1 thread |",
+        "|---|---|---|" + "---|" * len(names) + "---|---|---|---|",
     ]
     for row in results:
         median = row["median_s"]
         lines.append(
             f"| {row['tokens']} | {row['texts']} | {row['problems']:,} | "
             + " | ".join(f"{median[name]:.2f}" for name in names)
-            + f" | {median[names[0]] / median[names[2]]:.1f}x | "
+            + f" | {median[names[0]] / median[names[2]]:.1f}x | {median[names[3]] / median[names[2]]:.2f}x | "
             + ("bitwise" if row["side_by_side_bitwise_identical_to_1_thread"] else "**differ**") + " | "
             + ("bitwise" if row["intra_op_bitwise_identical_to_1_thread"] else
                "within the certificates" if row["intra_op_within_certificates_of_1_thread"] else "**differ**") + " |"

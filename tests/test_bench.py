@@ -44,3 +44,14 @@ def test_derived_benchmark_quick_mode(tmp_path):
         assert case["rows"] > 0 and case["median_wall_without_derived_s"] > 0
         assert 0 < case["median_derive_s"] < case["median_wall_with_derived_s"]
     assert "ratio of medians" in out.with_suffix(".md").read_text()
+
+
+def test_fusion_experiment_quick_mode():
+    """bench/fusion_experiment.py runs the solver's CG loop as Python and as TorchScript (it broke silently
+    once, when the solver's functions were renamed)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "fusion_experiment.py"), "--quick"],
+        check=True, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    ways = [line.split("|")[2].strip() for line in done.stdout.splitlines() if line.startswith("| (")]
+    assert ways == ["python", "torchscript", "2 bmm"]
