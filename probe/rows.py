@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -483,7 +484,8 @@ class BatchSolver:
                     return site_rows(site, space, built, solution, quantities, alpha, self.context, offset), quantities
 
                 finished = run_all(
-                    [lambda args=args: rows_of(*args[0], *args[1:]) for args in zip(stack, problems, duals, solutions)],
+                    [partial(rows_of, site, offset, built, dual, solution)
+                     for (site, offset), built, dual, solution in zip(stack, problems, duals, solutions)],
                     workers,
                 )
                 for table, quantities in finished:  # in the stack's order, whichever worker finished first
