@@ -40,14 +40,6 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 
-#: the solver's loops compiled by TorchScript, and the Python functions they are compiled from
-PYTHON_LOOPS = {
-    "_conjugate_gradient": "_conjugate_gradient_steps",
-    "_newton_step": "_newton_step_python",
-    "_state_terms": "_state_terms_python",
-}
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="16,128,512", help="comma-separated text lengths")
@@ -70,8 +62,8 @@ def main(argv=None):
     from probe import solver
     from probe.solver import factor_gram, solve_dual
 
-    compiled = {name: getattr(solver, name) for name in PYTHON_LOOPS}
-    python = {name: getattr(solver, source) for name, source in PYTHON_LOOPS.items()}
+    compiled = {name: getattr(solver, name) for name in solver.COMPILED_LOOPS}
+    python = {name: getattr(solver, source) for name, source in solver.COMPILED_LOOPS.items()}
 
     cores = torch.get_num_threads()
     loaded = load_model(e2e.minilm_path(), device="cpu")

@@ -385,6 +385,14 @@ def _newton_step_python(
 #: :func:`_newton_step_python`, compiled so that it runs without the GIL (identical results)
 _newton_step = without_gil(_newton_step_python)
 
+#: the solver's compiled loops by name, with the names of the Python functions they are compiled from
+#: (tests and ``bench/parallel.py`` run those instead, to compare)
+COMPILED_LOOPS = {
+    "_conjugate_gradient": "_conjugate_gradient_steps",
+    "_newton_step": "_newton_step_python",
+    "_state_terms": "_state_terms_python",
+}
+
 
 def _newton(work, state, iterations, live, initial_norm, rtol, atol, max_iter):
     """Newton iterations with Armijo backtracking on (R-D), for the problems of one working set.

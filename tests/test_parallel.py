@@ -39,20 +39,12 @@ def test_solver_answers_do_not_depend_on_the_workers(monkeypatch):
         assert torch.equal(getattr(problems, name), value), name
 
 
-#: the solver's functions compiled by TorchScript, with the Python functions they are compiled from
-COMPILED = {
-    "_conjugate_gradient": "_conjugate_gradient_steps",
-    "_newton_step": "_newton_step_python",
-    "_state_terms": "_state_terms_python",
-}
-
-
 @pytest.mark.skipif(not hasattr(torch.jit, "script"), reason="this torch has no TorchScript")
 def test_the_solver_loops_are_compiled_and_answer_as_their_python():
     """The compiled loops are TorchScript (a change that made them uncompilable would silently cost the
     parallel speed), and running their Python originals instead gives bitwise the same solutions, with
     and without the CG preconditioner (solve_spd_reduced)."""
-    for compiled in COMPILED:
+    for compiled in solver.COMPILED_LOOPS:
         assert isinstance(getattr(solver, compiled), torch.jit.ScriptFunction), compiled
     problems = _random_groups(groups=3, per_group=20, n=24, d=12, template_scale=0.7, logit_std=4.0, seed=5)
     factor = solver.factor_gram(problems.gram)
@@ -60,7 +52,7 @@ def test_the_solver_loops_are_compiled_and_answer_as_their_python():
     rhs = torch.randn(3, 20, factor.shape[-1], dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     fast = solve_dual(problems, workers=0), solver.solve_spd_reduced(factor, weights, rhs, 1.0)
     with pytest.MonkeyPatch.context() as patch:
-        for compiled, python in COMPILED.items():
+        for compiled, python in solver.COMPILED_LOOPS.items():
             patch.setattr(solver, compiled, getattr(solver, python))
         slow = solve_dual(problems, workers=0), solver.solve_spd_reduced(factor, weights, rhs, 1.0)
     assert bool(fast[0].converged[problems.active].all())
