@@ -586,12 +586,9 @@ def solve_dual(
         count = -(-n_groups // max(1, rows_per_tile // m))
         if n_groups * m >= 2 * _MIN_TILE_ROWS:
             count = min(n_groups, max(2, count + count % 2))
-        bounds = [round(i * n_groups / count) for i in range(count + 1)]
-        tiles = [(g0, g1, 0, m) for g0, g1 in zip(bounds[:-1], bounds[1:])]
+        tiles = [(g0, g1, 0, m) for g0, g1 in _equal_parts(n_groups, count)]
     else:  # slices of one group, of equal size
-        slices = -(-m // rows_per_tile)
-        bounds = [round(i * m / slices) for i in range(slices + 1)]
-        tiles = [(g, g + 1, j0, j1) for g in range(n_groups) for j0, j1 in zip(bounds[:-1], bounds[1:])]
+        tiles = [(g, g + 1, j0, j1) for g in range(n_groups) for j0, j1 in _equal_parts(m, -(-m // rows_per_tile))]
 
     def solve(g0, g1, j0, j1):  # one tile, written into its own slice of ``out``
         logits, base, u, evidence_sqnorm, active = _tile_inputs(problems, g0, g1, j0, j1, dtype, device)
@@ -606,6 +603,12 @@ def solve_dual(
 
     run_all([lambda tile=tile: solve(*tile) for tile in tiles], workers)
     return out
+
+
+def _equal_parts(length: int, count: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of ``count`` consecutive parts of ``range(length)`` whose sizes differ by at most 1."""
+    bounds = [round(i * length / count) for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _tile_inputs(problems, g0, g1, j0, j1, dtype, device):
