@@ -114,6 +114,23 @@ def test_export_writes_one_file(run_dir, tmp_path):
         storage.export(run_dir, tmp_path / "nowhere" / "x.parquet")
 
 
+def test_only_repeating_columns_are_dictionary_encoded(run_dir, tmp_path):
+    """Part files and exports keep dictionaries for names, indices and flags, none for the float
+    measurements (a dictionary tried on them and abandoned costs time and space), and read back exact."""
+    to = tmp_path / "all.parquet"
+    storage.export(run_dir, to)
+    for path in (storage.part_path(run_dir, 0), to):
+        chunks = pq.ParquetFile(path).metadata.row_group(0)
+        for i in range(chunks.num_columns):
+            column = chunks.column(i)
+            kind = DEVIATION_SCHEMA.field(column.path_in_schema).type
+            if pa.types.is_boolean(kind):
+                continue  # parquet writes flags bit-packed, never with a dictionary
+            dictionary = column.dictionary_page_offset is not None
+            assert dictionary != pa.types.is_floating(kind), (path.name, column.path_in_schema, column.encodings)
+    assert pq.read_table(storage.part_path(run_dir, 0)).replace_schema_metadata(None).equals(batch_table(0))
+
+
 def test_empty_run_reads_as_no_rows(tmp_path):
     run_dir = storage.create_run_directory(tmp_path, "model")
     table = storage.read_deviations(run_dir)
