@@ -34,8 +34,10 @@ Also measured, each in a child process of its own:
 * **memory**: the peak resident set size (``VmHWM`` of ``/proc/self/status``: unlike ``ru_maxrss``, which
   Linux carries over from the parent through ``exec``, it is the child's own) of a run on MiniLM at 512 tokens with batch
   sizes 1 and 16 over the same texts, and of a process that only imports and loads the model;
-* **threads**: the analysis time of a run at 128 tokens under OpenMP's default and passive wait policies
-  and with one thread, alone and beside a busy neighbour process (one spinning core).
+* **threads**: the plain forward and the analysis of runs over the embedded corpus and at 128 tokens under
+  OpenMP's default wait policy, a short spin, the passive policy (probe's default) and one thread, alone and
+  beside a busy neighbour process (one spinning core); the analysis's CPU seconds show what spinning
+  threads take from the machine.
 
     python bench/e2e.py                # full run (about 30-60 min on 2 shared cores): bench/results_e2e.{json,md}
     python bench/e2e.py --quick        # smoke run (seconds): bench/results_e2e_quick.{json,md}
@@ -369,12 +371,30 @@ def child_main(spec: dict) -> None:
         load_model(spec["model"], device="cpu")
         out = {}
     else:
-        texts = json.loads(Path(spec["texts_file"]).read_text())
+        texts = json.loads(Path(spec["texts_file"]).read_text()) if spec.get("texts_file") else None
         extra = {"threads": spec["threads"]} if spec.get("threads") else {}
         if spec.get("max_memory_bytes"):
             extra["max_memory_bytes"] = spec["max_memory_bytes"]
-        config = run_config(spec["model"], texts, spec["length"], spec["batch_size"], workdir, **extra)
+        config = run_config(spec["model"], texts, spec["length"], spec["batch_size"], workdir,
+                            samples=spec.get("samples"), **extra)
+        forward_s = None
+        if spec.get("forward"):  # the plain forward of the same batches first, under the same settings
+            import torch
+
+            from probe.loading import load_model
+
+            if spec.get("threads"):
+                torch.set_num_threads(spec["threads"])
+            loaded = load_model(spec["model"], device="cpu")
+            batches = forward_batches(loaded, config, texts)
+            forward_seconds(loaded.model, batches[:1])  # warm-up
+            forward_s = forward_seconds(loaded.model, batches)
+            del loaded
+        cpu_start = resource.getrusage(resource.RUSAGE_SELF)
         out = analysis(config)
+        cpu_end = resource.getrusage(resource.RUSAGE_SELF)
+        out["cpu_s"] = (cpu_end.ru_utime - cpu_start.ru_utime) + (cpu_end.ru_stime - cpu_start.ru_stime)
+        out["forward_s"] = forward_s
     out["peak_rss_mb"] = peak_rss_mb()
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -427,46 +447,73 @@ def memory(model_path: str, length: int, count: int, batch_sizes, workdir: Path,
 
 
 #: thread settings compared: (label, environment, --threads)
+#: (GNU OpenMP, which torch's Linux wheels use, spins an idle thread GOMP_SPINCOUNT times before it sleeps:
+#: 300,000 by default, 0 under PASSIVE)
 THREAD_SETTINGS = (
     ("2 threads, OpenMP default wait policy", {"OMP_WAIT_POLICY": None}, 2),
-    ("2 threads, OMP_WAIT_POLICY=PASSIVE", {"OMP_WAIT_POLICY": "PASSIVE"}, 2),
+    ("2 threads, short spin (GOMP_SPINCOUNT=10000)", {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000"}, 2),
+    ("2 threads, OMP_WAIT_POLICY=PASSIVE (probe's default)", {"OMP_WAIT_POLICY": "PASSIVE"}, 2),
     ("1 thread", {"OMP_WAIT_POLICY": "PASSIVE"}, 1),
 )
+#: the environment variables the settings control (removed from the parent's before each child's are set)
+_THREAD_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
 
 
 NEIGHBOURS = ("alone", "beside a busy core")
+#: where the thread settings are compared (-> texts): the embedded corpus's short texts (many small
+#: operations; all of it) and 128 tokens (the solver's larger tiles)
+THREAD_LENGTHS = {"corpus": None, 128: 16}
 
 
-def threads(model_path: str, length: int, count: int, repeats: int, workdir: Path, neighbours=NEIGHBOURS) -> dict:
+def threads(model_path: str, lengths: dict, repeats: int, workdir: Path, neighbours=NEIGHBOURS) -> dict:
+    """Forward and analysis seconds (and the analysis's CPU seconds) of runs over ``lengths`` (token count,
+    or ``"corpus"``, -> number of texts; ``None``: the whole corpus) under each of :data:`THREAD_SETTINGS`,
+    alone and beside a busy neighbour; one child process per run, since the OpenMP settings take
+    effect only when torch starts."""
     from transformers import AutoTokenizer
 
-    texts = texts_of_length(AutoTokenizer.from_pretrained(model_path), length, count)
-    texts_file = workdir / "threads-texts.json"
-    texts_file.write_text(json.dumps(texts))
-    base = {"model": model_path, "length": length, "texts_file": str(texts_file), "workdir": str(workdir),
-            "mode": "run", "batch_size": 8}
-    results = {label: {where: [] for where in neighbours} for label, _, _ in THREAD_SETTINGS}
-    for _ in range(repeats):
-        for neighbour in neighbours:
-            busy = None
-            if neighbour != "alone":
-                busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            try:
-                for label, env, count_threads in THREAD_SETTINGS:
-                    environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-                    environment.update({k: v for k, v in env.items() if v is not None})
-                    child = run_child({**base, "threads": count_threads}, environment)
-                    results[label][neighbour].append(child["seconds"])
-            finally:
-                if busy is not None:
-                    busy.kill()
-                    busy.wait()
-    summary = {
-        label: {where: statistics.median(times) for where, times in by.items()} for label, by in results.items()
-    }
-    for label, by in summary.items():
-        print(f"threads: {label}: " + ", ".join(f"{where} {s:.2f}s" for where, s in by.items()), flush=True)
-    return {"tokens": length, "texts": count, "repeats": repeats, "seconds": results, "median_s": summary}
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    by_length = {}
+    for length, count in lengths.items():
+        base = {"model": model_path, "workdir": str(workdir), "mode": "run", "batch_size": 8, "forward": True}
+        if length == "corpus":
+            base.update(length=128, samples=count)
+        else:
+            texts_file = workdir / f"threads-texts-{length}.json"
+            texts_file.write_text(json.dumps(texts_of_length(tokenizer, length, count)))
+            base.update(length=length, texts_file=str(texts_file))
+        measured = {label: {where: [] for where in neighbours} for label, _, _ in THREAD_SETTINGS}
+        for _ in range(repeats):
+            for neighbour in neighbours:
+                busy = None
+                if neighbour != "alone":
+                    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                try:
+                    for label, env, count_threads in THREAD_SETTINGS:
+                        environment = {k: v for k, v in os.environ.items() if k not in _THREAD_VARIABLES}
+                        environment.update({k: v for k, v in env.items() if v is not None})
+                        child = run_child({**base, "threads": count_threads}, environment)
+                        measured[label][neighbour].append(
+                            {"forward_s": child["forward_s"], "analysis_s": child["seconds"], "cpu_s": child["cpu_s"]}
+                        )
+                finally:
+                    if busy is not None:
+                        busy.kill()
+                        busy.wait()
+        medians = {
+            label: {
+                where: {key: statistics.median(run[key] for run in runs) for key in ("forward_s", "analysis_s", "cpu_s")}
+                for where, runs in by.items()
+            }
+            for label, by in measured.items()
+        }
+        for label, by in medians.items():
+            print(f"threads, {length}: {label}: " + ", ".join(
+                f"{where} forward {m['forward_s']:.2f}s analysis {m['analysis_s']:.2f}s" for where, m in by.items()
+            ), flush=True)
+        texts = len(corpus()) if count is None else count
+        by_length[str(length)] = {"texts": texts, "runs": measured, "median": medians}
+    return {"repeats": repeats, "by_length": by_length}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -489,6 +536,43 @@ def scaling_table(results: dict) -> str:
             + (f" | {arithmetic['ratio']:.1f}x |" if arithmetic else " | – |")
         )
     return "\n".join(lines)
+
+
+def threads_markdown(thr: dict) -> list[str]:
+    """The threads part: per length, forward and analysis seconds under each setting, and the fastest
+    forward alone, against which probe's default analysis is also stated."""
+    default = next(label for label, _, _ in THREAD_SETTINGS if "probe's default" in label)
+    lines = [
+        f"## Threads (MiniLM, batches of 8; median of {thr['repeats']}; one child process per run, the plain "
+        "forward of the run's batches first, then the run)",
+        "",
+        "*CPU s*: the analysis's CPU seconds (user + system, all threads): what spinning idle threads take from "
+        "the machine shows there.",
+    ]
+    for length, part in thr["by_length"].items():
+        neighbours = list(next(iter(part["median"].values())))
+        header = ["setting"] + [f"{what}, {where}" for where in neighbours
+                                for what in ("forward s", "analysis s", "CPU s")]
+        lines += [
+            "",
+            f"**{'the embedded corpus' if length == 'corpus' else f'{length} tokens'}** ({part['texts']} texts)",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|---" * len(header) + "|",
+        ]
+        for label, by in part["median"].items():
+            cells = [f"{m['forward_s']:.3f} | {m['analysis_s']:.2f} | {m['cpu_s']:.1f}" for m in by.values()]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        alone = {label: by[neighbours[0]] for label, by in part["median"].items()}
+        fastest = min(alone, key=lambda label: alone[label]["forward_s"])
+        mine = alone[default]
+        lines += [
+            "",
+            f"{neighbours[0].capitalize()}, the forward is fastest under *{fastest}* ({alone[fastest]['forward_s']:.3f} s). "
+            f"probe's default analysis is {mine['analysis_s'] / mine['forward_s']:.1f}x the forward under the same "
+            f"setting and {mine['analysis_s'] / alone[fastest]['forward_s']:.1f}x that fastest forward.",
+        ]
+    return lines
 
 
 def markdown(results: dict) -> str:
@@ -584,15 +668,7 @@ def markdown(results: dict) -> str:
         ]
     thr = results.get("threads")
     if thr:
-        lines += [
-            "",
-            f"## Threads (MiniLM, {thr['tokens']} tokens, {thr['texts']} texts; analysis seconds, median of "
-            f"{thr['repeats']}; one child process each)",
-            "",
-            "| setting | " + " | ".join(next(iter(thr["median_s"].values()))) + " |",
-            "|---|" + "---|" * len(next(iter(thr["median_s"].values()))),
-            *[f"| {label} | " + " | ".join(f"{s:.2f}" for s in by.values()) + " |" for label, by in thr["median_s"].items()],
-        ]
+        lines += ["", *threads_markdown(thr)]
     return "\n".join(lines) + "\n"
 
 
@@ -652,7 +728,7 @@ def main(argv=None):
             mem = memory(paths["minilm"], 16 if args.quick else 512, 2 if args.quick else 16,
                          (1, 2) if args.quick else (1, 16), workdir, budgets=(2**28,) if args.quick else (2**30,))
         if not args.skip_threads:
-            thr = threads(paths["minilm"], 16 if args.quick else 128, 2 if args.quick else 16,
+            thr = threads(paths["minilm"], {"corpus": 4, 16: 2} if args.quick else THREAD_LENGTHS,
                           1 if args.quick else 3, workdir, neighbours=("alone",) if args.quick else NEIGHBOURS)
 
     results = {
