@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 # Idle OpenMP threads sleep instead of spinning: on a machine shared with other work, spinning threads
-# fight the neighbours for cores (bench/results_e2e.md, threads).  The solver's many small operations
+# fight the neighbours for cores (bench/results_e2e_threads.md).  The solver's many small operations
 # would pay for waking the sleeping threads each time, so it runs its tiles side by side instead, one
 # thread each (probe/parallel.py, bench/results_parallel.md).  It must be set before
 # torch loads its OpenMP runtime, so here, before any probe module imports torch (they are imported in

@@ -41,6 +41,10 @@ Also measured, each in a child process of its own:
 
     python bench/e2e.py                # full run (about 30-60 min on 2 shared cores): bench/results_e2e.{json,md}
     python bench/e2e.py --quick        # smoke run (seconds): bench/results_e2e_quick.{json,md}
+
+The committed results come in three runs, one part each:
+``--skip-memory`` (bench/results_e2e), ``--skip-speed --skip-threads --out bench/results_e2e_memory.json``
+and ``--skip-speed --skip-memory --out bench/results_e2e_threads.json``.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the probe command sets it (cli.py), before torch loads
+if "--child" not in sys.argv:  # a child process runs with the environment its parent chose for it
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the probe command sets it (cli.py), before torch loads
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -396,6 +401,7 @@ def child_main(spec: dict) -> None:
         out["cpu_s"] = (cpu_end.ru_utime - cpu_start.ru_utime) + (cpu_end.ru_stime - cpu_start.ru_stime)
         out["forward_s"] = forward_s
     out["peak_rss_mb"] = peak_rss_mb()
+    out["environment"] = {name: os.environ.get(name) for name in _THREAD_VARIABLES}  # as this process started
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -493,9 +499,10 @@ def threads(model_path: str, lengths: dict, repeats: int, workdir: Path, neighbo
                         environment = {k: v for k, v in os.environ.items() if k not in _THREAD_VARIABLES}
                         environment.update({k: v for k, v in env.items() if v is not None})
                         child = run_child({**base, "threads": count_threads}, environment)
-                        measured[label][neighbour].append(
-                            {"forward_s": child["forward_s"], "analysis_s": child["seconds"], "cpu_s": child["cpu_s"]}
-                        )
+                        measured[label][neighbour].append({
+                            "forward_s": child["forward_s"], "analysis_s": child["seconds"], "cpu_s": child["cpu_s"],
+                            "environment": child["environment"],
+                        })
                 finally:
                     if busy is not None:
                         busy.kill()
@@ -648,6 +655,8 @@ def markdown(results: dict) -> str:
             )
     if rows:
         lines += ["", "## Scaling (the table in the README)", "", scaling_table(results)]
+    if results.get("threads_invalid"):
+        lines += ["", "## Threads", "", f"Not measured validly in this run: {results['threads_invalid']['why']}."]
     if results.get("memory_invalid"):
         lines += ["", "## Peak memory", "", f"Not measured validly in this run: {results['memory_invalid']['why']}."]
     mem = results.get("memory")
