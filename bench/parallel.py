@@ -13,6 +13,9 @@ tokens, hidden space, alpha 1), captured once, are solved in one process, altern
 * **side by side, Python loops**: the same with those loops run as the Python functions they are
   compiled from (how the solver ran before), so the workers take turns for the GIL between operations.
 
+All four run the solver's torch loops: the compiled C kernel that replaces them where it can be built
+(``probe.native``) is turned off here, and compared with them by ``bench/native.py``.
+
 ``OMP_WAIT_POLICY`` is what the ``probe`` command sets (PASSIVE) unless the environment says otherwise;
 ``--wait-policy active`` measures OpenMP's spinning default instead (a separate run: the policy is read
 when torch starts).  Side by side and on one thread, every operation runs on one thread, and the answers
@@ -56,32 +59,20 @@ def main(argv=None):
 
     import e2e
     from machine import cpu_model, load_average
-    from probe.adapters.base import space_problems
     from probe.loading import load_model
-    from probe.rows import dual_problems, stacked_problems
-    from probe import solver
-    from probe.solver import factor_gram, solve_dual
+    from probe import native, solver
+    from probe.solver import solve_dual
 
     compiled = {name: getattr(solver, name) for name in solver.COMPILED_LOOPS}
     python = {name: getattr(solver, source) for name, source in solver.COMPILED_LOOPS.items()}
 
+    native._state.update(kernel=None, reason="bench/parallel.py measures the torch loops")
     cores = torch.get_num_threads()
     loaded = load_model(e2e.minilm_path(), device="cpu")
     results = []
     for tokens in (int(x) for x in args.tokens.split(",")):
         count = max(2, args.texts // 4) if tokens >= 512 else args.texts
-        texts = e2e.texts_of_length(loaded.tokenizer, tokens, count)
-        inputs = loaded.adapter.encode(loaded.tokenizer, texts, None, tokens)
-        sites = []
-        with torch.no_grad():
-            loaded.adapter.capture(loaded.model, inputs, sites.append)
-        duals = []
-        for site in sites:
-            built = space_problems(site, "hidden")
-            dual = dual_problems(site, built, 1.0)
-            dual.factor = factor_gram(built.gram.reshape(-1, *built.gram.shape[-2:]))
-            duals.append(dual)
-        problems = stacked_problems(duals)
+        problems = captured_problems(loaded, tokens, count)
         ways = {
             f"intra-op, {cores} threads": (cores, 0, compiled),
             "1 thread": (1, 1, compiled),
@@ -133,6 +124,30 @@ def main(argv=None):
     text = markdown(out, args.repeats)
     args.out.with_suffix(".md").write_text(text)
     print(text)
+
+
+def captured_problems(loaded, tokens: int, count: int):
+    """The dual problems (hidden space, alpha 1) of one batch of ``count`` MiniLM texts of ``tokens``
+    tokens, every layer stacked as ``probe run`` stacks them, with their Gram factors."""
+    import torch
+
+    import e2e
+    from probe.adapters.base import space_problems
+    from probe.rows import dual_problems, stacked_problems
+    from probe.solver import factor_gram
+
+    texts = e2e.texts_of_length(loaded.tokenizer, tokens, count)
+    inputs = loaded.adapter.encode(loaded.tokenizer, texts, None, tokens)
+    sites = []
+    with torch.no_grad():
+        loaded.adapter.capture(loaded.model, inputs, sites.append)
+    duals = []
+    for site in sites:
+        built = space_problems(site, "hidden")
+        dual = dual_problems(site, built, 1.0)
+        dual.factor = factor_gram(built.gram.reshape(-1, *built.gram.shape[-2:]))
+        duals.append(dual)
+    return stacked_problems(duals)
 
 
 def markdown(out: dict, repeats: int) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from . import __version__, distributed, fingerprint, storage
+from . import __version__, distributed, fingerprint, native, storage
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
@@ -391,7 +391,8 @@ def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, grou
     config, ranks = job.config, group.ranks
     rank_info = group.gather({
         "rank": ranks.rank, **storage.process_identity(), "device": str(job.device),
-        "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), **job.timings,
+        "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "newton_iterations": native.describe(job.device), **job.timings,
     })
 
     def start() -> tuple[list[int], int]:  # rank 0: the batches left, and a new segment in the manifest

@@ -58,6 +58,7 @@ from typing import Optional
 
 import torch
 
+from . import native
 from .parallel import cpu_workers, run_all, without_gil
 
 __all__ = ["DualProblems", "DualSolution", "solve_dual", "duality_gap_reduced", "factor_gram", "solve_spd_reduced"]
@@ -326,6 +327,11 @@ def _forcing(gradient_norm, initial_norm, goal, floor):
     return torch.maximum(ratio * ratio, 0.5 * goal / gradient_norm).clamp(min=floor, max=0.1)
 
 
+def _forcing_floor(direction_dtype: torch.dtype) -> float:
+    """The smallest relative CG residual asked of a Newton direction in ``direction_dtype``."""
+    return max(1e-12, 8 * torch.finfo(direction_dtype).eps)
+
+
 def _newton_step_python(
     A: torch.Tensor, A_low: torch.Tensor, m: torch.Tensor, alpha: float, y: torch.Tensor, theta: torch.Tensor,
     p_low: torch.Tensor, gradient: torch.Tensor, gradient_low: torch.Tensor, objective: torch.Tensor,
@@ -410,7 +416,7 @@ def _newton(work, state, iterations, live, initial_norm, rtol, atol, max_iter):
     if initial_norm is None:
         initial_norm = gradient_norm.clamp_min(torch.finfo(dtype).tiny)
     cg_cap = max(10, 2 * work.A.shape[-1])
-    forcing_floor = max(1e-12, 8 * torch.finfo(low).eps)
+    forcing_floor = _forcing_floor(low)
     for done in range(max_iter):
         # stop well inside the tolerance: 2 alpha ||g|| <= 0.25 (rtol ||lambda|| + atol)
         goal = 0.25 * (rtol * state.lambda_norm + atol) / (2 * alpha)
@@ -441,6 +447,11 @@ def _newton(work, state, iterations, live, initial_norm, rtol, atol, max_iter):
 def _solve_tile(work, active, rtol, atol, max_iter):
     """Newton-CG on every active problem of a tile; returns its :class:`DualSolution`.
 
+    On a CPU the iterations run in compiled C where it is available (:mod:`probe.native`, the same method
+    in blocks of rows that stay in cache); its iterates come back here, where their state and certificate
+    are computed afresh and the iterations below go on for any problem not yet within its tolerance.
+    Elsewhere (or without it) they all run below.
+
     Problems finish after different numbers of Newton iterations.  Once the live problems fit in a
     working set below ``_COMPACT_BELOW`` of the current one, they are gathered into it (the groups
     that still have one, each with its live rows packed to the front; the Gram matrix stays shared per
@@ -455,8 +466,17 @@ def _solve_tile(work, active, rtol, atol, max_iter):
     g_count, m, _ = work.base.shape
     device = work.base.device
     iterations = torch.zeros(g_count, m, dtype=torch.int32, device=device)
+    state = None
+    compiled = native.newton_tile(work, active, rtol, atol, max_iter, _forcing_floor(work.A_low.dtype))
+    if compiled is not None:  # the same method in C (probe.native); state and certificate recomputed here
+        y, iterations = compiled
+        y = torch.where(torch.isfinite(y.sum(-1, keepdim=True)), y, 0.0)  # a row that went wrong restarts
+        iterations = iterations.clamp(0, max_iter)
+        state = work.state(y)
+        max_iter -= int(iterations.max())
     state, iterations, live, initial_norm, remaining = _newton(
-        work, work.initial_state(), iterations, active.clone(), None, rtol, atol, max_iter
+        work, work.initial_state() if state is None else state, iterations, active.clone(), None, rtol, atol,
+        max_iter,
     )
     if remaining == 0 or not bool(live.any()):
         return _finish(work, state, active, rtol, atol, iterations)

@@ -55,3 +55,21 @@ def test_fusion_experiment_quick_mode():
     )
     ways = [line.split("|")[2].strip() for line in done.stdout.splitlines() if line.startswith("| (")]
     assert ways == ["python", "torchscript", "2 bmm"]
+
+
+def test_native_benchmark_runs_and_both_ways_agree(tmp_path):
+    """bench/native.py on one small batch: the compiled kernel and the torch loops both certify every
+    problem and agree within their certificates."""
+    from probe import native
+
+    if not native.available():
+        pytest.skip(f"no compiled kernel here: {native.unavailable_reason()}")
+    out = tmp_path / "results_native.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "native.py"), "--tokens", "16", "--texts", "2", "--repeats", "1",
+         "--out", str(out)],
+        check=True, cwd=ROOT, capture_output=True, timeout=300,
+    )
+    (row,) = json.loads(out.read_text())["results"]
+    assert all(row["all_certified"].values()) and row["within_certificates"]
+    assert "compiled, 1 thread" in out.with_suffix(".md").read_text()

@@ -175,3 +175,6 @@ def test_threads_option_and_passive_wait_policy(tiny_bert_dir, texts_file, tmp_p
     assert rank["threads"] == 1
     assert rank["omp_wait_policy"] == "PASSIVE"
     assert manifest["config"]["threads"] == 1
+    from probe import native  # the manifest says which code ran the Newton iterations
+
+    assert rank["newton_iterations"] == native.describe("cpu")

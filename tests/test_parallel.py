@@ -16,6 +16,7 @@ from probe.parallel import cpu_workers, run_all, without_gil
 from probe.pipeline import RunConfig, run
 from probe.solver import DualSolution, solve_dual
 
+from .test_native import torch_loops
 from .test_solver import _random_groups
 
 
@@ -50,11 +51,12 @@ def test_the_solver_loops_are_compiled_and_answer_as_their_python():
     factor = solver.factor_gram(problems.gram)
     weights = torch.softmax(problems.logits, -1)
     rhs = torch.randn(3, 20, factor.shape[-1], dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    fast = solve_dual(problems, workers=0), solver.solve_spd_reduced(factor, weights, rhs, 1.0)
-    with pytest.MonkeyPatch.context() as patch:
-        for compiled, python in solver.COMPILED_LOOPS.items():
-            patch.setattr(solver, compiled, getattr(solver, python))
-        slow = solve_dual(problems, workers=0), solver.solve_spd_reduced(factor, weights, rhs, 1.0)
+    with torch_loops():  # the torch loops, not the compiled kernel that runs them where it can
+        fast = solve_dual(problems, workers=0), solver.solve_spd_reduced(factor, weights, rhs, 1.0)
+        with pytest.MonkeyPatch.context() as patch:
+            for compiled, python in solver.COMPILED_LOOPS.items():
+                patch.setattr(solver, compiled, getattr(solver, python))
+            slow = solve_dual(problems, workers=0), solver.solve_spd_reduced(factor, weights, rhs, 1.0)
     assert bool(fast[0].converged[problems.active].all())
     _identical(fast[0], slow[0])
     for x, y in zip(fast[1], slow[1]):
