@@ -4,7 +4,8 @@ On a CPU, most of a solve's time in batched torch operations goes to elementwise
 too large for the cache, and to the overhead of issuing them (``bench/NOTES.md``).  ``newton.c`` runs
 the same method (:func:`probe.solver._newton`) over blocks of a few dozen rows at a time, so that each
 block's elementwise work is fused into a few loops over data in cache, with the products by the BLAS
-torch itself uses.  It is about 3x faster than the torch loops on one core (``bench/results_native.md``).
+torch itself uses.  The whole solve is 1.1x (512 tokens) to 2.7x (16 tokens) faster than with the torch
+loops (``bench/results_native.md``).
 
 It is built once per machine with the system's C compiler (``$CC``, else ``cc``) into a cache directory
 (``$PROBE_CACHE_DIR``, else ``~/.cache/probe``), and used only where it can be trusted: a CPU, torch's
@@ -138,7 +139,7 @@ def _kernel():
                     reason = str(error) or type(error).__name__
                     warnings.warn(
                         f"probe: the compiled solver kernel is not available ({reason}); the solver runs its "
-                        "torch loops instead, about 3x slower on a CPU. Install a C compiler (or set CC) to "
+                        "torch loops instead, 1.1x to 2.7x slower on a CPU (bench/results_native.md). Install a C compiler (or set CC) to "
                         "use it.",
                         RuntimeWarning,
                         stacklevel=3,
