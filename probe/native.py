@@ -113,6 +113,9 @@ def _load():
     function.restype = ctypes.c_int
     P, I, D = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     function.argtypes = [I] * 5 + [P] * 8 + [D] * 3 + [I] + [D] * 2 + [P] * 5
+    size = library.probe_block_bytes
+    size.restype = ctypes.c_size_t
+    size.argtypes = [I, I, I]
     check = library.probe_check_blas
     check.restype = ctypes.c_double
     check.argtypes = [P, P]
@@ -120,7 +123,7 @@ def _load():
     error = check(sgemm, dgemm)
     if not error < 1e-6:  # NaN included
         raise RuntimeError(f"torch's BLAS did not compute a small product as expected (error {error})")
-    return function, (sgemm, dgemm, threads)
+    return function, size, (sgemm, dgemm, threads)
 
 
 def _kernel():
@@ -169,9 +172,11 @@ def describe(device) -> str:
 
 
 def block_rows(n: int, r: int) -> int:
-    """Rows per block: about 1 MiB of the kernel's per-row working set (a core's L2 cache holds it)."""
-    per_row = 8 * (4 * n + 4 * r + 8) + 4 * (2 * n + 4 * r)
-    return max(16, min(256, (1 << 20) // per_row))
+    """Rows per block: about 1 MiB of the kernel's working set (a core's L2 cache holds it), as the
+    kernel itself counts it (``probe_block_bytes``)."""
+    bytes_of = _kernel()[1]
+    per_row = bytes_of(n, r, 2) - bytes_of(n, r, 1)
+    return max(16, min(256, (1 << 20) // max(1, per_row)))
 
 
 def newton_tile(work, active: torch.Tensor, rtol: float, atol: float, max_iter: int, forcing_floor: float):
@@ -185,7 +190,7 @@ def newton_tile(work, active: torch.Tensor, rtol: float, atol: float, max_iter: 
     kernel = _kernel()
     if kernel is None:
         return None
-    function, (sgemm, dgemm, threads) = kernel
+    function, _, (sgemm, dgemm, threads) = kernel
     g, m, n = work.base.shape
     r = A.shape[-1]
     if g * m == 0 or n == 0 or r == 0:

@@ -99,8 +99,9 @@ typedef struct {
     double *dir, *adir, *spread, *diff, *scratch;
     /* CG, float32 (slots) */
     float *p32, *x32, *r32, *d32, *Ad32, *Hd32, *rr, *target;
-    int *slot_row, *live_rows;
-    unsigned char *live, *stop;
+    double *forcing, *previous; /* per row: the CG's relative residual, ||g|| before the step */
+    int *slot_row, *live_rows, *order;
+    unsigned char *live, *stop, *at_floor, *searching;
 } Block;
 
 /* Lay the block's arrays out in ``memory`` (64-byte aligned); returns the bytes they take.  With
@@ -141,6 +142,11 @@ static size_t carve(Block *b, char *memory) {
     TAKE(live_rows, B);
     TAKE(live, B);
     TAKE(stop, B);
+    TAKE(forcing, B);
+    TAKE(previous, B);
+    TAKE(order, B);
+    TAKE(at_floor, B);
+    TAKE(searching, B);
 #undef TAKE
     return offset;
 }
@@ -289,10 +295,9 @@ static void solve_block(Block *b, sgemm_t sgemm, dgemm_t dgemm, const double *A,
         double g0 = b->gnorm[j];
         b->gnorm0[j] = g0 > 2.2250738585072014e-308 ? g0 : 2.2250738585072014e-308;
     }
-    double *forcing = malloc(sizeof(double) * R);
-    double *previous = malloc(sizeof(double) * R);
-    int *order = malloc(sizeof(int) * R);
-    unsigned char *at_floor = malloc(R), *searching = malloc(R);
+    double *forcing = b->forcing, *previous = b->previous;
+    int *order = b->order;
+    unsigned char *at_floor = b->at_floor, *searching = b->searching;
     for (int done = 0; done < max_iter; done++) {
         k = 0;
         for (int j = 0; j < R; j++) {
@@ -360,14 +365,15 @@ static void solve_block(Block *b, sgemm_t sgemm, dgemm_t dgemm, const double *A,
         }
     }
     memcpy(y_out, b->y, sizeof(double) * (size_t)R * r);
-    free(forcing);
-    free(previous);
-    free(order);
-    free(at_floor);
-    free(searching);
 }
 
 /* Every group of a tile, in blocks of at most block_rows rows.  Returns 0, or -1 if memory ran out. */
+/* Bytes of the working set of a block of B rows (what probe/native.py sizes the blocks by). */
+size_t probe_block_bytes(int n, int r, int B) {
+    Block b = {.n = n, .r = r, .B = B};
+    return carve(&b, NULL);
+}
+
 typedef int (*set_threads_t)(int);
 
 /* Every group of a tile, in blocks of at most block_rows rows.  set_threads: MKL's

@@ -26,15 +26,22 @@ FAMILIES = {  # (n, d, template scale, logit std): MiniLM-like, ill-conditioned,
 
 
 @contextlib.contextmanager
-def torch_loops():
-    """The solver without the compiled kernel, as where it cannot be built."""
+def kernel_state(**state):
+    """``probe.native``'s kernel state set to ``state`` (empty: not looked for yet, so the next solve
+    builds or loads it afresh), and restored afterwards."""
     saved = dict(native._state)
-    native._state.update(kernel=None, reason="disabled by the test")
+    native._state.clear()
+    native._state.update(state)
     try:
         yield
     finally:
         native._state.clear()
         native._state.update(saved)
+
+
+def torch_loops():
+    """The solver without the compiled kernel, as where it cannot be built."""
+    return kernel_state(kernel=None, reason="disabled by the test")
 
 
 def _needs_kernel():
@@ -123,19 +130,14 @@ def test_without_a_compiler_the_solver_says_so_once_and_runs_its_torch_loops(mon
     problems = _random_groups(2, 20, 16, 8, 0.5, 3.0, seed=2)
     with torch_loops():
         reference = solve_dual(problems)
-    saved = dict(native._state)
-    native._state.clear()
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    try:
+    with kernel_state():
         with pytest.warns(RuntimeWarning, match="no C compiler.*Install a C compiler"):
             first = solve_dual(problems)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # said once, not for every tile
             solve_dual(problems)
         assert not native.available() and "no-such-compiler-here" in native.unavailable_reason()
-    finally:
-        native._state.clear()
-        native._state.update(saved)
     _agree(first, reference, problems.active)
 
 
@@ -143,27 +145,17 @@ def test_without_a_writable_cache_the_kernel_is_built_for_the_process(monkeypatc
     """A cache directory that cannot be created (here: below a file) does not cost the kernel."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    saved = dict(native._state)
-    native._state.clear()
     monkeypatch.setenv("PROBE_CACHE_DIR", str(blocker / "cache"))
-    try:
-        if shutil.which(os.environ.get("CC") or "cc") is None:
-            pytest.skip("no C compiler here")
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler here")
+    with kernel_state():
         assert native.available(), native.unavailable_reason()
-    finally:
-        native._state.clear()
-        native._state.update(saved)
 
 
 def test_probe_native_0_turns_the_kernel_off(monkeypatch):
-    saved = dict(native._state)
-    native._state.clear()
     monkeypatch.setenv("PROBE_NATIVE", "0")
-    try:
+    with kernel_state():
         assert not native.available() and native.unavailable_reason() == "PROBE_NATIVE=0"
-    finally:
-        native._state.clear()
-        native._state.update(saved)
 
 
 def test_the_kernel_is_not_used_off_its_precisions():
