@@ -452,3 +452,33 @@ def test_solve_spd_reduced_matches_dense_solves_at_each_rows_tolerance():
             assert np.linalg.norm(x[i, j].numpy() - exact) <= alpha * true_residual + 1e-13
     assert torch.equal(x[1, 2], torch.zeros_like(x[1, 2]))
     assert solve_spd_reduced(factor, torch.as_tensor(weights), torch.as_tensor(rhs), alpha, residual=False)[1] is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_polished_reference_is_optimal_from_a_loose_clarabel_answer(seed):
+    """probe.reference.polish_primal (Newton on the primal) from Clarabel's answer at a loose tolerance
+    (about 1e-4 off) reaches the optimum: the gradient of the dual (D) at the lambda it gives,
+    b - lambda / alpha - T^T softmax(log u + T lambda), vanishes to rounding.  Clarabel's answer alone
+    is measurably off, so the check can fail."""
+    rng = np.random.default_rng(seed)
+    n, d, alpha = 3 + 4 * seed, 24, 0.7
+    T = rng.normal(size=(n, d)) * 0.7
+    z = rng.normal(size=d) * 3.0
+    log_u = rng.normal(size=n)
+    log_u[0] = -np.inf  # an excluded key stays excluded
+    keep = np.isfinite(log_u)
+    u = np.exp(log_u[keep] - log_u[keep].max())
+    u /= u.sum()
+    b = T[keep].T @ u + z
+
+    def dual_gradient(lam):
+        theta = np.log(u) + T[keep] @ lam
+        p = np.exp(theta - theta.max())
+        return b - lam / alpha - T[keep].T @ (p / p.sum())
+
+    rough, _ = cvxpy_primal(T, z, log_u, alpha, eps=1e-4, polish=False)
+    polished, p = cvxpy_primal(T, z, log_u, alpha, eps=1e-4)
+    scale = np.linalg.norm(b)
+    assert np.linalg.norm(dual_gradient(rough)) > 1e-7 * scale
+    assert np.linalg.norm(dual_gradient(polished)) <= 1e-11 * scale
+    assert p[0] == 0.0 and p.sum() == pytest.approx(1.0, abs=1e-15) and (p[1:] > 0).all()
