@@ -21,7 +21,7 @@ them without the GIL.
 from __future__ import annotations
 
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 import torch
@@ -91,3 +91,37 @@ def run_all(jobs: list[Callable[[], T]], workers: int) -> list[T]:
     finally:
         for future in futures:
             future.cancel()
+
+
+class Lane:
+    """One background thread that runs jobs in the order they come, at most one at a time.
+
+    The pipeline solves a batch's stacks here while the main thread runs the model on the next batch
+    (the forward leaves the cores partly idle, most of all on short texts).  :meth:`submit` first waits
+    for the job before it, so at most one job runs while the caller prepares the next: memory holds
+    two stacks of problems, not more.  The lane's thread uses ``threads`` intra-op threads, like its
+    caller.
+    """
+
+    def __init__(self, threads: int):
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="probe-lane", initializer=torch.set_num_threads,
+                                       initargs=(max(1, threads),))
+        self.last = None
+
+    def submit(self, job: Callable[[], T]) -> "Future[T]":
+        if self.last is not None:
+            self.last.result()  # the job before: done, or its error raised here
+        grad = torch.is_grad_enabled()
+
+        def in_callers_mode():
+            with torch.set_grad_enabled(grad):
+                return job()
+
+        self.last = self.pool.submit(in_callers_mode)
+        return self.last
+
+    def close(self) -> None:
+        """Cancel what has not started; a job already running finishes in its thread."""
+        if self.last is not None:
+            self.last.cancel()
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -2,8 +2,10 @@
 
 A run is planned as a fixed list of batches (deterministic given its settings) and every finished batch
 is written as its own part file (:mod:`probe.storage`), so memory does not grow with the dataset and a
-run stopped at any moment, by any signal, keeps every finished batch.  SIGINT and SIGTERM drop the
-batch in flight, mark the manifest ``"interrupted"`` and raise :class:`RunStopped`.  :func:`resume`
+run stopped at any moment, by any signal, keeps every finished batch.  On a CPU the forward pass of
+batch k + 1 runs while the last problems of batch k are solved in the background
+(:class:`probe.parallel.Lane`).  SIGINT and SIGTERM drop the batches in flight, mark the manifest
+``"interrupted"`` and raise :class:`RunStopped`.  :func:`resume`
 continues a stopped run with the settings its manifest recorded, after checking that the model files
 and the texts are the ones it started with; the finished run equals an uninterrupted one.  Launched by
 torchrun as several processes, the processes share the batches (:mod:`probe.distributed`).
@@ -30,6 +32,7 @@ from . import __version__, distributed, fingerprint, native, storage
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
+from .parallel import Lane
 from .rows import RowContext, Summary, process_batch
 from .stopping import RunStopped, Stops
 from .validate import check_run
@@ -440,24 +443,38 @@ def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, grou
         progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)
         reported_at = time.perf_counter()
 
+    def commit(batch, finish, batch_started) -> None:  # wait for the batch's solves and write its part file
+        nonlocal longest_batch_s
+        with stops.interruptible():  # a stop while the batch is computed drops it
+            table, batch_summary, seconds = finish()
+        written = time.perf_counter()
+        storage.write_part(run_dir, batch, table, {
+            "examples": [job.texts.indices[i] for i in job.batches[batch]],
+            "segment": segment_number,
+            "rank": ranks.rank,
+            "summary": batch_summary.state(),
+            "seconds": seconds,
+        })
+        longest_batch_s = max(longest_batch_s, time.perf_counter() - batch_started)
+        if group.main:
+            segment["timings_s"]["write_s"] += time.perf_counter() - written
+            index.refresh()
+            report()
+
+    # Batch k + 1 is captured while batch k's last stack is solved in the lane (a CPU run without a
+    # memory budget); its part file is written once both are done, in the plan's order.
+    lane = Lane(torch.get_num_threads()) if job.device.type == "cpu" and config.max_memory_bytes is None else None
     try:
+        in_flight = None  # (batch, finish, started) of the batch whose solves may still be running
         for batch in todo[ranks.rank :: ranks.world]:
             batch_started = time.perf_counter()
-            with stops.interruptible():  # a stop while the batch is computed drops it
-                table, batch_summary, seconds = _process(job, batch)
-            written = time.perf_counter()
-            storage.write_part(run_dir, batch, table, {
-                "examples": [job.texts.indices[i] for i in job.batches[batch]],
-                "segment": segment_number,
-                "rank": ranks.rank,
-                "summary": batch_summary.state(),
-                "seconds": seconds,
-            })
-            longest_batch_s = max(longest_batch_s, time.perf_counter() - batch_started)
-            if group.main:
-                segment["timings_s"]["write_s"] += time.perf_counter() - written
-                index.refresh()
-                report()
+            with stops.interruptible():
+                finish = _start_batch(job, batch, lane)
+            if in_flight is not None:
+                commit(*in_flight)
+            in_flight = (batch, finish, batch_started)
+        if in_flight is not None:
+            commit(*in_flight)
         if group.main:  # follow the other ranks until every batch has its part file
             while (finished := index.refresh()) < len(job.batches):
                 if finished > progress.n or time.perf_counter() - reported_at > 10:
@@ -468,6 +485,8 @@ def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, grou
             pass
     except BaseException as error:
         progress.close()
+        if lane is not None:
+            lane.close()
         if group.main:
             _record_stop(run_dir, manifest, segment, index, error, job.started)
         if isinstance(error, KeyboardInterrupt):  # Ctrl-C before our handler, or raised by a library
@@ -476,13 +495,16 @@ def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, grou
             error.run_dir, error.manifest, error.rank = run_dir, manifest, ranks.rank
         raise
     progress.close()
+    if lane is not None:
+        lane.close()
     if group.main:
         _record_completion(run_dir, manifest, segment, index, config, job.started)
     return run_dir
 
 
-def _process(job: _Job, batch: int) -> tuple[pa.Table, Summary, dict]:
-    """One batch of the plan: its rows, its summary and the seconds spent capturing and solving."""
+def _start_batch(job: _Job, batch: int, lane=None):
+    """Capture one batch of the plan and start its solves (in ``lane``, if any); returns a function that
+    waits for them and returns the batch's rows, its summary and the seconds spent capturing and solving."""
     positions = job.batches[batch]
     texts = [job.texts.texts[i] for i in positions]
     targets = [job.texts.targets[i] for i in positions] if job.texts.targets is not None else None
@@ -490,8 +512,18 @@ def _process(job: _Job, batch: int) -> tuple[pa.Table, Summary, dict]:
     inputs = job.loaded.adapter.encode(job.loaded.tokenizer, texts, targets, job.config.max_length)
     inputs = {key: value.to(job.device) for key, value in inputs.items()}
     summary = Summary(job.config.fidelity_tolerance)
-    tables, seconds = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context)
-    return pa.concat_tables(tables), summary, seconds
+    wait = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context, lane)
+
+    def finish() -> tuple[pa.Table, Summary, dict]:
+        tables, seconds = wait()
+        return pa.concat_tables(tables), summary, seconds
+
+    return finish
+
+
+def _process(job: _Job, batch: int) -> tuple[pa.Table, Summary, dict]:
+    """One batch of the plan, start to end: its rows, its summary and the seconds spent capturing and solving."""
+    return _start_batch(job, batch)()
 
 
 def _record_stop(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex, error: BaseException,

@@ -4,8 +4,9 @@ The adapter emits each attention site while the model runs (:meth:`probe.adapter
 Sites are split by examples into pieces of at most ``budget`` bytes of float64 logits, consecutive pieces
 of one shape are stacked (so the solver's per-call cost is paid once and its batched products run on
 larger batches) and solved as soon as the stack is full: memory holds one stack of problems at a time,
-whatever the batch size.  For every stack, each requested space (parameterisation) is built once and
-solved for every requested alpha.
+whatever the batch size (two on a CPU without a memory budget, where a batch's last stack is solved in
+the background while the model runs on the next batch: :meth:`BatchSolver.finish`).  For every stack,
+each requested space (parameterisation) is built once and solved for every requested alpha.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import copy
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -109,14 +111,15 @@ def stacked_problems(problems: list[DualProblems]) -> DualProblems:
     )
 
 
-def solve_stacked(problems: list[DualProblems], rtol: float, memory_bytes: int | None = None) -> list[DualSolution]:
+def solve_stacked(problems: list[DualProblems], rtol: float, memory_bytes: int | None = None,
+                  workers: int | None = None) -> list[DualSolution]:
     """Solve problems of one shape with one :func:`solve_dual` call, one solution per entry.
 
     Per-call overhead is paid once and the solver's batched products run on larger batches; the
     problems stay independent of one another.
     """
     budget = {} if memory_bytes is None else {"memory_budget_bytes": memory_bytes}
-    solution = solve_dual(stacked_problems(problems), rtol=rtol, **budget)
+    solution = solve_dual(stacked_problems(problems), rtol=rtol, workers=workers, **budget)
     solutions, start = [], 0
     for part in problems:
         stop = start + part.gram.shape[0]
@@ -422,16 +425,25 @@ class BatchSolver:
     """Receives sites as the model emits them and solves them in stacks of bounded size.
 
     ``spaces`` and ``alphas`` are the parameterisations and strengths to solve; ``memory_bytes`` (the
-    run's ``--max-memory``) bounds the problems held at once and the solver's working set.
+    run's ``--max-memory``) bounds the problems held at once and the solver's working set; ``workers``
+    is how many pieces run side by side (:func:`probe.parallel.cpu_workers` of the caller's thread).
+
+    :meth:`finish` solves what is left once the model is done with the batch; with a ``lane``
+    (:class:`probe.parallel.Lane`) it does so in the background, so that the caller can run the model on
+    the next batch meanwhile.  (The stacks that fill while the model runs are solved at once: the model
+    is still computing, and could reuse the memory of what it gave.)  The rows and their order are
+    those of a run without a lane.
     """
 
-    def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, memory_bytes: int | None = None):
+    def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, memory_bytes: int | None = None,
+                 workers: int = 1):
         self.spaces, self.alphas, self.rtol = tuple(spaces), tuple(alphas), rtol
         self.context, self.summary = context, summary
         # --max-memory: an eighth for the logits of the stack held at once (the problems built from
         # them take a few times that), half for the solver's working set
         self.limit_bytes = STACK_BYTES if memory_bytes is None else max(1, memory_bytes // 8)
         self.solver_bytes = None if memory_bytes is None else max(1, memory_bytes // 2)
+        self.workers = workers if memory_bytes is None else min(workers, 1)  # with a budget, one at a time
         self.pending: list[tuple[SiteCapture, int]] = []  # (piece, offset of its first example in the batch)
         self.pending_bytes = 0
         self.tables: list[pa.Table] = []
@@ -449,18 +461,25 @@ class BatchSolver:
 
     def flush(self) -> None:
         """Solve everything pending, one stack per problem shape."""
+        pending, self.pending, self.pending_bytes = self.pending, [], 0
         started = time.perf_counter()
-        for stack in site_stacks(self.pending, self.limit_bytes, site_of=lambda item: item[0]):
+        for stack in site_stacks(pending, self.limit_bytes, site_of=lambda item: item[0]):
             self._solve(stack)
-        self.pending, self.pending_bytes = [], 0
         self.solve_s += time.perf_counter() - started
+
+    def finish(self, lane=None) -> Callable[[], list[pa.Table]]:
+        """Solve what is pending (in ``lane``, if any); returns a function that waits for it and returns
+        the rows, site by site."""
+        if lane is None:
+            self.flush()
+            return lambda: self.tables
+        solving = lane.submit(self.flush)
+        return lambda: (solving.result(), self.tables)[1]
 
     def _solve(self, stack: list[tuple[SiteCapture, int]]) -> None:
         sites = [piece for piece, _ in stack]
         # the sites' own work runs side by side on a CPU (probe.parallel); with a memory budget, one at a time
-        workers = cpu_workers(sites[0].queries.device)
-        if self.solver_bytes is not None:
-            workers = min(workers, 1)
+        workers = self.workers if sites[0].queries.device.type == "cpu" else 0
         for space in self.spaces:
 
             def build(site):
@@ -477,7 +496,7 @@ class BatchSolver:
                 duals = [dual_problems(site, built, alpha) for site, built in zip(sites, problems)]
                 for dual, factor in zip(duals, factors):
                     dual.factor = factor  # one factorisation per space, shared by every alpha
-                solutions = solve_stacked(duals, self.rtol, self.solver_bytes)
+                solutions = solve_stacked(duals, self.rtol, self.solver_bytes, workers)
 
                 def rows_of(site, offset, built, dual, solution, space=space, alpha=alpha):
                     quantities = derive(site, dual, solution, self.rtol)
@@ -494,13 +513,30 @@ class BatchSolver:
 
 
 @torch.no_grad()
-def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary: Summary, context: RowContext):
-    """Capture every attention site of one batch, solve its problems and return the rows, site by site."""
+def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary: Summary, context: RowContext,
+                  lane=None):
+    """Capture every attention site of one batch and solve its problems; returns a function that waits
+    for the solves and returns the rows, site by site, and the seconds spent capturing and solving.
+
+    Without a ``lane`` every stack is solved before this returns; with one, the last stack may still be
+    solving in the lane, so that the caller can capture the next batch meanwhile."""
     budget = getattr(config, "max_memory_bytes", None)
-    solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget)
-    t0 = time.perf_counter()
+    context = copy.copy(context)  # the example ids of this batch, whichever batch the lane solves meanwhile
     context.example_ids = example_ids
+    solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget,
+                         workers=cpu_workers(inputs_device(inputs)))
+    started = time.perf_counter()
     loaded.adapter.capture(loaded.model, inputs, solver)
-    solver.flush()
-    total = time.perf_counter() - t0
-    return solver.tables, {"capture": total - solver.solve_s, "solve": solver.solve_s}
+    captured = time.perf_counter() - started - solver.solve_s  # less the stacks solved as they filled
+    rows = solver.finish(lane)
+
+    def finish():
+        tables = rows()
+        return tables, {"capture": captured, "solve": solver.solve_s}
+
+    return finish
+
+
+def inputs_device(inputs: dict) -> torch.device:
+    """The device of a batch's model inputs."""
+    return next(iter(inputs.values())).device if inputs else torch.device("cpu")

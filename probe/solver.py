@@ -444,8 +444,9 @@ def _newton(work, state, iterations, live, initial_norm, rtol, atol, max_iter):
     return state, iterations, live, initial_norm, 0
 
 
-def _solve_tile(work, active, rtol, atol, max_iter):
-    """Newton-CG on every active problem of a tile; returns its :class:`DualSolution`.
+def _solve_tile(work, active, rtol, atol, max_iter, out=None):
+    """Newton-CG on every active problem of a tile; returns its :class:`DualSolution`, written into ``out``
+    if given (views of the tile in the caller's output, which then needs no copy).
 
     On a CPU the iterations run in compiled C where it is available (:mod:`probe.native`, the same method
     in blocks of rows that stay in cache); its iterates come back here, where their state and certificate
@@ -478,8 +479,10 @@ def _solve_tile(work, active, rtol, atol, max_iter):
         work, work.initial_state() if state is None else state, iterations, active.clone(), None, rtol, atol,
         max_iter,
     )
+    if out is None:
+        out = _empty_solution(g_count, m, work.base.shape[-1], work.base.dtype, device)
     if remaining == 0 or not bool(live.any()):
-        return _finish(work, state, active, rtol, atol, iterations)
+        return _finish(work, state, active, rtol, atol, iterations, out)
     final, y = state, state.y
     groups = torch.arange(g_count, device=device)  # working set: rows[k, j] of group groups[k]
     rows = torch.arange(m, device=device).expand(g_count, m)
@@ -500,24 +503,24 @@ def _solve_tile(work, active, rtol, atol, max_iter):
         iterations[pick] = iterations_work
         for name in ("p", "gradient", "gradient_sq", "lambda_norm", "deviation"):  # what _finish reads
             getattr(final, name)[pick] = getattr(state, name)
-    return _finish(work, final, active, rtol, atol, iterations)
+    return _finish(work, final, active, rtol, atol, iterations, out)
 
 
-def _finish(work, state, active, rtol, atol, iterations):
-    """The tile's :class:`DualSolution` from the final state (its certificate: module docstring)."""
+def _finish(work, state, active, rtol, atol, iterations, out):
+    """The tile's :class:`DualSolution` from the final state (its certificate: module docstring), written
+    into ``out`` (a :class:`DualSolution` of the tile's shape)."""
     alpha = work.alpha
-    error_bound = 2 * alpha * state.gradient_sq.sqrt()
-    converged = active & torch.isfinite(error_bound) & (error_bound <= rtol * state.lambda_norm + atol)
-    return DualSolution(
-        coefficients=(work.u - state.p).mul_(alpha),
-        attention=state.p,
-        rel_deviation=state.deviation / state.lambda_norm,
-        lambda_norm=state.lambda_norm,
-        duality_gap=duality_gap_reduced(state.gradient, alpha),
-        error_bound=error_bound,
-        iterations=iterations,
-        converged=converged,
-    )
+    torch.mul(state.gradient_sq.sqrt(), 2 * alpha, out=out.error_bound)
+    error_bound = out.error_bound
+    torch.logical_and(active & torch.isfinite(error_bound), error_bound <= rtol * state.lambda_norm + atol,
+                      out=out.converged)
+    torch.sub(work.u, state.p, out=out.coefficients).mul_(alpha)
+    out.attention.copy_(state.p)
+    torch.div(state.deviation, state.lambda_norm, out=out.rel_deviation)
+    out.lambda_norm.copy_(state.lambda_norm)
+    out.duality_gap.copy_(duality_gap_reduced(state.gradient, alpha))
+    out.iterations.copy_(iterations)
+    return out
 
 
 #: tile size of :func:`solve_dual` per device type: on a CPU, small enough for a tile's working set to
@@ -613,13 +616,13 @@ def solve_dual(
     def solve(g0, g1, j0, j1):  # one tile, written into its own slice of ``out``
         logits, base, u, evidence_sqnorm, active = _tile_inputs(problems, g0, g1, j0, j1, dtype, device)
         work = _WorkingSet(factor[g0:g1], factor_low[g0:g1], logits, base, u, evidence_sqnorm, problems.alpha)
-        part = _solve_tile(work, active, rtol, atol, max_iter)
+        tile = DualSolution(**{name: value[g0:g1, j0:j1] for name, value in vars(out).items()})
+        _solve_tile(work, active, rtol, atol, max_iter, tile)
         inactive = ~active
-        for name, value in vars(part).items():
-            target = getattr(out, name)[g0:g1, j0:j1]
-            target.copy_(value)
-            if name != "converged":  # inactive problems: NaN (iterations 0)
-                target[inactive] = 0 if name == "iterations" else float("nan")
+        if bool(inactive.any()):
+            for name, target in vars(tile).items():
+                if name != "converged":  # inactive problems: NaN (iterations 0)
+                    target[inactive] = 0 if name == "iterations" else float("nan")
 
     run_all([lambda tile=tile: solve(*tile) for tile in tiles], workers)
     return out

@@ -1,4 +1,4 @@
-"""Stopping a run on SIGINT and SIGTERM: drop the batch in flight, keep every finished one.
+"""Stopping a run on SIGINT and SIGTERM: drop the batches in flight, keep every finished one.
 
 :class:`Stops` turns the signals into :class:`RunStopped`, raised in the main thread at a moment where
 nothing is half-committed; the pipeline then marks the manifest ``"interrupted"`` and the CLI says how

@@ -12,7 +12,7 @@ import torch
 
 import probe.solver as solver
 from probe.data import DatasetSpec
-from probe.parallel import cpu_workers, run_all, without_gil
+from probe.parallel import Lane, cpu_workers, run_all, without_gil
 from probe.pipeline import RunConfig, run
 from probe.solver import DualSolution, solve_dual
 
@@ -165,3 +165,64 @@ def test_runs_on_one_and_two_threads_are_bitwise_identical(tiny_bert_dir, texts_
     one, two = frames
     assert len(one) > 0
     pd.testing.assert_frame_equal(one, two, check_exact=True)
+
+
+def test_the_lane_runs_jobs_in_order_one_at_a_time_and_propagates_errors():
+    lane = Lane(threads=2)
+    try:
+        running, order = [], []
+
+        def job(i):
+            running.append(i)
+            assert len(running) == 1, "two jobs ran at once"
+            time.sleep(0.01)
+            order.append((i, torch.get_num_threads(), torch.is_grad_enabled()))
+            running.remove(i)
+            return i
+
+        with torch.no_grad():  # the lane computes in the submitter's grad mode
+            futures = [lane.submit(lambda i=i: job(i)) for i in range(4)]
+        assert [future.result() for future in futures] == [0, 1, 2, 3]
+        assert order == [(i, 2, False) for i in range(4)]  # in order, on the caller's thread count
+
+        def failing():
+            raise ValueError("stack failed")
+
+        failed = lane.submit(failing)
+        with pytest.raises(ValueError, match="stack failed"):
+            failed.result()
+        with pytest.raises(ValueError, match="stack failed"):  # or at the next submit, whichever comes first
+            lane.submit(lambda: None)
+    finally:
+        lane.close()
+
+
+@pytest.mark.parametrize("stack_bytes", [None, 20_000])
+def test_runs_with_and_without_the_lane_are_bitwise_identical(tiny_bert_dir, texts_file, tmp_path, monkeypatch,
+                                                              stack_bytes):
+    """Each batch's last stack solved in the background while the next batch is captured: the same rows,
+    bitwise, as solving it before the next batch starts; also with stacks small enough that several fill
+    (and are solved at once) while the model runs."""
+    import probe.pipeline as pipeline
+    import probe.rows as rows
+
+    if stack_bytes is not None:
+        monkeypatch.setattr(rows, "STACK_BYTES", stack_bytes)
+    lanes = []
+
+    def counting_lane(threads):
+        lanes.append(Lane(threads))
+        return lanes[-1]
+
+    frames = []
+    for name, lane in (("lane", counting_lane), ("none", lambda threads: None)):
+        monkeypatch.setattr(pipeline, "Lane", lane)
+        config = RunConfig(
+            model=str(tiny_bert_dir), dataset=DatasetSpec(name=str(texts_file)), out=tmp_path / name,
+            batch_size=2, max_length=32, device="cpu", progress=False, alphas=(0.5, 2.0),
+        )
+        frames.append(pd.read_parquet(run(config) / "deviations.parquet"))
+    assert len(lanes) == 1 and lanes[0].last is not None  # the first run did solve in its lane
+    with_lane, without = frames
+    assert len(with_lane) > 0 and with_lane["example"].nunique() > 2  # several batches
+    pd.testing.assert_frame_equal(with_lane, without, check_exact=True)
