@@ -28,7 +28,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from . import __version__, distributed, fingerprint, native, storage
+from . import __version__, allocator, distributed, fingerprint, native, storage
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
@@ -390,7 +390,13 @@ def _prepare_resume(run_dir: Path, manifest: dict, config: RunConfig, device: st
 
 def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, group: distributed.Group) -> Path:
     """Run every batch of the plan that has no part file yet, as a new segment of the run; with several
-    processes, rank r takes every world-th of them and rank 0 keeps the manifest."""
+    processes, rank r takes every world-th of them and rank 0 keeps the manifest.  The C heap keeps
+    freed memory for reuse meanwhile (:mod:`probe.allocator`)."""
+    with allocator.kept_heap():
+        return _execute_batches(run_dir, manifest, job, stops, group)
+
+
+def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, group: distributed.Group) -> Path:
     config, ranks = job.config, group.ranks
     rank_info = group.gather({
         "rank": ranks.rank, **storage.process_identity(), "device": str(job.device),
