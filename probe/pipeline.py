@@ -2,8 +2,8 @@
 
 A run is planned as a fixed list of batches (deterministic given its settings) and every finished batch
 is written as its own part file (:mod:`probe.storage`), so memory does not grow with the dataset and a
-run stopped at any moment, by any signal, keeps every finished batch.  On a CPU the forward pass of
-batch k + 1 runs while the last problems of batch k are solved in the background
+run stopped at any moment, by any signal, keeps every finished batch.  On a CPU with several threads
+the forward pass of batch k + 1 runs while the last problems of batch k are solved in the background
 (:class:`probe.parallel.Lane`).  SIGINT and SIGTERM drop the batches in flight, mark the manifest
 ``"interrupted"`` and raise :class:`RunStopped`.  :func:`resume`
 continues a stopped run with the settings its manifest recorded, after checking that the model files
@@ -467,9 +467,11 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
             index.refresh()
             report()
 
-    # Batch k + 1 is captured while batch k's last stack is solved in the lane (a CPU run without a
-    # memory budget); its part file is written once both are done, in the plan's order.
-    lane = Lane(torch.get_num_threads()) if job.device.type == "cpu" and config.max_memory_bytes is None else None
+    # Batch k + 1 is captured while batch k's last stack is solved in the lane (a CPU run on several
+    # threads without a memory budget; on one thread, as with one process per core, the two would only
+    # take turns); its part file is written once both are done, in the plan's order.
+    threads = torch.get_num_threads()
+    lane = Lane(threads) if job.device.type == "cpu" and threads > 1 and config.max_memory_bytes is None else None
     try:
         in_flight = None  # (batch, finish, started) of the batch whose solves may still be running
         for batch in todo[ranks.rank :: ranks.world]:

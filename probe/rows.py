@@ -4,8 +4,8 @@ The adapter emits each attention site while the model runs (:meth:`probe.adapter
 Sites are split by examples into pieces of at most ``budget`` bytes of float64 logits, consecutive pieces
 of one shape are stacked (so the solver's per-call cost is paid once and its batched products run on
 larger batches) and solved as soon as the stack is full: memory holds one stack of problems at a time,
-whatever the batch size (two on a CPU without a memory budget, where a batch's last stack is solved in
-the background while the model runs on the next batch: :meth:`BatchSolver.finish`).  For every stack,
+whatever the batch size (two on a CPU with several threads and no memory budget, where a batch's last
+stack is solved in the background while the model runs on the next batch: :meth:`BatchSolver.finish`).  For every stack,
 each requested space (parameterisation) is built once and solved for every requested alpha.
 """
 

@@ -199,12 +199,15 @@ def test_the_lane_runs_jobs_in_order_one_at_a_time_and_propagates_errors():
 
 @pytest.mark.parametrize("stack_bytes", [None, 20_000])
 def test_runs_with_and_without_the_lane_are_bitwise_identical(tiny_bert_dir, texts_file, tmp_path, monkeypatch,
-                                                              stack_bytes):
+                                                              request, stack_bytes):
     """Each batch's last stack solved in the background while the next batch is captured: the same rows,
     bitwise, as solving it before the next batch starts; also with stacks small enough that several fill
     (and are solved at once) while the model runs."""
     import probe.pipeline as pipeline
     import probe.rows as rows
+
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))  # the runs set their own
 
     if stack_bytes is not None:
         monkeypatch.setattr(rows, "STACK_BYTES", stack_bytes)
@@ -219,10 +222,15 @@ def test_runs_with_and_without_the_lane_are_bitwise_identical(tiny_bert_dir, tex
         monkeypatch.setattr(pipeline, "Lane", lane)
         config = RunConfig(
             model=str(tiny_bert_dir), dataset=DatasetSpec(name=str(texts_file)), out=tmp_path / name,
-            batch_size=2, max_length=32, device="cpu", progress=False, alphas=(0.5, 2.0),
+            batch_size=2, max_length=32, device="cpu", progress=False, alphas=(0.5, 2.0), threads=2,
         )
         frames.append(pd.read_parquet(run(config) / "deviations.parquet"))
     assert len(lanes) == 1 and lanes[0].last is not None  # the first run did solve in its lane
+    monkeypatch.setattr(pipeline, "Lane", counting_lane)
+    config = RunConfig(model=str(tiny_bert_dir), dataset=DatasetSpec(name=str(texts_file)), out=tmp_path / "one",
+                       batch_size=2, max_length=32, device="cpu", progress=False, threads=1)
+    run(config)
+    assert len(lanes) == 1  # one thread: no lane (capture and solves would only take turns on it)
     with_lane, without = frames
     assert len(with_lane) > 0 and with_lane["example"].nunique() > 2  # several batches
     pd.testing.assert_frame_equal(with_lane, without, check_exact=True)
