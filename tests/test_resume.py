@@ -29,14 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_ARGS = ["--samples", "40", "--batch-size", "2", "--max-length", "32", "--no-progress"]
 
 
-def probe_process(*args, processes: int = 1) -> subprocess.Popen:
+def probe_process(*args, processes: int = 1, threads: int = 1) -> subprocess.Popen:
     """`probe ARGS` as a real process (this checkout's cli.py), as a user starts it; with ``processes``
-    > 1, `torchrun --standalone --nproc-per-node N -m probe ARGS`.  One thread per process in every
-    case (torchrun's default), so that all of them compute the same bits."""
+    > 1, `torchrun --standalone --nproc-per-node N -m probe ARGS`.  One thread per process unless
+    ``threads`` says otherwise (torchrun's default; the rows do not depend on it)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "OMP_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": str(threads),
     }
     if processes == 1:
         command = [sys.executable, str(ROOT / "cli.py")]
@@ -182,6 +182,33 @@ def test_killed_twice_then_resumed_equals_an_uninterrupted_run(tiny_bert_dir, re
     again = CliRunner().invoke(app, ["resume", str(run_dir)])
     assert again.exit_code == 0 and "nothing to resume" in again.output
     assert len(json.loads((run_dir / "manifest.json").read_text())["segments"]) == 3
+
+
+def test_a_run_stopped_while_its_lane_solves_resumes_to_the_uninterrupted_rows(tiny_bert_dir, reference, tmp_path):
+    """Two threads: each batch's last stack is solved in the background while the next batch is captured
+    (probe.parallel.Lane).  SIGTERM lands with batches in flight: the part files hold whole batches only,
+    the manifest counts exactly those, and resume finishes the run with the uninterrupted rows, bitwise
+    (the rows do not depend on the thread count)."""
+    out = tmp_path / "runs"
+    process = probe_process("run", tiny_bert_dir, *RUN_ARGS, "--threads", "2", "--out", out, threads=2)
+    run_dir = wait_for_new_part(out, process)
+    process.send_signal(signal.SIGTERM)
+    code, output = finish(process)
+    assert code == 143, output
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted" and manifest["stop_reason"] == "stopped by SIGTERM", output
+    assert [r["threads"] for r in manifest["segments"][-1]["ranks"]] == [2]  # so the lane was on
+    stopped = pd.read_parquet(run_dir / "deviations.parquet")
+    assert_whole_examples(stopped, reference)
+    assert manifest["batches_done"] == len(storage.finished_batches(run_dir)) < manifest["batches_total"]
+    assert manifest["solver"]["rows"] == len(stopped)
+
+    code, output = finish(probe_process("resume", run_dir, "--no-progress", threads=2))
+    assert code == 0, output
+    pd.testing.assert_frame_equal(pd.read_parquet(run_dir / "deviations.parquet"), reference, check_exact=True)
+    manifest = storage.read_manifest(run_dir)
+    assert manifest["status"] == "complete" and manifest["solver"]["rows"] == len(reference)
+    assert [r["threads"] for r in manifest["segments"][-1]["ranks"]] == [2]  # resume kept --threads
 
 
 def test_torchrun_stopped_and_resumed_equals_a_single_process_run(tiny_bert_dir, reference, reference_dir, tmp_path):
