@@ -529,11 +529,6 @@ def _start_batch(job: _Job, batch: int, lane=None):
     return finish
 
 
-def _process(job: _Job, batch: int) -> tuple[pa.Table, Summary, dict]:
-    """One batch of the plan, start to end: its rows, its summary and the seconds spent capturing and solving."""
-    return _start_batch(job, batch)()
-
-
 def _record_stop(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex, error: BaseException,
                  started: float) -> None:
     if isinstance(error, RunStopped):
