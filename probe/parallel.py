@@ -122,6 +122,4 @@ class Lane:
 
     def close(self) -> None:
         """Cancel what has not started; a job already running finishes in its thread."""
-        if self.last is not None:
-            self.last.cancel()
         self.pool.shutdown(wait=False, cancel_futures=True)

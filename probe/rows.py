@@ -111,15 +111,14 @@ def stacked_problems(problems: list[DualProblems]) -> DualProblems:
     )
 
 
-def solve_stacked(problems: list[DualProblems], rtol: float, memory_bytes: int | None = None,
-                  workers: int | None = None) -> list[DualSolution]:
+def solve_stacked(problems: list[DualProblems], rtol: float, memory_bytes: int | None = None) -> list[DualSolution]:
     """Solve problems of one shape with one :func:`solve_dual` call, one solution per entry.
 
     Per-call overhead is paid once and the solver's batched products run on larger batches; the
     problems stay independent of one another.
     """
     budget = {} if memory_bytes is None else {"memory_budget_bytes": memory_bytes}
-    solution = solve_dual(stacked_problems(problems), rtol=rtol, workers=workers, **budget)
+    solution = solve_dual(stacked_problems(problems), rtol=rtol, **budget)
     solutions, start = [], 0
     for part in problems:
         stop = start + part.gram.shape[0]
@@ -425,8 +424,7 @@ class BatchSolver:
     """Receives sites as the model emits them and solves them in stacks of bounded size.
 
     ``spaces`` and ``alphas`` are the parameterisations and strengths to solve; ``memory_bytes`` (the
-    run's ``--max-memory``) bounds the problems held at once and the solver's working set; ``workers``
-    is how many pieces run side by side (:func:`probe.parallel.cpu_workers` of the caller's thread).
+    run's ``--max-memory``) bounds the problems held at once and the solver's working set.
 
     :meth:`finish` solves what is left once the model is done with the batch; with a ``lane``
     (:class:`probe.parallel.Lane`) it does so in the background, so that the caller can run the model on
@@ -435,15 +433,13 @@ class BatchSolver:
     those of a run without a lane.
     """
 
-    def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, memory_bytes: int | None = None,
-                 workers: int = 1):
+    def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, memory_bytes: int | None = None):
         self.spaces, self.alphas, self.rtol = tuple(spaces), tuple(alphas), rtol
         self.context, self.summary = context, summary
         # --max-memory: an eighth for the logits of the stack held at once (the problems built from
         # them take a few times that), half for the solver's working set
         self.limit_bytes = STACK_BYTES if memory_bytes is None else max(1, memory_bytes // 8)
         self.solver_bytes = None if memory_bytes is None else max(1, memory_bytes // 2)
-        self.workers = workers if memory_bytes is None else min(workers, 1)  # with a budget, one at a time
         self.pending: list[tuple[SiteCapture, int]] = []  # (piece, offset of its first example in the batch)
         self.pending_bytes = 0
         self.tables: list[pa.Table] = []
@@ -479,7 +475,9 @@ class BatchSolver:
     def _solve(self, stack: list[tuple[SiteCapture, int]]) -> None:
         sites = [piece for piece, _ in stack]
         # the sites' own work runs side by side on a CPU (probe.parallel); with a memory budget, one at a time
-        workers = self.workers if sites[0].queries.device.type == "cpu" else 0
+        workers = cpu_workers(sites[0].queries.device)  # in the lane too: its thread has the caller's threads
+        if self.solver_bytes is not None:
+            workers = min(workers, 1)
         for space in self.spaces:
 
             def build(site):
@@ -496,7 +494,7 @@ class BatchSolver:
                 duals = [dual_problems(site, built, alpha) for site, built in zip(sites, problems)]
                 for dual, factor in zip(duals, factors):
                     dual.factor = factor  # one factorisation per space, shared by every alpha
-                solutions = solve_stacked(duals, self.rtol, self.solver_bytes, workers)
+                solutions = solve_stacked(duals, self.rtol, self.solver_bytes)
 
                 def rows_of(site, offset, built, dual, solution, space=space, alpha=alpha):
                     quantities = derive(site, dual, solution, self.rtol)
@@ -523,8 +521,7 @@ def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary:
     budget = getattr(config, "max_memory_bytes", None)
     context = copy.copy(context)  # the example ids of this batch, whichever batch the lane solves meanwhile
     context.example_ids = example_ids
-    solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget,
-                         workers=cpu_workers(inputs_device(inputs)))
+    solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget)
     started = time.perf_counter()
     loaded.adapter.capture(loaded.model, inputs, solver)
     captured = time.perf_counter() - started - solver.solve_s  # less the stacks solved as they filled
@@ -536,7 +533,3 @@ def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary:
 
     return finish
 
-
-def inputs_device(inputs: dict) -> torch.device:
-    """The device of a batch's model inputs."""
-    return next(iter(inputs.values())).device if inputs else torch.device("cpu")

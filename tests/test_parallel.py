@@ -105,6 +105,27 @@ def test_a_memory_budget_limits_the_tiles_in_flight(monkeypatch):
     _identical(budgeted, free)
 
 
+def test_a_run_with_a_roomy_budget_solves_tiles_side_by_side(tiny_bert_dir, texts_file, tmp_path, monkeypatch,
+                                                             request):
+    """`--max-memory` computes the sites' own work one at a time, but the solver's tiles run as many at once
+    as the budget holds: a budget far above a tile lets both threads' workers solve."""
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))  # the run sets its own
+    seen = []
+    original = solver.run_all
+
+    def recording(jobs, workers):
+        seen.append(workers)
+        return original(jobs, workers)
+
+    monkeypatch.setattr(solver, "run_all", recording)
+    config = RunConfig(model=str(tiny_bert_dir), dataset=DatasetSpec(name=str(texts_file)), out=tmp_path,
+                       batch_size=2, max_length=32, device="cpu", progress=False, threads=2,
+                       max_memory_bytes=1 << 30)
+    run(config)
+    assert seen and max(seen) == 2
+
+
 def test_run_all_keeps_order_uses_one_intra_op_thread_and_propagates_errors():
     seen = []
 
