@@ -31,8 +31,18 @@ T = TypeVar("T")
 _pools: dict[int, ThreadPoolExecutor] = {}
 
 
+def set_thread_count(count: int) -> None:
+    """This thread's intra-op thread count, for good.
+
+    torch settles a new thread's count lazily, at the thread's first operation, from the count last set
+    in *any* thread: a worker that only called ``torch.set_num_threads(1)`` would take the main thread's
+    count if that were set before the worker's first operation.  Asking for the count first settles it."""
+    torch.get_num_threads()
+    torch.set_num_threads(count)
+
+
 def _one_intra_op_thread() -> None:
-    torch.set_num_threads(1)
+    set_thread_count(1)
 
 
 def cpu_workers(device: torch.device | str | None = None) -> int:
@@ -104,7 +114,7 @@ class Lane:
     """
 
     def __init__(self, threads: int):
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="probe-lane", initializer=torch.set_num_threads,
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="probe-lane", initializer=set_thread_count,
                                        initargs=(max(1, threads),))
         self.last = None
 

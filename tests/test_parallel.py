@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pandas as pd
 import pytest
 import torch
 
+import probe.parallel as parallel
 import probe.solver as solver
 from probe.data import DatasetSpec
 from probe.parallel import Lane, cpu_workers, run_all, without_gil
@@ -186,6 +188,25 @@ def test_runs_on_one_and_two_threads_are_bitwise_identical(tiny_bert_dir, texts_
     one, two = frames
     assert len(one) > 0
     pd.testing.assert_frame_equal(one, two, check_exact=True)
+
+
+def test_a_thread_count_set_at_a_threads_start_survives_a_later_setting_elsewhere(request):
+    """torch settles a new thread's intra-op count at its first operation, from the count last set in any
+    thread: a worker (or the lane) whose thread started before the main thread set its own count must keep
+    the count it was started with."""
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    pool = ThreadPoolExecutor(1, initializer=parallel._one_intra_op_thread)
+    lane = Lane(threads=2)
+    try:
+        pool.submit(lambda: None).result()  # both threads started, no torch operation yet
+        lane.submit(lambda: None).result()
+        torch.set_num_threads(3)
+        assert pool.submit(torch.get_num_threads).result() == 1
+        assert lane.submit(torch.get_num_threads).result() == 2
+    finally:
+        pool.shutdown()
+        lane.close()
 
 
 def test_the_lane_runs_jobs_in_order_one_at_a_time_and_propagates_errors():
