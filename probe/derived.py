@@ -19,8 +19,8 @@ difference between the computed value and the value at the exact optimum of the 
 data define; like the solver's certificate they do not count the float64 rounding of the final
 products (relative ~1e-16 n).
 
-Second-order prediction (:func:`second_order_coefficients`, :func:`second_order_deviation`)
----------------------------------------------------------------------------------------------
+Second-order prediction (:func:`second_order_point`, :func:`second_order_deviation`)
+---------------------------------------------------------------------------------------
 Linearising the optimality condition :math:`\lambda = \alpha(\mu + z - T^\top p(\lambda))` at
 :math:`\lambda = 0`, where :math:`p(\lambda) \approx u + W T\lambda` with :math:`W = \mathrm{diag}\,u -
 uu^\top` (:math:`u` the normalised preference), gives the paper's second-order prediction
@@ -34,34 +34,37 @@ expansion is in the size of the logits instead: as :math:`\alpha \to 0`, :math:`
 \alpha(\mu - T^\top p_{att} + \Sigma_u \alpha z) + O(\alpha^2)` is of the same order as
 :math:`\lambda^* - \alpha z` unless the model's logits are small (the tests check both).
 
-By the push-through identity :math:`(I + \alpha T^\top W T)^{-1} = I - \alpha T^\top (I + \alpha W
-G)^{-1} W T`, :math:`\lambda_2 = \alpha z + T^\top c_2` with
-:math:`c_2 = -\alpha^2 (I + \alpha W G)^{-1} W s` (:math:`s = Tz`, the solver's logits).  With
-:math:`G = AA^\top` Woodbury gives :math:`(I + \alpha W A A^\top)^{-1} w = w - WAx`,
-:math:`(I/\alpha + A^\top W A)\,x = A^\top w`, so
+*Reduced form.*  With :math:`T^\top = VA^\top` (:math:`V` orthonormal, :math:`G = AA^\top`, the solver's
+factor), :math:`\Sigma_u = VKV^\top` with :math:`K = A^\top W A`, and :math:`\Sigma_u z = VA^\top W s`
+(:math:`s = Tz = AV^\top z`, the solver's logits).  Since :math:`(I + \alpha VKV^\top)^{-1}V = V(I +
+\alpha K)^{-1}`,
 
-.. math::  c_2 = -\alpha^2 W (s - A x), \qquad H x = b, \quad H = I/\alpha + A^\top W A, \quad
-           b = A^\top W s ,
+.. math::  \lambda_2 - \alpha z = -\alpha^2 (I + \alpha\Sigma_u)^{-1}\Sigma_u z = -\alpha\,V x, \qquad
+           H x = b, \quad H = I/\alpha + A^\top W A, \quad b = A^\top W s ,
 
 an :math:`r \times r` SPD system per row (:math:`r = \mathrm{rank}\,G`) whose matrix is the solver's
-Newton matrix at :math:`p = u`, never solved as an :math:`n \times n` system.
+Newton matrix at :math:`p = u`.  :func:`second_order_point` returns :math:`y_2 = -\alpha\hat x`, the
+prediction's correction to :math:`\alpha z` in the basis :math:`V`: :math:`\hat\lambda_2 = \alpha z +
+Vy_2`, in the coordinates of the solver's :math:`\hat\lambda - \alpha z = VA^\top\hat c`.
 
 *Solving the systems.*  :math:`H = H_u` depends on the row only through :math:`u`.  Rows of a group with
 bitwise equal :math:`u` form a class that shares one :math:`H_u`: every row of an example when the
 preference is uniform over its real keys (BERT-like models, and T5's cross-attention), every head of a
 query under a causal mask without position bias.  A class of at least
 :func:`_direct_min_rows` rows (the size above which it is cheaper) is solved directly: :math:`H_u` is
-formed (:math:`nr^2`) and Cholesky-factored (:math:`r^3/3`) once, then each row costs two triangular
-solves (:math:`2r^2`) instead of a CG run of :math:`\sim 2 \cdot` 5 to 12 products with :math:`A`
-(:math:`nr` each).  Rows with their own :math:`u` (T5's position bias, causal masks per query) go to
-the batched CG of :func:`probe.solver.solve_spd_reduced`.  Columns of :math:`A` that are zero in every
-group (null eigenvalues of :math:`G`, e.g. beyond the :math:`d'` dimensions of the key space) are
-dropped first: they contribute :math:`x_k/\alpha` to :math:`Hx` and nothing to :math:`b`, so
-:math:`x_k = 0` exactly.  Whichever way :math:`\hat x` was found, the bound below uses its residual,
-so no path needs to be trusted: a row whose residual is above its tolerance after the direct solve
-(or whose factorisation fails) is handed to CG.
+formed (:math:`nr^2`), Cholesky-factored and inverted (:math:`r^3`) once, then each row costs two
+products with an :math:`r \times r` matrix (:math:`\hat x = H_u^{-1}b` and its residual :math:`b -
+H_u\hat x`) instead of a CG run of :math:`\sim 2 \cdot` 5 to 12 products with :math:`A`
+(:math:`nr` each) and the two products with :math:`A` of a residual.  Rows with their own :math:`u`
+(T5's position bias, causal masks per query) go to the batched CG of
+:func:`probe.solver.solve_spd_reduced`, whose residual is recomputed from :math:`\hat x` with
+:math:`A`.  Columns of :math:`A` that are zero in every group (null eigenvalues of :math:`G`, e.g.
+beyond the :math:`d'` dimensions of the key space) are dropped first: they contribute
+:math:`x_k/\alpha` to :math:`Hx` and nothing to :math:`b`, so :math:`x_k = 0` exactly.  Whichever way
+:math:`\hat x` was found, the bound below uses its residual, so no path needs to be trusted: a row whose
+residual is above its tolerance after the direct solve (or whose factorisation fails) is handed to CG.
 
-*Tolerance.*  CG stops a row at :math:`\|\rho\| \le` ``rtol`` :math:`\|b\|`, or earlier at
+*Tolerance.*  A row is done at :math:`\|\rho\| \le` ``rtol`` :math:`\|b\|`, or earlier at
 ``error_target`` :math:`/\alpha^2` when given.  The pipeline (:func:`probe.rows.derive`) passes a tenth
 of the solver's tolerance, :math:`\varepsilon_2 \le 0.1\,\mathrm{rtol}\,\|\hat\lambda\|` (:math:`10^{-10}`
 by default): the second-order deviation is then resolved like rel_deviation, its bound below being
@@ -69,22 +72,16 @@ dominated by the solver's own :math:`\varepsilon \le \mathrm{rtol}\,\|\hat\lambd
 that where the solver stops by its tolerance).  Two second-order solutions, to any tolerances, differ by
 at most the sum of their :math:`\varepsilon_2`.
 
-*Error of* :math:`\lambda_2`.  The solve returns :math:`\hat x` with residual :math:`\rho = b - H\hat x`,
-recomputed from :math:`\hat x` as :math:`\rho = A^\top W(s - A\hat x) - \hat x/\alpha` from the same
-vector :math:`W(s - A\hat x)` that gives :math:`\hat c_2` (so the identity below holds up to the
-rounding of one product).  Exactly, :math:`A^\top c_2 = -\alpha^2(b - (H - I/\alpha)x) =
--\alpha x`; for :math:`\hat c_2 = -\alpha^2 W(s - A\hat x)`, :math:`A^\top \hat c_2 = -\alpha^2\rho
-- \alpha\hat x`.  With :math:`\hat x - x = -H^{-1}\rho` and :math:`T^\top = VA^\top` (:math:`V`
-orthonormal),
+*Error of* :math:`\lambda_2`.  For the residual :math:`\rho = b - H\hat x`, :math:`\hat x - x =
+-H^{-1}\rho`, and :math:`H \succeq I/\alpha` bounds :math:`\|H^{-1}\| \le \alpha`, so
 
-.. math::  \hat\lambda_2 - \lambda_2 = V A^\top(\hat c_2 - c_2) = -\alpha(\alpha I - H^{-1})\rho,
-           \qquad \|\hat\lambda_2 - \lambda_2\| \le \alpha^2\|\rho\| =: \varepsilon_2 ,
+.. math::  \|\hat\lambda_2 - \lambda_2\| = \alpha\|\hat x - x\| \le \alpha^2\|\rho\| =: \varepsilon_2 .
 
-because :math:`H \succeq I/\alpha` puts the eigenvalues of :math:`\alpha I - H^{-1}` in
-:math:`[0, \alpha)`.  ``c2_error`` is :math:`\varepsilon_2`.
+(The direct solve's residual uses the formed :math:`H_u`, whose rounding, like that of :math:`b`, is
+that of the final products.)
 
-*Deviation.*  :math:`\hat\lambda - \hat\lambda_2 = VA^\top(\hat c - \hat c_2)`, so the computed value
-is :math:`\hat v = \|A^\top(\hat c - \hat c_2)\| / \|\hat\lambda\|`.  Its numerator is within
+*Deviation.*  :math:`\hat\lambda - \hat\lambda_2 = V(A^\top\hat c - y_2)`, so the computed value
+is :math:`\hat v = \|A^\top\hat c - y_2\| / \|\hat\lambda\|`.  Its numerator is within
 :math:`\delta = \varepsilon + \varepsilon_2` of :math:`\|\lambda^* - \lambda_2\|` and its denominator
 within :math:`\varepsilon` of :math:`\|\lambda^*\|`; the worst case over both intervals is
 
@@ -141,7 +138,7 @@ import torch
 from .solver import solve_spd_reduced
 
 __all__ = [
-    "second_order_coefficients",
+    "second_order_point",
     "second_order_deviation",
     "model_attention",
     "attention_tv",
@@ -154,7 +151,7 @@ _F64 = torch.float64
 _NAN = float("nan")
 
 
-def second_order_coefficients(
+def second_order_point(
     factor: torch.Tensor,
     logits: torch.Tensor,
     log_preference: torch.Tensor,
@@ -167,12 +164,13 @@ def second_order_coefficients(
     memory_budget_bytes: int = 1 << 29,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The paper's second-order prediction :math:`\lambda_2 = \alpha(I + \alpha\Sigma_u)^{-1}z` in reduced
-    form, :math:`\lambda_2 = \alpha z + T^\top c_2` (module docstring, "Second-order prediction").
+    form, :math:`\lambda_2 = \alpha z + V y_2` with :math:`y_2 = -\alpha x`, :math:`H_u x = A^\top W s`
+    (module docstring, "Second-order prediction").
 
-    The systems :math:`H_u x = b` are solved directly where rows share their preference (one Cholesky
-    factorisation of :math:`H_u` per class of rows with bitwise equal :math:`u` in a group, then two
-    triangular solves per row) and by CG elsewhere; either way :math:`\varepsilon_2` comes from the
-    residual recomputed from :math:`\hat x` (module docstring, "Solving the systems").
+    The systems are solved directly where rows share their preference (one factorisation of :math:`H_u`
+    per class of rows with bitwise equal :math:`u` in a group, then two products per row) and by CG
+    elsewhere; either way :math:`\varepsilon_2` comes from the residual recomputed from :math:`\hat x`
+    (module docstring, "Solving the systems").
 
     Args:
         factor: :math:`A` with :math:`AA^\top = G`, ``(g, n, r)``, from :func:`probe.solver.factor_gram`.
@@ -191,48 +189,60 @@ def second_order_coefficients(
         memory_budget_bytes: rows are processed in tiles of about this working-set size.
 
     Returns:
-        ``(c2, c2_error)``: :math:`c_2` ``(g, m, n)`` (zero on excluded keys) and the certified bound
-        :math:`\varepsilon_2 = \alpha^2\|b - H\hat x\| \ge \|\hat\lambda_2 - \lambda_2\|` ``(g, m)``; NaN
-        on inactive rows.
+        ``(point, error)``: :math:`y_2 = V^\top(\hat\lambda_2 - \alpha z)` ``(g, m, r)``, in the
+        coordinates of ``factor``'s columns (0 in its zero columns), and the certified bound
+        :math:`\varepsilon_2 = \alpha^2\|b - H\hat x\| \ge \|\hat\lambda_2 - \lambda_2\|` ``(g, m)``; NaN on
+        inactive rows.
     """
     if alpha <= 0:
         raise ValueError(f"alpha must be positive, got {alpha}")
-    factor = _used_columns(factor.to(_F64))
+    factor = factor.to(_F64)
+    used = _used_columns(factor)
+    a = factor if used is None else factor[..., used]
     device = factor.device
     logits = logits.to(device=device, dtype=_F64)
-    log_pref = log_preference.to(device=device, dtype=_F64).expand_as(logits)
     g_count, m, n = logits.shape
-    support = log_pref > -torch.inf
-    logits = torch.where(support, logits, 0.0)  # whatever is stored at excluded keys plays no part
-    ok = support.any(-1) & torch.isfinite(torch.where(support, log_pref, 0.0) + logits).all(-1)
+    log_pref = log_preference.to(device=device, dtype=_F64).expand(g_count, m, n)
+    # rows that share their preference by construction (a view: BERT-like models' masks) share u, its
+    # support and one class per group, all found from the group's first row
+    shared = m > 0 and log_pref.stride(1) == 0
+    row_pref = log_pref[:, :1] if shared else log_pref
+    support = row_pref > -torch.inf
+    ok = support.any(-1) & torch.isfinite(torch.where(support, row_pref, 0.0)).all(-1)
+    if not bool(torch.isfinite(logits.sum())):  # a finite sum has finite terms (one pass, no copy)
+        logits = torch.where(support, logits, 0.0)  # whatever is stored at excluded keys plays no part
+        ok = ok & torch.isfinite(logits).all(-1)
+    ok = ok.expand(g_count, m)
     active = ok if active is None else ok & active.to(device)
-    # inactive rows become a harmless uniform problem, so that no NaN enters the batched products
-    inactive = ~active
-    if bool(inactive.any()):
-        log_pref = log_pref.masked_fill(inactive.unsqueeze(-1), 0.0)
-        logits.masked_fill_(inactive.unsqueeze(-1), 0.0)
-    u = torch.softmax(log_pref, dim=-1)
+    # rows with no allowed key or non-finite inputs become a harmless uniform problem, so that no NaN
+    # enters the batched products (other inactive rows are computed with the rest, and masked at the end)
+    if not bool(ok.all()):
+        log_pref = log_pref.masked_fill(~ok.unsqueeze(-1), 0.0)
+        logits = logits.masked_fill(~ok.unsqueeze(-1), 0.0)
+        shared = False
+    u = torch.softmax(log_pref[:, :1] if shared else log_pref, dim=-1).expand(g_count, m, n)
     if error_target is not None:
         error_target = error_target.to(device=device, dtype=_F64).expand(g_count, m)
     if direct_min_rows is None:
-        direct_min_rows = _direct_min_rows(n, factor.shape[-1])
+        direct_min_rows = _direct_min_rows(n, a.shape[-1])
 
+    x = torch.zeros(g_count, m, a.shape[-1], dtype=_F64, device=device)
+    residual = torch.zeros(g_count, m, dtype=_F64, device=device)
     bytes_per_row = 16 * n * 8  # about 16 live (m, n)-sized float64 tensors in the CG
-    tiles = _tiles(g_count, m, max(1, memory_budget_bytes // bytes_per_row))
-    if len(tiles) == 1:
-        c2, c2_error = _second_order_tile(
-            factor, logits, u, active, alpha, rtol, error_target, direct_min_rows, memory_budget_bytes
+    for g0, g1, j0, j1 in _tiles(g_count, m, max(1, memory_budget_bytes // bytes_per_row)):
+        target = None if error_target is None else error_target[g0:g1, j0:j1]
+        _second_order_tile(
+            a[g0:g1], logits[g0:g1, j0:j1], u[g0:g1, j0:j1], active[g0:g1, j0:j1], shared, alpha, rtol, target,
+            direct_min_rows, memory_budget_bytes, x[g0:g1, j0:j1], residual[g0:g1, j0:j1],
         )
-    else:
-        c2 = torch.empty_like(logits)
-        c2_error = torch.empty(g_count, m, dtype=_F64, device=device)
-        for g0, g1, j0, j1 in tiles:
-            target = None if error_target is None else error_target[g0:g1, j0:j1]
-            c2[g0:g1, j0:j1], c2_error[g0:g1, j0:j1] = _second_order_tile(
-                factor[g0:g1], logits[g0:g1, j0:j1], u[g0:g1, j0:j1], active[g0:g1, j0:j1], alpha, rtol, target,
-                direct_min_rows, memory_budget_bytes,
-            )
-    return c2.masked_fill_(inactive.unsqueeze(-1), _NAN), c2_error.masked_fill_(inactive, _NAN)
+    x.mul_(-alpha)  # y_2 = -alpha x
+    if used is not None:
+        x = torch.zeros(g_count, m, factor.shape[-1], dtype=_F64, device=device).index_copy_(
+            -1, used.nonzero().squeeze(-1), x
+        )
+    error = residual.mul_(alpha**2)
+    inactive = ~active
+    return x.masked_fill_(inactive.unsqueeze(-1), _NAN), error.masked_fill_(inactive, _NAN)
 
 
 #: cost of one CG solve per row in units of the n r multiply-adds of one product with A, fitted to the
@@ -250,117 +260,119 @@ def _direct_min_rows(n: int, r: int) -> int:
 
 
 def _used_columns(factor):
-    r"""The factor without the columns that are zero in every group (:func:`probe.solver.factor_gram` zeroes
-    those of null eigenvalues): they add :math:`x_k/\alpha` to :math:`Hx` and nothing to :math:`b`, so
-    :math:`x_k = 0` exactly and they can be dropped."""
+    r"""The columns of the factor that are nonzero in some group, ``(r,)`` bool, or ``None`` when all are
+    (:func:`probe.solver.factor_gram` zeroes those of null eigenvalues): the others add :math:`x_k/\alpha`
+    to :math:`Hx` and nothing to :math:`b`, so :math:`x_k = 0` exactly and they can be dropped."""
     used = (factor != 0).flatten(0, 1).any(0)
-    return factor if bool(used.all()) else factor[..., used]
+    return None if bool(used.all()) else used
 
 
-def _second_order_tile(a, s, u, live, alpha, rtol, target, direct_min_rows, memory_budget_bytes):
-    r"""``(c2, c2_error)`` for one tile: the direct solve on classes of rows sharing :math:`u`, then CG on
-    the live rows left (and on any row the direct solve leaves above its tolerance)."""
-    g_count, m, n = s.shape
+def _second_order_tile(a, s, u, live, shared, alpha, rtol, target, direct_min_rows, memory_budget_bytes, x, residual):
+    r"""Solve one tile's systems :math:`H_u x = b` into ``x`` ``(g, m, r)``, with :math:`\|b - H_u\hat x\|`
+    into ``residual``: the direct solve on classes of rows sharing :math:`u`, then CG on the live rows
+    left (and on any row the direct solve leaves above its tolerance).  ``shared``: every row of a group
+    has the group's :math:`u` (by construction)."""
+    if not a.shape[-1]:  # no templates to speak of: x is empty and lambda_2 = alpha z exactly
+        return
+    if target is None:
+        tolerance = torch.zeros_like(residual)
+    else:
+        tolerance = torch.nan_to_num(target / alpha**2, nan=0.0)  # on ||b - H x||
+    solved = _solve_direct(a, u, s, live, shared, alpha, direct_min_rows, x, residual, memory_budget_bytes)
+    if not bool((live & ~(solved & (residual <= tolerance))).any()):
+        return
+    # rows above their error target, or not solved: the right-hand sides, for rtol ||b|| and for CG
     rhs = torch.bmm(_centred(u, s), a)  # b = A^T W s
     rhs_norm = rhs.norm(dim=-1)
-    tolerance = rtol * rhs_norm  # on ||b - H x||
-    if target is not None:
-        tolerance = torch.maximum(tolerance, torch.nan_to_num(target / alpha**2, nan=0.0))
-    x = torch.zeros_like(rhs)
-    if a.shape[-1]:
-        solved = _solve_direct(a, u, rhs, live, alpha, direct_min_rows, x, memory_budget_bytes)
-    else:  # no templates to speak of: x is empty and c2 = -alpha^2 W s exactly
-        solved = live.clone()
-    if bool(solved.any()):
-        c2, residual = _coefficients_and_residual(a, s, u, x, alpha)
-        c2_error = alpha**2 * residual
-        solved = solved & (residual <= tolerance)
-    else:
-        c2 = torch.zeros_like(s)
-        c2_error = torch.zeros(g_count, m, dtype=_F64, device=s.device)
-    pending = live & ~solved
+    tolerance = torch.maximum(tolerance, rtol * rhs_norm)
+    pending = live & ~(solved & (residual <= tolerance))
     if bool(pending.any()):
-        c2_cg, error_cg, index = _solve_cg(a, s, u, rhs, rhs_norm, tolerance, pending, live, alpha, rtol)
-        if index is None:
-            return c2_cg, error_cg
-        c2[index] = c2_cg
-        c2_error[index] = error_cg
-    return c2, c2_error
+        _solve_cg(a, u, rhs, rhs_norm, tolerance, pending, live, alpha, rtol, x, residual)
 
 
-def _coefficients_and_residual(a, s, u, x, alpha):
-    r""":math:`\hat c_2 = -\alpha^2 W(s - A\hat x)` and :math:`\|b - H\hat x\| = \|A^\top W(s - A\hat x) -
-    \hat x/\alpha\|`, both from the same vector :math:`W(s - A\hat x)`."""
-    spread = _centred(u, torch.sub(s, torch.bmm(x, a.transpose(1, 2))), in_place=True)
-    residual = torch.baddbmm(x, spread, a, beta=-1.0 / alpha)
-    return spread.mul_(-(alpha**2)), residual.norm(dim=-1)
+def _solve_cg(a, u, rhs, rhs_norm, tolerance, pending, live, alpha, rtol, x, residual):
+    """CG (:func:`probe.solver.solve_spd_reduced`, its residual recomputed with the factor) on the
+    ``pending`` rows, gathered to the front of the groups that have one; writes into ``x`` and
+    ``residual``."""
+    if bool((pending | ~live).all()):  # every live row: solve in place
+        row_rtol = torch.where(rhs_norm > 0, tolerance / rhs_norm, rtol)
+        x_cg, residual_cg = solve_spd_reduced(a, u, rhs, alpha, row_rtol)
+        x.copy_(x_cg)
+        residual.copy_(residual_cg)
+        return
+    count = pending.sum(-1)
+    groups = count.nonzero().squeeze(-1)
+    rows = torch.argsort((~pending[groups]).to(torch.int8), dim=-1, stable=True)[:, : int(count.max())]
+    valid = pending[groups].gather(1, rows)
+    pick = (groups.unsqueeze(-1), rows)
+    rhs_norm = rhs_norm[pick]
+    row_rtol = torch.where(rhs_norm > 0, tolerance[pick] / rhs_norm, rtol)
+    rhs_pending = torch.where(valid.unsqueeze(-1), rhs[pick], 0.0)  # padding rows: nothing to solve
+    x_cg, residual_cg = solve_spd_reduced(a[groups], u[pick], rhs_pending, alpha, row_rtol)
+    index = (groups.unsqueeze(-1).expand_as(rows)[valid], rows[valid])
+    x[index] = x_cg[valid]
+    residual[index] = residual_cg[valid]
 
 
-def _solve_cg(a, s, u, rhs, rhs_norm, tolerance, pending, live, alpha, rtol):
-    """CG (:func:`probe.solver.solve_spd_reduced`) on the ``pending`` rows, gathered to the front of the
-    groups that have one.  Returns their ``(c2, c2_error)`` and the ``(group, row)`` index they belong at
-    (``None``: every live row is pending, all rows were solved in place and the results are the tile's)."""
-    if bool((pending | ~live).all()):
-        index, valid = None, None
-    else:
-        count = pending.sum(-1)
-        groups = count.nonzero().squeeze(-1)
-        rows = torch.argsort((~pending[groups]).to(torch.int8), dim=-1, stable=True)[:, : int(count.max())]
-        valid = pending[groups].gather(1, rows)
-        pick = (groups.unsqueeze(-1), rows)
-        a, s, u, tolerance, rhs_norm = a[groups], s[pick], u[pick], tolerance[pick], rhs_norm[pick]
-        rhs = torch.where(valid.unsqueeze(-1), rhs[pick], 0.0)  # padding rows: nothing to solve
-        index = (groups.unsqueeze(-1).expand_as(rows)[valid], rows[valid])
-    row_rtol = torch.where(rhs_norm > 0, tolerance / rhs_norm, rtol)
-    x, _ = solve_spd_reduced(a, u, rhs, alpha, row_rtol, residual=False)
-    c2, residual = _coefficients_and_residual(a, s, u, x, alpha)
-    if index is None:
-        return c2, alpha**2 * residual, None
-    return c2[valid], alpha**2 * residual[valid], index
+def _solve_direct(a, u, s, live, shared, alpha, min_rows, x, residual, memory_budget_bytes):
+    r"""Solve :math:`H_u x = b` by one factorisation per class of at least ``min_rows`` live rows of a group
+    with bitwise equal :math:`u`, writing :math:`\hat x` into ``x`` and :math:`\|b - H_u\hat x\|` into
+    ``residual``; returns the rows solved ``(g, m)``.
 
-
-def _solve_direct(a, u, rhs, live, alpha, min_rows, x, memory_budget_bytes):
-    r"""Solve :math:`H_u x = b` by one Cholesky factorisation per class of at least ``min_rows`` live rows
-    of a group with bitwise equal :math:`u`, writing into ``x``; returns the rows solved ``(g, m)``.
-
-    :math:`H_u = I/\alpha + A_c^\top \mathrm{diag}(u) A_c` is formed from the centred factor
-    :math:`A_c = A - \mathbf{1}(A^\top u)^\top` (:math:`A^\top W A = A_c^\top \mathrm{diag}(u) A_c`), which
-    avoids the cancellation of :math:`A^\top\mathrm{diag}(u)A - (A^\top u)(A^\top u)^\top` when the
-    templates share a large mean.  A class whose factorisation fails (not SPD in rounding) is left to CG.
+    With the centred factor :math:`A_c = A - \mathbf{1}(A^\top u)^\top` and :math:`B = \mathrm{diag}(u)A_c`
+    (so that :math:`b = B^\top s`), :math:`H_u = I/\alpha + A_c^\top B` (:math:`A^\top W A = A_c^\top
+    \mathrm{diag}(u) A_c`, formed so to avoid the cancellation of :math:`A^\top\mathrm{diag}(u)A - (A^\top
+    u)(A^\top u)^\top` when the templates share a large mean) is Cholesky-factored and inverted once per
+    class, and :math:`M = BH_u^{-1}` and :math:`D = B - MH_u` (:math:`n \times r` each) formed.  One
+    product per class then gives every row's :math:`\hat x = M^\top s` and its residual
+    :math:`D^\top s = b - H_u\hat x` (exact up to the rounding of the products; any error of :math:`M`,
+    the inverse's rounding included, shows in :math:`D`).  A class whose factorisation fails (not SPD in
+    rounding) is left to CG.
     """
     solved = torch.zeros_like(live)
-    classes = _preference_classes(u, live, min_rows)
+    if shared:  # every live row of a group is one class
+        keep = live.sum(-1) >= min_rows
+        groups = keep.nonzero().squeeze(-1)
+        classes = (groups, torch.zeros_like(groups), None, live[keep]) if len(groups) else None
+    else:
+        classes = _preference_classes(u, live, min_rows)
     if classes is None:
         return solved
     class_group, class_row, table, valid = classes
     n, r = a.shape[1], a.shape[2]
     width = live.shape[1] if table is None else table.shape[1]
-    step = max(1, memory_budget_bytes // (8 * (2 * n * r + r * r + 2 * width * r + n)))  # classes per chunk
+    per_class = 6 * n * r + 3 * r * r + width * (n + 2 * r)
+    step = max(1, memory_budget_bytes // (8 * per_class))  # classes per chunk
     eye = torch.eye(r, dtype=_F64, device=x.device) / alpha
-    everything = table is None and len(class_group) == live.shape[0]
+    everything = table is None and len(class_group) == live.shape[0] and step >= len(class_group)
     for c0 in range(0, len(class_group), step):
         groups = class_group[c0 : c0 + step]
-        weights = u[groups, class_row[c0 : c0 + step]]  # (C, n)
-        factor = a if everything and step >= len(class_group) else a[groups]
-        centred = factor - torch.bmm(weights.unsqueeze(1), factor)
-        hessian = torch.baddbmm(eye, centred.transpose(1, 2) * weights.unsqueeze(1), centred)
+        weights = u[groups, class_row[c0 : c0 + step]].unsqueeze(-1)  # (C, n, 1)
+        factor = a if everything else a[groups]
+        centred = factor - torch.bmm(weights.transpose(1, 2), factor)  # A_c
+        scaled = centred * weights  # B = diag(u) A_c
+        hessian = torch.baddbmm(eye, scaled.transpose(1, 2), centred)  # H_u
         cholesky, info = torch.linalg.cholesky_ex(hessian)
+        solve = torch.bmm(scaled, torch.cholesky_inverse(cholesky))  # M = B H^{-1}
+        maps = torch.cat([solve, torch.baddbmm(scaled, solve, hessian, alpha=-1.0)], dim=-1)  # [M | D]
         factored = (info == 0).unsqueeze(-1)
         if table is None:  # a class is every live row of its group
             members_ok = valid[c0 : c0 + step] & factored
-            rhs_class = rhs if factor is a else rhs[groups]
-            solution = torch.cholesky_solve(rhs_class.transpose(1, 2), cholesky).transpose(1, 2)
-            if factor is a:
-                x.copy_(solution)
-                solved |= members_ok
-            else:
-                x[groups] = torch.where(members_ok.unsqueeze(-1), solution, x[groups])
-                solved[groups] |= members_ok
+            rows_in = s if everything else s[groups]
+        else:
+            members, members_ok = table[c0 : c0 + step], valid[c0 : c0 + step] & factored
+            rows_in = s[groups.unsqueeze(-1), members]
+        out = torch.bmm(rows_in, maps)  # each row's [x^T | (b - H x)^T]
+        solution, misfit = out[..., :r], out[..., r:].norm(dim=-1)
+        if everything:
+            x.copy_(solution)
+            residual.copy_(misfit)
+            solved |= members_ok
             continue
-        members, members_ok = table[c0 : c0 + step], valid[c0 : c0 + step] & factored
-        solution = torch.cholesky_solve(rhs[groups.unsqueeze(-1), members].transpose(1, 2), cholesky).transpose(1, 2)
-        index = (groups.unsqueeze(-1).expand_as(members)[members_ok], members[members_ok])
-        x[index] = solution[members_ok]
+        rows = members_ok.nonzero(as_tuple=True)
+        index = (groups[rows[0]], rows[1] if table is None else members[rows])
+        x[index] = solution[rows]
+        residual[index] = misfit[rows]
         solved[index] = True
     return solved
 
@@ -439,31 +451,30 @@ def _tiles(g_count, m, rows_per_tile):
 def second_order_deviation(
     factor: torch.Tensor,
     coefficients: torch.Tensor,
-    c2: torch.Tensor,
+    point: torch.Tensor,
     lambda_norm: torch.Tensor,
     error_bound: torch.Tensor,
-    c2_error: torch.Tensor,
+    point_error: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r""":math:`\|\lambda^* - \lambda_2\| / \|\lambda^*\|`, computed as :math:`\|A^\top(\hat c - \hat c_2)\| /
-    \|\hat\lambda\|` (:math:`= \sqrt{(\hat c - \hat c_2)^\top G (\hat c - \hat c_2)} / \|\hat\lambda\|`).
+    r""":math:`\|\lambda^* - \lambda_2\| / \|\lambda^*\|`, computed as :math:`\|A^\top\hat c - y_2\| /
+    \|\hat\lambda\|` (module docstring, "Deviation").
 
     Args:
         factor: :math:`A`, ``(g, n, r)``.
         coefficients: the solver's :math:`\hat c`, ``(g, m, n)``.
-        c2: :math:`\hat c_2` from :func:`second_order_coefficients`, ``(g, m, n)``.
+        point: :math:`y_2` from :func:`second_order_point`, ``(g, m, r)``.
         lambda_norm: the solver's :math:`\|\hat\lambda\|`, ``(g, m)``.
         error_bound: the solver's :math:`\varepsilon \ge \|\hat\lambda - \lambda^*\|`, ``(g, m)``.
-        c2_error: :math:`\varepsilon_2 \ge \|\hat\lambda_2 - \lambda_2\|`, ``(g, m)``.
+        point_error: :math:`\varepsilon_2 \ge \|\hat\lambda_2 - \lambda_2\|`, ``(g, m)``.
 
     Returns:
         ``(value, bound)``, each ``(g, m)``, with
         :math:`|value - \text{true}| \le bound = (\varepsilon + \varepsilon_2 + value\cdot\varepsilon) /
         (\|\hat\lambda\| - \varepsilon)` (:math:`\infty` when :math:`\|\hat\lambda\| \le \varepsilon`).
     """
-    factor = factor.to(_F64)
-    difference = coefficients.to(_F64) - c2.to(_F64)
-    lambda_norm, eps, eps2 = (x.to(_F64) for x in (lambda_norm, error_bound, c2_error))
-    value = torch.bmm(difference, factor).norm(dim=-1) / lambda_norm
+    correction = torch.bmm(coefficients.to(_F64), factor.to(_F64))  # A^T c: lambda_hat - alpha z in V
+    lambda_norm, eps, eps2 = (x.to(_F64) for x in (lambda_norm, error_bound, point_error))
+    value = correction.sub_(point.to(_F64)).norm(dim=-1) / lambda_norm
     bound = (eps + eps2 + value * eps) / (lambda_norm - eps)
     bound = torch.where(lambda_norm > eps, bound, torch.inf)
     return value, torch.where(torch.isnan(value + eps + eps2), _NAN, bound)

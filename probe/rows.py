@@ -216,12 +216,12 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
     is at most ``rtol / 10`` of :math:`\|\hat\lambda\|`, so that ``second_order_deviation`` is resolved
     like ``rel_deviation``."""
     factor, alpha = problems.factor, problems.alpha
-    c2, c2_error = derived.second_order_coefficients(
+    point, point_error = derived.second_order_point(
         factor, problems.logits, problems.log_preference, alpha, active=problems.active,
         error_target=0.1 * rtol * solution.lambda_norm,
     )
     second, second_bound = derived.second_order_deviation(
-        factor, solution.coefficients, c2, solution.lambda_norm, solution.error_bound, c2_error
+        factor, solution.coefficients, point, solution.lambda_norm, solution.error_bound, point_error
     )
     p_att = derived.model_attention(problems.logits, problems.log_preference, alpha, active=problems.active)
     # value heads: row j of a group uses value head j // (m / H); key space: one key head per group

@@ -17,7 +17,7 @@ from probe.derived import (
     attention_tv,
     model_attention,
     output_deviation,
-    second_order_coefficients,
+    second_order_point,
     second_order_deviation,
 )
 from probe.reference import cvxpy_primal
@@ -96,16 +96,17 @@ def derive(problems, solution, values=None, cg_rtol=1e-12, direct_min_rows=None)
     """Every derived quantity of one batch, as the pipeline computes them: name -> (g, m) tensor(s)."""
     alpha, active = problems.alpha, problems.active
     factor = factor_gram(problems.gram)
-    c2, c2_error = second_order_coefficients(
+    point, point_error = second_order_point(
         factor, problems.logits, problems.log_preference, alpha, active, rtol=cg_rtol, direct_min_rows=direct_min_rows
     )
     p_att = model_attention(problems.logits, problems.log_preference, alpha, active)
     eps = solution.error_bound
     out = {
-        "c2": c2,
-        "c2_error": c2_error,
+        "factor": factor,
+        "point": point,
+        "point_error": point_error,
         "p_att": p_att,
-        "second_order": second_order_deviation(factor, solution.coefficients, c2, solution.lambda_norm, eps, c2_error),
+        "second_order": second_order_deviation(factor, solution.coefficients, point, solution.lambda_norm, eps, point_error),
         "tv": attention_tv(solution.attention, p_att, problems.gram, eps),
         "entropy": attention_entropy(p_att),
     }
@@ -150,12 +151,10 @@ def test_second_order_matches_dense_newton_and_cvxpy(n, d, alpha, duplicates, ze
     solution = solve_dual(problems)
     assert bool(solution.converged.all())
     derived = derive(problems, solution)
-    c2, (value, bound) = derived["c2"], derived["second_order"]
+    lam_2s, (value, bound) = lifted(T, Z, alpha, derived["factor"], derived["point"]), derived["second_order"]
     for j in range(len(Z)):
         lam_2 = dense_lambda_2(T, Z[j], log_u[j], alpha)
-        ours = alpha * Z[j] + c2[0, j].numpy() @ T
-        assert np.linalg.norm(ours - lam_2) <= TOL * np.linalg.norm(lam_2)
-        assert np.all(c2[0, j].numpy()[np.isinf(log_u[j])] == 0)
+        assert np.linalg.norm(lam_2s[j] - lam_2) <= TOL * np.linalg.norm(lam_2)
         # lambda* two ways: dense Newton (certified to ~1e-16 here) and CVXPY, whose own error on these
         # small-||lambda*|| instances (alpha = 0.1) reaches a few 1e-7 relative
         lam_newton, newton_error = newton_dual(T, Z[j], log_u[j], alpha)
@@ -172,15 +171,23 @@ def test_second_order_matches_dense_newton_and_cvxpy(n, d, alpha, duplicates, ze
 PATHS = {"auto": None, "direct": 1, "cg": 10**9}
 
 
-def check_second_order(T, Z, log_u, alpha, c2, c2_error, rows=None):
-    """c2 against the dense lambda_2 of every (active) row, and its certified error against the true one."""
+def lifted(T, Z, alpha, factor, point, group=0):
+    """lambda_2_hat = alpha z + V y_2 in the full space, one row per row of Z: V = T^T A (A^T A)^+ is the
+    orthonormal basis in which the reduced form's coordinates live (T^T = V A^T)."""
+    A = factor[group].numpy()
+    basis = np.asarray(T).T @ A @ np.linalg.pinv(A.T @ A)
+    return alpha * np.asarray(Z) + point[group].numpy() @ basis.T
+
+
+def check_second_order(T, Z, log_u, alpha, factor, point, point_error, rows=None, group=0):
+    """lambda_2 from the reduced form against the dense one of every (active) row, and its certified
+    error against the true one."""
+    lam_2s = lifted(T, Z, alpha, factor, point, group)
     for j in range(len(Z)) if rows is None else rows:
         lam_2 = dense_lambda_2(T, Z[j], log_u[j], alpha)
-        ours = alpha * Z[j] + c2[0, j].numpy() @ T
-        error = np.linalg.norm(ours - lam_2)
+        error = np.linalg.norm(lam_2s[j] - lam_2)
         assert error <= TOL * np.linalg.norm(lam_2), j
-        assert error <= c2_error[0, j].item() + 1e-12 * max(1.0, np.linalg.norm(lam_2)), j
-        assert np.all(c2[0, j].numpy()[np.isinf(log_u[j])] == 0)
+        assert error <= point_error[group, j].item() + 1e-12 * max(1.0, np.linalg.norm(lam_2)), j
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -189,10 +196,11 @@ def test_second_order_paths_match_dense(n, d, alpha, duplicates, zeros, path):
     """Every row of a group with its own preference: factorised one by one, or by CG."""
     T, Z, log_u = instance(n, d, 5, scale=0.5, duplicates=duplicates, zeros=zeros, seed=n * 100 + d)
     problems = reduced(T, Z, log_u, alpha)
-    c2, c2_error = second_order_coefficients(
-        factor_gram(problems.gram), problems.logits, problems.log_preference, alpha, direct_min_rows=PATHS[path]
+    factor = factor_gram(problems.gram)
+    point, point_error = second_order_point(
+        factor, problems.logits, problems.log_preference, alpha, direct_min_rows=PATHS[path]
     )
-    check_second_order(T, Z, log_u, alpha, c2, c2_error)
+    check_second_order(T, Z, log_u, alpha, factor, point, point_error)
 
 
 def shared_preferences(kind, n=12, heads=3, queries=5, seed=0):
@@ -223,12 +231,13 @@ def shared_preferences(kind, n=12, heads=3, queries=5, seed=0):
 def test_second_order_rows_sharing_preferences_match_dense(kind, path):
     T, Z, log_u, active = shared_preferences(kind)
     problems = reduced(T, Z, log_u, 0.7)
-    c2, c2_error = second_order_coefficients(
-        factor_gram(problems.gram), problems.logits, problems.log_preference, 0.7, torch.as_tensor(active)[None],
+    factor = factor_gram(problems.gram)
+    point, point_error = second_order_point(
+        factor, problems.logits, problems.log_preference, 0.7, torch.as_tensor(active)[None],
         direct_min_rows=PATHS[path],
     )
-    check_second_order(T, Z, log_u, 0.7, c2, c2_error, rows=np.flatnonzero(active))
-    assert bool(c2[0, ~torch.as_tensor(active)].isnan().all())
+    check_second_order(T, Z, log_u, 0.7, factor, point, point_error, rows=np.flatnonzero(active))
+    assert bool(point[0, ~torch.as_tensor(active)].isnan().all())
 
 
 @pytest.mark.parametrize("kind", ["group", "causal", "mixed"])
@@ -260,8 +269,30 @@ def test_direct_solves_left_above_tolerance_go_to_cg():
     T, Z, log_u, active = shared_preferences("group")
     problems = reduced(T, Z, log_u, 1.3)
     factor = factor_gram(problems.gram)
-    c2, c2_error = second_order_coefficients(factor, problems.logits, problems.log_preference, 1.3, rtol=0.0)
-    check_second_order(T, Z, log_u, 1.3, c2, c2_error)
+    point, point_error = second_order_point(factor, problems.logits, problems.log_preference, 1.3, rtol=0.0)
+    check_second_order(T, Z, log_u, 1.3, factor, point, point_error)
+
+
+@pytest.mark.parametrize("loose", [False, True])
+def test_a_damaged_direct_solve_is_caught_by_its_residual(monkeypatch, loose):
+    """The direct solve's inverse spoiled by 1e-4 (as rounding could): at the default tolerance its rows go
+    to CG and come out right; at a loose error target they are kept, and their certified error still
+    covers the damage (so the residual is an honest one, not the inverse's own estimate)."""
+    T, Z, log_u, _ = shared_preferences("group")
+    problems = reduced(T, Z, log_u, 1.3)
+    factor = factor_gram(problems.gram)
+    exact_inverse = torch.cholesky_inverse
+    monkeypatch.setattr(torch, "cholesky_inverse", lambda cholesky: exact_inverse(cholesky) * (1 + 1e-4))
+    target = torch.full(problems.logits.shape[:2], 1e-2) if loose else None
+    point, point_error = second_order_point(
+        factor, problems.logits, problems.log_preference, 1.3, error_target=target, direct_min_rows=1
+    )
+    lam_2s = lifted(T, Z, 1.3, factor, point)
+    errors = torch.tensor([np.linalg.norm(lam_2s[j] - dense_lambda_2(T, Z[j], log_u[j], 1.3)) for j in range(len(Z))])
+    if loose:  # the damage was kept, and certified
+        assert bool((errors > 1e-9).all()) and bool((point_error[0] >= errors).all())
+    else:  # CG repaired it
+        check_second_order(T, Z, log_u, 1.3, factor, point, point_error)
 
 
 @pytest.mark.parametrize("path", ["direct", "cg"])
@@ -273,16 +304,17 @@ def test_error_target_stops_rows_there_and_stays_certified(path):
         log_u[:] = log_u[0]
     problems = reduced(T, Z, log_u, 2.0)
     target = torch.full((1, 6), 1e-5)
-    c2, c2_error = second_order_coefficients(
-        factor_gram(problems.gram), problems.logits, problems.log_preference, 2.0, error_target=target,
-        direct_min_rows=PATHS[path],
+    factor = factor_gram(problems.gram)
+    point, point_error = second_order_point(
+        factor, problems.logits, problems.log_preference, 2.0, error_target=target, direct_min_rows=PATHS[path],
     )
-    assert bool((c2_error <= 1.5 * target).all())
+    assert bool((point_error <= 1.5 * target).all())
     if path == "cg":
-        assert bool((c2_error > 1e-9).any())  # it did stop early
+        assert bool((point_error > 1e-9).any())  # it did stop early
+    lam_2s = lifted(T, Z, 2.0, factor, point)
     for j in range(len(Z)):
         lam_2 = dense_lambda_2(T, Z[j], log_u[j], 2.0)
-        assert np.linalg.norm(2.0 * Z[j] + c2[0, j].numpy() @ T - lam_2) <= c2_error[0, j].item() + 1e-12
+        assert np.linalg.norm(lam_2s[j] - lam_2) <= point_error[0, j].item() + 1e-12
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -293,23 +325,23 @@ def test_second_order_tiles_give_the_same_answers(path):
     factor = factor_gram(torch.cat([g.gram for g in groups]))
     logits = torch.cat([g.logits for g in groups])
     log_pref = torch.cat([g.log_preference for g in groups])
-    whole = second_order_coefficients(factor, logits, log_pref, 0.5, direct_min_rows=PATHS[path])
-    tiled = second_order_coefficients(
+    whole = second_order_point(factor, logits, log_pref, 0.5, direct_min_rows=PATHS[path])
+    tiled = second_order_point(
         factor, logits, log_pref, 0.5, direct_min_rows=PATHS[path], memory_budget_bytes=4 * 16 * T.shape[0] * 8
     )
     bound = whole[1] + tiled[1] + 1e-13
-    difference = torch.bmm(whole[0] - tiled[0], factor).norm(dim=-1)  # ||lambda_2 - lambda_2'||
+    difference = (whole[0] - tiled[0]).norm(dim=-1)  # ||lambda_2 - lambda_2'|| (V orthonormal)
     assert bool((difference <= bound).all())
     for g, T_g in enumerate([T, T[::-1].copy()]):
-        check_second_order(T_g, Z, log_u, 0.5, tiled[0][g : g + 1], tiled[1][g : g + 1])
+        check_second_order(T_g, Z, log_u, 0.5, factor, tiled[0], tiled[1], group=g)
 
 
 def test_second_order_is_exact_for_a_single_key():
     """n = 1: Sigma_u = 0, so lambda_2 = alpha z = lambda* and both deviations vanish."""
     T, Z, log_u = instance(1, 4, 2, seed=3)
     problems = reduced(T, Z, log_u, 2.0)
-    c2, c2_error = second_order_coefficients(factor_gram(problems.gram), problems.logits, problems.log_preference, 2.0)
-    assert torch.equal(c2, torch.zeros_like(c2)) and torch.equal(c2_error, torch.zeros_like(c2_error))
+    point, point_error = second_order_point(factor_gram(problems.gram), problems.logits, problems.log_preference, 2.0)
+    assert torch.equal(point, torch.zeros_like(point)) and torch.equal(point_error, torch.zeros_like(point_error))
 
 
 def deviations_at(T, Z, log_u, alpha):
@@ -386,8 +418,8 @@ def test_inactive_rows_are_nan_and_active_rows_unchanged():
     problems.logits[0, 1] = float("nan")  # whatever an inactive row holds
     derived = derive(problems, solve_dual(problems), values[None])
     outputs = {
-        "c2": derived["c2"].isnan().all(-1),
-        "c2_error": derived["c2_error"].isnan(),
+        "point": derived["point"].isnan().all(-1),
+        "point_error": derived["point_error"].isnan(),
         "p_att": derived["p_att"].isnan().all(-1),
         "entropy": derived["entropy"].isnan(),
     }
@@ -398,8 +430,8 @@ def test_inactive_rows_are_nan_and_active_rows_unchanged():
     for name, nan in outputs.items():
         assert torch.equal(nan, expected), name
     alone = reduced(T, Z[[0, 3]], log_u[[0, 3]], alpha)
-    c2_alone, _ = second_order_coefficients(factor_gram(alone.gram), alone.logits, alone.log_preference, alpha)
-    torch.testing.assert_close(derived["c2"][0, [0, 3]], c2_alone[0], rtol=0, atol=1e-13)
+    point_alone, _ = second_order_point(factor_gram(alone.gram), alone.logits, alone.log_preference, alpha)
+    torch.testing.assert_close(derived["point"][0, [0, 3]], point_alone[0], rtol=0, atol=1e-13)
 
 
 # ---------------------------------------------------------------- certified bounds
@@ -441,7 +473,7 @@ def test_bounds_hold_against_exact_values(case, newton_steps, cg_rtol, path):
     T, Z, log_u, values, alpha = hard_instances()[case]
     problems = reduced(T, Z, log_u, alpha)
     derived = derive(problems, solve_dual(problems, max_iter=newton_steps), values[None], cg_rtol, PATHS[path])
-    c2, c2_error = derived["c2"], derived["c2_error"]
+    lam_2s, point_error = lifted(T, Z, alpha, derived["factor"], derived["point"]), derived["point_error"]
     (second, second_bound), (tv, tv_bound), (out, out_bound) = (derived[k] for k in ("second_order", "tv", "output"))
     per_head = len(Z) // len(values)
     norms = np.linalg.norm(T, axis=1)
@@ -450,8 +482,7 @@ def test_bounds_hold_against_exact_values(case, newton_steps, cg_rtol, path):
         lam_2 = dense_lambda_2(T, Z[j], log_u[j], alpha)
         rounding = 1e-12 * max(1.0, np.linalg.norm(lam_ref), np.linalg.norm(lam_2), alpha * np.linalg.norm(Z[j]))
         # lambda_2
-        ours_2 = alpha * Z[j] + c2[0, j].numpy() @ T
-        assert np.linalg.norm(ours_2 - lam_2) <= c2_error[0, j].item() + rounding
+        assert np.linalg.norm(lam_2s[j] - lam_2) <= point_error[0, j].item() + rounding
         # second-order deviation: the reference's own uncertainty is (1 + v) ref_error / (||lam|| - ref_error)
         lam_norm = np.linalg.norm(lam_ref)
         exact = np.linalg.norm(lam_ref - lam_2) / lam_norm
