@@ -135,7 +135,7 @@ import math
 
 import torch
 
-from .solver import solve_spd_reduced
+from .solver import row_dot, shares_rows, solve_spd_reduced
 
 __all__ = [
     "second_order_point",
@@ -205,7 +205,7 @@ def second_order_point(
     log_pref = log_preference.to(device=device, dtype=_F64).expand(g_count, m, n)
     # rows that share their preference by construction (a view: BERT-like models' masks) share u, its
     # support and one class per group, all found from the group's first row
-    shared = m > 0 and log_pref.stride(1) == 0
+    shared = shares_rows(log_pref)
     row_pref = log_pref[:, :1] if shared else log_pref
     support = row_pref > -torch.inf
     ok = support.any(-1) & torch.isfinite(torch.where(support, row_pref, 0.0)).all(-1)
@@ -436,7 +436,7 @@ def _preference_classes(u, live, min_rows):
 def _centred(u, v, in_place=False):
     r""":math:`W v = u \odot (v - u^\top v)` for :math:`W = \mathrm{diag}\,u - uu^\top`, row-wise (``in_place``:
     overwriting ``v``)."""
-    mean = torch.linalg.vecdot(u, v).unsqueeze(-1)
+    mean = row_dot(u, v).unsqueeze(-1)
     return (v.sub_(mean) if in_place else v - mean).mul_(u)
 
 

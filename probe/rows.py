@@ -26,7 +26,7 @@ from .adapters.base import SpaceProblems, space_problems
 from . import derived
 from .schema import DEVIATION_SCHEMA
 from .parallel import cpu_workers, run_all
-from .solver import DualProblems, DualSolution, factor_gram, solve_dual
+from .solver import DualProblems, DualSolution, factor_gram, shares_rows, solve_dual
 
 #: default bound on the float64 logits held at once (one stack of pieces)
 STACK_BYTES = 1 << 28
@@ -103,12 +103,22 @@ def stacked_problems(problems: list[DualProblems]) -> DualProblems:
     return DualProblems(
         gram=torch.cat([p.gram for p in problems]),
         logits=torch.cat([p.logits for p in problems]),
-        log_preference=torch.cat([p.log_preference for p in problems]),
+        log_preference=_stacked_rows([p.log_preference for p in problems]),
         evidence_sqnorm=torch.cat([p.evidence_sqnorm for p in problems]),
         alpha=problems[0].alpha,
         active=torch.cat([p.active for p in problems]),
         factor=None if any(p.factor is None for p in problems) else torch.cat([p.factor for p in problems]),
     )
+
+
+def _stacked_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` along the group axis, keeping rows that share their group's values by construction
+    (:func:`probe.solver.shares_rows`, as an expanded preference) shared, so that the solver computes
+    with them once per group."""
+    if all(shares_rows(t) for t in tensors):
+        first = torch.cat([t[:, :1] for t in tensors])
+        return first.expand(first.shape[0], tensors[0].shape[1], first.shape[2])
+    return torch.cat(tensors)
 
 
 def solve_stacked(problems: list[DualProblems], rtol: float, memory_bytes: int | None = None) -> list[DualSolution]:

@@ -167,7 +167,7 @@ def test_second_order_matches_dense_newton_and_cvxpy(n, d, alpha, duplicates, ze
         assert bound[0, j].item() < 1e-7
 
 
-#: how second_order_coefficients solves its systems: by its cost model, one factorisation per row, CG only
+#: how second_order_point solves its systems: by its cost model, one factorisation per row, CG only
 PATHS = {"auto": None, "direct": 1, "cg": 10**9}
 
 
@@ -226,11 +226,16 @@ def shared_preferences(kind, n=12, heads=3, queries=5, seed=0):
     return T, Z, log_u, active
 
 
-@pytest.mark.parametrize("kind", ["group", "causal", "mixed"])
+@pytest.mark.parametrize("kind", ["group", "group view", "causal", "mixed"])
 @pytest.mark.parametrize("path", PATHS)
 def test_second_order_rows_sharing_preferences_match_dense(kind, path):
-    T, Z, log_u, active = shared_preferences(kind)
+    """Rows sharing a preference found by comparison, or given as a view of the group's row (stride 0, as
+    BERT-like masks are: one class per group without a search), with inactive rows among them."""
+    T, Z, log_u, active = shared_preferences(kind.split()[0])
     problems = reduced(T, Z, log_u, 0.7)
+    if kind == "group view":
+        problems.log_preference = problems.log_preference[:, :1].expand_as(problems.logits)
+        active[[3, 8]] = False
     factor = factor_gram(problems.gram)
     point, point_error = second_order_point(
         factor, problems.logits, problems.log_preference, 0.7, torch.as_tensor(active)[None],

@@ -482,3 +482,36 @@ def test_the_polished_reference_is_optimal_from_a_loose_clarabel_answer(seed):
     assert np.linalg.norm(dual_gradient(rough)) > 1e-7 * scale
     assert np.linalg.norm(dual_gradient(polished)) <= 1e-11 * scale
     assert p[0] == 0.0 and p.sum() == pytest.approx(1.0, abs=1e-15) and (p[1:] > 0).all()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_rows_sharing_their_preference_by_construction(workers):
+    """A preference given as a view whose rows repeat the group's (stride 0, as BERT-like masks are) is
+    normalised once per group; its answers are CVXPY's, with an inactive row and a group without keys
+    (all -inf: NaN rows, not converged) beside it, also through stacking."""
+    from probe.rows import stacked_problems
+    from probe.solver import shares_rows
+
+    T = RNG.normal(size=(7, 5))
+    Z = RNG.normal(size=(4, 5))
+    row = np.array([0.3, -np.inf, 0.0, 1.2, -0.4, -np.inf, 0.7])
+    log_u = np.tile(row, (4, 1))
+    one = reduced(T, Z, log_u, 0.8)
+    one.log_preference = torch.as_tensor(row)[None, None].expand(1, 4, 7)
+    one.active = torch.tensor([[True, True, False, True]])
+    keyless = reduced(T, Z, log_u, 0.8)
+    keyless.log_preference = torch.full((1, 1, 7), -np.inf, dtype=torch.float64).expand(1, 4, 7)
+    keyless.active = torch.ones(1, 4, dtype=torch.bool)
+    both = stacked_problems([one, keyless])
+    assert shares_rows(one.log_preference) and shares_rows(both.log_preference)
+    solution = solve_dual(both, workers=workers)
+    assert bool(solution.rel_deviation[1].isnan().all()) and not bool(solution.converged[1].any())
+    assert bool(solution.rel_deviation[0, 2].isnan()) and bool(solution.converged[0, [0, 1, 3]].all())
+    lam_ours = full_lambda(T, Z, solution, 0.8)
+    for j in (0, 1, 3):
+        lam_ref, _ = cvxpy_primal(T, Z[j], row, 0.8)
+        expected = relative_deviation(lam_ref, Z[j], 0.8)
+        assert solution.rel_deviation[0, j].item() == pytest.approx(expected, abs=TOL)
+        assert relative_deviation(lam_ours[j], Z[j], 0.8) == pytest.approx(expected, abs=TOL)
+        assert solution.lambda_norm[0, j].item() == pytest.approx(np.linalg.norm(lam_ref), rel=1e-7)
+    assert bool((solution.attention[0, [0, 1, 3]][:, np.isinf(row)] == 0).all())
