@@ -141,6 +141,7 @@ __all__ = [
     "second_order_point",
     "second_order_deviation",
     "model_attention",
+    "model_log_attention",
     "attention_tv",
     "output_deviation",
     "attention_deviations",
@@ -480,22 +481,34 @@ def second_order_deviation(
     return value, torch.where(torch.isnan(value + eps + eps2), _NAN, bound)
 
 
-def model_attention(
+def model_log_attention(
     logits: torch.Tensor, log_preference: torch.Tensor, alpha: float, active: torch.Tensor | None = None
 ) -> torch.Tensor:
-    r"""The model's attention :math:`p_{att} = \mathrm{softmax}(\log u + \alpha s)`, ``(g, m, n)``.
+    r"""The log of the model's attention, :math:`\log p_{att} = \mathrm{log\,softmax}(\log u + \alpha s)`,
+    ``(g, m, n)``: :func:`model_attention` is its exponential, and :func:`attention_entropy` takes both.
 
     ``logits`` are the solver's :math:`s` ``(g, m, n)`` (so :math:`\alpha s` is the model's logits),
-    ``log_preference`` :math:`\log u` broadcastable to it (``-inf`` for excluded keys, which get 0).
-    Rows with no allowed key, or not ``active`` ``(g, m)``, are NaN.
+    ``log_preference`` :math:`\log u` broadcastable to it (``-inf`` for excluded keys, which stay
+    ``-inf``).  Rows with no allowed key, or not ``active`` ``(g, m)``, are NaN.
     """
     logits = logits.to(_F64)
     log_pref = log_preference.to(device=logits.device, dtype=_F64)
-    theta = torch.add(log_pref, logits, alpha=alpha).masked_fill_(~(log_pref > -torch.inf), -torch.inf)
-    p = torch.softmax(theta, dim=-1)  # an all -inf row gives NaN
+    theta = torch.add(log_pref, logits, alpha=alpha)  # -inf + a finite logit stays -inf
+    if not bool(torch.isfinite(logits.sum())):  # excluded keys stay excluded whatever their logits hold
+        theta.masked_fill_(~(log_pref > -torch.inf), -torch.inf)
+    log_p = torch.log_softmax(theta, dim=-1)  # an all -inf row gives NaN
     if active is not None:
-        p = p.masked_fill_(~active.to(p.device).unsqueeze(-1), _NAN)
-    return p
+        log_p = log_p.masked_fill_(~active.to(log_p.device).unsqueeze(-1), _NAN)
+    return log_p
+
+
+def model_attention(
+    logits: torch.Tensor, log_preference: torch.Tensor, alpha: float, active: torch.Tensor | None = None
+) -> torch.Tensor:
+    r"""The model's attention :math:`p_{att} = \mathrm{softmax}(\log u + \alpha s)`, ``(g, m, n)``: the
+    exponential of :func:`model_log_attention` (same arguments; excluded keys get 0, rows with no allowed
+    key or not ``active`` are NaN)."""
+    return model_log_attention(logits, log_preference, alpha, active).exp_()
 
 
 def attention_tv(
@@ -596,7 +609,7 @@ def _tv_to_optimum(keys, gram, error_bound):
 
 def _keys_in_use(attention, p_att):
     """Keys that carry probability in some row of the group, ``(g, n)`` bool (NaN rows count for none)."""
-    return (attention > 0).any(dim=1) | (p_att > 0).any(dim=1)
+    return (attention.nansum(dim=1) > 0) | (p_att.nansum(dim=1) > 0)  # sums of non-negative terms
 
 
 def _value_radius(values, keys):
@@ -609,7 +622,13 @@ def _value_radius(values, keys):
     return torch.minimum(around_mean, values.norm(dim=-1).amax(dim=-1))
 
 
-def attention_entropy(p_att: torch.Tensor) -> torch.Tensor:
-    r"""Entropy :math:`-\sum_i p_i\log p_i` in nats (:math:`0\log 0 = 0`) of each row ``(g, m, n)`` -> ``(g, m)``."""
+def attention_entropy(p_att: torch.Tensor, log_p_att: torch.Tensor | None = None) -> torch.Tensor:
+    r"""Entropy :math:`-\sum_i p_i\log p_i` in nats (:math:`0\log 0 = 0`) of each row ``(g, m, n)`` -> ``(g, m)``.
+
+    With ``log_p_att`` (:func:`model_log_attention`) the logs are taken from it, which saves computing
+    them (and is exact where :math:`p_i` underflows: its term is 0 either way)."""
     p_att = p_att.to(_F64)
-    return -torch.special.xlogy(p_att, p_att).sum(-1)
+    if log_p_att is None:
+        return -torch.special.xlogy(p_att, p_att).sum(-1)
+    finite_logs = log_p_att.to(_F64).clamp(min=torch.finfo(_F64).min)  # -inf at p = 0: 0 * finite = 0
+    return -row_dot(p_att, finite_logs)

@@ -233,7 +233,8 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
     second, second_bound = derived.second_order_deviation(
         factor, solution.coefficients, point, solution.lambda_norm, solution.error_bound, point_error
     )
-    p_att = derived.model_attention(problems.logits, problems.log_preference, alpha, active=problems.active)
+    log_p_att = derived.model_log_attention(problems.logits, problems.log_preference, alpha, active=problems.active)
+    p_att = log_p_att.exp()
     # value heads: row j of a group uses value head j // (m / H); key space: one key head per group
     b, _, _, k = site.shape
     values = site.values.to(torch.float64).reshape(problems.gram.shape[0], -1, k, site.values.shape[-1])
@@ -247,7 +248,7 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
 
     return Derived(
         second_order_deviation=second, attention_tv=tv, output_deviation=output,
-        attention_entropy=derived.attention_entropy(p_att),
+        attention_entropy=derived.attention_entropy(p_att, log_p_att),
         bounds={"second_order_deviation": worst(second_bound), "attention_tv": worst(tv_bound),
                 "output_deviation": worst(output_bound)},
     )

@@ -16,6 +16,7 @@ from probe.derived import (
     attention_entropy,
     attention_tv,
     model_attention,
+    model_log_attention,
     output_deviation,
     second_order_point,
     second_order_deviation,
@@ -99,7 +100,8 @@ def derive(problems, solution, values=None, cg_rtol=1e-12, direct_min_rows=None)
     point, point_error = second_order_point(
         factor, problems.logits, problems.log_preference, alpha, active, rtol=cg_rtol, direct_min_rows=direct_min_rows
     )
-    p_att = model_attention(problems.logits, problems.log_preference, alpha, active)
+    log_p_att = model_log_attention(problems.logits, problems.log_preference, alpha, active)
+    p_att = log_p_att.exp()
     eps = solution.error_bound
     out = {
         "factor": factor,
@@ -108,7 +110,8 @@ def derive(problems, solution, values=None, cg_rtol=1e-12, direct_min_rows=None)
         "p_att": p_att,
         "second_order": second_order_deviation(factor, solution.coefficients, point, solution.lambda_norm, eps, point_error),
         "tv": attention_tv(solution.attention, p_att, problems.gram, eps),
-        "entropy": attention_entropy(p_att),
+        "entropy": attention_entropy(p_att, log_p_att),
+        "entropy from p": attention_entropy(p_att),
     }
     if values is not None:
         values = torch.as_tensor(values, dtype=torch.float64)
@@ -408,6 +411,7 @@ def test_attention_tv_output_and_entropy_match_numpy_on_cvxpy_solutions():
         expected = np.linalg.norm((p_star - p_model) @ v) / np.linalg.norm(p_model @ v)
         assert out[0, j].item() == pytest.approx(expected, abs=TOL)
         assert entropy[0, j].item() == pytest.approx(scipy_entropy(p_model), abs=1e-12)
+        assert derived["entropy from p"][0, j].item() == pytest.approx(scipy_entropy(p_model), abs=1e-12)
         assert tv_bound[0, j].item() < 1e-7 and out_bound[0, j].item() < 1e-7
     # the pipeline's call computes both at once, with the same values and bounds
     for ours, theirs in zip(derived["together"], (derived["tv"], derived["output"])):
@@ -611,3 +615,22 @@ def test_minilm_derived_quantities_match_dense_computation(minilm_dir):
             expected = np.linalg.norm((p_star - p_model) @ v) / np.linalg.norm(p_model @ v)
             assert out[example, row].item() == pytest.approx(expected, **CAPTURED)
             assert entropy[example, row].item() == pytest.approx(scipy_entropy(p_model), **CAPTURED)
+
+
+@pytest.mark.parametrize("garbage", [np.inf, -np.inf, np.nan, 1e300])
+def test_logits_at_excluded_keys_play_no_part(garbage):
+    """Whatever a logit holds at a key the preference excludes (-inf in log u), the model's attention,
+    its entropy and the second-order point are those of the dense computation."""
+    T, Z, log_u, values, alpha = attention_case(heads=1, per_head=4)
+    excluded = np.isinf(log_u)
+    assert excluded.any()
+    problems = reduced(T, Z, log_u, alpha)
+    problems.logits[torch.as_tensor(excluded)[None]] = garbage
+    derived = derive(problems, solve_dual(reduced(T, Z, log_u, alpha)), values[None])
+    lam_2s = lifted(T, Z, alpha, derived["factor"], derived["point"])
+    for j in range(len(Z)):
+        p_model = softmax(log_u[j] + alpha * T @ Z[j])
+        np.testing.assert_allclose(derived["p_att"][0, j].numpy(), p_model, rtol=0, atol=1e-14)
+        assert derived["entropy"][0, j].item() == pytest.approx(scipy_entropy(p_model), abs=1e-12)
+        lam_2 = dense_lambda_2(T, Z[j], log_u[j], alpha)
+        assert np.linalg.norm(lam_2s[j] - lam_2) <= TOL * np.linalg.norm(lam_2)
