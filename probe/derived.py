@@ -52,10 +52,11 @@ bitwise equal :math:`u` form a class that shares one :math:`H_u`: every row of a
 preference is uniform over its real keys (BERT-like models, and T5's cross-attention), every head of a
 query under a causal mask without position bias.  A class of at least
 :func:`_direct_min_rows` rows (the size above which it is cheaper) is solved directly: :math:`H_u` is
-formed (:math:`nr^2`), Cholesky-factored and inverted (:math:`r^3`) once, then each row costs two
-products with an :math:`r \times r` matrix (:math:`\hat x = H_u^{-1}b` and its residual :math:`b -
-H_u\hat x`) instead of a CG run of :math:`\sim 2 \cdot` 5 to 12 products with :math:`A`
-(:math:`nr` each) and the two products with :math:`A` of a residual.  Rows with their own :math:`u`
+formed (:math:`nr^2`), Cholesky-factored and inverted (:math:`r^3`) once, with two :math:`n \times r`
+maps of the logits (:func:`_solve_direct`); then each row costs one product of its logits with them,
+which gives :math:`\hat x` and its residual :math:`b - H_u\hat x` at once, instead of a CG run of
+:math:`\sim 2 \cdot` 5 to 12 products with :math:`A` (:math:`nr` each) and the two products with
+:math:`A` of a residual.  Rows with their own :math:`u`
 (T5's position bias, causal masks per query) go to the batched CG of
 :func:`probe.solver.solve_spd_reduced`, whose residual is recomputed from :math:`\hat x` with
 :math:`A`.  Columns of :math:`A` that are zero in every group (null eigenvalues of :math:`G`, e.g.
@@ -77,8 +78,8 @@ at most the sum of their :math:`\varepsilon_2`.
 
 .. math::  \|\hat\lambda_2 - \lambda_2\| = \alpha\|\hat x - x\| \le \alpha^2\|\rho\| =: \varepsilon_2 .
 
-(The direct solve's residual uses the formed :math:`H_u`, whose rounding, like that of :math:`b`, is
-that of the final products.)
+(The direct solve's residual comes from the formed :math:`H_u` and :math:`b`, whose rounding is that of
+the final products.)
 
 *Deviation.*  :math:`\hat\lambda - \hat\lambda_2 = V(A^\top\hat c - y_2)`, so the computed value
 is :math:`\hat v = \|A^\top\hat c - y_2\| / \|\hat\lambda\|`.  Its numerator is within
