@@ -628,9 +628,11 @@ def test_logits_at_excluded_keys_play_no_part(garbage):
     problems.logits[torch.as_tensor(excluded)[None]] = garbage
     derived = derive(problems, solve_dual(reduced(T, Z, log_u, alpha)), values[None])
     lam_2s = lifted(T, Z, alpha, derived["factor"], derived["point"])
+    p_att = model_attention(problems.logits, problems.log_preference, alpha)  # the public helper alike
     for j in range(len(Z)):
         p_model = softmax(log_u[j] + alpha * T @ Z[j])
         np.testing.assert_allclose(derived["p_att"][0, j].numpy(), p_model, rtol=0, atol=1e-14)
+        np.testing.assert_allclose(p_att[0, j].numpy(), p_model, rtol=0, atol=1e-14)
         assert derived["entropy"][0, j].item() == pytest.approx(scipy_entropy(p_model), abs=1e-12)
         lam_2 = dense_lambda_2(T, Z[j], log_u[j], alpha)
         assert np.linalg.norm(lam_2s[j] - lam_2) <= TOL * np.linalg.norm(lam_2)
