@@ -435,11 +435,9 @@ def _preference_classes(u, live, min_rows):
     return keys[big] // m, keys[big] % m, table[big], valid[big]
 
 
-def _centred(u, v, in_place=False):
-    r""":math:`W v = u \odot (v - u^\top v)` for :math:`W = \mathrm{diag}\,u - uu^\top`, row-wise (``in_place``:
-    overwriting ``v``)."""
-    mean = row_dot(u, v).unsqueeze(-1)
-    return (v.sub_(mean) if in_place else v - mean).mul_(u)
+def _centred(u, v):
+    r""":math:`W v = u \odot (v - u^\top v)` for :math:`W = \mathrm{diag}\,u - uu^\top`, row-wise."""
+    return (v - row_dot(u, v).unsqueeze(-1)).mul_(u)
 
 
 def _tiles(g_count, m, rows_per_tile):
