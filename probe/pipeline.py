@@ -38,6 +38,12 @@ from .stopping import RunStopped, Stops
 from .validate import check_run
 
 
+#: while batches finish, rank 0 rewrites the manifest at most this often (seconds), and at every stop and
+#: at the end.  The part files are the record of what is finished (resume reads them); the manifest's
+#: running totals and heartbeat (stale after at least 600 s) are for whoever watches the run.
+REPORT_EVERY_S = 1.0
+
+
 @dataclass
 class RunConfig:
     """Everything that defines a run; recorded in the manifest (``config``) and used again by resume."""
@@ -465,7 +471,9 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
         if group.main:
             segment["timings_s"]["write_s"] += time.perf_counter() - written
             index.refresh()
-            report()
+            progress.update(len(index.records) - progress.n)
+            if time.perf_counter() - reported_at >= REPORT_EVERY_S:
+                report()
 
     # Batch k + 1 is captured while batch k's last stack is solved in the lane (a CPU run on several
     # threads without a memory budget; on one thread, as with one process per core, the two would only

@@ -36,8 +36,9 @@ class Stops:
 
     Until :meth:`hold` (while the model and data load) a stop is raised at once: there is nothing to
     keep.  After it, a stop is raised at once only inside :meth:`interruptible` (a batch being computed,
-    which is then dropped); elsewhere (a part file and the manifest being written) it waits for the next
-    :meth:`interruptible`, so a batch is either committed with its manifest update or not at all.
+    which is then dropped); elsewhere (a part file being written) it waits for the next
+    :meth:`interruptible`, so a batch is either in a whole part file or not at all, and the manifest
+    written at the stop counts exactly the part files.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)

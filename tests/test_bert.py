@@ -93,3 +93,46 @@ def test_minilm_solutions_match_cvxpy_on_independently_built_problems(minilm_dir
         T, z, log_u = explicit_problem(loaded.model, reference.hidden_states, layer, head, example, query, mask)
         lam, _ = cvxpy_primal(T, z, log_u)
         assert ours == pytest.approx(relative_deviation(lam, z, 1.0), abs=1e-7), (layer, head, heads)
+
+
+@pytest.mark.parametrize("key_heads", [4, 2, 1])
+def test_space_problems_with_shared_key_heads_follow_their_formulas(key_heads):
+    """Both spaces, written out per query head in numpy: query head j uses key head j // (h / g)
+    (transformers' repeat_kv), the hidden space's templates are x_i / sqrt(d') and its evidence
+    c W_k,h^T q; padding keys carry no weight.  Covers g < h, which no hidden-space family has yet."""
+    from probe.adapters import SiteCapture
+
+    rng = np.random.default_rng(key_heads)
+    b, h, q, k, d, width, scale = 2, 4, 3, 5, 8, 16, 0.3
+    x = rng.standard_normal((b, k, width))
+    w_key = rng.standard_normal((key_heads * d, width))
+    queries = rng.standard_normal((b, h, q, d))
+    key_mask = np.ones((b, k), bool)
+    key_mask[1, 3:] = False
+    keys = np.einsum("bkD,gdD->bgkd", x, w_key.reshape(key_heads, d, width))
+    f32 = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731 - captures are in the model's dtype
+    site = SiteCapture(
+        attention_type="self", layer=0, queries=f32(queries).transpose(1, 2).contiguous().transpose(1, 2),
+        keys=f32(keys), values=f32(keys), logit_scale=scale, log_preference=torch.zeros(1, 1, 1, k, dtype=torch.float64),
+        query_mask=torch.ones(b, q, dtype=torch.bool), key_mask=torch.tensor(key_mask),
+        query_ids=torch.zeros(b, q, dtype=torch.long), model_probs=torch.zeros(b, h, q, k),
+        key_hidden=f32(x), key_weight=f32(w_key),
+    )
+    queries, keys, x, w_key = (np.asarray(a, np.float32).astype(np.float64) for a in (queries, keys, x, w_key))
+    c = scale * np.sqrt(d)
+    for space in ("hidden", "key"):
+        built = space_problems(site, space)
+        for e in range(b):
+            templates_all = x[e] if space == "hidden" else None
+            for j in range(h):
+                head = j // (h // key_heads)
+                w = w_key[head * d:(head + 1) * d]  # (d', D)
+                if space == "hidden":
+                    templates, z = templates_all / np.sqrt(d), c * (w.T @ queries[e, j].T)  # (k, D), (D, q)
+                else:
+                    templates, z = keys[e, head] / np.sqrt(d), c * queries[e, j].T
+                templates = templates * key_mask[e][:, None]
+                np.testing.assert_allclose(built.logits[e, j].numpy(), (templates @ z).T, rtol=1e-12, atol=1e-12)
+                np.testing.assert_allclose(built.evidence_sqnorm[e, j].numpy(), (z * z).sum(0), rtol=1e-12)
+                gram = built.gram[e] if space == "hidden" else built.gram[e, head]
+                np.testing.assert_allclose(gram.numpy(), templates @ templates.T, rtol=1e-12, atol=1e-12)

@@ -116,30 +116,35 @@ def space_problems(site: SiteCapture, space: str, examples: slice = slice(None))
     """The site's reduced problems (alpha = 1) in ``space`` for the examples ``examples``, in float64."""
     f64 = torch.float64
     key_mask = site.key_mask[examples]
-    queries = site.queries[examples].to(f64)
-    d_head = queries.shape[-1]
+    b, h, q, d_head = site.queries[examples].shape
     c = site.logit_scale * d_head**0.5  # z = c W_k^T q (hidden) or z = c q (key)
+
+    def by_key_head(g):  # (b, h, q, d') -> (b, g, (h / g) q, d'): query head j uses key head j // (h / g)
+        queries = site.queries[examples].to(f64, memory_format=torch.contiguous_format)
+        return queries.view(b, g, (h // g) * q, d_head)  # one product per key head, no repeated keys
+
     if space == "key":
+        queries = by_key_head(site.keys.shape[1])
         keys = site.keys[examples].to(f64) * key_mask[:, None, :, None]  # padding templates carry no weight
-        repeat = queries.shape[1] // keys.shape[1]
-        logits = site.logit_scale * (queries @ keys.repeat_interleave(repeat, dim=1).transpose(-1, -2))
+        logits = site.logit_scale * (queries @ keys.transpose(-1, -2))
         gram = keys @ keys.transpose(-1, -2) / d_head
-        return SpaceProblems(gram=gram, logits=logits, evidence_sqnorm=c**2 * (queries * queries).sum(-1))
-    if space != "hidden":
+        evidence_sqnorm = c**2 * (queries * queries).sum(-1)
+    elif space == "hidden":
+        if site.key_weight is None:
+            raise ValueError("this site has no hidden-space parameterisation (no key_hidden / key_weight)")
+        x = site.key_hidden[examples].to(f64) * key_mask[..., None]
+        w_key = site.key_weight.to(f64)
+        g = w_key.shape[0] // d_head
+        queries = by_key_head(g)
+        keys = head_split(x @ w_key.T, g)  # W_k x_i per key head, (b, g, k, d')
+        logits = site.logit_scale * (queries @ keys.transpose(-1, -2))
+        w_heads = w_key.view(g, d_head, -1)
+        key_gram = w_heads @ w_heads.transpose(-1, -2)  # (g, d', d') = W_k,h W_k,h^T
+        evidence_sqnorm = c**2 * ((queries @ key_gram) * queries).sum(-1)
+        gram = x @ x.transpose(-1, -2) / d_head
+    else:
         raise ValueError(f"unknown space {space!r}; known: {', '.join(SPACES)}")
-    if site.key_weight is None:
-        raise ValueError("this site has no hidden-space parameterisation (no key_hidden / key_weight)")
-    x = site.key_hidden[examples].to(f64) * key_mask[..., None]
-    w_key = site.key_weight.to(f64)
-    kv_heads = w_key.shape[0] // d_head
-    repeat = queries.shape[1] // kv_heads
-    w_heads = w_key.view(kv_heads, d_head, -1).repeat_interleave(repeat, dim=0)  # (h, d', D)
-    key_nobias = head_split(x @ w_key.T, kv_heads).repeat_interleave(repeat, dim=1)  # W_k x_i per query head
-    logits = site.logit_scale * (queries @ key_nobias.transpose(-1, -2))
-    key_gram = w_heads @ w_heads.transpose(-1, -2)  # (h, d', d') = W_k,h W_k,h^T
-    evidence_sqnorm = c**2 * torch.einsum("bhqd,hde,bhqe->bhq", queries, key_gram, queries)
-    gram = x @ x.transpose(-1, -2) / d_head
-    return SpaceProblems(gram=gram, logits=logits, evidence_sqnorm=evidence_sqnorm)
+    return SpaceProblems(gram=gram, logits=logits.view(b, h, q, -1), evidence_sqnorm=evidence_sqnorm.view(b, h, q))
 
 
 def padded_batch(tokenizer, texts: list[str], max_length: int) -> dict:
