@@ -73,3 +73,22 @@ def test_native_benchmark_runs_and_both_ways_agree(tmp_path):
     (row,) = json.loads(out.read_text())["results"]
     assert all(row["all_certified"].values()) and row["within_certificates"]
     assert "compiled, 1 thread" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("measured, counted, target, verdict", [
+    (9.4, 5.8, 10.0, "≤ 10x: met"),
+    (11.8, 5.8, 10.0, "≤ 10x: **not met**"),
+    (51.7, 42.1, 40.0, "≤ 40x: **not met**"),
+    (30.8, 42.1, 40.0, "≤ 40x: **not counted**"),  # the forward ran slower than the analysis's products
+    (2.9, None, 3.0, "≤ 3x: met"),  # not counted (--skip-arithmetic): judged on the measurement
+    (16.6, 17.2, None, ""),  # no target at this length
+])
+def test_the_e2e_benchmark_does_not_count_a_target_met_by_a_slowed_forward(measured, counted, target, verdict):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import e2e
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    row = {"ratio_median": measured, **({"target_ratio": target} if target is not None else {}),
+           **({"arithmetic": {"ratio": counted}} if counted is not None else {})}
+    assert e2e._verdict(row).startswith(verdict) and (verdict or not e2e._verdict(row))
