@@ -140,7 +140,7 @@ def space_problems(site: SiteCapture, space: str, examples: slice = slice(None))
         logits = site.logit_scale * (queries @ keys.transpose(-1, -2))
         w_heads = w_key.view(g, d_head, -1)
         key_gram = w_heads @ w_heads.transpose(-1, -2)  # (g, d', d') = W_k,h W_k,h^T
-        evidence_sqnorm = c**2 * ((queries @ key_gram) * queries).sum(-1)
+        evidence_sqnorm = c**2 * (queries @ key_gram).mul_(queries).sum(-1)  # q^T W_k,h W_k,h^T q
         gram = x @ x.transpose(-1, -2) / d_head
     else:
         raise ValueError(f"unknown space {space!r}; known: {', '.join(SPACES)}")
