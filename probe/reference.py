@@ -187,3 +187,86 @@ def templates_from_reduced(gram, logits, evidence_sqnorm):
     rest = max(float(evidence_sqnorm) - float(z_row @ z_row), 0.0) ** 0.5
     T = np.hstack([A, np.zeros((len(gram), 1))])
     return T, np.append(z_row, rest)
+
+
+# ------------------------------------------------------------------------------------------- OT problem
+# References for :mod:`probe.ot` (numpy / CVXPY / SciPy, one problem at a time; no code shared with it).
+# T (N, d) the candidates, u (n,) the source weights, M (n, N) the cost M[j, t] = M(t, t_j), z (d,).
+
+
+def ot_true_preference(u, M, gamma):
+    r""":math:`\tilde u(t) = \sum_j u_j e^{-M(t, t_j)/\gamma} / \sum_{t''} e^{-M(t'', t_j)/\gamma}` (numpy)."""
+    u, M = np.asarray(u, dtype=float), np.asarray(M, dtype=float)
+    logits = -M / gamma
+    logits = logits - logits.max(axis=1, keepdims=True)
+    q = np.exp(logits)
+    q /= q.sum(axis=1, keepdims=True)
+    return u @ q
+
+
+def cvxpy_ot_primal(T, u, M, z, alpha, gamma, *, eps=1e-12):
+    r"""Solve the OT primal with the transport plan as the variable (CVXPY + Clarabel):
+
+    .. math::  \min_{X \ge 0,\ X^\top 1 = u}\ \tfrac{\alpha}{2}\|\tilde\mu + z - T^\top X 1\|^2
+               + \langle M, X\rangle - \gamma\sum_{tj}\mathrm{entr}(X_{tj}),
+
+    which is (OT-P) with :math:`p = X1` and :math:`W_\gamma` written out.  Sources with :math:`u_j = 0`
+    are dropped.  Returns ``(lambda, p)`` with :math:`\lambda = \alpha(\tilde\mu + z - T^\top p)`.
+    """
+    import cvxpy as cp
+
+    T, u, M, z = (np.asarray(x, dtype=float) for x in (T, u, M, z))
+    u_tilde = ot_true_preference(u, M, gamma)
+    b = T.T @ u_tilde + z
+    keep = u > 0
+    u_s, M_s = u[keep], M[keep]
+    X = cp.Variable((T.shape[0], len(u_s)), nonneg=True)
+    residual = cp.Variable(len(b))
+    p = cp.sum(X, axis=1)
+    objective = (0.5 * alpha * cp.sum_squares(residual) + cp.sum(cp.multiply(M_s.T, X))
+                 - gamma * cp.sum(cp.entr(X)))
+    problem = cp.Problem(cp.Minimize(objective), [cp.sum(X, axis=0) == u_s, residual == b - T.T @ p])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        problem.solve(
+            solver=cp.CLARABEL, tol_gap_abs=eps, tol_gap_rel=eps, tol_feas=eps, tol_ktratio=eps, max_iter=1000,
+            static_regularization_constant=eps, iterative_refinement_reltol=1e-16,
+            iterative_refinement_abstol=1e-16, iterative_refinement_max_iter=50,
+        )
+    if X.value is None:
+        raise RuntimeError(f"CVXPY failed: {problem.status}")
+    p_value = np.clip(X.value, 0, None).sum(axis=1)
+    return alpha * (b - T.T @ p_value), p_value
+
+
+def ot_dual_value_and_gradient(lam, T, u, M, z, alpha, gamma):
+    r"""(OT-D) written out in numpy: :math:`D(\lambda)`, :math:`\nabla D(\lambda)` and :math:`p(\lambda)`."""
+    T, u, M, z = (np.asarray(x, dtype=float) for x in (T, u, M, z))
+    u_tilde = ot_true_preference(u, M, gamma)
+    b = T.T @ u_tilde + z
+    theta = T @ lam
+    p = np.zeros(T.shape[0])
+    conjugate = 0.0
+    for j in range(len(u)):
+        if u[j] == 0:
+            continue
+        a = (theta - M[j]) / gamma
+        top = a.max()
+        w = np.exp(a - top)
+        conjugate += gamma * u[j] * (top + np.log(w.sum()) - np.log(u[j]))  # gamma (u_j LSE_j - u_j log u_j)
+        p += u[j] * w / w.sum()
+    value = lam @ b - lam @ lam / (2 * alpha) - conjugate
+    return value, b - lam / alpha - T.T @ p, p
+
+
+def lbfgs_ot_dual(T, u, M, z, alpha, gamma, *, gtol=1e-13):
+    r"""Maximise (OT-D) with SciPy L-BFGS from :math:`\lambda_0 = \alpha z`.  Returns ``(lambda, p)``."""
+    from scipy.optimize import minimize
+
+    def negative(lam):
+        value, gradient, _ = ot_dual_value_and_gradient(lam, T, u, M, z, alpha, gamma)
+        return -value, -gradient
+
+    result = minimize(negative, alpha * np.asarray(z, dtype=float), jac=True, method="L-BFGS-B",
+                      options={"gtol": gtol, "ftol": 0.0, "maxiter": 100000, "maxcor": 30})
+    return result.x, ot_dual_value_and_gradient(result.x, T, u, M, z, alpha, gamma)[2]
