@@ -125,6 +125,9 @@ class OTPosterior:
             :math:`\|\hat\lambda - \lambda^*\| \le` ``error_bound``.
         p: :math:`p = \nabla W^*(T\lambda)` at the final dual iterate :math:`\lambda` (within
             ``error_bound / 2`` of :math:`\lambda^*`), the posterior over the candidates, ``(..., N)``.
+        dual_point: that iterate :math:`\lambda = \alpha z + Vy`, ``(..., d)``: ``p`` and ``duality_gap``
+            are those of the pair (``p``, ``dual_point``) (with a small :math:`\gamma`, :math:`p(\hat\lambda)`
+            can differ from ``p`` by far more than :math:`\hat\lambda` differs from the iterate).
         u_tilde: the true preference :math:`\tilde u`, ``(..., N)``.
         coefficients: :math:`c = \alpha(\tilde u - p)`, the reduced form of :math:`\hat\lambda`, ``(..., N)``.
         lambda_norm: :math:`\|\hat\lambda\|`.
@@ -138,6 +141,7 @@ class OTPosterior:
 
     lam: torch.Tensor
     p: torch.Tensor
+    dual_point: torch.Tensor
     u_tilde: torch.Tensor
     coefficients: torch.Tensor
     lambda_norm: torch.Tensor
@@ -246,8 +250,11 @@ def _transport(theta: torch.Tensor, cost_over_gamma: torch.Tensor, u: torch.Tens
     ``(b, N)`` and :math:`\sum_j u_j \mathrm{LSE}_j` ``(b,)`` (:math:`W^*` without :math:`\gamma H(u)`, over
     :math:`\gamma`).  Sources with :math:`u_j = 0` have their cost row set to 0 beforehand (harmless)."""
     logits = theta.unsqueeze(-2) / gamma - cost_over_gamma
-    lse = torch.logsumexp(logits, dim=-1)
-    q = torch.exp(logits - lse.unsqueeze(-1))
+    top = logits.amax(dim=-1, keepdim=True)
+    weights = torch.exp(logits - top)
+    total = weights.sum(-1, keepdim=True)
+    lse = (top + total.log()).squeeze(-1)
+    q = weights / total  # normalised by its own sum: rows sum to 1 to rounding even when |logits| is huge
     p = (u.unsqueeze(-1) * q).sum(-2)
     return q, p, (u * lse).sum(-1)
 
@@ -397,7 +404,7 @@ def _certify(prob: _Problems, y, rtol, atol):
     error_bound = 2 * alpha * gradient_norm
     converged = torch.isfinite(error_bound) & (error_bound <= rtol * lambda_norm + atol)
     return dict(
-        lam=lam_hat, p=p, u_tilde=prob.u_tilde, coefficients=alpha * (prob.u_tilde - p), lambda_norm=lambda_norm,
+        lam=lam_hat, p=p, dual_point=lam, u_tilde=prob.u_tilde, coefficients=alpha * (prob.u_tilde - p), lambda_norm=lambda_norm,
         rel_deviation=alpha * spread.norm(dim=-1) / lambda_norm, duality_gap=0.5 * alpha * gradient_norm ** 2,
         error_bound=error_bound, converged=converged,
     )
@@ -476,7 +483,7 @@ def ot_posterior(
         results.append(out)
     if not results:  # an empty batch
         empty = torch.empty(0, dtype=f64, device=device)
-        results = [dict(lam=empty.reshape(0, d), p=empty.reshape(0, N), u_tilde=empty.reshape(0, N),
+        results = [dict(lam=empty.reshape(0, d), p=empty.reshape(0, N), dual_point=empty.reshape(0, d), u_tilde=empty.reshape(0, N),
                         coefficients=empty.reshape(0, N), lambda_norm=empty, rel_deviation=empty,
                         duality_gap=empty, error_bound=empty, iterations=empty.long(), converged=empty.bool())]
     merged = {name: torch.cat([r[name] for r in results]) for name in results[0]}
