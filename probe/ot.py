@@ -82,7 +82,7 @@ import torch
 
 from .errors import ProbeError
 
-__all__ = ["OTInputError", "OTPosterior", "ot_attention", "ot_posterior", "true_preference"]
+__all__ = ["ApproximationQuality", "OTInputError", "OTPosterior", "approximation_quality", "ot_attention", "ot_posterior", "true_preference"]
 
 
 class OTInputError(ProbeError, ValueError):
@@ -488,3 +488,53 @@ def ot_posterior(
                         duality_gap=empty, error_bound=empty, iterations=empty.long(), converged=empty.bool())]
     merged = {name: torch.cat([r[name] for r in results]) for name in results[0]}
     return OTPosterior(**{name: value.reshape(tuple(batch) + tuple(value.shape[1:])) for name, value in merged.items()})
+
+
+@dataclass
+class ApproximationQuality:
+    r"""How far the OT attention (eq. 22) is from the exact OT posterior, per problem, with certified errors.
+
+    Attributes:
+        rel_deviation: :math:`\|\hat\lambda - \alpha z\| / \|\hat\lambda\|`.
+        rel_deviation_error: bound on its distance to the exact :math:`\|\lambda^* - \alpha z\| / \|\lambda^*\|`:
+            with :math:`\varepsilon` = ``error_bound``, :math:`\varepsilon(1 + \mathrm{rel})/(\|\hat\lambda\| - \varepsilon)`
+            (write :math:`A/B - a/b = A(b - B)/(Bb) + (A - a)/b` with :math:`|A - a|, |B - b| \le \varepsilon`).
+        total_variation: :math:`\tfrac12\|p - p_{22}\|_1`, ``p`` the solver's posterior.
+        total_variation_error: bound on its distance to :math:`\tfrac12\|p^* - p_{22}\|_1`:
+            :math:`\max_t\|t\|\,\varepsilon / (2\gamma)`.  (``p = p(\lambda)`` at the dual point, within
+            :math:`\delta = \varepsilon/2` of :math:`\lambda^*`; each plan row is a softmax of logits that move by
+            at most :math:`v = \max_t\|t\|\delta/\gamma` in sup norm, and a softmax's Jacobian maps
+            :math:`w \mapsto` a vector of 1-norm :math:`\sum_i q_i |w_i - q^\top w| \le 2\|w\|_\infty`, so
+            :math:`\|p - p^*\|_1 \le 2v`.)
+        solution: the :class:`OTPosterior` (``converged`` says which problems are certified).
+    """
+
+    rel_deviation: torch.Tensor
+    rel_deviation_error: torch.Tensor
+    total_variation: torch.Tensor
+    total_variation_error: torch.Tensor
+    solution: OTPosterior
+
+
+def approximation_quality(candidates, source_weights, cost, evidence, alpha: float, gamma: float,
+                          **solver_options) -> ApproximationQuality:
+    r"""How good the OT attention (eq. 22) is on a batch of problems: the exact posterior by
+    :func:`ot_posterior` against the closed form :math:`\lambda = \alpha z` (:func:`ot_attention`, in
+    float64).  Same shapes and checks as :func:`ot_posterior`; returns an :class:`ApproximationQuality`
+    whose tensors have the batch's shape.
+    """
+    solution = ot_posterior(candidates, source_weights, cost, evidence, alpha, gamma, **solver_options)
+    f64 = torch.float64
+    args = [torch.as_tensor(x).to(f64) for x in (candidates, source_weights, cost, evidence)]
+    closed = ot_attention(*args, float(alpha), float(gamma))
+    eps = solution.error_bound
+    rel = solution.rel_deviation
+    rel_error = eps * (1 + rel) / (solution.lambda_norm - eps).clamp_min(0)
+    radius = args[0].norm(dim=-1).amax(-1).expand(rel.shape)
+    return ApproximationQuality(
+        rel_deviation=rel,
+        rel_deviation_error=torch.where(solution.lambda_norm > eps, rel_error, torch.full_like(rel, math.inf)),
+        total_variation=0.5 * (solution.p - closed).abs().sum(-1),
+        total_variation_error=radius * eps / (2 * float(gamma)),
+        solution=solution,
+    )
