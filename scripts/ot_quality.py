@@ -66,7 +66,12 @@ def _test_images(n: int):
     from probe.vit.data import load_dataset
 
     dataset = load_dataset("fashion-mnist", split="test")
-    images = dataset[0] if isinstance(dataset, tuple) else dataset.images
+    if isinstance(dataset, tuple):  # (images, labels)
+        images = dataset[0]
+    elif isinstance(dataset, dict):
+        images = dataset["images"]
+    else:
+        images = dataset.images
     return torch.as_tensor(images[:n])
 
 
@@ -84,12 +89,18 @@ def model_problems(checkpoint: Path, images: int) -> tuple[dict, float, float, d
     with torch.no_grad():
         problems = final_layer_problems(model, _test_images(images))
     alpha, gamma = float(problems["alpha"]), float(problems["gamma"])
-    flat = {}
-    for name in ("candidates", "source_weights", "cost", "evidence"):
-        tensor = torch.as_tensor(problems[name]).detach().to(torch.float64)
-        trailing = {"candidates": 2, "source_weights": 1, "cost": 2, "evidence": 1}[name]
-        flat[name] = tensor.reshape(-1, *tensor.shape[tensor.dim() - trailing:])
+    flat = flatten_problems(problems)
     return flat, alpha, gamma, dict(info) if isinstance(info, dict) else {"info": str(info)}
+
+
+def flatten_problems(problems: dict) -> dict:
+    """``final_layer_problems``' tensors ``(B, H, ...)`` (any leading dimensions) as one batch of problems."""
+    trailing = {"candidates": 2, "source_weights": 1, "cost": 2, "evidence": 1}
+    flat = {}
+    for name, kept in trailing.items():
+        tensor = torch.as_tensor(problems[name]).detach().to(torch.float64)
+        flat[name] = tensor.reshape(-1, *tensor.shape[tensor.dim() - kept:])
+    return flat
 
 
 # ------------------------------------------------------------------------------------------------- the grid
@@ -178,6 +189,13 @@ def draw(rows: list[dict], path: Path, title: str, marks=((1.0, 8.0), (1.0, 16.0
 # ------------------------------------------------------------------------------------------------------ main
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    values = tuple(float(x) for x in text.split(","))
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas, got {text!r}")
+    return values
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["random", "model"])
@@ -186,6 +204,8 @@ def main(argv=None) -> None:
     parser.add_argument("--images", type=int, default=256, help="model mode: test images")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--alphas", type=_floats, default=ALPHAS, help="comma-separated grid of alpha")
+    parser.add_argument("--gammas", type=_floats, default=GAMMAS, help="comma-separated grid of gamma")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -197,7 +217,7 @@ def main(argv=None) -> None:
         title = (f"OT attention (eq. 22) against the exact OT posterior: {args.problems} random problems per cell "
                  "(n = N = 50, d = 32, Gaussian templates, M = -<a,b> + C); red: alpha = 1, gamma = 8, 16")
         stem = "quality_random"
-        alphas, gammas = ALPHAS, GAMMAS
+        alphas, gammas = args.alphas, args.gammas
     else:
         if args.checkpoint is None:
             parser.error("model mode needs --checkpoint")
@@ -205,8 +225,8 @@ def main(argv=None) -> None:
         meta = dict(mode="model", checkpoint=str(args.checkpoint), images=args.images, model_alpha=alpha,
                     model_gamma=gamma, problems=int(problems["evidence"].shape[0]), info=info)
         marks = ((alpha, gamma),)
-        alphas = tuple(sorted(set(ALPHAS) | {alpha}))
-        gammas = tuple(sorted(set(GAMMAS) | {gamma}))
+        alphas = tuple(sorted(set(args.alphas) | {alpha}))
+        gammas = tuple(sorted(set(args.gammas) | {gamma}))
         title = (f"OT-ViT final layer, {args.images} test images: eq. 22 against the exact OT posterior; "
                  f"red: the model's alpha = {alpha:g}, gamma = {gamma:g}")
         stem = "quality_model"
@@ -214,7 +234,7 @@ def main(argv=None) -> None:
     import pandas as pd
 
     pd.DataFrame(rows).to_csv(args.out / f"{stem}.csv", index=False)
-    (args.out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str) + "\n")
     draw(rows, args.out / f"{stem}.png", title, marks)
     print(f"wrote {args.out / stem}.csv, .json, .png")
 

@@ -327,3 +327,73 @@ def test_property_every_problem_certified_or_flagged_and_certified_ones_check_ou
     else:  # flagged: its bound is above the tolerance, and what is certifiable independently is no better
         assert bound > 1e-9 * norm
         assert independent >= 0.5 * bound - slack
+
+
+# ------------------------------------------------------------------------- approximation quality, scripts
+
+
+def test_approximation_quality_errors_bound_the_distance_to_the_exact_values():
+    from probe.ot import approximation_quality
+
+    T, u, M, z = instance(12, 5, 4, cost_scale=4.0)
+    args = [torch.tensor(x) for x in (T, u, M, z)]
+    exact = approximation_quality(*args, 4.0, 0.4)
+    assert bool(exact.solution.converged)
+    assert exact.total_variation.item() > 1e-3  # something to compare
+    for iterations in (1, 2, 3):
+        early = approximation_quality(*args, 4.0, 0.4, max_iter=iterations)
+        assert abs(early.rel_deviation - exact.rel_deviation).item() <= (
+            early.rel_deviation_error + exact.rel_deviation_error).item()
+        assert abs(early.total_variation - exact.total_variation).item() <= (
+            early.total_variation_error + exact.total_variation_error).item()
+
+
+def _load_script(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quality_script_model_mode_on_a_stub_vit(tmp_path, monkeypatch):
+    # probe.vit's contract (load_checkpoint, final_layer_problems -> (B, H, ...) tensors), stubbed; the
+    # script's number at the model's (alpha, gamma) against L-BFGS on each problem, one at a time
+    import sys
+    import types
+
+    B, H, N, n, d, alpha, gamma = 2, 2, 6, 6, 3, 1.0, 2.0
+    rng = np.random.default_rng(7)
+    keys = rng.normal(size=(B, H, n, d))
+    inner = keys @ np.swapaxes(keys, -1, -2)
+    problems = dict(candidates=torch.tensor(keys), source_weights=torch.full((B, H, n), 1.0 / n),
+                    cost=torch.tensor(inner.max() - inner), evidence=torch.tensor(rng.normal(size=(B, H, d))),
+                    alpha=alpha, gamma=gamma)
+    vit = types.ModuleType("probe.vit")
+    vit.load_checkpoint = lambda path: ("model", {"checkpoint": str(path)})
+    vit.final_layer_problems = lambda model, images: problems
+    data = types.ModuleType("probe.vit.data")
+    data.load_dataset = lambda name, split: (np.zeros((3, 28, 28)), np.zeros(3))
+    monkeypatch.setitem(sys.modules, "probe.vit", vit)
+    monkeypatch.setitem(sys.modules, "probe.vit.data", data)
+    script = _load_script("ot_quality")
+    script.main(["model", "--checkpoint", str(tmp_path / "ckpt.pt"), "--images", "3", "--out", str(tmp_path),
+                 "--alphas", "0.5", "--gammas", "4"])
+    import json
+
+    result = json.loads((tmp_path / "quality_model.json").read_text())
+    assert result["meta"]["model_alpha"] == alpha and result["meta"]["problems"] == B * H
+    assert {(r["alpha"], r["gamma"]) for r in result["rows"]} == {(a, g) for a in (0.5, 1.0) for g in (2.0, 4.0)}
+    row = next(r for r in result["rows"] if r["alpha"] == alpha and r["gamma"] == gamma)
+    assert row["certified_fraction"] == 1.0
+    reference = []
+    for b in range(B):
+        for h in range(H):
+            T, M, z = keys[b, h], (inner.max() - inner)[b, h], problems["evidence"][b, h].numpy()
+            lam, _ = lbfgs_ot_dual(T, np.full(n, 1.0 / n), M, z, alpha, gamma)
+            reference.append(np.linalg.norm(lam - alpha * z) / np.linalg.norm(lam))
+    assert row["rel_deviation_median"] == pytest.approx(float(np.median(reference)), abs=1e-7)
+    assert (tmp_path / "quality_model.png").exists() and (tmp_path / "quality_model.csv").exists()
