@@ -186,6 +186,28 @@ def draw(rows: list[dict], path: Path, title: str, marks=((1.0, 8.0), (1.0, 16.0
         figure.savefig(path, dpi=150)
 
 
+def summary_markdown(rows: list[dict], meta: dict, marks) -> str:
+    """The rows at the marked alphas (the experiment's setting), every gamma, as a Markdown table."""
+    alphas = sorted({a for a, _ in marks})
+    lines = [
+        f"# OT approximation quality ({meta['mode']}), from scripts/ot_quality.py",
+        "",
+        "Statistics over the certified problems of each cell; `certified` is their fraction. Full grid: the "
+        "CSV/JSON beside this file.",
+        "",
+        "| alpha | gamma | problems | certified | rel. deviation median [p10, p90] | TV median [p10, p90] |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["alpha"] in alphas:
+            lines.append(
+                f"| {r['alpha']:g} | {r['gamma']:g} | {r['problems']} | {r['certified_fraction']:.3f} | "
+                f"{r['rel_deviation_median']:.3g} [{r['rel_deviation_p10']:.3g}, {r['rel_deviation_p90']:.3g}] | "
+                f"{r['tv_median']:.3g} [{r['tv_p10']:.3g}, {r['tv_p90']:.3g}] |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------------------------------------------ main
 
 
@@ -236,7 +258,8 @@ def main(argv=None) -> None:
     pd.DataFrame(rows).to_csv(args.out / f"{stem}.csv", index=False)
     (args.out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str) + "\n")
     draw(rows, args.out / f"{stem}.png", title, marks)
-    print(f"wrote {args.out / stem}.csv, .json, .png")
+    (args.out / f"{stem}.md").write_text(summary_markdown(rows, meta, marks))
+    print(f"wrote {args.out / stem}.csv, .json, .png, .md")
 
 
 if __name__ == "__main__":
