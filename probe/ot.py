@@ -293,6 +293,8 @@ class _Problems:
         self.s = torch.bmm(T, z.unsqueeze(-1)).squeeze(-1)  # s = T z
         self.u_tilde = (u.unsqueeze(-1) * torch.softmax(-cost_over_gamma, dim=-1)).sum(-2)
         self.m = torch.bmm(self.u_tilde.unsqueeze(1), self.B).squeeze(1)  # B^T u~
+        finite = torch.where(torch.isfinite(cost_over_gamma), cost_over_gamma.abs(), 0.0)
+        self.cost_size = gamma * (u * finite.amax(-1)).sum(-1)  # sum_j u_j max_t M(t, t_j) (finite ones)
 
     def take(self, index):
         out = _Problems.__new__(_Problems)
@@ -301,12 +303,16 @@ class _Problems:
         return out
 
     def state(self, y):
-        """(theta, q, p, sum_j u_j LSE_j, objective, gradient) at y."""
+        r"""``(q, p, objective, gradient, magnitude)`` at ``y``: the plans' rows, :math:`p`, (R-D) without its
+        constant, its gradient, and the size of the terms whose rounding limits the objective's resolution
+        (:math:`|m^\top y| + \|y\|^2/(2\alpha) + \max_t|\theta_t| + \sum_j u_j\max_t M(t, t_j)`)."""
         theta = self.alpha * self.s + torch.bmm(self.B, y.unsqueeze(-1)).squeeze(-1)
         q, p, ulse = _transport(theta, self.cg, self.u, self.gamma)
-        objective = (self.m * y).sum(-1) - (y * y).sum(-1) / (2 * self.alpha) - self.gamma * ulse
+        m_dot_y, y_sq = (self.m * y).sum(-1), (y * y).sum(-1) / (2 * self.alpha)
+        objective = m_dot_y - y_sq - self.gamma * ulse
         gradient = torch.bmm((self.u_tilde - p).unsqueeze(1), self.B).squeeze(1) - y / self.alpha
-        return q, p, objective, gradient
+        magnitude = m_dot_y.abs() + y_sq + theta.abs().amax(-1) + self.cost_size
+        return q, p, objective, gradient, magnitude
 
     def objective(self, y):
         theta = self.alpha * self.s + torch.bmm(self.B, y.unsqueeze(-1)).squeeze(-1)
@@ -344,7 +350,7 @@ def _newton(prob: _Problems, rtol: float, atol: float, max_iter: int):
     iterations = torch.zeros(b, dtype=torch.int64, device=y.device)
     live_index = torch.arange(b, device=y.device)
     work = prob
-    q, p, objective, gradient = work.state(y)
+    q, p, objective, gradient, magnitude = work.state(y)
     for _ in range(max_iter):
         gradient_norm = gradient.norm(dim=-1)
         goal = 0.25 * (rtol * work.lambda_norm(p) + atol) / (2 * work.alpha)
@@ -352,16 +358,19 @@ def _newton(prob: _Problems, rtol: float, atol: float, max_iter: int):
         if not bool(live.all()):  # compact: drop the finished problems from the working set
             keep = live.nonzero().squeeze(-1)
             live_index, work = live_index[keep], work.take(keep)
-            q, p, objective, gradient, gradient_norm = q[keep], p[keep], objective[keep], gradient[keep], gradient_norm[keep]
+            q, p, objective, gradient, magnitude = q[keep], p[keep], objective[keep], gradient[keep], magnitude[keep]
+            gradient_norm = gradient_norm[keep]
             if len(keep) == 0:
                 break
         y_work = y[live_index]
         direction = work.direction(q, p, gradient)
         slope = (gradient * direction).sum(-1)
-        floor = 64 * eps * (objective.abs() + 1)
-        tiny = slope <= floor  # the step's gain is below the objective's rounding: taken in full
+        # Below this gain the objective cannot tell two points apart (its terms' rounding): such steps are
+        # not searched but judged by the gradient, which still resolves them.
+        floor = 64 * eps * (magnitude + 1)
         step = torch.ones_like(slope)
-        searching = ~tiny
+        searching = slope > floor
+        unresolved = ~searching
         for _trial in range(60):  # Armijo backtracking on the dual objective
             if not bool(searching.any()):
                 break
@@ -369,20 +378,30 @@ def _newton(prob: _Problems, rtol: float, atol: float, max_iter: int):
             accepted = torch.isfinite(trial) & (trial >= objective + 1e-4 * step * slope)
             searching = searching & ~accepted
             step = torch.where(searching, 0.5 * step, step)
-        moved = ~searching
-        y_new = torch.where(moved.unsqueeze(-1), y_work + step.unsqueeze(-1) * direction, y_work)
-        q, p, objective, new_gradient = work.state(y_new)
+            lost = searching & (step * slope <= floor)  # backtracked into the rounding: no verdict possible
+            unresolved = unresolved | lost
+            searching = searching & ~lost
+        failed = searching  # 60 halvings without an acceptable step
+        step = torch.where(unresolved | failed, 1.0, step)
+        y_new = y_work + step.unsqueeze(-1) * direction
+        new = work.state(y_new)
+        new_norm = new[3].norm(dim=-1)
+        # a step taken on the gradient's word alone must shrink it; one that does not is undone, and the
+        # problem stops (its certificate alone then says whether it converged), as does one that keeps
+        # shrinking it by less than half
+        undo = (unresolved | failed) & ~(new_norm < gradient_norm)
+        stalled = undo | ((unresolved | failed) & (new_norm > 0.5 * gradient_norm))
+        keep_old = undo.unsqueeze(-1)
+        y_new = torch.where(keep_old, y_work, y_new)
+        q = torch.where(keep_old.unsqueeze(-1), q, new[0])
+        p, objective, gradient, magnitude = (torch.where(undo if old.dim() == 1 else keep_old, old, fresh)
+                                             for old, fresh in zip((p, objective, gradient, magnitude), new[1:]))
         iterations[live_index] += 1
-        # a full step below the rounding floor that no longer halves the gradient, or no acceptable step:
-        # the problem stops, and its certificate alone says whether it converged
-        new_norm = new_gradient.norm(dim=-1)
-        stalled = searching | (tiny & (new_norm > 0.5 * gradient_norm))
         y[live_index] = y_new
-        gradient = new_gradient
         if bool(stalled.any()):
             keep = (~stalled).nonzero().squeeze(-1)
             live_index, work = live_index[keep], work.take(keep)
-            q, p, objective, gradient = q[keep], p[keep], objective[keep], gradient[keep]
+            q, p, objective, gradient, magnitude = q[keep], p[keep], objective[keep], gradient[keep], magnitude[keep]
             if len(keep) == 0:
                 break
     return y, iterations
