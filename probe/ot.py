@@ -369,22 +369,26 @@ def _newton(prob: _Problems, rtol: float, atol: float, max_iter: int):
         # not searched but judged by the gradient, which still resolves them.
         floor = 64 * eps * (magnitude + 1)
         step = torch.ones_like(slope)
-        searching = slope > floor
-        unresolved = ~searching
-        for _trial in range(60):  # Armijo backtracking on the dual objective
-            if not bool(searching.any()):
-                break
-            trial = work.objective(y_work + step.unsqueeze(-1) * direction)
-            accepted = torch.isfinite(trial) & (trial >= objective + 1e-4 * step * slope)
-            searching = searching & ~accepted
-            step = torch.where(searching, 0.5 * step, step)
-            lost = searching & (step * slope <= floor)  # backtracked into the rounding: no verdict possible
-            unresolved = unresolved | lost
-            searching = searching & ~lost
+        new = work.state(y_work + direction)  # the full step first: usually accepted, and its state reused
+        searching = (slope > floor) & ~(torch.isfinite(new[2]) & (new[2] >= objective + 1e-4 * slope))
+        unresolved = slope <= floor
+        if bool(searching.any()):
+            step = torch.where(searching, 0.5, step)
+            for _trial in range(60):  # Armijo backtracking on the dual objective
+                lost = searching & (step * slope <= floor)  # backtracked into the rounding: no verdict possible
+                unresolved = unresolved | lost
+                searching = searching & ~lost
+                if not bool(searching.any()):
+                    break
+                trial = work.objective(y_work + step.unsqueeze(-1) * direction)
+                accepted = torch.isfinite(trial) & (trial >= objective + 1e-4 * step * slope)
+                searching = searching & ~accepted
+                step = torch.where(searching, 0.5 * step, step)
         failed = searching  # 60 halvings without an acceptable step
         step = torch.where(unresolved | failed, 1.0, step)
         y_new = y_work + step.unsqueeze(-1) * direction
-        new = work.state(y_new)
+        if not bool((step == 1).all()):
+            new = work.state(y_new)
         new_norm = new[3].norm(dim=-1)
         # a step taken on the gradient's word alone must shrink it; one that does not is undone, and the
         # problem stops (its certificate alone then says whether it converged), as does one that keeps
