@@ -222,12 +222,16 @@ def cvxpy_ot_primal(T, u, M, z, alpha, gamma, *, eps=1e-12, polish=True):
     b = T.T @ u_tilde + z
     keep = u > 0
     u_s, M_s = u[keep], M[keep]
+    excluded = ~np.isfinite(M_s.T)  # (N, n): +inf cost, no transport
     X = cp.Variable((T.shape[0], len(u_s)), nonneg=True)
     residual = cp.Variable(len(b))
     p = cp.sum(X, axis=1)
-    objective = (0.5 * alpha * cp.sum_squares(residual) + cp.sum(cp.multiply(M_s.T, X))
+    objective = (0.5 * alpha * cp.sum_squares(residual) + cp.sum(cp.multiply(np.where(excluded, 0.0, M_s.T), X))
                  - gamma * cp.sum(cp.entr(X)))
-    problem = cp.Problem(cp.Minimize(objective), [cp.sum(X, axis=0) == u_s, residual == b - T.T @ p])
+    constraints = [cp.sum(X, axis=0) == u_s, residual == b - T.T @ p]
+    if excluded.any():
+        constraints.append(cp.multiply(excluded.astype(float), X) == 0)
+    problem = cp.Problem(cp.Minimize(objective), constraints)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         problem.solve(
@@ -237,7 +241,10 @@ def cvxpy_ot_primal(T, u, M, z, alpha, gamma, *, eps=1e-12, polish=True):
         )
     if X.value is None:
         raise RuntimeError(f"CVXPY failed: {problem.status}")
-    plan = polish_ot_plan(T, b, u_s, M_s, X.value, alpha, gamma) if polish else np.clip(X.value, 0, None)
+    if polish and not excluded.any():
+        plan = polish_ot_plan(T, b, u_s, M_s, X.value, alpha, gamma)
+    else:  # (the polish works in the plan's interior; with excluded entries Clarabel's plan is used as it is)
+        plan = np.where(excluded, 0.0, np.clip(X.value, 0, None))
     p_value = plan.sum(axis=1)
     return alpha * (b - T.T @ p_value), p_value
 

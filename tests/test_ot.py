@@ -67,6 +67,23 @@ def test_zero_weight_sources_and_excluded_candidates_match_cvxpy():
     np.testing.assert_allclose(sol.p.numpy(), p_ref, atol=1e-7)
 
 
+def test_infinite_costs_exclude_transport_and_match_cvxpy():
+    # +inf: candidate t gets no mass from source j (CVXPY: those plan entries constrained to 0)
+    T, u, M, z = instance(6, 3, 3)
+    M[0, 2] = np.inf
+    M[1, [0, 4]] = np.inf
+    M[2, 2] = np.inf
+    sol = solve(T, u, M, z, 1.3, 0.6)
+    lam_ref, p_ref = cvxpy_ot_primal(T, u, M, z, 1.3, 0.6)
+    assert bool(sol.converged)
+    np.testing.assert_allclose(sol.lam.numpy(), lam_ref, atol=1e-7)
+    np.testing.assert_allclose(sol.p.numpy(), p_ref, atol=1e-7)
+    # a candidate excluded by every source gets nothing
+    M[:, 5] = np.inf
+    sol = solve(T, u, M, z, 1.3, 0.6)
+    assert sol.p[5].item() == 0.0 and sol.u_tilde[5].item() == 0.0 and bool(sol.converged)
+
+
 def test_matches_lbfgs_on_the_dual_in_both_layouts():
     # d <= N (lambda's coordinates used directly) and d > N (thin QR of T^T)
     for N, d in ((12, 5), (5, 12)):
@@ -297,6 +314,10 @@ def hard_instances(draw):
         u /= u.sum()
     cost_scale = draw(st.sampled_from([1e-3, 1.0, 1e2, 1e4]))
     M = rng.uniform(0, cost_scale, size=(n, N))
+    if N > 1 and draw(st.booleans()):  # some candidates excluded from some sources (each keeps one)
+        excluded = rng.random(size=(n, N)) < 0.3
+        excluded[np.arange(n), rng.integers(0, N, size=n)] = False
+        M[excluded] = np.inf
     z = rng.normal(size=d) * scale
     alpha = draw(st.sampled_from([0.01, 1.0, 30.0, 300.0]))
     gamma = draw(st.sampled_from([1e-3, 0.05, 1.0, 64.0]))
@@ -322,7 +343,7 @@ def test_property_every_problem_certified_or_flagged_and_certified_ones_check_ou
     # carries the rounding of p (logits of size max|T lambda|/gamma) and of its two terms
     lam_dual = sol.dual_point.numpy()
     radius = np.linalg.norm(T, axis=1).max()
-    rounding = 64 * np.finfo(float).eps * (radius * (2 + np.abs(T @ lam_dual).max() / gamma + M.max() / gamma)
+    rounding = 64 * np.finfo(float).eps * (radius * (2 + np.abs(T @ lam_dual).max() / gamma + M[np.isfinite(M)].max() / gamma)
                                            + np.linalg.norm(lam_dual - alpha * z) / alpha)
     assert abs(math.sqrt(sol.duality_gap.item()) - math.sqrt(max(gap, 0.0))) <= (
         math.sqrt(alpha / 2) * rounding + math.sqrt(resolution) + 1e-6 * math.sqrt(max(gap, 0.0)))
