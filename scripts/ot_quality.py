@@ -100,6 +100,13 @@ def flatten_problems(problems: dict) -> dict:
     for name, kept in trailing.items():
         tensor = torch.as_tensor(problems[name]).detach().to(torch.float64)
         flat[name] = tensor.reshape(-1, *tensor.shape[tensor.dim() - kept:])
+    # A cost M = -<a, b> + C whose C was computed in float32 can dip a rounding below 0.  Adding a constant
+    # to a problem's cost changes nothing (every plan has mass 1, so W_gamma shifts by it; the softmaxes of
+    # u~, p* and eq. 22 do not see it), so such problems are shifted to min M = 0 instead of refused.
+    cost = flat["cost"]
+    finite = torch.where(torch.isfinite(cost), cost, torch.inf)
+    low = finite.amin(dim=(-2, -1), keepdim=True).clamp(max=0.0)
+    flat["cost"] = cost - torch.where(torch.isfinite(low), low, 0.0)
     return flat
 
 

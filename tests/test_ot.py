@@ -397,8 +397,9 @@ def test_quality_script_model_mode_on_a_stub_vit(tmp_path, monkeypatch):
     rng = np.random.default_rng(7)
     keys = rng.normal(size=(B, H, n, d))
     inner = keys @ np.swapaxes(keys, -1, -2)
+    cost = inner.max() - inner - 1e-7  # a float32-computed C can leave costs a rounding below 0
     problems = dict(candidates=torch.tensor(keys), source_weights=torch.full((B, H, n), 1.0 / n),
-                    cost=torch.tensor(inner.max() - inner), evidence=torch.tensor(rng.normal(size=(B, H, d))),
+                    cost=torch.tensor(cost), evidence=torch.tensor(rng.normal(size=(B, H, d))),
                     alpha=alpha, gamma=gamma)
     vit = types.ModuleType("probe.vit")
     vit.load_checkpoint = lambda path: ("model", {"checkpoint": str(path)})
@@ -420,7 +421,7 @@ def test_quality_script_model_mode_on_a_stub_vit(tmp_path, monkeypatch):
     reference = []
     for b in range(B):
         for h in range(H):
-            T, M, z = keys[b, h], (inner.max() - inner)[b, h], problems["evidence"][b, h].numpy()
+            T, M, z = keys[b, h], cost[b, h], problems["evidence"][b, h].numpy()
             lam, _ = lbfgs_ot_dual(T, np.full(n, 1.0 / n), M, z, alpha, gamma)
             reference.append(np.linalg.norm(lam - alpha * z) / np.linalg.norm(lam))
     assert row["rel_deviation_median"] == pytest.approx(float(np.median(reference)), abs=1e-7)
