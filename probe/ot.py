@@ -240,11 +240,6 @@ def _shapes(candidates, source_weights, cost, evidence):
 # --------------------------------------------------------------------------------------- the math
 
 
-def _entropy(u: torch.Tensor) -> torch.Tensor:
-    """H(u) = -sum u log u over the last axis (0 log 0 = 0)."""
-    return -torch.where(u > 0, u * u.clamp_min(torch.finfo(u.dtype).tiny).log(), 0.0).sum(-1)
-
-
 def _transport(theta: torch.Tensor, cost_over_gamma: torch.Tensor, u: torch.Tensor, gamma: float):
     r"""At :math:`g = \theta` (``(b, N)``): the plans' rows :math:`q_j` ``(b, n, N)``, :math:`p = \nabla W^*`
     ``(b, N)`` and :math:`\sum_j u_j \mathrm{LSE}_j` ``(b,)`` (:math:`W^*` without :math:`\gamma H(u)`, over

@@ -393,7 +393,7 @@ def test_quality_script_model_mode_on_a_stub_vit(tmp_path, monkeypatch):
     import sys
     import types
 
-    B, H, N, n, d, alpha, gamma = 2, 2, 6, 6, 3, 1.0, 2.0
+    B, H, n, d, alpha, gamma = 2, 2, 6, 3, 1.0, 2.0  # N = n: the candidates are the sources
     rng = np.random.default_rng(7)
     keys = rng.normal(size=(B, H, n, d))
     inner = keys @ np.swapaxes(keys, -1, -2)
