@@ -426,3 +426,23 @@ def test_quality_script_model_mode_on_a_stub_vit(tmp_path, monkeypatch):
             reference.append(np.linalg.norm(lam - alpha * z) / np.linalg.norm(lam))
     assert row["rel_deviation_median"] == pytest.approx(float(np.median(reference)), abs=1e-7)
     assert (tmp_path / "quality_model.png").exists() and (tmp_path / "quality_model.csv").exists()
+
+
+def test_benchmark_rows_are_certified_and_written(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "ot.py"
+    spec = importlib.util.spec_from_file_location("_bench_ot", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    candidates, weights, cost, evidence = bench.problems(8, 60, 50, 16, seed=1)
+    # the OT-ViT's cost M(a, b) = -<a, b> + C >= 0 with the first n candidates as the sources
+    shift = cost + candidates[:, :50] @ candidates.transpose(1, 2)
+    assert bool((cost >= 0).all()) and torch.allclose(shift, shift.amax().expand_as(shift), rtol=0, atol=1e-12)
+    out = tmp_path / "results.json"
+    bench.main(["--batch", "8", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert len(results["rows"]) == 8 and all(r["converged_fraction"] == 1.0 for r in results["rows"])
+    assert "| 100 | 50 | 64 | 16 |" in out.with_suffix(".md").read_text()
