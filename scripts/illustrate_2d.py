@@ -105,10 +105,12 @@ def draw(path: Path) -> None:
             ax.set_xlabel("$x_1$")
             ax.set_ylabel("$x_2$")
 
-        def trajectories(ax, exact_means, approx_means, exact_label, approx_label):
+        def trajectories(ax, exact_means, approx_means, exact_label, approx_label, labelled=ALPHAS):
             ax.plot(*exact_means.T, "-o", color=exact_color, ms=6, zorder=6, label=exact_label)
             ax.plot(*approx_means.T, "--s", color=approx_color, ms=6, zorder=6, mfc="white", label=approx_label)
             for alpha, e, a in zip(ALPHAS, exact_means, approx_means):  # exact below-right, approximation above-left
+                if alpha not in labelled:
+                    continue
                 ax.annotate(f"{alpha:g}", e, xytext=(7, -9), textcoords="offset points", fontsize=8.5,
                             color=exact_color, ha="left")
                 ax.annotate(f"{alpha:g}", a, xytext=(-7, 5), textcoords="offset points", fontsize=8.5,
@@ -117,7 +119,7 @@ def draw(path: Path) -> None:
         ax = axes[0]
         base(ax, mu, r"preference mean $\mu$")
         trajectories(ax, kl_exact, kl_approx, r"exact: $T^\top p^*$ (from $\lambda^*$), labels: $\alpha$",
-                     r"attention: $T^\top p$ at $\lambda = \alpha z$")
+                     r"attention: $T^\top p$ at $\lambda = \alpha z$", labelled=(0.25, 1.0, 8.0))
         ax.set_title("(a) KL: exact posterior mean vs attention")
         ax.legend(loc="upper left", fontsize=8.5, framealpha=0.95)
 
