@@ -542,13 +542,16 @@ def null_attention(p_att: torch.Tensor, tau: torch.Tensor, allowed: torch.Tensor
     p, tau, allowed = p_att.to("cpu", _F64), tau.to("cpu", _F64).clamp(min=0), allowed.to("cpu")
     rows, n = p.shape
     draws = torch.rand(rows, n, generator=generator, dtype=_F64)
-    feasible = allowed & (p <= 1 - tau.unsqueeze(-1))
+    slack = 4 * torch.finfo(_F64).eps  # tau = 1 - min p (the edge) must keep the least likely key feasible
+    feasible = allowed & (p <= 1 - tau.unsqueeze(-1) + slack)
+    least = torch.where(allowed, p, torch.inf).argmin(-1, keepdim=True)
+    feasible.scatter_(-1, least, feasible.gather(-1, least) | allowed.gather(-1, least))
     order = torch.where(feasible, draws, 2.0).argsort(-1)  # feasible keys first, in random order
     cumulative = p.gather(-1, order).cumsum(-1)
     position = torch.arange(n).expand(rows, n)
     n_allowed = allowed.sum(-1, keepdim=True)
     length = 1 + (torch.rand(rows, 1, generator=generator, dtype=_F64) * (n_allowed - 1).clamp(min=0)).long()
-    prefix = (position < length) & (position < feasible.sum(-1, keepdim=True)) & (cumulative <= 1 - tau.unsqueeze(-1))
+    prefix = (position < length) & (position < feasible.sum(-1, keepdim=True)) & (cumulative <= 1 - tau.unsqueeze(-1) + slack)
     prefix[:, 0] |= feasible.gather(-1, order[:, :1]).squeeze(-1)  # rounding at p(A) = 1 - tau: keep the first
     acceptors = torch.zeros_like(allowed).scatter(-1, order, prefix)
     donors = allowed & ~acceptors
