@@ -730,8 +730,10 @@ def per_site_records(loaded, inputs: dict, example_ids, config: InterventionConf
         order.append((name, (site.attention_type, site.layer)))
         for space in spaces:
             for alpha in config.alphas:
-                substitutes[name, space, alpha] = site_substitutes(
-                    site, config.substitutes, alpha, space, config.rtol, config.seed, example_ids)
+                built = site_substitutes(site, config.substitutes, alpha, space, config.rtol, config.seed, example_ids)
+                for substitute in built.values():  # held until its forward: in the model's dtype
+                    substitute.weights = substitute.weights.to(site.values.dtype)
+                substitutes[name, space, alpha] = built
         return None
 
     reference = run_forward(loaded, inputs, capture)
