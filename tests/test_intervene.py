@@ -110,6 +110,32 @@ def test_own_attention_reproduces_generic_families(generic):
     if family.kind == "encoder_decoder":
         assert all(r["lm_head"] == "seq2seq" and r["top1_agreement"] == 1.0 for r in records)
         assert all(abs(r["lm_loss"] - r["lm_loss_original"]) <= 1e-5 for r in records)
+        # teacher forcing: position j is scored on the next decoder input token; transformers' own loss
+        ids, mask = inputs["decoder_input_ids"], inputs["decoder_attention_mask"].bool()
+        for row in records:
+            i = row["example"]
+            labels = torch.full_like(ids[i:i + 1], -100)
+            n = int(mask[i].sum())
+            labels[0, :n - 1] = ids[i, 1:n]
+            with torch.no_grad():
+                expected = loaded.model(**{k: v[i:i + 1] for k, v in inputs.items()}, labels=labels).loss
+            assert row["scored_tokens"] == n - 1
+            assert row["lm_loss_original"] == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_capture_forward_emits_the_adapters_sites(bert):
+    """The per-site mode's capture forward hands the pipeline's row solver the sites the adapter captures."""
+    inputs = encode(bert, TEXTS)
+    emitted = []
+    config = iv.InterventionConfig(substitutes=("model",), whole_model=False)
+    iv.intervention_records(bert, inputs, [0, 1, 2], config, emit=emitted.append)
+    captured = bert.adapter.sites(bert.model, inputs)
+    assert [(s.attention_type, s.layer) for s in emitted] == [(s.attention_type, s.layer) for s in captured]
+    for ours, theirs in zip(emitted, captured):
+        for name in ("queries", "keys", "values", "log_preference", "query_mask", "key_mask", "model_probs",
+                     "key_hidden", "key_weight", "query_positions"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+        assert ours.logit_scale == theirs.logit_scale
 
 
 # --------------------------------------------------------------------------------------------------
