@@ -540,3 +540,27 @@ def test_minilm_per_site_exact(minilm_dir):
     for name in ("hidden_change", "embedding_cosine"):
         assert all(math.isfinite(r[name]) for r in records)
     assert all(0 < r["hidden_change"] and -1 <= r["embedding_cosine"] < 1 for r in records)
+
+
+def test_lm_heads_the_checkpoint_lacks(tmp_path, minilm_dir):
+    """A config naming BertForMaskedLM over weights without its head is refused (the head would be random);
+    ELECTRA's discriminator (ElectraForPreTraining, no masked-LM head) gives no LM effects, not an error."""
+    import json
+
+    from transformers import AutoTokenizer, BertConfig, BertModel, ElectraConfig, ElectraForPreTraining
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    bert_dir, electra_dir = tmp_path / "bert", tmp_path / "electra"
+    small = dict(vocab_size=len(tokenizer), num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                 max_position_embeddings=64)
+    BertModel(BertConfig(hidden_size=16, **small)).save_pretrained(bert_dir)
+    saved = json.loads((bert_dir / "config.json").read_text())
+    (bert_dir / "config.json").write_text(json.dumps(dict(saved, architectures=["BertForMaskedLM"])))
+    ElectraForPreTraining(ElectraConfig(hidden_size=16, embedding_size=8, **small)).save_pretrained(electra_dir)
+    for directory in (bert_dir, electra_dir):
+        tokenizer.save_pretrained(directory)
+    with pytest.raises(ProbeError, match="would be random"):
+        iv.with_lm_head(load_model(str(bert_dir), device="cpu"))
+    electra = iv.with_lm_head(load_model(str(electra_dir), device="cpu"))
+    assert electra.info["lm_head"] is None and iv.lm_kind(electra) is None
+    assert type(electra.model).__name__ == "ElectraModel"
