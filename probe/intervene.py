@@ -74,7 +74,7 @@ import json
 import math
 import zlib
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -451,7 +451,9 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction):
             expected = torch.matmul(probs, values).transpose(1, 2)
             tolerance = 64 * torch.finfo(output.dtype).eps  # the same product as eager's: rounding at most
             scale = float(output.abs().max()) if output.numel() else 0.0
-            if expected.shape != output.shape or not torch.allclose(expected, output, rtol=0, atol=tolerance * (1 + scale)):
+            close = expected.shape == output.shape and torch.allclose(
+                expected, output, rtol=0, atol=tolerance * (1 + scale))
+            if not close:
                 raise ProbeError(
                     f"{type(module).__name__}'s eager attention does not return (probs @ values) in the form probe "
                     "substitutes, so its attention weights cannot be replaced; this family cannot intervene."
@@ -564,8 +566,9 @@ def null_attention(p_att: torch.Tensor, tau: torch.Tensor, allowed: torch.Tensor
     position = torch.arange(n).expand(rows, n)
     n_allowed = allowed.sum(-1, keepdim=True)
     length = 1 + (torch.rand(rows, 1, generator=generator, dtype=_F64) * (n_allowed - 1).clamp(min=0)).long()
-    prefix = (position < length) & (position < feasible.sum(-1, keepdim=True)) & (cumulative <= 1 - tau.unsqueeze(-1) + slack)
-    prefix[:, 0] |= feasible.gather(-1, order[:, :1]).squeeze(-1)  # rounding at p(A) = 1 - tau: keep the first
+    prefix = (position < length) & (position < feasible.sum(-1, keepdim=True))
+    prefix &= cumulative <= 1 - tau.unsqueeze(-1) + slack  # a prefix, as the cumulative sum grows
+    prefix[:, 0] |= feasible.gather(-1, order[:, :1]).squeeze(-1)  # at least one acceptor, whatever the rounding
     acceptors = torch.zeros_like(allowed).scatter(-1, order, prefix)
     donors = allowed & ~acceptors
     weights = torch.where(acceptors, -torch.log1p(-torch.rand(rows, n, generator=generator, dtype=_F64)), 0.0)
@@ -617,7 +620,9 @@ def site_substitutes(site: SiteCapture, kinds, alpha: float, space: str, rtol: f
         elif kind == "second-order":
             point, _ = derived.second_order_point(problems.factor, problems.logits, log_pref, alpha,
                                                   active=problems.active)
-            theta = torch.add(log_pref, problems.logits, alpha=alpha) + torch.bmm(point, problems.factor.transpose(1, 2))
+            # log p(lambda_2) = log u + alpha s + A y_2 (+ const): <t_i, alpha z + V y_2> = alpha s_i + (A y_2)_i
+            theta = torch.add(log_pref, problems.logits, alpha=alpha)
+            theta += torch.bmm(point, problems.factor.transpose(1, 2))
             weights = shaped(torch.softmax(theta.masked_fill(~(log_pref > -torch.inf), -torch.inf), dim=-1))
         elif kind == "null":
             tau = 0.5 * (solution.attention - p_att).abs().sum(-1)  # attention_tv of the rows
@@ -684,10 +689,13 @@ def effects(reference: Outputs, changed: Outputs, pooling: str, labels: torch.Te
         denominator = count.clamp_min(1).to(_F64)
         agree = (reference.logits.argmax(-1) == changed.logits.argmax(-1)) & scored
         empty = count == 0
+        def mean(per_position):
+            return (per_position.sum(-1) / denominator).masked_fill(empty, math.nan)
+
         result.update(
-            lm_loss_original=(_token_losses(reference.logits, labels).sum(-1) / denominator).masked_fill(empty, math.nan),
-            lm_loss=(_token_losses(changed.logits, labels).sum(-1) / denominator).masked_fill(empty, math.nan),
-            top1_agreement=(agree.sum(-1) / denominator).masked_fill(empty, math.nan),
+            lm_loss_original=mean(_token_losses(reference.logits, labels)),
+            lm_loss=mean(_token_losses(changed.logits, labels)),
+            top1_agreement=mean(agree.to(_F64)),
             scored_tokens=count,
         )
     return result
