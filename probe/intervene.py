@@ -115,6 +115,8 @@ class InterventionConfig:
         rtol: the solver's tolerance (as for the rows).
         seed: seeds the null's draws and the masked-LM mask (with the example id and site).
         per_site: run the per-site mode.
+        from_site: per site, rerun the model from the site's layer on (the earlier layers' outputs replayed
+            from the unmodified forward, :class:`Trace`); ``False``: a full forward per site.
         whole_model: run the whole-model mode.
     """
 
@@ -125,6 +127,7 @@ class InterventionConfig:
     seed: int = 0
     per_site: bool = True
     whole_model: bool = True
+    from_site: bool = True
 
     def __post_init__(self):
         unknown = [s for s in self.substitutes if s not in SUBSTITUTES]
@@ -393,11 +396,68 @@ def _repeat_kv(value: torch.Tensor, heads: int) -> torch.Tensor:
     return value if groups == heads else value.repeat_interleave(heads // groups, dim=1)
 
 
+@dataclass
+class Trace:
+    """What the block calls of an unmodified forward gave, so that a rerun substituting one site can start
+    at the site's block (:func:`run_forward`'s ``trace`` and ``start_at``).
+
+    A *block* is the outermost module around an attention site that is an entry of a ``ModuleList`` (a
+    transformer layer: ``encoder.layer.3``, ``decoder.block.1``, ``layers.0``, ALBERT's shared layer
+    group, called once per layer).  Every block call before the one that contains the substituted site
+    gets exactly the inputs it got in the unmodified forward (the forward is the same function of the same
+    inputs up to there), so the rerun returns its recorded output instead of computing it.
+
+    Attributes:
+        outputs: each block call's output, in call order.
+        sites: the site names called within each block call.
+        block_of: site name -> the index of the block call it was called in.
+        modules: site name -> its attention module.
+    """
+
+    outputs: list
+    sites: list
+    block_of: dict
+    modules: dict
+
+
+def _blocks(model, site_modules) -> list | None:
+    """The blocks of the model's sites (:class:`Trace`), or ``None`` if some site is in no ``ModuleList``."""
+    named = dict(model.named_modules())
+    names = {module: name for name, module in named.items()}
+    blocks = []
+    for module in site_modules:
+        parts = names[module].split(".")
+        found = None
+        for end in range(1, len(parts) + 1):  # the outermost ancestor (or itself) that is a ModuleList entry
+            parent = named.get(".".join(parts[:end - 1]) if end > 1 else "")
+            if isinstance(parent, torch.nn.ModuleList):
+                found = named[".".join(parts[:end])]
+                break
+        if found is None:
+            return None
+        if found not in blocks:
+            blocks.append(found)
+    return blocks
+
+
+def _cloned(value):
+    """A copy of a block's output (tensors cloned, so that the rerun cannot change the recorded ones)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)) and not hasattr(value, "keys"):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
 @contextmanager
-def _substituting(loaded, inputs: dict, at_site: SiteFunction):
+def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | None = None,
+                  start_at: int | None = None):
     """Within the block, every eager attention call of ``loaded.model`` runs the family's own eager
     attention, builds the call's :class:`SiteCapture` (as the adapter's capture does) and hands it to
-    ``at_site``; weights it returns replace the call's attention weights (module docstring)."""
+    ``at_site``; weights it returns replace the call's attention weights (module docstring).
+
+    ``trace`` without ``start_at``: the block calls are recorded into it.  With ``start_at``: block calls
+    before that index return their recorded outputs (their sites count as called)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     adapter, model = loaded.adapter, loaded.model
@@ -414,6 +474,42 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction):
     per_type: dict[str, int] = {}
     called: set = set()
     checked: set = set()  # attention classes whose eager output was checked to be probs @ V
+    block_calls = {"count": 0, "current": None}
+    patched: list = []
+    if trace is not None:
+        blocks = _blocks(model, sites)
+        if blocks is None:
+            raise ValueError("this model's sites are not in ModuleList blocks: no trace")
+        if start_at is None:  # record every block call
+            def before(_module, _args):
+                block_calls["current"] = len(trace.outputs)
+                trace.outputs.append(None)
+                trace.sites.append([])
+
+            def after(_module, _args, output):
+                trace.outputs[block_calls["current"]] = _cloned(output)  # later layers may change it in place
+                block_calls["current"] = None
+
+            for block in blocks:
+                handles.append(block.register_forward_pre_hook(before))
+                handles.append(block.register_forward_hook(after))
+        else:  # replay the block calls before start_at
+            def replaying(original):
+                def forward(*args, **kwargs):
+                    index = block_calls["count"]
+                    block_calls["count"] += 1
+                    if index >= start_at:
+                        return original(*args, **kwargs)
+                    for name in trace.sites[index]:
+                        kind = name.rsplit(":", 1)[0]
+                        per_type[kind] = per_type.get(kind, 0) + 1
+                        called.add(trace.modules[name])
+                    return _cloned(trace.outputs[index])
+                return forward
+
+            for block in blocks:
+                patched.append((block, block.__dict__.get("forward")))
+                block.forward = replaying(block.forward)
 
     def substituting_attention(module, query, key, value, attention_mask, *args, **kwargs):
         eager = family_eager_function(module)
@@ -443,7 +539,12 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction):
             probs=probs.detach(), kwargs=dict(arguments.get("kwargs", {})),
         )
         site = adapter._site(call, attention_type, layer, roles[attention_type], key_inputs.pop(module, None))
-        weights = at_site(site_name(attention_type, layer), site)
+        name = site_name(attention_type, layer)
+        if trace is not None and start_at is None:
+            trace.sites[block_calls["current"]].append(name)
+            trace.block_of[name] = block_calls["current"]
+            trace.modules[name] = module
+        weights = at_site(name, site)
         if weights is None:
             return output, probs
         values = _repeat_kv(value, query.shape[1])
@@ -477,6 +578,11 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction):
             ALL_ATTENTION_FUNCTIONS["eager"] = previous
         for handle in handles:
             handle.remove()
+        for block, previous_forward in patched:
+            if previous_forward is None:
+                del block.forward
+            else:
+                block.forward = previous_forward
     silent = [names[module] for module in sites if module not in called]
     if silent:
         raise ProbeError(
@@ -486,10 +592,15 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction):
 
 
 @torch.no_grad()
-def run_forward(loaded, inputs: dict, at_site: SiteFunction | None = None) -> Outputs:
+def run_forward(loaded, inputs: dict, at_site: SiteFunction | None = None, *, trace: Trace | None = None,
+                start_at: int | None = None) -> Outputs:
     """One forward pass of ``loaded.model`` on ``inputs``; at each attention site ``at_site(name, site)``
     may return weights that replace the site's attention weights (``None`` everywhere: the model's own
-    forward).  Returns the final hidden states (and the LM logits, with a head)."""
+    forward).  Returns the final hidden states (and the LM logits, with a head).
+
+    ``trace`` (an empty :class:`Trace`) records the block calls of this forward; a later forward on the
+    same inputs that substitutes nothing before the site ``name`` can pass that trace with ``start_at =
+    trace.block_of[name]`` to start at the site's block (the forward from the site on)."""
     model = loaded.model
     encoder_decoder = _inputs_kind(loaded) == ENCODER_DECODER
     target = model.get_decoder() if encoder_decoder else model.base_model
@@ -497,7 +608,7 @@ def run_forward(loaded, inputs: dict, at_site: SiteFunction | None = None) -> Ou
     handle = target.register_forward_hook(lambda _m, _a, output: grabbed.__setitem__("hidden", output[0]))
     extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
     try:
-        with _substituting(loaded, inputs, at_site or (lambda name, site: None)):
+        with _substituting(loaded, inputs, at_site or (lambda name, site: None), trace, start_at):
             output = model(**inputs, **extra)
     finally:
         handle.remove()
@@ -767,14 +878,19 @@ def _per_site(loaded, inputs, example_ids, config, emit=None) -> tuple[list[dict
                 substitutes[name, space, alpha] = built
         return None
 
-    reference = run_forward(loaded, inputs, capture)
+    trace = None
+    if config.from_site and _blocks(loaded.model, loaded.adapter.site_modules(loaded.model)) is not None:
+        trace = Trace(outputs=[], sites=[], block_of={}, modules={})
+    reference = run_forward(loaded, inputs, capture, trace=trace)
     records = []
     for name, (attention_type, layer) in order:
+        start = {} if trace is None else {"trace": trace, "start_at": trace.block_of[name]}
         for space in spaces:
             for alpha in config.alphas:
                 for kind, substitute in substitutes.pop((name, space, alpha)).items():
                     changed = run_forward(
-                        loaded, inputs, lambda at, _site, name=name, w=substitute.weights: w if at == name else None)
+                        loaded, inputs, lambda at, _site, name=name, w=substitute.weights: w if at == name else None,
+                        **start)
                     common = dict(space=space, alpha=float(alpha), substitute=kind, site=name,
                                   attention_type=attention_type, layer=layer, pooling=pooling,
                                   lm_head=lm_kind(loaded))

@@ -564,3 +564,60 @@ def test_lm_heads_the_checkpoint_lacks(tmp_path, minilm_dir):
     electra = iv.with_lm_head(load_model(str(electra_dir), device="cpu"))
     assert electra.info["lm_head"] is None and iv.lm_kind(electra) is None
     assert type(electra.model).__name__ == "ElectraModel"
+
+
+@pytest.fixture(scope="module", params=["albert", "gpt2", "bart"])
+def more_families(request, tmp_path_factory, minilm_dir):
+    family = spec(request.param)
+    directory = save_tiny(family, tmp_path_factory.mktemp(f"iv-{request.param}"), minilm_dir)
+    return family, load_model(str(directory), device="cpu")
+
+
+def assert_from_site_equals_full(loaded, inputs):
+    """Per site, the rerun that replays the earlier layers' recorded outputs gives the records of a full
+    forward, and really skips layers (the first layer's module runs fewer times)."""
+    config = dict(substitutes=("second-order",), whole_model=False, alphas=(2.0,))
+    full = iv.per_site_records(loaded, inputs, [0, 1, 2], iv.InterventionConfig(**config, from_site=False))
+    fast = iv.per_site_records(loaded, inputs, [0, 1, 2], iv.InterventionConfig(**config))
+    assert len(full) == len(fast) and len({r["site"] for r in full}) >= 2
+    for a, b in zip(full, fast):
+        assert {k: v for k, v in a.items() if not isinstance(v, float)} == {
+            k: v for k, v in b.items() if not isinstance(v, float)}
+        for name in ("hidden_change", "embedding_cosine", "lm_loss", "top1_agreement"):
+            assert a[name] == pytest.approx(b[name], rel=1e-9, abs=1e-12, nan_ok=True), (a["site"], name)
+    assert max(r["hidden_change"] for r in fast) > 1e-6
+    first_block = iv._blocks(loaded.model, loaded.adapter.site_modules(loaded.model))[0]
+    calls = []
+    original = first_block.forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    first_block.forward = counting
+    try:
+        counted = {}
+        for from_site in (True, False):
+            calls.clear()
+            cheap = dict(config, substitutes=("model",))
+            iv.per_site_records(loaded, inputs, [0, 1, 2], iv.InterventionConfig(**cheap, from_site=from_site))
+            counted[from_site] = len(calls)
+        assert counted[True] < counted[False]
+    finally:
+        del first_block.forward
+
+
+def test_forward_from_the_site_on_bert(bert):
+    assert_from_site_equals_full(bert, encode(bert, TEXTS))
+
+
+def test_forward_from_the_site_on_generic(generic):
+    """T5: encoder layers replayed for decoder sites; Llama: decoder-only, rotary."""
+    family, loaded = generic
+    assert_from_site_equals_full(loaded, generic_inputs(family, loaded))
+
+
+def test_forward_from_the_site_on_more_families(more_families):
+    """ALBERT: one layer module called for every layer; GPT-2; BART."""
+    family, loaded = more_families
+    assert_from_site_equals_full(loaded, generic_inputs(family, loaded))
