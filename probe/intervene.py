@@ -36,12 +36,12 @@ Rows of padding queries keep the model's own weights.
 
 Modes
 -----
-* *per site* (:func:`per_site_records`): one forward captures every site (and the reference outputs);
-  then, per site and substitute, one full forward with that site substituted.  (A forward *from the
-  site on* would record the hidden states entering the site's layer and rerun the layers from there;
-  that needs each family's layer-call signature (masks, position embeddings, caches), which is why
-  phase 1 reruns the whole model: the layers before the site compute what they computed in the
-  capture.)
+* *per site* (:func:`per_site_records`): one forward captures every site (and the reference outputs,
+  and each layer's output: :class:`Trace`); then, per site and substitute, one forward *from the site
+  on*: the layers (``ModuleList`` entries) called before the site's layer return what they returned in
+  the capture, which is what they would compute again, and the model runs from the site's layer on.
+  No family-specific layer call is needed: the layers' own modules are called by the model as usual,
+  and the earlier ones answer from the trace.  (``from_site=False``: a full forward per site.)
 * *whole model* (:func:`whole_model_records`, "the inference transformer"): every site is substituted,
   its problems built and solved inside the attention call from the hidden states the earlier
   substitutions produced (new solves, certified: their convergence is recorded per example).
