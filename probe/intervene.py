@@ -306,10 +306,12 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor
     hidden = hidden.to(_F64)
     weights = mask.to(_F64).unsqueeze(-1)
     count = weights.sum(1).clamp_min(1)
-    if pooling in ("cls", "first"):
-        return hidden[:, 0]
-    if pooling in ("last", "lasttoken"):  # the last real position (left or right padding)
-        index = (mask.long() * torch.arange(mask.shape[1], device=mask.device)).argmax(1)
+    if pooling in ("cls", "first", "last", "lasttoken"):  # the first or last real position (either padding side)
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        if pooling in ("cls", "first"):
+            index = torch.where(mask.bool(), -positions, -mask.shape[1]).argmax(1)
+        else:
+            index = torch.where(mask.bool(), positions, -1).argmax(1)
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), index]
     if pooling == "mean":
         return (hidden * weights).sum(1) / count

@@ -629,3 +629,19 @@ def test_forward_from_the_site_on_more_families(more_families):
     """ALBERT: one layer module called for every layer; GPT-2; BART."""
     family, loaded = more_families
     assert_from_site_equals_full(loaded, generic_inputs(family, loaded))
+
+
+@pytest.mark.parametrize("pooling, expected", [
+    ("first", [[1.0, -1.0], [4.0, -4.0]]),  # the first real position, left padding included
+    ("cls", [[1.0, -1.0], [4.0, -4.0]]),
+    ("last", [[2.0, -2.0], [7.0, -7.0]]),
+    ("lasttoken", [[2.0, -2.0], [7.0, -7.0]]),
+    ("mean", [[1.5, -1.5], [5.5, -5.5]]),
+    ("mean_sqrt_len", [[3 / math.sqrt(2), -3 / math.sqrt(2)], [11.0, -11.0]]),
+    ("max", [[2.0, -1.0], [7.0, -4.0]]),
+])
+def test_pooling_modes(pooling, expected):
+    positions = torch.arange(8.0).view(2, 4, 1)
+    hidden = torch.cat([positions, -positions], dim=-1)  # (2 examples, 4 positions, 2 dims)
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])
+    torch.testing.assert_close(iv.pool(hidden, mask, pooling), torch.tensor(expected, dtype=torch.float64))
