@@ -495,8 +495,11 @@ def test_bad_configurations(arguments, message):
 
 def test_rotary_models_refuse_the_hidden_space(generic):
     family, loaded = generic
-    if family.kind != "decoder":
-        pytest.skip("T5 has both spaces")
+    if family.kind != "decoder":  # T5 has both spaces
+        records = iv.whole_model_records(loaded, generic_inputs(family, loaded), [0, 1, 2],
+                                         iv.InterventionConfig(substitutes=("model",), spaces=("hidden", "key")))
+        assert sorted({r["space"] for r in records}) == ["hidden", "key"]
+        return
     with pytest.raises(ProbeError, match="key only"):
         iv.whole_model_records(loaded, generic_inputs(family, loaded), [0, 1, 2],
                                iv.InterventionConfig(spaces=("hidden",)))
