@@ -91,7 +91,8 @@ from .solver import DualProblems, DualSolution, factor_gram, solve_dual
 __all__ = [
     "SUBSTITUTES", "WHOLE", "InterventionConfig", "Outputs", "can_intervene", "require_intervention", "with_lm_head",
     "lm_kind", "pooling_of", "masked_lm_inputs", "run_forward", "site_substitutes", "null_attention", "effects",
-    "per_site_records", "whole_model_records", "intervention_records", "records_table", "COLUMNS",
+    "per_site_records", "whole_model_records", "intervention_records", "records_table", "COLUMNS", "Trace", "pool",
+    "lm_labels", "site_name", "Substitute",
 ]
 
 _F64 = torch.float64
