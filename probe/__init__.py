@@ -13,7 +13,7 @@ Layers, each in one place, data flowing one way:
                           ``probe.distributed``: several processes under torchrun);
 * ``probe.storage``   -- the run directory: atomic part files and manifest, liveness, readers, export;
 * ``probe.report``    -- parquet + manifest -> figures, tables and an HTML page;
-* ``cli.py``          -- the typer app (``probe run``, ``resume``, ``status``, ``export``, ``report``).
+* ``probe.cli``       -- the typer app (``probe run``, ``resume``, ``status``, ``export``, ``report``).
 """
 
 __version__ = "0.1.0"

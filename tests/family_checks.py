@@ -65,7 +65,7 @@ def write_texts(directory: Path, texts=TEXTS) -> Path:
 
 def cli_run(model_dir, data_file, out, *options):
     """``probe run MODEL --dataset FILE --out OUT [options]`` through the typer app: (rows, manifest)."""
-    from cli import app
+    from probe.cli import app
 
     out = Path(out)
     args = ["run", str(model_dir), "--dataset", str(data_file), "--out", str(out), "--no-progress", *map(str, options)]

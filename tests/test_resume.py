@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from cli import app
+from probe.cli import app
 from probe import storage
 from probe.schema import ROW_KEY
 
