@@ -50,7 +50,7 @@ table.heat td.cell.selected { outline: 3px solid #d62728; outline-offset: -3px; 
 #head-worst td.ctx { text-align: left; max-width: 420px; } #head-worst mark { background: #ffd54f; }
 #head-worst .text { color: #666; font-size: 0.9em; margin-top: 0.2em; }
 .hint { color: #666; font-size: 0.85em; }
-figure { margin: 1.2em 0; } figure img { max-width: 100%; border: 1px solid #eee; cursor: zoom-in; }
+figure { margin: 1.2em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; cursor: zoom-in; }
 figure.wide img { width: 100%; } figcaption { font-size: 0.88em; color: #555; }
 #lightbox { position: fixed; inset: 0; background: rgba(0,0,0,0.85); overflow: auto; z-index: 10; cursor: zoom-out; }
 #lightbox img { display: block; margin: 1em auto; max-width: none; background: #fff; }
@@ -143,7 +143,9 @@ def layer_table(run: Run, summary: pd.DataFrame) -> str:
                 cells.append(f"<td>{row['mean'].iloc[0]:.3f}</td><td>{row['p95'].iloc[0]:.3f}</td>")
         body.append(f"<tr><th>{layer}</th>{''.join(cells)}</tr>")
     return (
-        f'<table class="by-layer"><tr><th rowspan="2">layer</th>{header_top}</tr><tr>{header}</tr>'
+        '<table class="by-layer"><caption>per layer, over every row (one value per example, query token and '
+        "head); the layer histograms below show head-averaged values, so their p95 and maximum are lower</caption>"
+        f'<tr><th rowspan="2">layer</th>{header_top}</tr><tr>{header}</tr>'
         f"{''.join(body)}</table>"
     )
 
@@ -231,7 +233,7 @@ def page(run: Run, summary: pd.DataFrame, findings: list[dict], figures: list[Sa
 <p class="slice">{slice_line(run)}</p>
 {f'<ul class="notes">{notes}</ul>' if notes else ""}
 <div class="landing">
-<div id="headline"><h2>Relative deviation ‖λ* − αz‖ / ‖λ*‖</h2>{headline_numbers(run)}{layer_table(run, summary)}</div>
+<div id="headline"><h2>Relative deviation ‖λ* − αz‖ / ‖λ*‖ over every row (example × query token × head)</h2>{headline_numbers(run)}{layer_table(run, summary)}</div>
 <div id="findings"><h2>Findings (computed from the rows)</h2><ul class="findings">{finding_items}</ul></div>
 </div>
 </header>
