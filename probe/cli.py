@@ -32,6 +32,34 @@ app = typer.Typer(
     help="Test 'attention as inference via Fenchel duality' on pretrained Hugging Face models.",
 )
 
+def _plain_arguments() -> None:
+    """Arguments in help as click writes them: ``RUN_DIR``, ``[MODEL]`` and ``RUN_DIRS...`` in the usage
+    line (typer 0.2x writes ``{run_dir}``), and no type tag such as ``<str>`` after their names (their help
+    says what they take).  Options get the same by their metavars."""
+    from typer.core import TyperArgument, TyperOption
+
+    def usage_name(self) -> str:
+        name = self.metavar or self.name.upper()
+        if not self.required and not name.startswith("["):
+            name = f"[{name}]"
+        return name + ("..." if self.nargs != 1 else "")
+
+    TyperArgument._usage_display_name = usage_name
+    TyperArgument.display_type_rich = lambda self, ctx: None
+    for kind in (TyperArgument, TyperOption):  # "[default: x]" is never wrapped after its colon
+        kind.get_help_record = _unbroken_defaults(kind.get_help_record)
+
+
+def _unbroken_defaults(get_help_record):
+    def patched(self, ctx):
+        record = get_help_record(self, ctx)
+        return None if record is None else (record[0], record[1].replace("[default: ", "[default:\u00a0"))
+
+    return patched
+
+
+_plain_arguments()
+
 #: the prefix of every error probe prints (click prints usage errors with the same)
 ERROR_PREFIX = "Error: "
 
@@ -181,10 +209,12 @@ def _stopped(stop) -> None:
 
 @app.command("resume")
 def resume_command(
-    run_dir: Path = typer.Argument(..., help="A run directory written by `probe run` and stopped before the end."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `probe run` and stopped before the end."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
-    report_format: str = typer.Option("png", "--format", help="Report figure formats, comma separated (png,pdf)."),
+    report_format: str = typer.Option(
+        "png", "--format", metavar="FMT[,FMT]", help="Report figure formats, comma separated (png,pdf)."
+    ),
 ):
     """Continue a stopped run with the settings its manifest recorded (model, data, alpha, batch size, ...).
 
@@ -213,7 +243,7 @@ def resume_command(
 
 
 @app.command("status")
-def status_command(run_dir: Path = typer.Argument(..., help="A run directory written by `probe run`.")):
+def status_command(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `probe run`.")):
     """Where a run is: running, interrupted (and how to continue it) or complete."""
     import shlex
 
@@ -238,7 +268,7 @@ def status_command(run_dir: Path = typer.Argument(..., help="A run directory wri
 
 @app.command("export")
 def export_command(
-    run_dir: Path = typer.Argument(..., help="A run directory written by `probe run`."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `probe run`."),
     to: Path = typer.Option(
         ..., "--to", metavar="FILE", help="The file to write (must not exist): FILE.parquet writes Parquet, "
         "FILE.csv writes CSV; other extensions are refused.",
@@ -289,10 +319,12 @@ def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
 
 @app.command("report")
 def report_command(
-    run_dir: Path = typer.Argument(..., help="A run directory written by `probe run`."),
-    out: Optional[Path] = typer.Option(None, help="Where to write the report (default: RUN_DIR/report)."),
-    report_format: str = typer.Option("png", "--format", help="Figure formats, comma separated (png,pdf)."),
-    name: Optional[str] = typer.Option(None, help="The model's name in titles (default: its hub id or directory name)."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `probe run`."),
+    out: Optional[Path] = typer.Option(None, metavar="DIR", help="Where to write the report [default: RUN_DIR/report]."),
+    report_format: str = typer.Option("png", "--format", metavar="FMT[,FMT]", help="Figure formats, comma separated (png,pdf)."),
+    name: Optional[str] = typer.Option(
+        None, metavar="NAME", help="The name in titles [default: the run's name: --name of probe run, or the model's real name]."
+    ),
 ):
     """A landing summary with computed findings, figures on shared scales, summary.csv/json and an HTML page."""
     _build_report(run_dir, out, report_format, name)
@@ -313,10 +345,10 @@ def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Option
 
 @app.command("compare")
 def compare_command(
-    run_dirs: list[Path] = typer.Argument(..., help="Two or more run directories written by `probe run`."),
-    out: Path = typer.Option(Path("compare"), help="Where to write the comparison."),
-    report_format: str = typer.Option("png", "--format", help="Figure formats, comma separated (png,pdf)."),
-    name: Optional[list[str]] = typer.Option(None, help="A label per run, in order (repeat the option)."),
+    run_dirs: list[Path] = typer.Argument(..., metavar="RUN_DIR", help="Two or more run directories written by `probe run`."),
+    out: Path = typer.Option(Path("compare"), metavar="DIR", help="Where to write the comparison."),
+    report_format: str = typer.Option("png", "--format", metavar="FMT[,FMT]", help="Figure formats, comma separated (png,pdf)."),
+    name: Optional[list[str]] = typer.Option(None, metavar="LABEL", help="A label per run, in order (repeat the option)."),
 ):
     """Overlay runs on shared axes: per-layer mean and p95 against relative depth, ECDFs, a table."""
     from probe import api
