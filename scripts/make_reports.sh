@@ -15,7 +15,7 @@ trap 'rm -rf "$work"' EXIT
 report() {
   local name=$1 model_dir=$2
   ln -s "$model_dir" "$work/$name"   # so that the run is named after the model
-  probe run "$work/$name" --out "$work/runs" --batch-size 16 --max-length 128 --no-progress
+  probe run "$work/$name" --name "$name" --out "$work/runs" --batch-size 16 --max-length 128 --no-progress
   local run_dir
   run_dir=$(ls -d "$work"/runs/"$name"-*)
   rm -rf "reports/$name"
