@@ -183,7 +183,9 @@ def run(
     ``model``: a hub id or a local model directory; None runs the real all-MiniLM-L6-v2 (:func:`demo_model`).
     The texts: ``texts`` (a list of strings), or ``dataset`` (a hub dataset with ``config``, ``split``,
     ``column``, or a local .txt/.jsonl/.csv/.parquet file with ``column``), or neither: the embedded
-    corpus of 300 English sentences.  ``alpha`` and ``space`` take one value, a list, or a
+    corpus of 300 English sentences (``texts`` are written once, as JSON lines named by their SHA-256,
+    into probe's cache, ``$PROBE_CACHE_DIR`` or ``~/.cache/probe``, so that :func:`resume` can read them
+    again).  ``alpha`` and ``space`` take one value, a list, or a
     comma-separated string; ``max_memory`` bytes or a size such as ``"4GB"``.  ``name`` names the run
     directory and the report (default: the model's real name, ``-random`` added for ``init="random"``).
     The other options are ``probe run``'s (``probe run --help``).  Every option is checked before the

@@ -14,8 +14,9 @@ says what is wrong and what to do:
 4. **model**: a local directory (or the cached copy of a hub id) has a readable config.json naming an
    architecture that has an adapter (which supports the chosen spaces), weights that are not truncated
    (not needed with ``--init random``), and tokenizer files unless ``--tokenizer`` is given; the
-   tokenizer has a vocabulary.  A hub id needs the Hub, probed once and quickly
-   (:mod:`probe.hub`);
+   tokenizer has a vocabulary; ``--target-column`` only for a model with a decoder input (an
+   encoder-decoder), read from the config before any weights load.  A hub id needs the Hub, probed
+   once and quickly (:mod:`probe.hub`);
 5. **max length**: ``--max-length`` at most the model's position limit (an error that says the
    limit; probe never changes a setting behind the user's back) and at least its special tokens;
 6. **options that do not apply** to the chosen input: ``--split``/``--config`` on a local file,
