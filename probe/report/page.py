@@ -31,6 +31,7 @@ h3 { font-size: 1em; margin: 0.8em 0 0.3em; }
            align-items: start; }
 .numbers { display: flex; flex-wrap: wrap; gap: 0.4em 1.2em; margin: 0.3em 0; }
 .number { font-size: 0.85em; color: #555; } .number b { display: block; font-size: 1.5em; color: #111; }
+p.note { font-size: 0.82em; color: #555; margin: 0.2em 0 0.6em; }
 table { border-collapse: collapse; font-size: 0.85em; margin: 0.3em 0; }
 th, td { padding: 0.15em 0.55em; border-bottom: 1px solid #e5e5e5; text-align: right; vertical-align: top; }
 th { background: #f3f3f3; } table.facts th, table.facts td { text-align: left; }
@@ -143,10 +144,11 @@ def layer_table(run: Run, summary: pd.DataFrame) -> str:
                 cells.append(f"<td>{row['mean'].iloc[0]:.3f}</td><td>{row['p95'].iloc[0]:.3f}</td>")
         body.append(f"<tr><th>{layer}</th>{''.join(cells)}</tr>")
     return (
-        '<table class="by-layer"><caption>per layer, over every row (one value per example, query token and '
-        "head); the layer histograms below show head-averaged values, so their p95 and maximum are lower</caption>"
-        f'<tr><th rowspan="2">layer</th>{header_top}</tr><tr>{header}</tr>'
+        f'<table class="by-layer"><tr><th rowspan="2">layer</th>{header_top}</tr><tr>{header}</tr>'
         f"{''.join(body)}</table>"
+        '<p class="note">Per layer, over every row (one value per example, query token and head). The layer '
+        "histograms below show head-averaged values (one per example and query token), so their p95 and "
+        "maximum are lower.</p>"
     )
 
 
