@@ -128,6 +128,18 @@ def test_progress_says_what_it_does_and_counts_the_rows_it_writes(tiny_bert_dir,
     assert shown and int(shown[-1].replace(",", "")) == rows
 
 
+def test_a_resumed_runs_bar_counts_every_row_of_the_run(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
+    from .test_resume import interrupted_run
+
+    run_dir = interrupted_run(tiny_bert_dir, texts_file, tmp_path / "runs", monkeypatch)
+    result = invoke("resume", run_dir, "--progress")
+    assert result.exit_code == 0, result.output
+    rows = json.loads((run_dir / "manifest.json").read_text())["solver"]["rows"]
+    shown = re.findall(r"rows=([\d,]+)", result.output.replace("\r", "\n"))
+    assert shown and int(shown[-1].replace(",", "")) == rows
+    assert "probe: loading" in result.output
+
+
 def test_final_lines_give_headline_numbers_and_the_next_command(finished_run):
     run_dir, result = finished_run
     rows = pd.read_parquet(run_dir / "deviations.parquet")
