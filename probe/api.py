@@ -213,7 +213,9 @@ def run(
         progress=progress, name=name,
     )
     check_options(settings)  # before torch loads: a mistyped option costs nothing
-    _say(progress, f"checking the data and {settings.model} (importing torch and transformers)")
+    from .naming import model_name
+
+    _say(progress, f"checking the data and {model_name(settings.model)} (importing torch and transformers)")
     # Idle OpenMP threads sleep instead of spinning (see probe.cli); before torch loads its runtime.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from .pipeline import run as run_pipeline

@@ -32,6 +32,7 @@ app = typer.Typer(
     help="Test 'attention as inference via Fenchel duality' on pretrained Hugging Face models.",
 )
 
+
 def _plain_arguments() -> None:
     """Arguments in help as click writes them: ``RUN_DIR``, ``[MODEL]`` and ``RUN_DIRS...`` in the usage
     line (typer 0.2x writes ``{run_dir}``), and no type tag such as ``<str>`` after their names (their help
