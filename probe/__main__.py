@@ -1,5 +1,5 @@
-"""``python -m probe ...`` (and ``torchrun ... -m probe run ...``): the command line of ``cli.py``."""
+"""``python -m probe ...`` (and ``torchrun ... -m probe run ...``): the command line of ``probe/cli.py``."""
 
-from cli import main
+from probe.cli import main
 
 main()

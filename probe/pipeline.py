@@ -17,18 +17,18 @@ import hashlib
 import json
 import os
 import platform
-import re
 import signal
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
 import torch
 
-from . import __version__, allocator, distributed, fingerprint, native, storage
+from . import __version__, allocator, distributed, fingerprint, naming, native, storage
+from .config import RunConfig, config_from_json, config_to_json  # noqa: F401 (probe.pipeline.RunConfig, as before)
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .loading import LoadedModel, load_model
@@ -42,55 +42,6 @@ from .validate import check_run
 #: at the end.  The part files are the record of what is finished (resume reads them); the manifest's
 #: running totals and heartbeat (stale after at least 600 s) are for whoever watches the run.
 REPORT_EVERY_S = 1.0
-
-
-@dataclass
-class RunConfig:
-    """Everything that defines a run; recorded in the manifest (``config``) and used again by resume."""
-
-    model: str
-    dataset: DatasetSpec = field(default_factory=DatasetSpec)
-    out: Path = Path("runs")
-    revision: str | None = None
-    batch_size: int = 8
-    max_length: int = 128
-    alphas: tuple[float, ...] = (1.0,)  # strengths solved for (one capture, one solve each)
-    spaces: tuple[str, ...] | None = None  # "hidden" and/or "key"; None: the adapter's default (rotary: key)
-    init: str = "pretrained"  # or "random": the same architecture with fresh weights (seeded by ``seed``)
-    tokenizer: str | None = None  # where the tokenizer is when it is not beside the model (--tokenizer)
-    max_memory_bytes: int | None = None  # --max-memory: bounds the problems held at once (probe.rows)
-    threads: int | None = None  # --threads: torch's intra-op threads (None: torch's default, all cores)
-    device: str = "auto"
-    dtype: str = "float32"
-    seed: int = 0
-    rtol: float = 1e-9
-    fidelity_tolerance: float | None = None  # None: by the model's dtype (probe.rows.FIDELITY_TOLERANCE)
-    progress: bool = True
-
-
-def config_to_json(config: RunConfig) -> dict:
-    return json.loads(json.dumps(asdict(config), default=str))
-
-
-def config_from_json(data: dict) -> RunConfig:
-    """The :class:`RunConfig` a manifest recorded (lists become tuples, as the dataclass declares them)."""
-    known = {f.name: f for f in fields(RunConfig)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ProbeError(
-            f"The run was written by another version of probe (settings {', '.join(unknown)} are unknown to "
-            f"probe {__version__}); resume it with that version."
-        )
-    values = {}
-    for name, value in data.items():
-        if name == "dataset":
-            value = DatasetSpec(**value)
-        elif name == "out":
-            value = Path(value)
-        elif isinstance(value, list):
-            value = tuple(value)
-        values[name] = value
-    return RunConfig(**values)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -136,10 +87,12 @@ def _prepare(
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     started = time.perf_counter()
-    loaded = load_model(
-        model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
-        init=config.init, seed=config.seed, tokenizer=config.tokenizer,
-    )
+    _say(config, f"loading {naming.model_name(config.model)} ({config.init} weights, {config.dtype}) onto {device}")
+    with _transformers_quiet(not config.progress):
+        loaded = load_model(
+            model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
+            init=config.init, seed=config.seed, tokenizer=config.tokenizer,
+        )
     unsupported = [space for space in config.spaces if space not in loaded.adapter.spaces]
     if unsupported:
         raise ProbeError(
@@ -150,13 +103,43 @@ def _prepare(
     loaded_at = time.perf_counter()
     texts = texts if texts is not None else load_texts(dataset or config.dataset)
     timings = {"load_model_s": loaded_at - started, "load_data_s": time.perf_counter() - loaded_at}
+    _say(config, f"planning the batches of {len(texts.texts):,} texts (tokenizing them)")
     batches, lengths = _plan_batches(loaded, texts, config.batch_size, config.max_length)
     device = next(loaded.model.parameters()).device
     context = RowContext(
-        model_name=config.model, example_ids=[], special_ids=frozenset(loaded.tokenizer.all_special_ids),
+        example_ids=[], special_ids=frozenset(loaded.tokenizer.all_special_ids),
         token_text={}, tokenizer=loaded.tokenizer,
     )
     return _Job(config, loaded, texts, batches, lengths, device, context, timings, started)
+
+
+def _say(config: RunConfig, message: str) -> None:
+    """What the run is doing, on stderr, before the progress bar starts (not with --no-progress; rank 0
+    speaks for the run)."""
+    if config.progress and distributed.Ranks.from_environment().main:
+        import sys
+
+        print(f"probe: {message}", file=sys.stderr, flush=True)
+
+
+class _transformers_quiet:
+    """With ``quiet``, transformers' own progress bars (its "Loading weights" bar) stay off meanwhile."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.was_enabled = quiet, None
+
+    def __enter__(self):
+        if self.quiet:
+            from transformers.utils import logging as hf_logging
+
+            self.was_enabled = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()
+
+    def __exit__(self, *exc):
+        if self.was_enabled:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.enable_progress_bar()
 
 
 def _plan_sha256(batches: list[list[int]]) -> str:
@@ -179,8 +162,9 @@ def _package_versions() -> dict:
     return versions
 
 
-def _slug(model_name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model_name.rstrip("/")).name or model_name).strip("-") or "model"
+def _run_name(config: RunConfig) -> str:
+    """``--name``, or the model's real name (``-random`` for a random-initialisation control)."""
+    return naming.run_name(config.model, config.init, config.name)
 
 
 def _now() -> str:
@@ -194,9 +178,10 @@ def _new_manifest(job: _Job) -> dict:
     model_directory = fingerprint.model_directory(config.model, config.revision)
     return {
         "probe_version": __version__,
+        "name": _run_name(config),
         "status": "running",
         "started_at": _now(),
-        "model": loaded.info,
+        "model": {**loaded.info, "name": naming.model_name(config.model)},
         "adapter": type(loaded.adapter).__name__,
         "attention_types": list(loaded.adapter.attention_types),
         "attention_implementation": "eager",
@@ -314,7 +299,7 @@ def run(config: RunConfig) -> Path:
         stops.hold()
 
         def create() -> str:  # rank 0 creates the run directory and holds it
-            run_dir = storage.create_run_directory(Path(config.out), _slug(config.model))
+            run_dir = storage.create_run_directory(Path(config.out), naming.slug(_run_name(config)))
             held.enter_context(storage.writer_lock(run_dir))
             return str(run_dir.resolve())
 
@@ -437,6 +422,9 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
     segment = manifest["segments"][-1] if group.main else None
     longest_batch_s, reported_at = 0.0, time.perf_counter()
     progress = _progress(len(job.batches), len(job.batches) - len(todo), config.progress and group.main)
+    if group.main:  # a resumed run's bar counts the rows of its earlier segments too
+        index.refresh()
+        progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)
 
     def report() -> None:  # rank 0: progress, totals and heartbeat into the manifest
         nonlocal reported_at
@@ -471,6 +459,7 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
         if group.main:
             segment["timings_s"]["write_s"] += time.perf_counter() - written
             index.refresh()
+            progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)  # every row written so far
             progress.update(len(index.records) - progress.n)
             if time.perf_counter() - reported_at >= REPORT_EVERY_S:
                 report()
@@ -590,7 +579,7 @@ def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _Par
             f"{manifest['fidelity']['max_abs_error']:.2e} (> {config.fidelity_tolerance:.0e}); see "
             f"{run_dir / storage.MANIFEST}. A model whose attention adds something probe does not represent "
             "fails this check; so can a low-precision model with very large logits (the default tolerance per "
-            "dtype is in the README): --fidelity-tolerance.",
+            "dtype is in docs/large-models.md): --fidelity-tolerance.",
             stacklevel=3,
         )
 
@@ -598,4 +587,5 @@ def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _Par
 def _progress(total: int, initial: int, enabled: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, unit="batch", desc="probe", disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, unit="batch", desc="probe: solving", disable=not enabled,
+                dynamic_ncols=True)

@@ -188,7 +188,6 @@ def _stack_key(site: SiteCapture):
 class RowContext:
     """What rows need beyond a site and its solution."""
 
-    model_name: str
     example_ids: list[int]
     special_ids: frozenset
     token_text: dict  # token id -> token string, filled as ids are met
@@ -277,7 +276,6 @@ def site_rows(
     if site.attention_type in ("decoder_self", "cross"):
         role_codes[positions == 0] = 2
     columns = {
-        "model": _repeated(context.model_name, count),
         "attention_type": _repeated(site.attention_type, count),
         "layer": np.full(count, site.layer, np.int32),
         "head": head.cpu().numpy().astype(np.int32),

@@ -6,10 +6,10 @@ reads them.  The row key is ``(space, alpha, attention_type, layer, head, exampl
 
 import pyarrow as pa
 
-#: Columns, in order, with their Arrow types.  The first fourteen are the original table's, unchanged.
+#: Columns, in order, with their Arrow types.  The model is named once, in the run's manifest (``model``);
+#: runs written before that have a ``model`` column first, which readers ignore.
 DEVIATION_SCHEMA = pa.schema(
     [
-        ("model", pa.string()),
         # "self" (encoders); "encoder_self" / "decoder_self" / "cross" (encoder-decoders); "causal_self"
         ("attention_type", pa.string()),
         ("layer", pa.int32()),  # numbered within its stack, from 0

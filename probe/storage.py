@@ -295,9 +295,19 @@ def read_deviations(run_dir: Path, columns=None) -> pa.Table:
     return deviations_dataset(Path(run_dir) / PARTS).to_table(columns=columns)
 
 
+#: what ``export`` writes, by the extension of its target
+EXPORT_FORMATS = {".parquet": "Parquet", ".csv": "CSV"}
+
+
 def export(run_dir: Path, to: Path) -> int:
-    """Write a run's rows into one parquet file (one row group per batch); return the row count."""
+    """Write a run's rows into one file, in the format its extension names (:data:`EXPORT_FORMATS`):
+    Parquet (one row group per batch) or CSV (with a header line); return the row count."""
     run_dir, to = Path(run_dir), Path(to)
+    if to.suffix.lower() not in EXPORT_FORMATS:
+        raise ProbeError(
+            f"--to {to}: probe writes {' or '.join(f'{kind} ({suffix})' for suffix, kind in EXPORT_FORMATS.items())}, "
+            f"chosen by the file's extension, and '{to.suffix or '(none)'}' is neither. Name the file *.parquet or *.csv."
+        )
     parts = run_dir / PARTS
     if not parts.is_dir():
         raise ProbeError(f"{parts} is not a directory of part files: {run_dir} is not a probe run directory.")
@@ -313,6 +323,15 @@ def export(run_dir: Path, to: Path) -> int:
 
     def write(handle):
         nonlocal rows
+        if to.suffix.lower() == ".csv":
+            from pyarrow import csv
+
+            with csv.CSVWriter(handle, schema) as writer:
+                for path in files:
+                    table = pq.read_table(path).replace_schema_metadata(None)
+                    writer.write_table(table)
+                    rows += table.num_rows
+            return
         with pq.ParquetWriter(handle, schema, **_parquet_options(schema)) as writer:
             for path in files:
                 table = pq.read_table(path).replace_schema_metadata(None)

@@ -14,8 +14,9 @@ says what is wrong and what to do:
 4. **model**: a local directory (or the cached copy of a hub id) has a readable config.json naming an
    architecture that has an adapter (which supports the chosen spaces), weights that are not truncated
    (not needed with ``--init random``), and tokenizer files unless ``--tokenizer`` is given; the
-   tokenizer has a vocabulary.  A hub id needs the Hub, probed once and quickly
-   (:mod:`probe.hub`);
+   tokenizer has a vocabulary; ``--target-column`` only for a model with a decoder input (an
+   encoder-decoder), read from the config before any weights load.  A hub id needs the Hub, probed
+   once and quickly (:mod:`probe.hub`);
 5. **max length**: ``--max-length`` at most the model's position limit (an error that says the
    limit; probe never changes a setting behind the user's back) and at least its special tokens;
 6. **options that do not apply** to the chosen input: ``--split``/``--config`` on a local file,
@@ -40,13 +41,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .adapters.base import SPACES
+from .config import DTYPE_NAMES, INITS, SPACES  # noqa: F401 (INITS: probe.validate.INITS, as before)
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .hub import cached_snapshot, check_hub_name, hub_reachable, no_connection
-
-#: Where the model's weights come from: the checkpoint, or a random initialisation (a control).
-INITS = ("pretrained", "random")
 
 #: Files that hold a model's weights (one of them is needed), as save_pretrained writes them.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -140,8 +138,8 @@ def parse_memory(text: str) -> int:
 
 
 def check_options(config) -> None:
-    """Values of the run's options on their own (no file is looked at)."""
-    from .loading import DTYPES, resolve_device
+    """Values of the run's options on their own (no file is looked at, and nothing heavy is imported:
+    torch loads only to check a device other than auto or cpu)."""
 
     if not config.alphas:
         raise ProbeError("--alpha needs at least one value.")
@@ -157,9 +155,12 @@ def check_options(config) -> None:
             continue
         if not math.isfinite(value) or value <= 0:
             raise ProbeError(f"{option} must be a finite number > 0, got {value}.")
-    if config.dtype not in DTYPES:
-        raise ProbeError(f"Unknown dtype '{config.dtype}'. Choose one of: {', '.join(DTYPES)}.")
-    resolve_device(config.device)
+    if config.dtype not in DTYPE_NAMES:
+        raise ProbeError(f"Unknown dtype '{config.dtype}'. Choose one of: {', '.join(DTYPE_NAMES)}.")
+    if config.device not in ("auto", "cpu"):
+        from .loading import resolve_device
+
+        resolve_device(config.device)
     for option, value in (("--batch-size", config.batch_size), ("--max-length", config.max_length)):
         if value < 1:
             raise ProbeError(f"{option} must be at least 1, got {value}.")
@@ -306,6 +307,7 @@ def check_model(config):
     model_config = load_config(config.model, config.revision)
     adapter = adapter_for(model_config.model_type)  # an architecture without adapter fails before anything else
     adapter.model_class(model_config)  # the adapter may refuse a checkpoint (an encoder-only T5, for example)
+    check_family_options(config, model_config, adapter)
     spaces = tuple(config.spaces or adapter.spaces[:1])  # None: the adapter's default (rotary models: key)
     unsupported = [space for space in spaces if space not in adapter.spaces]
     if unsupported:
@@ -327,6 +329,18 @@ def check_model(config):
             check_tokenizer_files(tokenizer_directory, config.tokenizer, "; given with --tokenizer")
     tokenizer = load_tokenizer(config.tokenizer or config.model, None if config.tokenizer else config.revision)
     return model_config, tokenizer, spaces
+
+
+def check_family_options(config, model_config, adapter) -> None:
+    """Options that only one family of models reads: ``--target-column`` feeds the decoder of an
+    encoder-decoder (teacher forcing); an encoder-only or decoder-only model would ignore it."""
+    if config.dataset.target_column is not None and "cross" not in adapter.attention_types:
+        kind = "decoder-only" if "causal_self" in adapter.attention_types else "encoder-only"
+        raise ProbeError(
+            f"--target-column applies to encoder-decoder models (their decoder reads the targets), but "
+            f"'{config.model}' ({model_config.model_type}) is {kind}: it would ignore the column. Remove "
+            "--target-column, or run an encoder-decoder model (t5, bart, ...)."
+        )
 
 
 # --------------------------------------------------------------------------------------------------

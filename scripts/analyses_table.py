@@ -4,7 +4,7 @@
 
 Both runs should cover the same spaces and alphas (e.g. ``--alpha 0.25,1,4 --space hidden,key``).  Trivial
 rows (one key) are left out.  Prints (and writes) markdown tables: for each quantity, one row per (init,
-space, alpha) and one column per layer; the README's analyses section is this output.
+space, alpha) and one column per layer; the analyses section of docs/guide.md is this output.
 """
 
 from __future__ import annotations

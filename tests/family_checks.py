@@ -40,7 +40,7 @@ TEXTS = [
 
 
 def models_dir() -> Path:
-    """Where real checkpoints rebuilt by ``../shared/models/fetch.sh`` live: ``$PROBE_MODELS_DIR``, default
+    """Where real checkpoints rebuilt by ``scripts/fetch_models.sh`` live: ``$PROBE_MODELS_DIR``, default
     ``~/.cache/probe-models`` (the cache ``.ci/run`` fills)."""
     return Path(os.environ.get("PROBE_MODELS_DIR") or Path.home() / ".cache" / "probe-models").expanduser()
 
@@ -50,7 +50,7 @@ def real_model_dir(name: str, marker: str = "config.json") -> Path:
     directory = models_dir() / name
     if not (directory / marker).exists():
         pytest.skip(
-            f"the real {name} is not in {directory}: rebuild it with `bash ../shared/models/fetch.sh "
+            f"the real {name} is not in {directory}: rebuild it with `bash scripts/fetch_models.sh "
             f"{models_dir()}` (or set PROBE_MODELS_DIR); .ci/run does this"
         )
     return directory
@@ -65,7 +65,7 @@ def write_texts(directory: Path, texts=TEXTS) -> Path:
 
 def cli_run(model_dir, data_file, out, *options):
     """``probe run MODEL --dataset FILE --out OUT [options]`` through the typer app: (rows, manifest)."""
-    from cli import app
+    from probe.cli import app
 
     out = Path(out)
     args = ["run", str(model_dir), "--dataset", str(data_file), "--out", str(out), "--no-progress", *map(str, options)]

@@ -24,7 +24,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cli import app
+from probe.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 LOAD = "found while loading the weights"

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 from typer.testing import CliRunner
 
-from cli import app
+from probe.cli import app
 from probe.schema import REQUIRED_COLUMNS
 
 runner = CliRunner()

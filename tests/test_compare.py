@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from cli import app
+from probe.cli import app
 from probe.errors import ProbeError
 from probe.report import compare_runs, read_run
 from probe.report.compare import depth_figure, ecdf_figure

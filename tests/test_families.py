@@ -19,7 +19,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cli import app
+from probe.cli import app
 from probe.adapters import REGISTRY, space_problems
 from probe.loading import load_model
 from probe.reference import cvxpy_primal, relative_deviation

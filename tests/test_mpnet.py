@@ -5,7 +5,7 @@ MPNet's special ids (``<s>`` 0, ``<pad>`` 1, ``</s>`` 2), so that padding and po
 the real model, and a strong relative-attention-bias table (standard deviation 1.5) so that a wrong
 or missing bias shows in the fidelity check.
 
-The real all-mpnet-base-v2 is rebuilt by ``bash ../shared/models/fetch.sh DIR`` (``.ci/run`` does it,
+The real all-mpnet-base-v2 is rebuilt by ``bash scripts/fetch_models.sh DIR`` (``.ci/run`` does it,
 into a cache outside the clone) and found under ``$PROBE_MODELS_DIR`` (default
 ``~/.cache/probe-models``); without it those tests are skipped and say so.
 """

@@ -1,7 +1,8 @@
-"""The README's benchmark figures are the committed results files' figures, not numbers typed by hand:
-its speed table is the "Scaling" section of ``bench/results_e2e.md`` and its memory table and ratio are
-recomputed here from ``bench/results_e2e_memory.json``.  (A rerun of the benchmark that is not carried
-into the README fails here.)"""
+"""The figures the README and the docs quote are the committed data's figures, not numbers typed by hand:
+the speed table of ``docs/speed.md`` is the "Scaling" section of ``bench/results_e2e.md``, its memory
+table and ratio are recomputed here from ``bench/results_e2e_memory.json``, and the README's MiniLM
+table from the committed comparison ``reports/all-MiniLM-L6-v2-vs-random/compare.csv``.  (A rerun that
+is not carried into the text fails here.)"""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ def table_after(text: str, heading: str) -> list[str]:
     return table
 
 
+SPEED = ROOT / "docs" / "speed.md"
+
+
 def test_the_speed_table_is_the_results_files_scaling_table():
-    readme = (ROOT / "README.md").read_text()
+    readme = SPEED.read_text()
     results = (ROOT / "bench" / "results_e2e.md").read_text()
     in_readme = table_after(readme, "### Whole runs against the model's forward pass")
     in_results = table_after(results, "## Scaling (the table in the README)")
@@ -35,7 +39,7 @@ def test_the_speed_table_is_the_results_files_scaling_table():
 
 
 def test_the_memory_table_is_recomputed_from_the_results_file():
-    readme = (ROOT / "README.md").read_text()
+    readme = SPEED.read_text()
     memory = json.loads((ROOT / "bench" / "results_e2e_memory.json").read_text())["memory"]
     load, runs = memory["load_only_peak_rss_mb"], memory["runs"]
     sizes = sorted((key for key in runs if key.isdigit()), key=int)
@@ -59,3 +63,24 @@ def test_the_memory_table_is_recomputed_from_the_results_file():
     ratio = runs[largest]["peak_rss_mb"] / runs[smallest]["peak_rss_mb"]
     assert f"Sixteen times the batch costs {ratio:.2f}x the memory" in readme
     assert int(largest) == 16 * int(smallest)
+
+
+def test_the_readme_minilm_table_is_recomputed_from_the_committed_comparison():
+    import pandas as pd
+
+    readme = (ROOT / "README.md").read_text()
+    compare = pd.read_csv(ROOT / "reports" / "all-MiniLM-L6-v2-vs-random" / "compare.csv")
+    labels = {"pretrained": "pretrained", "random-init": "random init"}
+    expected = [
+        "| all-MiniLM-L6-v2 | rows | mean | median | p95 | max | rows above 0.1 |",
+        "|---|---|---|---|---|---|---|",
+    ] + [
+        f"| {labels[r['run']]} | {r['rows']:,} | {r['mean']:.3f} | {r['median']:.3f} | {r['p95']:.3f} | "
+        f"{r['max']:.3f} | {r['share_above_0.1']:.1%} |"
+        for _, r in compare.iterrows()
+    ]
+    assert table_after(readme, "## What it finds on MiniLM") == expected
+    pretrained, random = (compare.set_index("run").loc[name] for name in ("pretrained", "random-init"))
+    assert f"{pretrained['share_above_0.1']:.1%} of the pretrained rows deviate by more than 0.1" in readme
+    assert f"against {random['share_above_0.1']:.1%} at random init" in readme
+    assert (compare["attention_type"] == "self").all() and len(compare) == 2

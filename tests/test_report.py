@@ -105,6 +105,8 @@ def write_run(run_dir: Path, rows: pd.DataFrame, manifest: dict | str | None, *,
     the manifest (dict, raw text or none).  ``columns`` writes only those columns (old runs)."""
     run_dir.mkdir(parents=True)
     schema = DEVIATION_SCHEMA if columns is None else pa.schema([DEVIATION_SCHEMA.field(c) for c in columns])
+    if columns is None and "model" in rows.columns:  # the model on every row, as runs before the manifest named it
+        schema = schema.insert(0, pa.field("model", pa.string()))
     table = pa.Table.from_pandas(rows[list(schema.names)], schema=schema, preserve_index=False)
     path = run_dir / "deviations.parquet"
     if parts:

@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from cli import app
+from probe.cli import app
 from probe import storage
 from probe.schema import ROW_KEY
 
@@ -335,7 +335,8 @@ def test_resume_from_another_directory_finds_relative_inputs(own_model, texts_fi
     result = CliRunner().invoke(app, ["resume", str(run_dir), "--no-progress"])
     assert result.exit_code == 0, result.output
     frame = pd.read_parquet(run_dir / "deviations.parquet")
-    assert (frame["model"] == "model").all()  # the rows keep the name the run was started with
+    assert "model" not in frame.columns  # the model is named once, in the manifest
+    assert storage.read_manifest(run_dir)["model"]["name"] == "model"  # the name the run was started with
     assert frame["example"].nunique() == 5 and storage.read_manifest(run_dir)["status"] == "complete"
 
     manifest = json.loads((run_dir / "manifest.json").read_text())

@@ -2,7 +2,7 @@
 
 Its checkpoint has no usable tokenizer for ``AutoTokenizer``; ``scripts/smiles_tokenizer.py`` writes
 one (rxnmapper's regex tokenisation as a fast tokenizer) next to links to the weights.  The checkpoint is
-rebuilt by ``bash ../shared/models/fetch.sh DIR`` and found under ``$PROBE_MODELS_DIR`` (default
+rebuilt by ``bash scripts/fetch_models.sh DIR`` and found under ``$PROBE_MODELS_DIR`` (default
 ``~/.cache/probe-models``); without it the end-to-end test is skipped and says so.
 
 ``albert`` itself is captured through transformers' attention interface (``probe.adapters.generic``).

@@ -64,7 +64,7 @@ def expected_frame() -> pd.DataFrame:
 
 
 def test_readers_see_finished_batches_only(run_dir):
-    """The README's one-liners read exactly the two whole batches; the temporaries are invisible."""
+    """The one-liners of docs/runs.md read exactly the two whole batches; the temporaries are invisible."""
     duckdb = pytest.importorskip("duckdb")
     polars = pytest.importorskip("polars")
     import pyarrow.dataset as ds
@@ -75,7 +75,7 @@ def test_readers_see_finished_batches_only(run_dir):
         "pandas": lambda: pd.read_parquet(path),
         "pyarrow": lambda: pq.read_table(path).to_pandas(),
         "pyarrow.dataset": lambda: ds.dataset(path).to_table().to_pandas(),
-        "duckdb": lambda: duckdb.sql(f"SELECT * FROM '{path}/*.parquet'").df(),
+        "duckdb": lambda: duckdb.sql(f"SELECT * FROM '{path}'").df(),
         "polars": lambda: polars.read_parquet(f"{path}/*.parquet").to_pandas(),
         "probe": lambda: storage.read_deviations(run_dir).to_pandas(),
     }

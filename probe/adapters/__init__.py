@@ -54,7 +54,7 @@ def adapter_for(model_type: str) -> Adapter:
         supported = ", ".join(sorted(REGISTRY))
         raise ProbeError(
             f"probe has no adapter for model type '{model_type}'. Supported model types: {supported}. "
-            "To add one, declare it in probe.adapters.REGISTRY (see 'Adding an architecture' in the README)."
+            "To add one, declare it in probe.adapters.REGISTRY (see docs/models.md, 'Adding an architecture')."
         ) from None
 
 

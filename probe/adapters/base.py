@@ -38,8 +38,7 @@ from typing import Callable
 
 import torch
 
-#: the parameterisations, in display order
-SPACES = ("hidden", "key")
+from ..config import SPACES  # the parameterisations, in display order
 
 
 @dataclass

@@ -95,7 +95,7 @@ def family_eager_function(module: torch.nn.Module) -> Callable:
         raise ProbeError(
             f"{type(module).__name__} ({type(module).__module__}) calls the attention interface but its module defines "
             "no eager_attention_forward; probe cannot delegate to the model's own eager attention. Write a dedicated "
-            "adapter for this family (see 'Adding an architecture' in the README)."
+            "adapter for this family (see docs/models.md, 'Adding an architecture')."
         )
     return eager
 

@@ -188,7 +188,7 @@ def compare_runs(
 <html lang="en"><head><meta charset="utf-8"><title>probe compare: {esc(title)}</title>
 <style>body {{ font-family: system-ui, sans-serif; max-width: 1280px; margin: 0 auto; padding: 0.6em 1.2em; }}
 table {{ border-collapse: collapse; font-size: 0.85em; }} th, td {{ padding: 0.15em 0.6em;
-border-bottom: 1px solid #e5e5e5; text-align: right; }} figure img {{ max-width: 100%; }}</style></head>
+border-bottom: 1px solid #e5e5e5; text-align: right; }} figure img {{ max-width: 100%; height: auto; }}</style></head>
 <body><h1>probe compare</h1><p>{esc(title)}. Trivial rows (one key) are left out of every statistic.</p>
 <ul>{datasets}</ul>{table_html}{images}</body></html>
 """,

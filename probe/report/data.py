@@ -25,9 +25,12 @@ from ..storage import deviations_dataset, with_liveness
 NEEDED_COLUMNS = ("attention_type", "layer", "head", "example", "query", "rel_deviation", "converged")
 #: Columns read when present (old runs lack some; new columns may be all null until the pipeline fills them).
 OPTIONAL_COLUMNS = (
-    "model", "alpha", "space", "n_keys", "trivial", "token", "token_role", "second_order_deviation",
+    "alpha", "space", "n_keys", "trivial", "token", "token_role", "second_order_deviation",
     "attention_tv", "output_deviation", "evidence_norm", "attention_entropy",
 )
+#: Columns of runs written by older versions, read when present: ``model`` (the model on every row;
+#: runs now name it once, in the manifest).
+LEGACY_COLUMNS = ("model",)
 #: String columns read dictionary-encoded (small in memory however many rows).
 DICTIONARY_COLUMNS = ("attention_type", "space", "token", "token_role", "model")
 #: Known attention types, in the order figures and tables show them; unknown ones follow, sorted.
@@ -177,11 +180,11 @@ def read_deviations(path: Path) -> pd.DataFrame:
             f"{path} lacks the column(s) {', '.join(missing)} (it has: {', '.join(schema.names) or 'none'}). "
             "The report needs the deviations table written by `probe run`; re-run it with this version of probe."
         )
-    columns = list(NEEDED_COLUMNS) + [name for name in OPTIONAL_COLUMNS if name in schema.names]
+    columns = list(NEEDED_COLUMNS) + [name for name in OPTIONAL_COLUMNS + LEGACY_COLUMNS if name in schema.names]
     wrong = [
         f"{name} is {schema.field(name).type}, expected {DEVIATION_SCHEMA.field(name).type}"
         for name in columns
-        if _type_kind(schema.field(name).type) not in (_type_kind(DEVIATION_SCHEMA.field(name).type), "null")
+        if name not in LEGACY_COLUMNS and _type_kind(schema.field(name).type) not in (_type_kind(DEVIATION_SCHEMA.field(name).type), "null")
     ]
     if wrong:
         raise ProbeError(f"{path} has columns of the wrong type: {'; '.join(wrong)}. Re-run `probe run`.")
@@ -241,21 +244,26 @@ def _looks_like_path(text: str) -> bool:
     return text.startswith(("/", ".", "~")) or "\\" in text or text.count("/") > 1
 
 
-def model_name(manifest: dict, rows: pd.DataFrame) -> str:
-    """The model as a reader knows it: its hub id, or the name of its directory for a local model.
-
-    Uses ``manifest["model"]`` (``id``; ``path`` is set for local models) and falls back on the table's
-    ``model`` column.  A random-initialisation control (``init`` in the manifest) is marked as such.
-    """
+def model_name(manifest: dict, rows: pd.DataFrame | None = None) -> str:
+    """The run as a reader knows it: the name given with ``probe run --name``; else the model's real
+    name as the run recorded it (``model.name``, read from its files by :mod:`probe.naming`), its hub id,
+    or the name of its directory for a local model (runs written before names were recorded); for the
+    oldest runs, the ``model`` column of ``rows``.  A random-initialisation control (``init`` in the
+    manifest) is marked as such."""
+    given = lookup(manifest, "config", "name")
+    if isinstance(given, str) and given.strip():
+        return given
     info = lookup(manifest, "model")
-    model_id = lookup(info, "id")
+    model_id = lookup(info, "name")
+    local = False
     if not isinstance(model_id, str) or not model_id.strip():
-        model_id = None
-        if "model" in rows.columns and len(rows) and rows["model"].notna().any():
+        model_id = lookup(info, "id")
+        if (not isinstance(model_id, str) or not model_id.strip()) and rows is not None and "model" in rows.columns \
+                and len(rows) and rows["model"].notna().any():
             model_id = str(rows["model"].dropna().iloc[0])
-    if model_id is None:
+        local = isinstance(lookup(info, "path"), str) or (isinstance(model_id, str) and _looks_like_path(model_id))
+    if not isinstance(model_id, str) or not model_id.strip():
         return "unknown model"
-    local = isinstance(lookup(info, "path"), str) or _looks_like_path(model_id)
     name = Path(model_id.rstrip("/\\")).name if local else model_id
     init = lookup(info, "init") or lookup(manifest, "init")
     if isinstance(init, str) and init not in ("pretrained", ""):

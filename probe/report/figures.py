@@ -123,7 +123,7 @@ def layers_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
         mark_mean_max(ax, values)
         ax.set_xlim(0, scale.x_end)
         ax.set_ylim(0, top)
-        ax.set_title(f"layer {layer} · {values.size:,} values\n{stats_line(values)}", fontsize="small")
+        ax.set_title(f"layer {layer} · {values.size:,} head-averaged values\n{stats_line(values)}", fontsize="small")
     if layers:
         log_ax, ecdf_ax = axes[len(layers)], axes[len(layers) + 1]
         for layer in layers:

@@ -31,6 +31,7 @@ h3 { font-size: 1em; margin: 0.8em 0 0.3em; }
            align-items: start; }
 .numbers { display: flex; flex-wrap: wrap; gap: 0.4em 1.2em; margin: 0.3em 0; }
 .number { font-size: 0.85em; color: #555; } .number b { display: block; font-size: 1.5em; color: #111; }
+p.note { font-size: 0.82em; color: #555; margin: 0.2em 0 0.6em; }
 table { border-collapse: collapse; font-size: 0.85em; margin: 0.3em 0; }
 th, td { padding: 0.15em 0.55em; border-bottom: 1px solid #e5e5e5; text-align: right; vertical-align: top; }
 th { background: #f3f3f3; } table.facts th, table.facts td { text-align: left; }
@@ -50,7 +51,7 @@ table.heat td.cell.selected { outline: 3px solid #d62728; outline-offset: -3px; 
 #head-worst td.ctx { text-align: left; max-width: 420px; } #head-worst mark { background: #ffd54f; }
 #head-worst .text { color: #666; font-size: 0.9em; margin-top: 0.2em; }
 .hint { color: #666; font-size: 0.85em; }
-figure { margin: 1.2em 0; } figure img { max-width: 100%; border: 1px solid #eee; cursor: zoom-in; }
+figure { margin: 1.2em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; cursor: zoom-in; }
 figure.wide img { width: 100%; } figcaption { font-size: 0.88em; color: #555; }
 #lightbox { position: fixed; inset: 0; background: rgba(0,0,0,0.85); overflow: auto; z-index: 10; cursor: zoom-out; }
 #lightbox img { display: block; margin: 1em auto; max-width: none; background: #fff; }
@@ -145,6 +146,9 @@ def layer_table(run: Run, summary: pd.DataFrame) -> str:
     return (
         f'<table class="by-layer"><tr><th rowspan="2">layer</th>{header_top}</tr><tr>{header}</tr>'
         f"{''.join(body)}</table>"
+        '<p class="note">Per layer, over every row (one value per example, query token and head). The layer '
+        "histograms below show head-averaged values (one per example and query token), so their p95 and "
+        "maximum are lower.</p>"
     )
 
 
@@ -231,7 +235,7 @@ def page(run: Run, summary: pd.DataFrame, findings: list[dict], figures: list[Sa
 <p class="slice">{slice_line(run)}</p>
 {f'<ul class="notes">{notes}</ul>' if notes else ""}
 <div class="landing">
-<div id="headline"><h2>Relative deviation ‖λ* − αz‖ / ‖λ*‖</h2>{headline_numbers(run)}{layer_table(run, summary)}</div>
+<div id="headline"><h2>Relative deviation ‖λ* − αz‖ / ‖λ*‖ over every row (example × query token × head)</h2>{headline_numbers(run)}{layer_table(run, summary)}</div>
 <div id="findings"><h2>Findings (computed from the rows)</h2><ul class="findings">{finding_items}</ul></div>
 </div>
 </header>

