@@ -24,6 +24,26 @@ app = typer.Typer(
 )
 
 
+ALLOW_DAMAGED_HELP = (
+    "Read a damaged run anyway (parts missing or not matching their records): its intact parts only, "
+    "under a printed banner. Without it a damaged run is refused; `probe resume` repairs it."
+)
+
+
+def _damaged_banner(run_dir: Path, manifest: dict | None, allow_damaged: bool) -> None:
+    """With --allow-damaged, say loudly (stderr) which batches were left out."""
+    if allow_damaged:
+        from probe.errors import ProbeError
+        from probe.storage import check_parts
+
+        try:
+            check = check_parts(run_dir, manifest)
+        except ProbeError:  # no readable manifest: nothing to check the parts against
+            return
+        if check.damaged:
+            typer.secho(check.banner(), err=True, fg=typer.colors.RED, bold=True)
+
+
 def _fail(error: Exception) -> None:
     typer.secho(f"error: {error}", err=True, fg=typer.colors.RED)
     raise typer.Exit(code=2)
@@ -170,12 +190,20 @@ def resume_command(
     from probe.stopping import RunStopped
     from probe.storage import read_manifest
 
+    from probe.storage import check_parts
+
     try:
         manifest = read_manifest(run_dir)
         if manifest.get("status") == "complete":
+            check = check_parts(run_dir, manifest, checksums=True)
+            if check.ok:
+                if _main_process():
+                    typer.echo(f"{run_dir} is complete ({manifest.get('batches_done')} batches, every part "
+                               "matches its checksum): nothing to resume.")
+                return
             if _main_process():
-                typer.echo(f"{run_dir} is complete ({manifest.get('batches_done')} batches): nothing to resume.")
-            return
+                typer.echo(f"{run_dir} is damaged: {check.describe()}; moving those parts to the quarantine "
+                           "folder and recomputing them.", err=True)
         resume(run_dir, progress=progress)
     except ProbeError as error:
         _fail(error)
@@ -193,12 +221,13 @@ def status_command(run_dir: Path = typer.Argument(..., help="A run directory wri
     import shlex
 
     from probe.errors import ProbeError
-    from probe.storage import read_manifest
+    from probe.storage import check_parts, read_manifest
 
     try:
         manifest = read_manifest(run_dir)
     except ProbeError as error:
         _fail(error)
+    check = check_parts(run_dir, manifest)
     status = manifest.get("status")
     rows = (manifest.get("solver") or {}).get("rows", 0)
     typer.echo(
@@ -207,7 +236,13 @@ def status_command(run_dir: Path = typer.Argument(..., help="A run directory wri
     )
     if manifest.get("stop_reason"):
         typer.echo(f"stop: {manifest['stop_reason']}")
-    if status == "interrupted":
+    if check.unrecorded:
+        typer.echo(f"unrecorded: {len(check.unrecorded)} part(s) finished after the manifest's last write "
+                   "(whole, footers checked; resume records them)")
+    if check.damaged:
+        typer.echo(f"damaged: {check.describe()}")
+        typer.echo(f"repair with: probe resume {shlex.quote(str(run_dir))}")
+    elif status == "interrupted":
         typer.echo(f"continue with: probe resume {shlex.quote(str(run_dir))}")
 
 
@@ -215,6 +250,7 @@ def status_command(run_dir: Path = typer.Argument(..., help="A run directory wri
 def export_command(
     run_dir: Path = typer.Argument(..., help="A run directory written by `probe run`."),
     to: Path = typer.Option(..., "--to", help="The parquet file to write (must not exist)."),
+    allow_damaged: bool = typer.Option(False, "--allow-damaged", help=ALLOW_DAMAGED_HELP),
 ):
     """Write a run's rows (its directory of part files) into one parquet file."""
     from probe.errors import ProbeError
@@ -222,9 +258,10 @@ def export_command(
 
     try:
         manifest = read_manifest(run_dir)
-        rows = export(run_dir, to)
+        rows = export(run_dir, to, allow_damaged=allow_damaged, manifest=manifest)
     except ProbeError as error:
         _fail(error)
+    _damaged_banner(run_dir, manifest, allow_damaged)
     note = "" if manifest.get("status") == "complete" else (
         f" (the run is {manifest.get('status')}: {manifest.get('batches_done')} of "
         f"{manifest.get('batches_total')} batches)"
@@ -252,19 +289,24 @@ def report_command(
     out: Optional[Path] = typer.Option(None, help="Where to write the report (default: RUN_DIR/report)."),
     report_format: str = typer.Option("png", "--format", help="Figure formats, comma separated (png,pdf)."),
     name: Optional[str] = typer.Option(None, help="The model's name in titles (default: its hub id or directory name)."),
+    allow_damaged: bool = typer.Option(False, "--allow-damaged", help=ALLOW_DAMAGED_HELP),
 ):
     """A landing summary with computed findings, figures on shared scales, summary.csv/json and an HTML page."""
-    _build_report(run_dir, out, report_format, name)
+    _build_report(run_dir, out, report_format, name, allow_damaged)
 
 
-def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Optional[str] = None) -> None:
+def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Optional[str] = None,
+                  allow_damaged: bool = False) -> None:
     from probe.errors import ProbeError
     from probe.report import build_report
 
     try:
-        where = build_report(run_dir, out, [f.strip() for f in formats.split(",") if f.strip()], name=name)
+        where = build_report(run_dir, out, [f.strip() for f in formats.split(",") if f.strip()], name=name,
+                             allow_damaged=allow_damaged)
     except ProbeError as error:
         _fail(error)
+    if (Path(run_dir) / "manifest.json").is_file():
+        _damaged_banner(run_dir, None, allow_damaged)
     typer.echo(f"report: {where / 'index.html'}")
 
 
@@ -274,15 +316,20 @@ def compare_command(
     out: Path = typer.Option(Path("compare"), help="Where to write the comparison."),
     report_format: str = typer.Option("png", "--format", help="Figure formats, comma separated (png,pdf)."),
     name: Optional[list[str]] = typer.Option(None, help="A label per run, in order (repeat the option)."),
+    allow_damaged: bool = typer.Option(False, "--allow-damaged", help=ALLOW_DAMAGED_HELP),
 ):
     """Overlay runs on shared axes: per-layer mean and p95 against relative depth, ECDFs, a table."""
     from probe.errors import ProbeError
     from probe.report import compare_runs
 
     try:
-        where = compare_runs(run_dirs, out, [f.strip() for f in report_format.split(",") if f.strip()], names=name)
+        where = compare_runs(run_dirs, out, [f.strip() for f in report_format.split(",") if f.strip()], names=name,
+                             allow_damaged=allow_damaged)
     except ProbeError as error:
         _fail(error)
+    for run_dir in run_dirs:
+        if (Path(run_dir) / "manifest.json").is_file():
+            _damaged_banner(run_dir, None, allow_damaged)
     typer.echo(f"comparison: {where / 'index.html'}")
 
 

@@ -245,6 +245,7 @@ def _new_manifest(job: _Job) -> dict:
             **_tokenizer_inputs(config.tokenizer),
         },
         "segments": [],
+        "parts": [],  # one record per finished part file (storage.describe_part), kept by _PartIndex
     }
 
 
@@ -252,16 +253,24 @@ class _PartIndex:
     """The run's part files read so far: their records folded into the run's summary and into the
     batches and seconds of each (segment, rank).  Rank 0 follows every rank's progress through it."""
 
-    def __init__(self, run_dir: Path, tolerance: float):
+    def __init__(self, run_dir: Path, tolerance: float, recorded: dict[int, dict] | None = None):
         self.run_dir = run_dir
         self.summary = Summary(tolerance)
         self.records: dict[int, dict] = {}
         self.work: dict[tuple[int, int], dict] = {}
+        #: batch -> the manifest's record of its part file (name, bytes, rows, SHA-256); the ones the manifest
+        #: already holds (checked by resume) are taken as they are, new ones are described when first seen
+        self.parts: dict[int, dict] = dict(recorded or {})
+
+    def part_records(self) -> list[dict]:
+        return [self.parts[batch] for batch in sorted(self.parts)]
 
     def refresh(self) -> int:
         """Read the part files not seen yet; return how many batches are finished."""
         for batch, path in storage.part_files(self.run_dir).items():
             if batch not in self.records:
+                if batch not in self.parts:
+                    self.parts[batch] = storage.describe_part(path, batch)
                 record = self.records[batch] = storage.part_record(path)
                 self.summary.merge(Summary.from_state(record["summary"]))
                 work = self.work.setdefault(
@@ -323,10 +332,12 @@ def run(config: RunConfig) -> Path:
 
 
 def resume(run_dir: Path, *, progress: bool = True) -> Path:
-    """Continue a stopped run with its recorded settings; a complete run is returned untouched."""
+    """Continue a stopped run with its recorded settings, and repair a damaged one: part files that are
+    missing or do not match their records (size, footer, rows, SHA-256) are moved to ``RUN_DIR/quarantine``
+    and recomputed (:func:`probe.storage.repair_parts`).  A complete, intact run is returned untouched."""
     run_dir = Path(run_dir)
     manifest = storage.read_manifest(run_dir)
-    if manifest.get("status") == "complete":
+    if manifest.get("status") == "complete" and storage.check_parts(run_dir, manifest, checksums=True).ok:
         return run_dir
     if "config" not in manifest or not (run_dir / storage.PARTS).is_dir():
         raise ProbeError(f"{run_dir} was written by an older probe that cannot resume runs. Start a new `probe run`.")
@@ -339,8 +350,16 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
         job = group.agree(lambda: _prepare_resume(run_dir, manifest, config, group.device(config.device)))
         stops.hold()
 
-        def hold() -> None:  # rank 0 holds the run directory
+        def hold() -> None:  # rank 0 holds the run directory, and sets damaged parts aside to be redone
             held.enter_context(storage.writer_lock(run_dir))
+            check, moved = storage.repair_parts(run_dir, manifest)
+            if check.damaged:
+                manifest.setdefault("repairs", []).append({
+                    "at": _now(), "quarantine": str(moved) if moved else None,
+                    "batches": {str(batch): why for batch, why in sorted(check.damaged.items())},
+                })
+                if manifest.get("status") == "complete":
+                    manifest.update(status="interrupted", stop_reason=f"damaged: {check.describe()}")
             for segment in manifest["segments"]:  # a segment killed without a chance to say so
                 if segment.get("status") == "running":
                     segment.update(status="interrupted", stop_reason=manifest.get("stop_reason"))
@@ -433,7 +452,7 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
         return [batch for batch in range(len(job.batches)) if batch not in done], len(manifest["segments"]) - 1
 
     todo, segment_number = group.from_main(start)
-    index = _PartIndex(run_dir, config.fidelity_tolerance) if group.main else None
+    index = _PartIndex(run_dir, config.fidelity_tolerance, storage.part_records(manifest)) if group.main else None
     segment = manifest["segments"][-1] if group.main else None
     longest_batch_s, reported_at = 0.0, time.perf_counter()
     progress = _progress(len(job.batches), len(job.batches) - len(todo), config.progress and group.main)
@@ -444,6 +463,7 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
         segment["timings_s"]["total_s"] = time.perf_counter() - job.started
         manifest.update(
             batches_done=len(index.records),
+            parts=index.part_records(),
             process=storage.heartbeat(storage.process_identity(), max(600.0, 10 * longest_batch_s)),
             solver=index.summary.solver(),
             deviations=index.summary.settings(),
@@ -553,6 +573,7 @@ def _record_stop(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex
         status="interrupted",
         stop_reason=reason,
         batches_done=len(index.records),
+        parts=index.part_records(),
         solver=index.summary.solver(),
         deviations=index.summary.settings(),
         fidelity=index.summary.fidelity_summary(),
@@ -575,6 +596,7 @@ def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _Par
         status="complete",
         finished_at=_now(),
         batches_done=len(index.records),
+        parts=index.part_records(),
         solver=index.summary.solver(),
         deviations=index.summary.settings(),
         fidelity=index.summary.fidelity_summary(),
