@@ -45,8 +45,10 @@ def _damaged_banner(run_dir: Path, manifest: dict | None, allow_damaged: bool) -
 
 
 def _fail(error: Exception) -> None:
+    """Print the error's one paragraph; exit 2 (bad input, refused), or the error's own status (74: an I/O
+    error during a run, probe.errors.RunIOError)."""
     typer.secho(f"error: {error}", err=True, fg=typer.colors.RED)
-    raise typer.Exit(code=2)
+    raise typer.Exit(code=getattr(error, "exit_code", 2))
 
 
 @app.command()

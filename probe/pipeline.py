@@ -13,6 +13,7 @@ torchrun as several processes, the processes share the batches (:mod:`probe.dist
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -30,7 +31,7 @@ import torch
 
 from . import __version__, allocator, distributed, fingerprint, native, storage
 from .data import DatasetSpec, Texts, load_texts
-from .errors import ProbeError
+from .errors import ProbeError, RunIOError
 from .loading import LoadedModel, load_model
 from .parallel import Lane
 from .rows import RowContext, Summary, process_batch
@@ -418,7 +419,46 @@ def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, grou
     processes, rank r takes every world-th of them and rank 0 keeps the manifest.  The C heap keeps
     freed memory for reuse meanwhile (:mod:`probe.allocator`)."""
     with allocator.kept_heap():
-        return _execute_batches(run_dir, manifest, job, stops, group)
+        try:
+            return _execute_batches(run_dir, manifest, job, stops, group)
+        except OSError as error:  # the disk, not the input: one paragraph and its own exit status
+            raise _io_error(run_dir, error, manifest) from None
+
+
+_IO_ADVICE = {
+    errno.ENOSPC: "Free space on that file system (or move the run directory to a larger one)",
+    errno.EDQUOT: "Free space within your quota (or move the run directory elsewhere)",
+    errno.EROFS: "The file system became read-only: remount it read-write (or copy the run directory to a "
+                 "writable place and resume the copy)",
+    errno.EACCES: f"Give yourself write permission on the run directory and its {storage.PARTS} again",
+    errno.EPERM: f"Give yourself write permission on the run directory and its {storage.PARTS} again",
+    errno.EIO: "The device reported a hardware I/O error: check it (dmesg) before trusting it again",
+}
+
+
+def _io_error(run_dir: Path, error: OSError, manifest: dict | None) -> RunIOError:
+    """The one paragraph for an I/O error during a run: what happened, what is safe, what to do."""
+    import shlex
+
+    what = f"{error.strerror or error} ({errno.errorcode.get(error.errno, error.errno)})"
+    where = f" at {error.filename}" if error.filename else ""
+    if not Path(run_dir).is_dir():
+        return RunIOError(
+            f"Writing the run failed: {what}{where}. The run directory {run_dir} no longer exists (deleted or "
+            "unmounted while the run was going on), so its finished batches went with it; nothing else was "
+            "written. Restore it from a backup and `probe resume` it, or start again with `probe run`."
+        )
+    done = storage.part_files(run_dir)
+    manifest_note = (
+        "the manifest records the stop" if getattr(error, "probe_manifest_written", False)
+        else "the manifest could not be updated, which resume does not need: it reads and checks the part files"
+    )
+    advice = _IO_ADVICE.get(error.errno, "Fix the cause")
+    return RunIOError(
+        f"Writing the run failed: {what}{where}. Safe: the {len(done)} batch(es) finished before it are whole "
+        f"part files in {Path(run_dir) / storage.PARTS} ({manifest_note}); the half-written file was removed "
+        f"and nothing finished was lost. {advice}, then continue with: probe resume {shlex.quote(str(run_dir))}"
+    )
 
 
 def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, group: distributed.Group) -> Path:
@@ -565,7 +605,10 @@ def _record_stop(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex
         reason = "stopped by SIGINT (Ctrl-C)"
     else:
         reason = f"failed: {type(error).__name__}: {error}"
-    index.refresh()
+    try:
+        index.refresh()
+    except OSError:  # the directory went away or became unreadable: the totals are those seen so far
+        pass
     index.fold_into(segment)
     segment.update(status="interrupted", stop_reason=reason, finished_at=_now())
     segment["timings_s"]["total_s"] = time.perf_counter() - started
@@ -580,7 +623,14 @@ def _record_stop(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex
         timings_s=_timings(manifest),
         note=f"{storage.PARTS} holds every batch finished before the stop; `probe resume` continues the run",
     )
-    storage.write_manifest(run_dir, manifest)
+    try:
+        storage.write_manifest(run_dir, manifest)
+    except OSError:  # the disk that stopped the run may refuse this too; the part files are the record
+        if not isinstance(error, OSError):
+            raise
+    else:
+        if isinstance(error, OSError):
+            error.probe_manifest_written = True
 
 
 def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex, config: RunConfig,

@@ -214,7 +214,17 @@ def writer_lock(run_dir: Path):
     except ImportError:  # Windows: no advisory locks; the liveness check still guards resume
         yield
         return
-    with open(Path(run_dir) / LOCK, "a") as handle:
+    try:
+        handle = open(Path(run_dir) / LOCK, "a")
+    except OSError as error:
+        from .errors import RunIOError
+
+        raise RunIOError(
+            f"Cannot open {Path(run_dir) / LOCK} for writing ({error.strerror or error}): the run directory is not "
+            "writable (a read-only or full file system, or its permissions). Make it writable, then try again; "
+            "nothing was changed."
+        ) from None
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
