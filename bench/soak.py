@@ -9,7 +9,8 @@ set size (``/proc/self/statm``), the clock and the size of ``manifest.json``.
 
 Reported (``bench/results_soak.json`` and ``.md``):
 
-* the slope of the resident set and of the seconds per batch over the run (after a warm-up of the
+* the slope of the resident set, of the seconds per batch and of the process's CPU seconds per batch
+  (less sensitive to the neighbours' load, also sampled) over the run (after a warm-up of the
   first ``--warmup`` fraction of batches), each with a 95% confidence interval.  Consecutive samples are
   correlated (the allocator's pools, the page cache), so the slope is fitted to the means of
   ``--blocks`` consecutive blocks of batches (ordinary least squares, Student's t with blocks - 2
@@ -76,7 +77,7 @@ def main() -> None:
     from probe.data import DatasetSpec, embedded_corpus
     from probe.pipeline import RunConfig, run
 
-    samples: list[tuple[float, float, int, int]] = []  # (seconds, rss MB, rows, manifest bytes) per batch
+    samples: list[tuple] = []  # (seconds, rss MB, rows, manifest bytes, CPU seconds, load average) per batch
     real_write = storage.write_part
     run_dir_box: list[Path] = []
 
@@ -84,7 +85,7 @@ def main() -> None:
         path = real_write(run_dir, batch, table, record)
         manifest = Path(run_dir) / storage.MANIFEST
         samples.append((time.perf_counter(), rss_mb(), table.num_rows,
-                        manifest.stat().st_size if manifest.exists() else 0))
+                        manifest.stat().st_size if manifest.exists() else 0, time.process_time(), os.getloadavg()[0]))
         run_dir_box[:] = [Path(run_dir)]
         return path
 
@@ -112,8 +113,9 @@ def main() -> None:
         parts_bytes = sum(p.stat().st_size for p in storage.part_files(run_dir).values())
         assert cheap.ok and full.ok and len(full.readable) == manifest["batches_total"]
 
-    times, rss, rows, mbytes = (np.array(column) for column in zip(*samples))
+    times, rss, rows, mbytes, cpu, load = (np.array(column) for column in zip(*samples))
     per_batch = np.diff(times)
+    cpu_per_batch = np.diff(cpu)
     n = len(samples)
     start = int(args.warmup * n)
     index = np.arange(n)
@@ -121,6 +123,7 @@ def main() -> None:
     typical = np.bincount(rows).argmax()
     keep = np.flatnonzero((rows[1:] == typical) & (index[1:] >= start))  # time of batch i = t_i - t_{i-1}
     time_fit = slope_ci(index[1:][keep], per_batch[keep], args.blocks)
+    cpu_fit = slope_ci(index[1:][keep], cpu_per_batch[keep], args.blocks)
     late = index > 0
     manifest_fit = np.polyfit(index[late], mbytes[late], 1)
 
@@ -142,6 +145,12 @@ def main() -> None:
                               "slope_ms_per_1000_batches": {k: (v * 1e6 if k == "slope" else [c * 1e6 for c in v])
                                                             if k in ("slope", "ci95") else v
                                                             for k, v in time_fit.items()}},
+        "cpu_seconds_per_batch": {"median": float(np.median(cpu_per_batch[keep])),
+                                  "slope_ms_per_1000_batches": {k: (v * 1e6 if k == "slope" else [c * 1e6 for c in v])
+                                                                if k in ("slope", "ci95") else v
+                                                                for k, v in cpu_fit.items()}},
+        "load_average_1min": {"first": float(load[0]), "median": float(np.median(load)), "max": float(load.max()),
+                              "last": float(load[-1])},
         "manifest": {"bytes_at_end": manifest_bytes, "bytes_per_batch_fitted": float(manifest_fit[0]),
                      "part_record_bytes": float(record_bytes),
                      "bytes_per_batch_beyond_the_record": float(manifest_fit[0] - record_bytes),
@@ -151,6 +160,8 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     r, t, m, c = result["rss_mb"]["slope_mb_per_1000_batches"], result["seconds_per_batch"], result["manifest"], result["checks"]
     ts = t["slope_ms_per_1000_batches"]
+    cs = result["cpu_seconds_per_batch"]["slope_ms_per_1000_batches"]
+    la = result["load_average_1min"]
     lines = [
         "# Soak: a long run stays flat",
         "",
@@ -167,6 +178,13 @@ def main() -> None:
         f"| time per batch ({t['rows_per_batch']:,}-row batches, ms) | {ts['first_block_mean'] * 1e3:.1f} | "
         f"{ts['last_block_mean'] * 1e3:.1f} | {ts['slope']:+.3f} [{ts['ci95'][0]:+.3f}, {ts['ci95'][1]:+.3f}] ms | "
         f"{'yes' if ts['zero_inside_ci'] else 'no'} |",
+        f"| CPU time per batch (same batches, ms) | {cs['first_block_mean'] * 1e3:.1f} | "
+        f"{cs['last_block_mean'] * 1e3:.1f} | {cs['slope']:+.3f} [{cs['ci95'][0]:+.3f}, {cs['ci95'][1]:+.3f}] ms | "
+        f"{'yes' if cs['zero_inside_ci'] else 'no'} |",
+        "",
+        f"The machine's 1-minute load average during the run: {la['first']:.1f} at the start, median "
+        f"{la['median']:.1f}, at most {la['max']:.1f} (2 cores): the wall time per batch moves with the "
+        "neighbours' load, the process's CPU time per batch much less.",
         "",
         f"Manifest: {m['bytes_at_end']:,} bytes at the end; it grows by {m['bytes_per_batch_fitted']:.1f} bytes per "
         f"batch against {m['part_record_bytes']:.1f} bytes per part record ({m['bytes_per_batch_beyond_the_record']:+.1f} "

@@ -39,7 +39,8 @@ from .stopping import RunStopped, Stops
 from .validate import check_run
 
 
-#: while batches finish, rank 0 rewrites the manifest at most this often (seconds), and at every stop and
+#: while batches finish, rank 0 rewrites the manifest at most this often (seconds; less often when a
+#: rewrite would take more than 5% of the time, as the part records make it grow), and at every stop and
 #: at the end.  The part files are the record of what is finished (resume reads them); the manifest's
 #: running totals and heartbeat (stale after at least 600 s) are for whoever watches the run.
 REPORT_EVERY_S = 1.0
@@ -257,7 +258,8 @@ class _PartIndex:
     def __init__(self, run_dir: Path, tolerance: float, recorded: dict[int, dict] | None = None):
         self.run_dir = run_dir
         self.summary = Summary(tolerance)
-        self.records: dict[int, dict] = {}
+        #: the batches folded in so far (their records are folded, not kept: memory stays flat over a run)
+        self.records: set[int] = set()
         self.work: dict[tuple[int, int], dict] = {}
         #: batch -> the manifest's record of its part file (name, bytes, rows, SHA-256); the ones the manifest
         #: already holds (checked by resume) are taken as they are, new ones are described when first seen
@@ -267,20 +269,26 @@ class _PartIndex:
         return [self.parts[batch] for batch in sorted(self.parts)]
 
     def refresh(self) -> int:
-        """Read the part files not seen yet; return how many batches are finished."""
+        """Read the part files not seen yet (a directory listing: other ranks' parts); return how many
+        batches are finished."""
         for batch, path in storage.part_files(self.run_dir).items():
-            if batch not in self.records:
-                if batch not in self.parts:
-                    self.parts[batch] = storage.describe_part(path, batch)
-                record = self.records[batch] = storage.part_record(path)
-                self.summary.merge(Summary.from_state(record["summary"]))
-                work = self.work.setdefault(
-                    (record["segment"], record["rank"]), {"batches": 0, "capture_s": 0.0, "solve_s": 0.0}
-                )
-                work["batches"] += 1
-                work["capture_s"] += record["seconds"]["capture"]
-                work["solve_s"] += record["seconds"]["solve"]
+            self.add(batch, path)
         return len(self.records)
+
+    def add(self, batch: int, path: Path) -> None:
+        """Fold in one finished part (this process's own, just written: no directory listing, whose cost
+        grows with the run)."""
+        if batch in self.records:
+            return
+        if batch not in self.parts:
+            self.parts[batch] = storage.describe_part(path, batch)
+        record = storage.part_record(path)
+        self.records.add(batch)
+        self.summary.merge(Summary.from_state(record["summary"]))
+        work = self.work.setdefault((record["segment"], record["rank"]), {"batches": 0, "capture_s": 0.0, "solve_s": 0.0})
+        work["batches"] += 1
+        work["capture_s"] += record["seconds"]["capture"]
+        work["solve_s"] += record["seconds"]["solve"]
 
     def fold_into(self, segment: dict) -> None:
         """Batches and seconds of the segment's ranks (and their sums) from the part files they wrote."""
@@ -493,12 +501,16 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
 
     todo, segment_number = group.from_main(start)
     index = _PartIndex(run_dir, config.fidelity_tolerance, storage.part_records(manifest)) if group.main else None
+    if group.main:
+        index.refresh()  # the parts of earlier segments (resume); later, this process's own as it writes them
     segment = manifest["segments"][-1] if group.main else None
-    longest_batch_s, reported_at = 0.0, time.perf_counter()
+    longest_batch_s, reported_at, report_every_s = 0.0, time.perf_counter(), REPORT_EVERY_S
     progress = _progress(len(job.batches), len(job.batches) - len(todo), config.progress and group.main)
 
     def report() -> None:  # rank 0: progress, totals and heartbeat into the manifest
-        nonlocal reported_at
+        nonlocal reported_at, report_every_s
+        if ranks.world > 1:
+            index.refresh()  # the other ranks' parts
         index.fold_into(segment)
         segment["timings_s"]["total_s"] = time.perf_counter() - job.started
         manifest.update(
@@ -510,17 +522,20 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
             fidelity=index.summary.fidelity_summary(),
             timings_s=_timings(manifest),
         )
+        written = time.perf_counter()
         storage.write_manifest(run_dir, manifest)
         progress.update(len(index.records) - progress.n)
         progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)
         reported_at = time.perf_counter()
+        # the manifest grows by a part record per batch: at most 5% of the time goes into rewriting it
+        report_every_s = max(REPORT_EVERY_S, 20 * (reported_at - written))
 
     def commit(batch, finish, batch_started) -> None:  # wait for the batch's solves and write its part file
         nonlocal longest_batch_s
         with stops.interruptible():  # a stop while the batch is computed drops it
             table, batch_summary, seconds = finish()
         written = time.perf_counter()
-        storage.write_part(run_dir, batch, table, {
+        path = storage.write_part(run_dir, batch, table, {
             "examples": [job.texts.indices[i] for i in job.batches[batch]],
             "segment": segment_number,
             "rank": ranks.rank,
@@ -530,9 +545,9 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
         longest_batch_s = max(longest_batch_s, time.perf_counter() - batch_started)
         if group.main:
             segment["timings_s"]["write_s"] += time.perf_counter() - written
-            index.refresh()
+            index.add(batch, path)
             progress.update(len(index.records) - progress.n)
-            if time.perf_counter() - reported_at >= REPORT_EVERY_S:
+            if time.perf_counter() - reported_at >= report_every_s:
                 report()
 
     # Batch k + 1 is captured while batch k's last stack is solved in the lane (a CPU run on several

@@ -33,8 +33,8 @@ second-order system; the run certifies them in its manifest's ``max_derived_boun
 
 Cost: the checksums read every part once; then the model loads once and runs one forward pass per
 batch that holds a sampled row (at most ``sample`` batches, usually fewer), and each sampled row costs
-one reference solve (gradient ascent: a few hundred to some thousands of tiny steps).  For the
-default 64 rows on a CPU: seconds for small models, about a minute for a large one.
+one reference solve (gradient ascent: a few hundred to some thousands of tiny steps).  Measured: the
+default 64 rows of an all-MiniLM-L6-v2 run (46 batches re-run), 25 s on a busy 2-core machine.
 """
 
 from __future__ import annotations
