@@ -82,10 +82,13 @@ def main() -> None:
     run_dir_box: list[Path] = []
 
     def sampled_write(run_dir, batch, table, record):
+        before = time.process_time()
         path = real_write(run_dir, batch, table, record)
+        write_cpu = time.process_time() - before
         manifest = Path(run_dir) / storage.MANIFEST
         samples.append((time.perf_counter(), rss_mb(), table.num_rows,
-                        manifest.stat().st_size if manifest.exists() else 0, time.process_time(), os.getloadavg()[0]))
+                        manifest.stat().st_size if manifest.exists() else 0, time.process_time(), os.getloadavg()[0],
+                        write_cpu))
         run_dir_box[:] = [Path(run_dir)]
         return path
 
@@ -113,7 +116,7 @@ def main() -> None:
         parts_bytes = sum(p.stat().st_size for p in storage.part_files(run_dir).values())
         assert cheap.ok and full.ok and len(full.readable) == manifest["batches_total"]
 
-    times, rss, rows, mbytes, cpu, load = (np.array(column) for column in zip(*samples))
+    times, rss, rows, mbytes, cpu, load, write_cpu = (np.array(column) for column in zip(*samples))
     per_batch = np.diff(times)
     cpu_per_batch = np.diff(cpu)
     n = len(samples)
@@ -124,6 +127,7 @@ def main() -> None:
     keep = np.flatnonzero((rows[1:] == typical) & (index[1:] >= start))  # time of batch i = t_i - t_{i-1}
     time_fit = slope_ci(index[1:][keep], per_batch[keep], args.blocks)
     cpu_fit = slope_ci(index[1:][keep], cpu_per_batch[keep], args.blocks)
+    write_fit = slope_ci(index[1:][keep], write_cpu[1:][keep], args.blocks)
     late = index > 0
     manifest_fit = np.polyfit(index[late], mbytes[late], 1)
 
@@ -149,6 +153,10 @@ def main() -> None:
                                   "slope_ms_per_1000_batches": {k: (v * 1e6 if k == "slope" else [c * 1e6 for c in v])
                                                                 if k in ("slope", "ci95") else v
                                                                 for k, v in cpu_fit.items()}},
+        "part_write_cpu_seconds_per_batch": {
+            "median": float(np.median(write_cpu[1:][keep])),
+            "slope_ms_per_1000_batches": {k: (v * 1e6 if k == "slope" else [c * 1e6 for c in v])
+                                          if k in ("slope", "ci95") else v for k, v in write_fit.items()}},
         "load_average_1min": {"first": float(load[0]), "median": float(np.median(load)), "max": float(load.max()),
                               "last": float(load[-1])},
         "manifest": {"bytes_at_end": manifest_bytes, "bytes_per_batch_fitted": float(manifest_fit[0]),
@@ -162,6 +170,7 @@ def main() -> None:
     ts = t["slope_ms_per_1000_batches"]
     cs = result["cpu_seconds_per_batch"]["slope_ms_per_1000_batches"]
     la = result["load_average_1min"]
+    ws = result["part_write_cpu_seconds_per_batch"]["slope_ms_per_1000_batches"]
     lines = [
         "# Soak: a long run stays flat",
         "",
@@ -181,6 +190,9 @@ def main() -> None:
         f"| CPU time per batch (same batches, ms) | {cs['first_block_mean'] * 1e3:.1f} | "
         f"{cs['last_block_mean'] * 1e3:.1f} | {cs['slope']:+.3f} [{cs['ci95'][0]:+.3f}, {cs['ci95'][1]:+.3f}] ms | "
         f"{'yes' if cs['zero_inside_ci'] else 'no'} |",
+        f"| of which writing the part file (CPU, ms) | {ws['first_block_mean'] * 1e3:.2f} | "
+        f"{ws['last_block_mean'] * 1e3:.2f} | {ws['slope']:+.3f} [{ws['ci95'][0]:+.3f}, {ws['ci95'][1]:+.3f}] ms | "
+        f"{'yes' if ws['zero_inside_ci'] else 'no'} |",
         "",
         f"The machine's 1-minute load average during the run: {la['first']:.1f} at the start, median "
         f"{la['median']:.1f}, at most {la['max']:.1f} (2 cores): the wall time per batch moves with the "

@@ -40,7 +40,7 @@ from .validate import check_run
 
 
 #: while batches finish, rank 0 rewrites the manifest at most this often (seconds; less often when a
-#: rewrite would take more than 5% of the time, as the part records make it grow), and at every stop and
+#: rewrite would take more than 1% of the time, as the part records make it grow), and at every stop and
 #: at the end.  The part files are the record of what is finished (resume reads them); the manifest's
 #: running totals and heartbeat (stale after at least 600 s) are for whoever watches the run.
 REPORT_EVERY_S = 1.0
@@ -430,6 +430,8 @@ def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, grou
         try:
             return _execute_batches(run_dir, manifest, job, stops, group)
         except OSError as error:  # the disk, not the input: one paragraph and its own exit status
+            if not _is_run_io_error(run_dir, error):
+                raise
             raise _io_error(run_dir, error, manifest) from None
 
 
@@ -442,6 +444,13 @@ _IO_ADVICE = {
     errno.EPERM: f"Give yourself write permission on the run directory and its {storage.PARTS} again",
     errno.EIO: "The device reported a hardware I/O error: check it (dmesg) before trusting it again",
 }
+
+
+def _is_run_io_error(run_dir: Path, error: OSError) -> bool:
+    """An error of the disk under the run (its kind, a file in the run directory, or the directory gone),
+    not an OSError of something else (a library's, a model file's) that happens to share the type."""
+    inside = bool(error.filename) and str(Path(error.filename).absolute()).startswith(str(Path(run_dir).absolute()))
+    return error.errno in _IO_ADVICE or inside or not Path(run_dir).is_dir()
 
 
 def _io_error(run_dir: Path, error: OSError, manifest: dict | None) -> RunIOError:
@@ -527,8 +536,8 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
         progress.update(len(index.records) - progress.n)
         progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)
         reported_at = time.perf_counter()
-        # the manifest grows by a part record per batch: at most 5% of the time goes into rewriting it
-        report_every_s = max(REPORT_EVERY_S, 20 * (reported_at - written))
+        # the manifest grows by a part record per batch: at most 1% of the time goes into rewriting it
+        report_every_s = max(REPORT_EVERY_S, 100 * (reported_at - written))
 
     def commit(batch, finish, batch_started) -> None:  # wait for the batch's solves and write its part file
         nonlocal longest_batch_s

@@ -255,7 +255,13 @@ def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
         sites, example_ids = _batch_sites(job, batch, {(r["attention_type"], r["layer"]) for r in batch_rows})
         report.batches_rerun += 1
         for row in batch_rows:
-            site = sites[(row["attention_type"], row["layer"])]
+            site = sites.get((row["attention_type"], row["layer"]))
+            if site is None or row["example"] not in example_ids:
+                raise ProbeError(
+                    f"Batch {batch} of {run_dir} holds a row ({row['attention_type']} layer {row['layer']}, example "
+                    f"{row['example']}) that the run's batch plan does not produce: the part does not belong to "
+                    f"this run. Move it away and run `probe resume {run_dir}`."
+                )
             problem = _row_problem(site, row["space"], row["alpha"], example_ids.index(row["example"]),
                                    row["head"], row["query"])
             ref = _reference(*problem, row["alpha"])
