@@ -190,3 +190,17 @@ def test_a_complete_run_missing_a_part_it_never_recorded_is_damaged(run_copy):
     part(run_copy, 2).unlink()
     check = storage.check_parts(run_copy)
     assert check.damaged == {2: "missing, never recorded"} and sorted(check.unrecorded) == [0, 1, 3, 4, 5]
+
+
+def test_the_docs_soak_table_is_the_results_files():
+    """docs/integrity.md shows bench/results_soak.md's table as it is (a rerun not carried over fails)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def table(text):
+        return [line for line in text.splitlines() if line.startswith("| ") and ("per batch" in line or
+                "resident set" in line or "writing the part" in line or line.startswith("| quantity"))]
+
+    in_results = table((root / "bench" / "results_soak.md").read_text())
+    assert len(in_results) == 5
+    docs = (root / "docs" / "integrity.md").read_text()
+    assert table(docs[docs.index("## Long runs stay flat"):]) == in_results
