@@ -466,6 +466,12 @@ def _io_error(run_dir: Path, error: OSError, manifest: dict | None) -> RunIOErro
             "written. Restore it from a backup and `probe resume` it, or start again with `probe run`."
         )
     done = storage.part_files(run_dir)
+    if not (Path(run_dir) / storage.MANIFEST).is_file():  # the first manifest write failed: nothing to resume
+        return RunIOError(
+            f"Writing the run failed: {what}{where}, before its first batch: nothing was finished, and "
+            f"{run_dir} holds no manifest to resume from (delete it). {_IO_ADVICE.get(error.errno, 'Fix the cause')}, "
+            "then start again with `probe run`."
+        )
     manifest_note = (
         "the manifest records the stop" if getattr(error, "probe_manifest_written", False)
         else "the manifest could not be updated, which resume does not need: it reads and checks the part files"

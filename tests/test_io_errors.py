@@ -35,7 +35,7 @@ def failing_writes(monkeypatch, *, after: int, error: OSError | None = None, van
     disk that stays full); ``vanish``: the run directory is deleted instead, so the write finds no
     directory."""
     real = storage._replace_atomically
-    state = {"parts": 0, "failing": False}
+    state = {"parts": 0, "failing": after < 0}  # after < 0: from the first write on (the manifest)
 
     def replace(path: Path, write):
         is_part = path.parent.name == storage.PARTS
@@ -185,3 +185,12 @@ def test_an_oserror_that_is_not_the_run_directory_is_not_called_a_disk_error(tin
     result = invoke_with_one_thread("run", tiny_bert_dir, *RUN_ARGS, "--out", tmp_path / "runs")
     assert result.exit_code != 74 and isinstance(result.exception, OSError), result.output
     assert result.exception.errno == errno.EMFILE
+
+
+def test_a_disk_full_before_the_first_manifest_says_start_again(tiny_bert_dir, tmp_path, monkeypatch):
+    with monkeypatch.context() as patch:
+        failing_writes(patch, after=-1, error=OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), manifest_too=True)
+        result = invoke_with_one_thread("run", tiny_bert_dir, *RUN_ARGS, "--out", tmp_path / "runs")
+    assert_one_paragraph(result, "before its first batch", "start again with `probe run`")
+    assert "probe resume" not in result.output
+    assert not temporaries(tmp_path)
