@@ -392,13 +392,14 @@ def _footer_problem(path: Path, expected_rows: int | None, batch: int) -> tuple[
     rows = metadata.num_rows
     if expected_rows is not None and rows != expected_rows:
         return f"{rows:,} rows, recorded {expected_rows:,}", rows
-    if expected_rows is None:  # unrecorded: the part's own batch record must agree with its footer and name
+    raw = (metadata.metadata or {}).get(PART_METADATA_KEY)
+    if expected_rows is None and raw is not None:  # unrecorded: its own batch record must agree with it
         try:
-            record = json.loads((metadata.metadata or {})[PART_METADATA_KEY])
+            record = json.loads(raw)
             own_batch = int(record["batch"])
             own_rows = record.get("summary", {}).get("rows")
         except (KeyError, TypeError, ValueError, AttributeError):
-            return "no probe.batch record in its footer", rows
+            return "its probe.batch record does not read", rows
         if own_batch != batch:
             return f"holds batch {own_batch}, not {batch}", rows
         if own_rows is not None and own_rows != rows:
