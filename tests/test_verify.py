@@ -83,3 +83,18 @@ def test_a_damaged_part_fails_verify_and_names_the_repair(clean_run, tmp_path):
 def test_verify_refuses_a_non_run(tmp_path):
     result = CliRunner().invoke(app, ["verify", str(tmp_path / "nowhere")])
     assert result.exit_code == 2 and "does not exist" in result.output and "Traceback" not in result.output
+
+
+def test_a_run_of_several_alphas_in_both_spaces_verifies(tiny_bert_dir, tmp_path):
+    """Rows of alpha 0.5 and 2 (the evidence rescaled to z / alpha) in the hidden and the key space (one
+    Gram matrix per key head) are rebuilt and re-solved right."""
+    out = tmp_path / "runs"
+    result = invoke_with_one_thread("run", tiny_bert_dir, "--samples", "4", "--batch-size", "2", "--max-length", "24",
+                                    "--alpha", "0.5,2", "--space", "hidden,key", "--no-progress", "--out", out)
+    assert result.exit_code == 0, result.output
+    (run_dir,) = out.iterdir()
+    result = invoke_with_one_thread("verify", run_dir, "--sample", "16", "--seed", "1")
+    assert result.exit_code == 0, result.output
+    assert "verified: every check holds" in result.output
+    sampled = _sample_rows(storage.check_parts(run_dir), 16, 1)
+    assert set(sampled["space"].to_pylist()) == {"hidden", "key"} and set(sampled["alpha"].to_pylist()) == {0.5, 2.0}
