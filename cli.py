@@ -243,7 +243,7 @@ def status_command(run_dir: Path = typer.Argument(..., help="A run directory wri
     )
     if manifest.get("stop_reason"):
         typer.echo(f"stop: {manifest['stop_reason']}")
-    if check.unrecorded:
+    if check.unrecorded and status != "running":  # a live run's newest parts are recorded within a second
         typer.echo(f"unrecorded: {len(check.unrecorded)} part(s) finished after the manifest's last write "
                    "(whole, footers checked; resume records them)")
     if check.damaged:

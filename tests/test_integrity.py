@@ -204,3 +204,22 @@ def test_the_docs_soak_table_is_the_results_files():
     assert len(in_results) == 5
     docs = (root / "docs" / "integrity.md").read_text()
     assert table(docs[docs.index("## Long runs stay flat"):]) == in_results
+
+
+def test_the_soak_benchmark_quick_mode(tmp_path):
+    """bench/soak.py end to end on 60 texts: its results files, a part record per batch in the manifest."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "soak"
+    done = subprocess.run([sys.executable, str(root / "bench" / "soak.py"), "--repeats", "1", "--texts", "60",
+                           "--blocks", "5", "--out", str(out)], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["batches"] == 60 and result["checks"]["parts"] == 60
+    assert result["manifest"]["bytes_without_records"] < result["manifest"]["bytes_at_end"]
+    assert result["rss_mb"]["slope_mb_per_1000_batches"]["blocks"] == 5
+    assert "| resident set (MB) |" in out.with_suffix(".md").read_text()
