@@ -98,3 +98,22 @@ def test_a_run_of_several_alphas_in_both_spaces_verifies(tiny_bert_dir, tmp_path
     assert "verified: every check holds" in result.output
     sampled = _sample_rows(storage.check_parts(run_dir), 16, 1)
     assert set(sampled["space"].to_pylist()) == {"hidden", "key"} and set(sampled["alpha"].to_pylist()) == {0.5, 2.0}
+
+
+def test_the_reference_finishes_an_ill_conditioned_problem(monkeypatch):
+    """Gradient ascent cut short (10 steps) on templates of norm ~100, where it needs ~10^5: the Newton
+    steps finish the solve to its tolerance, and the answer is SciPy L-BFGS's optimum (an independent
+    check); with neither, the row would be reported as not re-solved."""
+    import probe.verify as verify
+    from probe.reference import lbfgs_dual, templates_from_reduced
+
+    rng = np.random.default_rng(0)
+    T = rng.normal(size=(6, 4)) * 50.0
+    z = rng.normal(size=4)
+    log_u = rng.normal(size=6)
+    monkeypatch.setattr(verify, "REFERENCE_MAX_ITER", 10)
+    ref = verify._reference(T @ T.T, T @ z, float(z @ z), log_u, 1.0)
+    assert ref["converged"] and ref["epsilon"] <= 10 * verify.REFERENCE_TOL * ref["lambda_norm"], ref
+    explicit_T, explicit_z = templates_from_reduced(T @ T.T, T @ z, float(z @ z))
+    lam, _ = lbfgs_dual(explicit_T, explicit_z, log_u, 1.0)
+    assert ref["lambda_norm"] == pytest.approx(np.linalg.norm(lam), rel=1e-4)  # L-BFGS: ~5e-5 here
