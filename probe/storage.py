@@ -420,7 +420,10 @@ def check_parts(run_dir: Path, manifest: dict | None = None, *, checksums: bool 
     if manifest is None:  # a run directory whose first manifest is not written yet has no records
         manifest = read_manifest(run_dir) if (run_dir / MANIFEST).exists() else {}
     records = part_records(manifest)
-    present = part_files(run_dir)
+    try:
+        present = part_files(run_dir)
+    except OSError as error:
+        raise ProbeError(f"Cannot list {run_dir / PARTS} ({error.strerror or error}): check its permissions.") from None
     total = manifest.get("batches_total")
     check = PartsCheck(run_dir, manifest.get("status"), total if isinstance(total, int) else None,
                        checksums=checksums)
@@ -432,14 +435,17 @@ def check_parts(run_dir: Path, manifest: dict | None = None, *, checksums: bool 
         if path is None:
             check.damaged[batch] = "missing" + ("" if record else ", never recorded")
             continue
-        if record is not None:
-            size = path.stat().st_size
-            if size != record["bytes"]:
-                check.damaged[batch] = f"{size:,} bytes, recorded {record['bytes']:,}"
-                continue
-        problem, _ = _footer_problem(path, record["rows"] if record else None, batch)
-        if problem is None and record is not None and checksums and file_sha256(path) != record["sha256"]:
-            problem = "SHA-256 differs from the recorded one"
+        try:
+            if record is not None:
+                size = path.stat().st_size
+                if size != record["bytes"]:
+                    check.damaged[batch] = f"{size:,} bytes, recorded {record['bytes']:,}"
+                    continue
+            problem, _ = _footer_problem(path, record["rows"] if record else None, batch)
+            if problem is None and record is not None and checksums and file_sha256(path) != record["sha256"]:
+                problem = "SHA-256 differs from the recorded one"
+        except OSError as error:  # unreadable (permissions, an I/O error) or gone since the listing
+            problem = f"unreadable: {error.strerror or error}"
         if problem is not None:
             check.damaged[batch] = problem
             continue

@@ -223,3 +223,17 @@ def test_the_soak_benchmark_quick_mode(tmp_path):
     assert result["manifest"]["bytes_without_records"] < result["manifest"]["bytes_at_end"]
     assert result["rss_mb"]["slope_mb_per_1000_batches"]["blocks"] == 5
     assert "| resident set (MB) |" in out.with_suffix(".md").read_text()
+
+
+def test_an_unreadable_part_is_named_not_a_traceback(run_copy, monkeypatch):
+    """A part that cannot be opened (permissions, an I/O error) is damaged by name, like any other."""
+    real = storage.file_sha256
+
+    def eio(path):
+        if Path(path).name == "part-000004.parquet":
+            raise OSError(5, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(storage, "file_sha256", eio)
+    check = storage.check_parts(run_copy, checksums=True)
+    assert check.damaged == {4: "unreadable: Input/output error"}
