@@ -50,8 +50,10 @@ def demo_model() -> str:
 class Run:
     """A run directory written by :func:`run` (or ``probe run``): its rows, manifest and report."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, *, allow_damaged: bool = False):
         self.run_dir = Path(run_dir)
+        #: read a damaged run's intact parts only (with a warning) instead of refusing it
+        self.allow_damaged = allow_damaged
 
     def __repr__(self) -> str:
         manifest = self.manifest
@@ -79,7 +81,7 @@ class Run:
         from .schema import ROW_KEY
         from .storage import read_deviations
 
-        frame = read_deviations(self.run_dir).to_pandas()
+        frame = read_deviations(self.run_dir, allow_damaged=self.allow_damaged).to_pandas()
         return frame.sort_values(list(ROW_KEY), kind="stable", ignore_index=True)
 
     def headline(self) -> list[dict]:
@@ -87,7 +89,8 @@ class Run:
         non-trivial row (``n_keys > 1``), as the report's landing table states them."""
         from .storage import read_deviations
 
-        table = read_deviations(self.run_dir, columns=["space", "alpha", "rel_deviation", "trivial"]).to_pandas()
+        table = read_deviations(self.run_dir, columns=["space", "alpha", "rel_deviation", "trivial"],
+                                allow_damaged=self.allow_damaged).to_pandas()
         table = table[~table["trivial"].fillna(False).astype(bool)]
         lines = []
         for (space, alpha), values in table.groupby(["space", "alpha"], sort=True)["rel_deviation"]:
@@ -101,11 +104,11 @@ class Run:
                name: str | None = None) -> Path:
         """Build the run's report (:func:`probe.report.build_report`); return its directory
         (``out``, default ``RUN_DIR/report``), which holds ``index.html``."""
-        return report(self.run_dir, out, formats, name=name)
+        return report(self.run_dir, out, formats, name=name, allow_damaged=self.allow_damaged)
 
     def export(self, to: str | Path) -> int:
         """Write the rows into one file, Parquet or CSV by its extension; return the row count."""
-        return export(self.run_dir, to)
+        return export(self.run_dir, to, allow_damaged=self.allow_damaged)
 
 
 def _numbers(value, option: str) -> tuple[float, ...]:
@@ -231,10 +234,16 @@ def resume(run_dir: str | Path, *, progress: bool = True) -> Run:
     return Run(resume_pipeline(Path(run_dir), progress=progress))
 
 
-def load(run_dir: str | Path) -> Run:
-    """An existing run directory (complete, interrupted or still running) as a :class:`Run`."""
-    loaded = Run(run_dir)
-    loaded.manifest  # noqa: B018 -- raises ProbeError for a directory that is not a run
+def load(run_dir: str | Path, *, allow_damaged: bool = False) -> Run:
+    """An existing run directory (complete, interrupted or still running) as a :class:`Run`.
+
+    Its part files are checked against the manifest's records (:func:`probe.storage.require_intact`): a
+    damaged run (a part missing, truncated or not the one recorded) is refused by name, unless
+    ``allow_damaged``, which reads the intact parts only, with a warning.  ``probe resume`` repairs it."""
+    from .storage import require_intact
+
+    loaded = Run(run_dir, allow_damaged=allow_damaged)
+    require_intact(loaded.run_dir, loaded.manifest, allow_damaged=allow_damaged)
     return loaded
 
 
@@ -243,28 +252,29 @@ def _formats(formats: str | Sequence[str]) -> list[str]:
 
 
 def report(run_dir: str | Path | Run, out: str | Path | None = None, formats: str | Sequence[str] = "png", *,
-           name: str | None = None) -> Path:
+           name: str | None = None, allow_damaged: bool = False) -> Path:
     """Build a run's report (figures, ``summary.csv``/``.json``, ``index.html``); return its directory."""
     from .report import build_report
 
     run_dir = run_dir.run_dir if isinstance(run_dir, Run) else run_dir
-    return build_report(run_dir, out, _formats(formats), name=name)
+    return build_report(run_dir, out, _formats(formats), name=name, allow_damaged=allow_damaged)
 
 
 def compare(runs: Sequence[str | Path | Run], out: str | Path = "compare", formats: str | Sequence[str] = "png", *,
-            names: Sequence[str] | None = None) -> Path:
+            names: Sequence[str] | None = None, allow_damaged: bool = False) -> Path:
     """Overlay two or more runs on shared axes (per-layer mean and p95 against relative depth, ECDFs,
     ``compare.csv``); return the comparison's directory.  ``names``: a label per run, in order."""
     from .report import compare_runs
 
     paths = [each.run_dir if isinstance(each, Run) else Path(each) for each in runs]
-    return compare_runs(paths, out, _formats(formats), names=list(names) if names else None)
+    return compare_runs(paths, out, _formats(formats), names=list(names) if names else None,
+                        allow_damaged=allow_damaged)
 
 
-def export(run_dir: str | Path | Run, to: str | Path) -> int:
+def export(run_dir: str | Path | Run, to: str | Path, *, allow_damaged: bool = False) -> int:
     """Write a run's rows into one file: Parquet for ``*.parquet``, CSV for ``*.csv`` (any other
     extension is refused); return the row count."""
     from .storage import export as export_rows
 
     run_dir = run_dir.run_dir if isinstance(run_dir, Run) else run_dir
-    return export_rows(Path(run_dir), Path(to))
+    return export_rows(Path(run_dir), Path(to), allow_damaged=allow_damaged)

@@ -156,6 +156,10 @@ def _load_dataset(spec: DatasetSpec, streaming: bool):
     path = spec.local_path
     if path is not None:
         files = local_files(path)
+        for file in files:
+            problem = _first_json_value_problem(file, spec.text_column)
+            if problem:
+                raise ProbeError(f"Cannot read the dataset file '{file}': {problem}. Fix the file or pass another one.")
         try:
             return datasets.load_dataset(
                 LOCAL_BUILDERS[files[0].suffix], data_files=[str(f) for f in files], split="train", streaming=streaming
@@ -252,6 +256,27 @@ def diagnose_file(file: Path, column: str) -> str | None:
             return _csv_problem(_lines(file))
         for _ in _lines(file):
             pass
+    except _Found as found:
+        return str(found)
+    return None
+
+
+def _first_json_value_problem(file: Path, column: str) -> str | None:
+    """A JSON file whose first value is ``null`` crashes the process inside pyarrow's JSON reader
+    (pyarrow 26: a segmentation fault, found by tests/test_fuzz.py), which ``datasets`` calls first: so it
+    is refused before.  Reads the file's first non-blank line only."""
+    if file.suffix not in (".json", ".jsonl"):
+        return None
+    try:
+        for number, line in _lines(file):
+            if line.strip():
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError:
+                    return None  # a document over several lines, or bad JSON: diagnosed if datasets fails
+                if value is None:
+                    return f"line {number} is a JSON null, not an object like {{\"{column}\": \"...\"}}"
+                return None
     except _Found as found:
         return str(found)
     return None

@@ -8,3 +8,17 @@ exits with status 2 instead of showing a traceback from deep inside a library.
 
 class ProbeError(Exception):
     """An error caused by the user's input, with a message that says what to do."""
+
+
+#: exit status of a run stopped by an I/O error (sysexits.h's EX_IOERR)
+EXIT_IO_ERROR = 74
+
+
+class RunIOError(ProbeError):
+    """Writing a run failed (a full disk, a read-only, vanished or no longer writable run directory).
+
+    The message says what happened, what is safe and how to continue; the CLI prints it and exits with
+    :data:`EXIT_IO_ERROR` (74) instead of 2, so that scripts can tell a failed disk from a bad input.
+    """
+
+    exit_code = EXIT_IO_ERROR

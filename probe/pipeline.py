@@ -13,6 +13,7 @@ torchrun as several processes, the processes share the batches (:mod:`probe.dist
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -30,7 +31,7 @@ import torch
 from . import __version__, allocator, distributed, fingerprint, naming, native, storage
 from .config import RunConfig, config_from_json, config_to_json  # noqa: F401 (probe.pipeline.RunConfig, as before)
 from .data import DatasetSpec, Texts, load_texts
-from .errors import ProbeError
+from .errors import ProbeError, RunIOError
 from .loading import LoadedModel, load_model
 from .parallel import Lane
 from .rows import RowContext, Summary, process_batch
@@ -38,7 +39,8 @@ from .stopping import RunStopped, Stops
 from .validate import check_run
 
 
-#: while batches finish, rank 0 rewrites the manifest at most this often (seconds), and at every stop and
+#: while batches finish, rank 0 rewrites the manifest at most this often (seconds; less often when a
+#: rewrite would take more than 1% of the time, as the part records make it grow), and at every stop and
 #: at the end.  The part files are the record of what is finished (resume reads them); the manifest's
 #: running totals and heartbeat (stale after at least 600 s) are for whoever watches the run.
 REPORT_EVERY_S = 1.0
@@ -230,6 +232,7 @@ def _new_manifest(job: _Job) -> dict:
             **_tokenizer_inputs(config.tokenizer),
         },
         "segments": [],
+        "parts": [],  # one record per finished part file (storage.describe_part), kept by _PartIndex
     }
 
 
@@ -237,25 +240,40 @@ class _PartIndex:
     """The run's part files read so far: their records folded into the run's summary and into the
     batches and seconds of each (segment, rank).  Rank 0 follows every rank's progress through it."""
 
-    def __init__(self, run_dir: Path, tolerance: float):
+    def __init__(self, run_dir: Path, tolerance: float, recorded: dict[int, dict] | None = None):
         self.run_dir = run_dir
         self.summary = Summary(tolerance)
-        self.records: dict[int, dict] = {}
+        #: the batches folded in so far (their records are folded, not kept: memory stays flat over a run)
+        self.records: set[int] = set()
         self.work: dict[tuple[int, int], dict] = {}
+        #: batch -> the manifest's record of its part file (name, bytes, rows, SHA-256); the ones the manifest
+        #: already holds (checked by resume) are taken as they are, new ones are described when first seen
+        self.parts: dict[int, dict] = dict(recorded or {})
+
+    def part_records(self) -> list[dict]:
+        return [self.parts[batch] for batch in sorted(self.parts)]
 
     def refresh(self) -> int:
-        """Read the part files not seen yet; return how many batches are finished."""
+        """Read the part files not seen yet (a directory listing: other ranks' parts); return how many
+        batches are finished."""
         for batch, path in storage.part_files(self.run_dir).items():
-            if batch not in self.records:
-                record = self.records[batch] = storage.part_record(path)
-                self.summary.merge(Summary.from_state(record["summary"]))
-                work = self.work.setdefault(
-                    (record["segment"], record["rank"]), {"batches": 0, "capture_s": 0.0, "solve_s": 0.0}
-                )
-                work["batches"] += 1
-                work["capture_s"] += record["seconds"]["capture"]
-                work["solve_s"] += record["seconds"]["solve"]
+            self.add(batch, path)
         return len(self.records)
+
+    def add(self, batch: int, path: Path) -> None:
+        """Fold in one finished part (this process's own, just written: no directory listing, whose cost
+        grows with the run)."""
+        if batch in self.records:
+            return
+        if batch not in self.parts:
+            self.parts[batch] = storage.describe_part(path, batch)
+        record = storage.part_record(path)
+        self.records.add(batch)
+        self.summary.merge(Summary.from_state(record["summary"]))
+        work = self.work.setdefault((record["segment"], record["rank"]), {"batches": 0, "capture_s": 0.0, "solve_s": 0.0})
+        work["batches"] += 1
+        work["capture_s"] += record["seconds"]["capture"]
+        work["solve_s"] += record["seconds"]["solve"]
 
     def fold_into(self, segment: dict) -> None:
         """Batches and seconds of the segment's ranks (and their sums) from the part files they wrote."""
@@ -308,10 +326,12 @@ def run(config: RunConfig) -> Path:
 
 
 def resume(run_dir: Path, *, progress: bool = True) -> Path:
-    """Continue a stopped run with its recorded settings; a complete run is returned untouched."""
+    """Continue a stopped run with its recorded settings, and repair a damaged one: part files that are
+    missing or do not match their records (size, footer, rows, SHA-256) are moved to ``RUN_DIR/quarantine``
+    and recomputed (:func:`probe.storage.repair_parts`).  A complete, intact run is returned untouched."""
     run_dir = Path(run_dir)
     manifest = storage.read_manifest(run_dir)
-    if manifest.get("status") == "complete":
+    if manifest.get("status") == "complete" and storage.check_parts(run_dir, manifest, checksums=True).ok:
         return run_dir
     if "config" not in manifest or not (run_dir / storage.PARTS).is_dir():
         raise ProbeError(f"{run_dir} was written by an older probe that cannot resume runs. Start a new `probe run`.")
@@ -324,8 +344,16 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
         job = group.agree(lambda: _prepare_resume(run_dir, manifest, config, group.device(config.device)))
         stops.hold()
 
-        def hold() -> None:  # rank 0 holds the run directory
+        def hold() -> None:  # rank 0 holds the run directory, and sets damaged parts aside to be redone
             held.enter_context(storage.writer_lock(run_dir))
+            check, moved = storage.repair_parts(run_dir, manifest)
+            if check.damaged:
+                manifest.setdefault("repairs", []).append({
+                    "at": _now(), "quarantine": str(moved) if moved else None,
+                    "batches": {str(batch): why for batch, why in sorted(check.damaged.items())},
+                })
+                if manifest.get("status") == "complete":
+                    manifest.update(status="interrupted", stop_reason=f"damaged: {check.describe()}")
             for segment in manifest["segments"]:  # a segment killed without a chance to say so
                 if segment.get("status") == "running":
                     segment.update(status="interrupted", stop_reason=manifest.get("stop_reason"))
@@ -384,7 +412,61 @@ def _execute(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, grou
     processes, rank r takes every world-th of them and rank 0 keeps the manifest.  The C heap keeps
     freed memory for reuse meanwhile (:mod:`probe.allocator`)."""
     with allocator.kept_heap():
-        return _execute_batches(run_dir, manifest, job, stops, group)
+        try:
+            return _execute_batches(run_dir, manifest, job, stops, group)
+        except OSError as error:  # the disk, not the input: one paragraph and its own exit status
+            if not _is_run_io_error(run_dir, error):
+                raise
+            raise _io_error(run_dir, error, manifest) from None
+
+
+_IO_ADVICE = {
+    errno.ENOSPC: "Free space on that file system (or move the run directory to a larger one)",
+    errno.EDQUOT: "Free space within your quota (or move the run directory elsewhere)",
+    errno.EROFS: "The file system became read-only: remount it read-write (or copy the run directory to a "
+                 "writable place and resume the copy)",
+    errno.EACCES: f"Give yourself write permission on the run directory and its {storage.PARTS} again",
+    errno.EPERM: f"Give yourself write permission on the run directory and its {storage.PARTS} again",
+    errno.EIO: "The device reported a hardware I/O error: check it (dmesg) before trusting it again",
+}
+
+
+def _is_run_io_error(run_dir: Path, error: OSError) -> bool:
+    """An error of the disk under the run (its kind, a file in the run directory, or the directory gone),
+    not an OSError of something else (a library's, a model file's) that happens to share the type."""
+    inside = bool(error.filename) and str(Path(error.filename).absolute()).startswith(str(Path(run_dir).absolute()))
+    return error.errno in _IO_ADVICE or inside or not Path(run_dir).is_dir()
+
+
+def _io_error(run_dir: Path, error: OSError, manifest: dict | None) -> RunIOError:
+    """The one paragraph for an I/O error during a run: what happened, what is safe, what to do."""
+    import shlex
+
+    what = f"{error.strerror or error} ({errno.errorcode.get(error.errno, error.errno)})"
+    where = f" at {error.filename}" if error.filename else ""
+    if not Path(run_dir).is_dir():
+        return RunIOError(
+            f"Writing the run failed: {what}{where}. The run directory {run_dir} no longer exists (deleted or "
+            "unmounted while the run was going on), so its finished batches went with it; nothing else was "
+            "written. Restore it from a backup and `probe resume` it, or start again with `probe run`."
+        )
+    done = storage.part_files(run_dir)
+    if not (Path(run_dir) / storage.MANIFEST).is_file():  # the first manifest write failed: nothing to resume
+        return RunIOError(
+            f"Writing the run failed: {what}{where}, before its first batch: nothing was finished, and "
+            f"{run_dir} holds no manifest to resume from (delete it). {_IO_ADVICE.get(error.errno, 'Fix the cause')}, "
+            "then start again with `probe run`."
+        )
+    manifest_note = (
+        "the manifest records the stop" if getattr(error, "probe_manifest_written", False)
+        else "the manifest could not be updated, which resume does not need: it reads and checks the part files"
+    )
+    advice = _IO_ADVICE.get(error.errno, "Fix the cause")
+    return RunIOError(
+        f"Writing the run failed: {what}{where}. Safe: the {len(done)} batch(es) finished before it are whole "
+        f"part files in {Path(run_dir) / storage.PARTS} ({manifest_note}); the half-written file was removed "
+        f"and nothing finished was lost. {advice}, then continue with: probe resume {shlex.quote(str(run_dir))}"
+    )
 
 
 def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Stops, group: distributed.Group) -> Path:
@@ -418,37 +500,45 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
         return [batch for batch in range(len(job.batches)) if batch not in done], len(manifest["segments"]) - 1
 
     todo, segment_number = group.from_main(start)
-    index = _PartIndex(run_dir, config.fidelity_tolerance) if group.main else None
+    index = _PartIndex(run_dir, config.fidelity_tolerance, storage.part_records(manifest)) if group.main else None
+    if group.main:
+        index.refresh()  # the parts of earlier segments (resume); later, this process's own as it writes them
     segment = manifest["segments"][-1] if group.main else None
-    longest_batch_s, reported_at = 0.0, time.perf_counter()
+    longest_batch_s, reported_at, report_every_s = 0.0, time.perf_counter(), REPORT_EVERY_S
     progress = _progress(len(job.batches), len(job.batches) - len(todo), config.progress and group.main)
     if group.main:  # a resumed run's bar counts the rows of its earlier segments too
         index.refresh()
         progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)
 
     def report() -> None:  # rank 0: progress, totals and heartbeat into the manifest
-        nonlocal reported_at
+        nonlocal reported_at, report_every_s
+        if ranks.world > 1:
+            index.refresh()  # the other ranks' parts
         index.fold_into(segment)
         segment["timings_s"]["total_s"] = time.perf_counter() - job.started
         manifest.update(
             batches_done=len(index.records),
+            parts=index.part_records(),
             process=storage.heartbeat(storage.process_identity(), max(600.0, 10 * longest_batch_s)),
             solver=index.summary.solver(),
             deviations=index.summary.settings(),
             fidelity=index.summary.fidelity_summary(),
             timings_s=_timings(manifest),
         )
+        written = time.perf_counter()
         storage.write_manifest(run_dir, manifest)
         progress.update(len(index.records) - progress.n)
         progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)
         reported_at = time.perf_counter()
+        # the manifest grows by a part record per batch: at most 1% of the time goes into rewriting it
+        report_every_s = max(REPORT_EVERY_S, 100 * (reported_at - written))
 
     def commit(batch, finish, batch_started) -> None:  # wait for the batch's solves and write its part file
         nonlocal longest_batch_s
         with stops.interruptible():  # a stop while the batch is computed drops it
             table, batch_summary, seconds = finish()
         written = time.perf_counter()
-        storage.write_part(run_dir, batch, table, {
+        path = storage.write_part(run_dir, batch, table, {
             "examples": [job.texts.indices[i] for i in job.batches[batch]],
             "segment": segment_number,
             "rank": ranks.rank,
@@ -458,10 +548,10 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
         longest_batch_s = max(longest_batch_s, time.perf_counter() - batch_started)
         if group.main:
             segment["timings_s"]["write_s"] += time.perf_counter() - written
-            index.refresh()
+            index.add(batch, path)
             progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)  # every row written so far
             progress.update(len(index.records) - progress.n)
-            if time.perf_counter() - reported_at >= REPORT_EVERY_S:
+            if time.perf_counter() - reported_at >= report_every_s:
                 report()
 
     # Batch k + 1 is captured while batch k's last stack is solved in the lane (a CPU run on several
@@ -534,7 +624,10 @@ def _record_stop(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex
         reason = "stopped by SIGINT (Ctrl-C)"
     else:
         reason = f"failed: {type(error).__name__}: {error}"
-    index.refresh()
+    try:
+        index.refresh()
+    except OSError:  # the directory went away or became unreadable: the totals are those seen so far
+        pass
     index.fold_into(segment)
     segment.update(status="interrupted", stop_reason=reason, finished_at=_now())
     segment["timings_s"]["total_s"] = time.perf_counter() - started
@@ -542,13 +635,21 @@ def _record_stop(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex
         status="interrupted",
         stop_reason=reason,
         batches_done=len(index.records),
+        parts=index.part_records(),
         solver=index.summary.solver(),
         deviations=index.summary.settings(),
         fidelity=index.summary.fidelity_summary(),
         timings_s=_timings(manifest),
         note=f"{storage.PARTS} holds every batch finished before the stop; `probe resume` continues the run",
     )
-    storage.write_manifest(run_dir, manifest)
+    try:
+        storage.write_manifest(run_dir, manifest)
+    except OSError:  # the disk that stopped the run may refuse this too; the part files are the record
+        if not isinstance(error, OSError):
+            raise
+    else:
+        if isinstance(error, OSError):
+            error.probe_manifest_written = True
 
 
 def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex, config: RunConfig,
@@ -564,6 +665,7 @@ def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _Par
         status="complete",
         finished_at=_now(),
         batches_done=len(index.records),
+        parts=index.part_records(),
         solver=index.summary.solver(),
         deviations=index.summary.settings(),
         fidelity=index.summary.fidelity_summary(),

@@ -22,6 +22,17 @@ Each part carries, in its parquet metadata under ``probe.batch``, the batch's nu
 solver/fidelity summary and timing; totals over a run are folded from these, so they are right however
 many processes (segments, ranks) wrote the parts.
 
+Part records.  The manifest's ``parts`` list records, for every finished part, what the file must be:
+its name, size in bytes, row count and SHA-256.  A part is renamed into place first and recorded at the
+manifest's next write (within a second, and at every stop and at the end), so after a kill (SIGKILL,
+power loss) between the two a part can be present but *unrecorded*: it is whole by construction (it was
+fsynced before its rename), so readers take it after the cheap checks that need no record (its footer
+reads, its row count equals its own ``probe.batch`` summary's, its batch number is its name's), and
+``probe resume`` reads it in full and records it (or, if that fails, quarantines and recomputes it).
+Every reader calls :func:`check_parts` (cheap: presence, size, footer row count; checksums on request)
+and refuses a damaged run (:class:`DamagedRunError`) unless told to read what is left, never a silent
+subset; ``probe resume`` moves damaged parts into ``RUN_DIR/quarantine/`` and recomputes them.
+
 Liveness.  A running run's manifest records the writer's pid, host, process start time and a heartbeat
 (updated after every batch).  :func:`read_manifest` reports a ``"running"`` manifest whose process is
 gone (same host and that process no longer exists, or another host and the heartbeat is stale) as
@@ -30,12 +41,15 @@ gone (same host and that process no longer exists, or another host and the heart
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -49,6 +63,10 @@ from .schema import DEVIATION_SCHEMA
 MANIFEST = "manifest.json"
 LOCK = ".lock"
 PARTS = "deviations.parquet"
+#: where ``probe resume`` moves damaged part files (outside PARTS, so no reader of PARTS sees them)
+QUARANTINE = "quarantine"
+#: the manifest's key for the list of part records (file, bytes, rows, sha256 per finished batch)
+PART_RECORDS = "parts"
 #: The key, in each part file's parquet metadata, of the batch's record (JSON).
 PART_METADATA_KEY = b"probe.batch"
 _PART_NAME = re.compile(r"^part-(\d+)\.parquet$")
@@ -93,7 +111,10 @@ def _replace_atomically(path: Path, write) -> None:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        try:  # the directory may be gone or read-only by now: the original error is the one to report
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
         raise
     _fsync_directory(path.parent)
 
@@ -193,7 +214,17 @@ def writer_lock(run_dir: Path):
     except ImportError:  # Windows: no advisory locks; the liveness check still guards resume
         yield
         return
-    with open(Path(run_dir) / LOCK, "a") as handle:
+    try:
+        handle = open(Path(run_dir) / LOCK, "a")
+    except OSError as error:
+        from .errors import RunIOError
+
+        raise RunIOError(
+            f"Cannot open {Path(run_dir) / LOCK} for writing ({error.strerror or error}): the run directory is not "
+            "writable (a read-only or full file system, or its permissions). Make it writable, then try again; "
+            "nothing was changed."
+        ) from None
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -278,30 +309,246 @@ def remove_temporaries(run_dir: Path) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
+# part records and their checks
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def describe_part(path: Path, batch: int | None = None) -> dict:
+    """The record of a part file as the manifest keeps it: batch, file name, bytes, rows (from the footer),
+    SHA-256 of the whole file."""
+    path = Path(path)
+    if batch is None:
+        batch = int(_PART_NAME.match(path.name).group(1))
+    return {"batch": batch, "file": path.name, "bytes": path.stat().st_size,
+            "rows": pq.read_metadata(path).num_rows, "sha256": file_sha256(path)}
+
+
+def part_records(manifest: dict) -> dict[int, dict]:
+    """Batch number -> its record in the manifest (none for a run written before records existed)."""
+    records = manifest.get(PART_RECORDS) if isinstance(manifest, dict) else None
+    return {int(r["batch"]): r for r in records or () if isinstance(r, dict) and "batch" in r}
+
+
+class DamagedRunError(ProbeError):
+    """A reader refused a run whose part files do not match their records (missing, resized, unreadable,
+    wrong rows or checksum)."""
+
+    def __init__(self, message: str, check: "PartsCheck"):
+        super().__init__(message)
+        self.check = check
+
+
+@dataclass
+class PartsCheck:
+    """What :func:`check_parts` found in a run directory.
+
+    ``readable``: batch -> part file, for every part that passed (the ones a reader reads);
+    ``damaged``: batch -> what is wrong with it (its file is missing, has another size, an unreadable
+    footer, other rows or another checksum than recorded); ``unrecorded``: batches whose part is present
+    and sound but not (yet) in the manifest's records, as a kill right after a part's rename leaves it.
+    """
+
+    run_dir: Path
+    status: str | None
+    batches_total: int | None
+    readable: dict[int, Path] = field(default_factory=dict)
+    damaged: dict[int, str] = field(default_factory=dict)
+    unrecorded: list[int] = field(default_factory=list)
+    checksums: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.damaged
+
+    def describe(self, limit: int = 8) -> str:
+        """``batches 3 (missing), 7 (12,345 bytes, recorded 23,456)``, the first ``limit`` of them."""
+        items = [f"{batch} ({why})" for batch, why in sorted(self.damaged.items())]
+        more = f" and {len(items) - limit} more" if len(items) > limit else ""
+        return f"batch{'es' if len(items) > 1 else ''} {', '.join(items[:limit])}{more}"
+
+    def banner(self) -> str:
+        """What a reader told to read a damaged run anyway prints, and puts on what it writes."""
+        return (
+            f"DAMAGED RUN, read anyway (--allow-damaged): {len(self.damaged)} damaged part(s) left out, "
+            f"{self.describe()}; what follows covers {len(self.readable)} of "
+            f"{self.batches_total if self.batches_total is not None else '?'} batches. "
+            f"Repair with: probe resume {self.run_dir}"
+        )
+
+
+def _footer_problem(path: Path, expected_rows: int | None, batch: int) -> tuple[str | None, int | None]:
+    """What is wrong with a part's footer (None if nothing), and its row count."""
+    try:
+        metadata = pq.read_metadata(path)
+    except (OSError, pa.ArrowException) as error:
+        return f"unreadable footer: {str(error).splitlines()[0][:120]}", None
+    rows = metadata.num_rows
+    if expected_rows is not None and rows != expected_rows:
+        return f"{rows:,} rows, recorded {expected_rows:,}", rows
+    raw = (metadata.metadata or {}).get(PART_METADATA_KEY)
+    if expected_rows is None and raw is not None:  # unrecorded: its own batch record must agree with it
+        try:
+            record = json.loads(raw)
+            own_batch = int(record["batch"])
+            own_rows = record.get("summary", {}).get("rows")
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return "its probe.batch record does not read", rows
+        if own_batch != batch:
+            return f"holds batch {own_batch}, not {batch}", rows
+        if own_rows is not None and own_rows != rows:
+            return f"{rows:,} rows, its own record says {own_rows:,}", rows
+    return None, rows
+
+
+def check_parts(run_dir: Path, manifest: dict | None = None, *, checksums: bool = False) -> PartsCheck:
+    """Check a run's part files against the manifest's records: the one check every reader makes.
+
+    Cheap (a directory listing, one ``stat`` and one footer read per part): each recorded part must be
+    present with its recorded size and row count; a part present but unrecorded must have a sound footer
+    whose row count and batch number agree with its own ``probe.batch`` record; a complete run must have
+    a part for every batch of its plan.  ``checksums=True`` also compares every recorded part's SHA-256
+    (reads every byte: ``probe resume`` and ``probe verify`` do).
+    """
+    run_dir = Path(run_dir)
+    if manifest is None:  # a run directory whose first manifest is not written yet has no records
+        manifest = read_manifest(run_dir) if (run_dir / MANIFEST).exists() else {}
+    records = part_records(manifest)
+    try:
+        present = part_files(run_dir)
+    except OSError as error:
+        raise ProbeError(f"Cannot list {run_dir / PARTS} ({error.strerror or error}): check its permissions.") from None
+    total = manifest.get("batches_total")
+    check = PartsCheck(run_dir, manifest.get("status"), total if isinstance(total, int) else None,
+                       checksums=checksums)
+    expected = set(records)
+    if check.status == "complete" and check.batches_total is not None:
+        expected |= set(range(check.batches_total))  # a complete run has every batch (records or not: old runs)
+    for batch in sorted(expected | set(present)):
+        path, record = present.get(batch), records.get(batch)
+        if path is None:
+            check.damaged[batch] = "missing" + ("" if record else ", never recorded")
+            continue
+        try:
+            if record is not None:
+                size = path.stat().st_size
+                if size != record["bytes"]:
+                    check.damaged[batch] = f"{size:,} bytes, recorded {record['bytes']:,}"
+                    continue
+            problem, _ = _footer_problem(path, record["rows"] if record else None, batch)
+            if problem is None and record is not None and checksums and file_sha256(path) != record["sha256"]:
+                problem = "SHA-256 differs from the recorded one"
+        except OSError as error:  # unreadable (permissions, an I/O error) or gone since the listing
+            problem = f"unreadable: {error.strerror or error}"
+        if problem is not None:
+            check.damaged[batch] = problem
+            continue
+        if record is None:
+            check.unrecorded.append(batch)
+        check.readable[batch] = path
+    return check
+
+
+def require_intact(run_dir: Path, manifest: dict | None = None, *, allow_damaged: bool = False,
+                   checksums: bool = False) -> PartsCheck:
+    """:func:`check_parts`, refusing a damaged run with a message that names the batches and what is wrong
+    (:class:`DamagedRunError`), unless ``allow_damaged``: then the caller reads ``check.readable`` and
+    shows ``check.banner()``."""
+    check = check_parts(run_dir, manifest, checksums=checksums)
+    if check.damaged and not allow_damaged:
+        raise DamagedRunError(
+            f"{run_dir} is damaged: {check.describe()}. Its other parts are intact, but reading it now would "
+            f"silently leave these batches out. Repair it with `probe resume {run_dir}` (it moves the damaged "
+            f"parts to {Path(run_dir) / QUARANTINE} and recomputes them), or pass --allow-damaged to read "
+            "what is left, marked as such.",
+            check,
+        )
+    return check
+
+
+def quarantine(run_dir: Path, batches) -> Path | None:
+    """Move the part files of ``batches`` (those present) into ``RUN_DIR/quarantine/<time>/``; return it."""
+    run_dir = Path(run_dir)
+    present = part_files(run_dir)
+    moving = [present[b] for b in sorted(batches) if b in present]
+    if not moving:
+        return None
+    target = run_dir / QUARANTINE / datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    target.mkdir(parents=True)
+    for path in moving:
+        shutil.move(str(path), target / path.name)
+    _fsync_directory(run_dir / PARTS)
+    return target
+
+
+def repair_parts(run_dir: Path, manifest: dict) -> tuple[PartsCheck, Path | None]:
+    """Before a resume: check every part in full (checksums; an unrecorded part is read whole), move the
+    damaged ones to the quarantine folder and drop their records; record the sound unrecorded ones.
+    Returns the check and the quarantine folder (None when nothing moved).  ``manifest`` is updated."""
+    check = check_parts(run_dir, manifest, checksums=True)
+    for batch in list(check.unrecorded):
+        path = check.readable[batch]
+        try:
+            rows = pq.read_table(path).num_rows  # every page decoded, not only the footer
+            record = describe_part(path, batch)
+            if rows != record["rows"]:
+                raise ValueError(f"{rows} rows decoded, footer says {record['rows']}")
+        except (OSError, ValueError, pa.ArrowException) as error:
+            check.damaged[batch] = f"unreadable: {str(error).splitlines()[0][:120]}"
+            del check.readable[batch]
+            check.unrecorded.remove(batch)
+            continue
+        manifest.setdefault(PART_RECORDS, []).append(record)
+    moved = quarantine(run_dir, check.damaged)
+    if check.damaged:
+        manifest[PART_RECORDS] = [r for r in manifest.get(PART_RECORDS, []) if int(r["batch"]) not in check.damaged]
+    manifest[PART_RECORDS] = sorted(manifest.get(PART_RECORDS, []), key=lambda r: int(r["batch"]))
+    return check, moved
+
+
+# --------------------------------------------------------------------------------------------------
 # readers and export
 
 
-def deviations_dataset(path: Path) -> ds.Dataset:
-    """The deviations table at ``path`` (a run's parts directory, or a single exported parquet file)."""
+def deviations_dataset(path: Path, files=None) -> ds.Dataset:
+    """The deviations table at ``path`` (a run's parts directory, or a single exported parquet file);
+    ``files``: the part files to read (default: every one in the directory)."""
     path = Path(path)
-    if path.is_dir():
-        files = sorted(str(p) for p in path.iterdir() if _PART_NAME.match(p.name))
+    if path.is_dir() or files is not None:
+        if files is None:
+            files = [p for p in path.iterdir() if _PART_NAME.match(p.name)]
+        files = sorted(str(p) for p in files)
         return ds.dataset(files, format="parquet", schema=None if files else DEVIATION_SCHEMA)
     return ds.dataset(str(path), format="parquet")
 
 
-def read_deviations(run_dir: Path, columns=None) -> pa.Table:
-    """Every finished batch's rows of a run, in batch order (``columns``: a subset to read)."""
-    return deviations_dataset(Path(run_dir) / PARTS).to_table(columns=columns)
+def read_deviations(run_dir: Path, columns=None, *, allow_damaged: bool = False) -> pa.Table:
+    """Every finished batch's rows of a run, in batch order (``columns``: a subset to read), after
+    :func:`require_intact`; a damaged run is refused unless ``allow_damaged`` (then with a warning)."""
+    check = require_intact(run_dir, allow_damaged=allow_damaged)
+    if check.damaged:
+        import warnings
+
+        warnings.warn(check.banner(), stacklevel=2)
+    return deviations_dataset(Path(run_dir) / PARTS, files=check.readable.values()).to_table(columns=columns)
 
 
 #: what ``export`` writes, by the extension of its target
 EXPORT_FORMATS = {".parquet": "Parquet", ".csv": "CSV"}
 
 
-def export(run_dir: Path, to: Path) -> int:
+def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: dict | None = None) -> int:
     """Write a run's rows into one file, in the format its extension names (:data:`EXPORT_FORMATS`):
-    Parquet (one row group per batch) or CSV (with a header line); return the row count."""
+    Parquet (one row group per batch) or CSV (with a header line); return the row count.
+
+    The parts are checked first (:func:`require_intact`): a damaged run is refused unless
+    ``allow_damaged``, and then a Parquet file's metadata carries the banner under ``probe.damaged``."""
     run_dir, to = Path(run_dir), Path(to)
     if to.suffix.lower() not in EXPORT_FORMATS:
         raise ProbeError(
@@ -317,8 +564,11 @@ def export(run_dir: Path, to: Path) -> int:
         raise ProbeError(f"The directory of --to ({to.parent}) does not exist. Create it first.")
     if to.resolve().is_relative_to(parts.resolve()):
         raise ProbeError(f"--to {to} is inside the run's parts directory; choose a file outside {parts}.")
-    files = sorted(p for p in parts.iterdir() if _PART_NAME.match(p.name))
+    check = require_intact(run_dir, manifest, allow_damaged=allow_damaged)
+    files = sorted(check.readable.values())
     schema = pq.read_schema(files[0]).remove_metadata() if files else DEVIATION_SCHEMA
+    if check.damaged:
+        schema = schema.with_metadata({b"probe.damaged": check.banner().encode()})
     rows = 0
 
     def write(handle):
@@ -326,7 +576,7 @@ def export(run_dir: Path, to: Path) -> int:
         if to.suffix.lower() == ".csv":
             from pyarrow import csv
 
-            with csv.CSVWriter(handle, schema) as writer:
+            with csv.CSVWriter(handle, schema.remove_metadata()) as writer:
                 for path in files:
                     table = pq.read_table(path).replace_schema_metadata(None)
                     writer.write_table(table)
@@ -334,7 +584,7 @@ def export(run_dir: Path, to: Path) -> int:
             return
         with pq.ParquetWriter(handle, schema, **_parquet_options(schema)) as writer:
             for path in files:
-                table = pq.read_table(path).replace_schema_metadata(None)
+                table = pq.read_table(path).replace_schema_metadata(schema.metadata)
                 writer.write_table(table)
                 rows += table.num_rows
 

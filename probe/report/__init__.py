@@ -65,6 +65,7 @@ def build_report(
     formats: Sequence[str] = ("png",),
     *,
     name: str | None = None,
+    allow_damaged: bool = False,
 ) -> Path:
     """Build figures, ``summary.csv``, ``summary.json`` and ``index.html`` for a run; return the report directory.
 
@@ -77,7 +78,7 @@ def build_report(
     formats = check_formats(formats)
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
-    run = read_run(run_dir, name=name)
+    run = read_run(run_dir, name=name, allow_damaged=allow_damaged)
     if out_dir.exists() and not out_dir.is_dir():
         raise ProbeError(f"Report directory {out_dir} exists and is not a directory. Choose another --out.")
 

@@ -136,7 +136,7 @@ def ecdf_figure(runs: list[Run], labels: list[str], types: list[str], x_max: flo
 
 def compare_runs(
     run_dirs: Sequence[str | Path], out_dir: str | Path = "compare", formats: Sequence[str] = ("png",),
-    *, names: Sequence[str] | None = None,
+    *, names: Sequence[str] | None = None, allow_damaged: bool = False,
 ) -> Path:
     """Compare runs on shared axes; write ``depth`` and ``ecdf`` figures, ``compare.csv`` and ``index.html``.
 
@@ -150,7 +150,7 @@ def compare_runs(
     resolved = [p.resolve() for p in paths]
     if len(set(resolved)) < len(resolved):
         raise ProbeError("A run directory is given twice; give each run once.")
-    runs = [read_run(path) for path in paths]
+    runs = [read_run(path, allow_damaged=allow_damaged) for path in paths]
     empty = [str(run.run_dir) for run in runs if run.rows.empty]
     if empty:
         raise ProbeError(f"These runs have no rows, so there is nothing to compare: {', '.join(empty)}.")

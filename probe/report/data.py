@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from ..errors import ProbeError
 from ..schema import DEVIATION_SCHEMA
-from ..storage import deviations_dataset, with_liveness
+from ..storage import MANIFEST, deviations_dataset, require_intact, with_liveness
 
 #: Columns the report cannot do without.
 NEEDED_COLUMNS = ("attention_type", "layer", "head", "example", "query", "rel_deviation", "converged")
@@ -156,22 +156,23 @@ def _type_kind(arrow_type: pa.DataType) -> str:
     return str(arrow_type)
 
 
-def _schema(path: Path) -> pa.Schema:
+def _schema(path: Path, files=None) -> pa.Schema:
     """The Arrow schema of a run's part files (or of one exported parquet file)."""
-    dataset = deviations_dataset(path)
+    dataset = deviations_dataset(path, files)
     if path.is_dir() and not dataset.files:
         raise ProbeError(f"{path} holds no parquet part files. {RUN_HINT}")
     return dataset.schema
 
 
-def read_deviations(path: Path) -> pd.DataFrame:
-    """The columns the report uses, from a parquet file or a directory of part files.
+def read_deviations(path: Path, files=None) -> pd.DataFrame:
+    """The columns the report uses, from a parquet file or a directory of part files (``files``: the
+    part files to read, as :func:`probe.storage.require_intact` passed them; default: all).
 
     Checks that the needed columns exist with the right types; optional columns are read when present
     (all-null columns, as written before the pipeline computes them, come back as NaN / None).
     """
     try:
-        schema = _schema(path)
+        schema = _schema(path, files)
     except (pa.ArrowException, OSError) as error:
         raise ProbeError(f"Cannot read {path} as parquet ({error}). {RUN_HINT}") from None
     missing = [name for name in NEEDED_COLUMNS if name not in schema.names]
@@ -190,7 +191,7 @@ def read_deviations(path: Path) -> pd.DataFrame:
         raise ProbeError(f"{path} has columns of the wrong type: {'; '.join(wrong)}. Re-run `probe run`.")
     dictionary = [name for name in DICTIONARY_COLUMNS if name in columns]
     try:
-        table = deviations_dataset(path).to_table(columns=columns)
+        table = deviations_dataset(path, files).to_table(columns=columns)
         for name in dictionary:  # strings repeated on every row: categoricals, small however many rows
             table = table.set_column(table.schema.get_field_index(name), name, table[name].dictionary_encode())
     except (pa.ArrowException, OSError) as error:
@@ -327,11 +328,13 @@ def note_data_problems(run: Run) -> None:
         run.notes.append("The fidelity check failed: reconstructed attention differs from the model's.")
 
 
-def read_run(run_dir: str | Path, *, name: str | None = None) -> Run:
+def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: bool = False) -> Run:
     """Read a run directory (``deviations.parquet`` file or directory, and ``manifest.json``).
 
     Raises :class:`ProbeError` when the directory or its table is missing or unreadable; a missing or
-    invalid manifest only warns (on the page and through :mod:`warnings`).
+    invalid manifest only warns (on the page and through :mod:`warnings`).  A run of part files with a
+    manifest is checked first (:func:`probe.storage.require_intact`): a damaged one is refused, or with
+    ``allow_damaged`` read without its damaged parts under a banner on the page.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -345,10 +348,16 @@ def read_run(run_dir: str | Path, *, name: str | None = None) -> Run:
             f"{table_path} does not exist: {run_dir} is not a probe run directory. "
             "Pass the run directory printed by `probe run` (it holds deviations.parquet and manifest.json)."
         )
-    rows = read_deviations(table_path)
-    manifest, problem = load_manifest(run_dir / "manifest.json")
+    manifest, problem = load_manifest(run_dir / MANIFEST)
     manifest = with_liveness(manifest)  # a "running" run whose process is gone was interrupted
-    notes = []
+    notes, files = [], None
+    if table_path.is_dir() and not problem:
+        check = require_intact(run_dir, manifest, allow_damaged=allow_damaged)
+        files = list(check.readable.values())
+        if check.damaged:
+            warnings.warn(check.banner(), stacklevel=3)
+            notes.append(check.banner())
+    rows = read_deviations(table_path, files)
     if problem:
         warnings.warn(problem, stacklevel=3)
         notes.append(problem)
