@@ -142,11 +142,11 @@ def options_only(monkeypatch):
 
 
 def assert_clean_exit(result):
-    """Exit 2 with a message (ours: 'error: ...'; click's: a usage error), never a traceback."""
+    """Exit 2 with a message (ours and click's alike: 'Error: ...'), never a traceback."""
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert "Traceback" not in result.output
-    assert "error: " in result.output or "Error" in result.output, result.output
+    assert "Error: " in result.output, result.output
 
 
 option_text = st.one_of(

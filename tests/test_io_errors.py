@@ -58,8 +58,8 @@ def failing_writes(monkeypatch, *, after: int, error: OSError | None = None, van
 def assert_one_paragraph(result, *fragments):
     assert result.exit_code == EXIT_IO_ERROR == 74, result.output
     assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
-    (message,) = [line for line in result.output.splitlines() if line.startswith("error:")]  # one paragraph
-    assert message.startswith("error: Writing the run failed"), message
+    (message,) = [line for line in result.output.splitlines() if line.startswith("Error:")]  # one paragraph
+    assert message.startswith("Error: Writing the run failed"), message
     for fragment in fragments:
         assert fragment in message, (fragment, message)
 
