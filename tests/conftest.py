@@ -69,3 +69,17 @@ def texts_file(tmp_path):
     path = tmp_path / "texts.txt"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Each test starts with the process's torch thread count as the session began: a test that runs a
+    script or benchmark which sets its own (``--threads 1``) must not change how later tests' runs solve
+    (tests/test_resume.py's interrupted runs stop at a solve call, and how the solves are split depends on
+    the thread count)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

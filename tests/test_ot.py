@@ -192,11 +192,18 @@ def explicit_gap(T, u, M, z, alpha, gamma, lam):
     positive = X > 0
     plan_value = (M[positive] * X[positive]).sum() + gamma * (X[positive] * np.log(X[positive])).sum()
     primal = alpha / 2 * ((b - T.T @ p) ** 2).sum() + plan_value
-    conjugate = sum(gamma * (u[j] * np.log(np.exp((T @ lam - M[j]) / gamma - ((T @ lam - M[j]) / gamma).max()).sum())
-                             + u[j] * ((T @ lam - M[j]) / gamma).max() - u[j] * np.log(u[j]))
-                    for j in range(len(u)) if u[j] > 0)
+    conjugate_terms = [
+        gamma * np.array([u[j] * np.log(np.exp((T @ lam - M[j]) / gamma - ((T @ lam - M[j]) / gamma).max()).sum()),
+                          u[j] * ((T @ lam - M[j]) / gamma).max(), -u[j] * np.log(u[j])])
+        for j in range(len(u)) if u[j] > 0
+    ]
+    conjugate = sum(terms.sum() for terms in conjugate_terms)
     dual = lam @ b - lam @ lam / (2 * alpha) - conjugate
-    return float(primal - dual), float(abs(primal) + abs(dual))
+    # the size that rounds: the terms' own magnitudes (they cancel: costs of 1e4 / gamma against each other)
+    size = (alpha / 2 * ((b - T.T @ p) ** 2).sum() + np.abs(M[positive] * X[positive]).sum()
+            + gamma * np.abs(X[positive] * np.log(X[positive])).sum() + abs(lam @ b) + lam @ lam / (2 * alpha)
+            + sum(np.abs(terms).sum() for terms in conjugate_terms))
+    return float(primal - dual), float(size)
 
 
 def test_duality_gap_closed_form_equals_primal_minus_dual():
@@ -324,7 +331,7 @@ def hard_instances(draw):
     return T, u, M, z, alpha, gamma
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(hard_instances())
 def test_property_every_problem_certified_or_flagged_and_certified_ones_check_out(case):
     T, u, M, z, alpha, gamma = case
