@@ -86,13 +86,14 @@ from .adapters.generic import DECODER, ENCODER, ENCODER_DECODER, InterfaceAdapte
 from .adapters.interface import AttentionCall, family_eager_function, unrepresentable
 from .errors import ProbeError
 from .rows import site_problems
+from .schema import INTERVENTION_COLUMNS, INTERVENTION_SCHEMA
 from .solver import DualProblems, DualSolution, factor_gram, solve_dual
 
 __all__ = [
     "SUBSTITUTES", "WHOLE", "InterventionConfig", "Outputs", "can_intervene", "require_intervention", "with_lm_head",
     "lm_kind", "pooling_of", "masked_lm_inputs", "run_forward", "site_substitutes", "null_attention", "effects",
     "per_site_records", "whole_model_records", "intervention_records", "records_table", "COLUMNS", "Trace", "pool",
-    "lm_labels", "site_name", "Substitute",
+    "lm_labels", "site_name", "Substitute", "run_config", "batch_records",
 ]
 
 _F64 = torch.float64
@@ -950,19 +951,38 @@ def intervention_records(loaded, inputs: dict, example_ids, config: Intervention
     return records
 
 
-#: the columns of a record, with their arrow types (the key is (space, alpha, substitute, site, example))
-COLUMNS = {
-    "space": "string", "alpha": "float64", "substitute": "string", "site": "string", "example": "int64",
-    "attention_type": "string", "layer": "int32", "hidden_change": "float64", "embedding_cosine": "float64",
-    "pooling": "string", "lm_head": "string", "lm_loss_original": "float64", "lm_loss": "float64",
-    "top1_agreement": "float64", "scored_tokens": "int32", "solver_rows": "int64", "solver_not_converged": "int64",
-    "max_relative_error_bound": "float64",
-}
+def run_config(config) -> InterventionConfig:
+    """The :class:`InterventionConfig` of a run's settings (:class:`probe.config.RunConfig`: ``--intervene``,
+    ``--intervene-modes`` and the run's alphas, spaces, rtol and seed)."""
+    modes = tuple(config.intervene_modes)
+    return InterventionConfig(
+        substitutes=tuple(config.intervene), alphas=tuple(config.alphas),
+        spaces=tuple(config.spaces) if config.spaces else None, rtol=config.rtol, seed=config.seed,
+        per_site="per-site" in modes, whole_model="whole" in modes,
+    )
+
+
+def batch_records(loaded, inputs: dict, example_ids, config: InterventionConfig,
+                  emit: Callable[[SiteCapture], None]) -> list[dict]:
+    """A run's batch: the records of :func:`intervention_records`, while ``emit`` (the run's row solver)
+    receives every site of the unmodified forward they start from, so that the rows come from the same
+    forward (on the masked inputs when the model has a masked-LM head).  Without the per-site mode that
+    forward is the whole-model mode's reference."""
+    if config.per_site:
+        return intervention_records(loaded, inputs, example_ids, config, emit)
+    require_intervention(loaded)
+    prepared, _ = _prepared(loaded, inputs, example_ids, config)
+    reference = run_forward(loaded, prepared, lambda _name, site: emit(site))
+    return whole_model_records(loaded, inputs, example_ids, config, reference)
+
+
+#: the columns of a record, with their arrow types (the key is (space, alpha, substitute, site, example)):
+#: the interventions table's, defined in :mod:`probe.schema`
+COLUMNS = INTERVENTION_COLUMNS
 
 
 def records_table(records: list[dict]):
     """The records as a :class:`pyarrow.Table` with :data:`COLUMNS`' types."""
     import pyarrow as pa
 
-    schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in COLUMNS.items()])
-    return pa.Table.from_pylist(records, schema=schema)
+    return pa.Table.from_pylist(records, schema=INTERVENTION_SCHEMA)

@@ -521,7 +521,7 @@ class BatchSolver:
 
 @torch.no_grad()
 def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary: Summary, context: RowContext,
-                  lane=None):
+                  lane=None, capture: Callable | None = None):
     """Capture every attention site of one batch and solve its problems; returns a function that waits
     for the solves and returns the rows, site by site, and the seconds spent capturing and solving.
 
@@ -532,7 +532,10 @@ def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary:
     context.example_ids = example_ids
     solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget)
     started = time.perf_counter()
-    loaded.adapter.capture(loaded.model, inputs, solver)
+    if capture is None:
+        loaded.adapter.capture(loaded.model, inputs, solver)
+    else:
+        capture(solver)
     captured = time.perf_counter() - started - solver.solve_s  # less the stacks solved as they filled
     rows = solver.finish(lane)
 
