@@ -257,10 +257,12 @@ def load(run_dir: str | Path, *, allow_damaged: bool = False) -> Run:
     Its part files are checked against the manifest's records (:func:`probe.storage.require_intact`): a
     damaged run (a part missing, truncated or not the one recorded) is refused by name, unless
     ``allow_damaged``, which reads the intact parts only, with a warning.  ``probe resume`` repairs it."""
-    from .storage import require_intact
+    from .storage import require_intact, run_tables
 
     loaded = Run(run_dir, allow_damaged=allow_damaged)
-    require_intact(loaded.run_dir, loaded.manifest, allow_damaged=allow_damaged)
+    manifest = loaded.manifest
+    for table in run_tables(manifest):  # the deviations, and the interventions of a run with --intervene
+        require_intact(loaded.run_dir, manifest, allow_damaged=allow_damaged, table=table)
     return loaded
 
 

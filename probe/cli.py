@@ -261,12 +261,13 @@ def resume_command(
     """
     from probe import api
     from probe.errors import ProbeError
-    from probe.storage import check_parts, read_manifest
+    from probe.storage import check_parts, read_manifest, run_tables
 
     try:
         manifest = read_manifest(run_dir)
         if manifest.get("status") == "complete":
-            check = check_parts(run_dir, manifest, checksums=True)
+            checks = [check_parts(run_dir, manifest, checksums=True, table=table) for table in run_tables(manifest)]
+            check = next((each for each in checks if not each.ok), checks[0])
             if check.ok:
                 if _main_process():
                     typer.echo(f"{run_dir} is complete ({manifest.get('batches_done')} batches, every part "

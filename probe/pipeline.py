@@ -293,11 +293,17 @@ class _PartIndex:
             self.add(batch, path)
         return len(self.records)
 
-    def add(self, batch: int, path: Path) -> None:
+    def add(self, batch: int, path: Path, written: bool = False) -> None:
         """Fold in one finished part (this process's own, just written: no directory listing, whose cost
-        grows with the run); with interventions, the batch's part of that table too (written first)."""
+        grows with the run); with interventions, the batch's part of that table too (written first).
+        ``written``: the part files were just (re)written, so their records are described afresh (a batch
+        redone because its other table's part was damaged replaces a recorded part)."""
         if batch in self.records:
             return
+        if written:
+            self.parts.pop(batch, None)
+            if self.intervention_parts is not None:
+                self.intervention_parts.pop(batch, None)
         if self.intervention_parts is not None:
             if batch not in self.intervention_parts:
                 other = storage.part_path(self.run_dir, batch, storage.INTERVENTIONS)
@@ -604,7 +610,7 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
         longest_batch_s = max(longest_batch_s, time.perf_counter() - batch_started)
         if group.main:
             segment["timings_s"]["write_s"] += time.perf_counter() - written
-            index.add(batch, path)
+            index.add(batch, path, written=True)
             progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)  # every row written so far
             progress.update(len(index.records) - progress.n)
             if time.perf_counter() - reported_at >= report_every_s:
