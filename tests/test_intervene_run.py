@@ -203,3 +203,53 @@ def test_whole_model_mode_alone(tiny_bert_dir, intervened_dir, tmp_path):
     rows = full.rows[full.rows["example"].isin(run.rows["example"])].reset_index(drop=True)
     np.testing.assert_allclose(run.rows.sort_values(list(ROW_KEY))["rel_deviation"],
                                rows.sort_values(list(ROW_KEY))["rel_deviation"], rtol=1e-6)  # float32 padding
+
+
+def test_the_report_section_and_figure_show_the_tables_means(intervened_dir, tmp_path):
+    from probe.report import build_report
+    from probe.report import interventions as section
+
+    out = build_report(intervened_dir, tmp_path / "report")
+    page = (out / "index.html").read_text()
+    assert 'id="interventions"' in page and "interventions.png" in page
+    frame = pd.read_parquet(intervened_dir / "interventions.parquet")  # the direct computation
+    direct = frame.groupby(["site", "substitute"])[["hidden_change", "embedding_cosine"]].mean()
+    table = pd.read_csv(out / "interventions.csv", keep_default_na=False, na_values=[""])  # "null" is a name
+    assert len(table) == len(direct) == 3 * 4 and (table["examples"] == 24).all()
+    for _, row in table.iterrows():
+        for effect in ("hidden_change", "embedding_cosine"):
+            assert row[effect] == pytest.approx(direct.loc[(row["site"], row["substitute"]), effect], rel=1e-12)
+    assert list(table["site"].unique()) == ["self:0", "self:1", "whole"]  # forward order, whole last
+    wide = section.side_by_side(section.effects_table(frame), "hidden_change")
+    assert wide.loc[wide["site"] == "whole", "hidden_change [null]"].item() == pytest.approx(
+        direct.loc[("whole", "null"), "hidden_change"], rel=1e-12)
+    # the figure's markers are these means: hidden change (left), 1 - cosine (right), per substitute
+    drawn = section.figure(section.effects_table(frame), "tiny")
+    left, right = drawn.figure.axes
+    for line in left.lines:
+        if line.get_label() in section.ORDER:
+            expected = [direct.loc[(site, line.get_label()), "hidden_change"] for site in ["self:0", "self:1", "whole"]]
+            np.testing.assert_allclose(line.get_ydata(), expected, rtol=1e-12)
+    for line in right.lines:
+        if line.get_label() in section.ORDER:
+            expected = [1 - direct.loc[(site, line.get_label()), "embedding_cosine"]
+                        for site in ["self:0", "self:1", "whole"]]
+            np.testing.assert_allclose(line.get_ydata(), expected, rtol=1e-9, atol=1e-15)
+
+
+def test_compare_sets_the_interventions_of_two_runs_side_by_side(intervened_dir, tiny_bert_dir, tmp_path):
+    result = invoke("run", tiny_bert_dir, "--samples", "4", *ARGS[2:], "--out", tmp_path / "runs", "--init", "random",
+                    "--seed", "1", "--intervene", "exact,null")
+    assert result.exit_code == 0, result.output
+    (other,) = (tmp_path / "runs").iterdir()
+    compared = CliRunner().invoke(app, ["compare", str(intervened_dir), str(other), "--out", str(tmp_path / "cmp")])
+    assert compared.exit_code == 0, compared.output
+    table = pd.read_csv(tmp_path / "cmp" / "compare_interventions.csv", keep_default_na=False, na_values=[""])
+    assert set(table["substitute"]) == {"exact", "null"}  # the substitutes both runs have
+    assert "Interventions" in (tmp_path / "cmp" / "index.html").read_text()
+    for run_dir in (intervened_dir, other):
+        frame = pd.read_parquet(run_dir / "interventions.parquet")
+        label = [c for c in table.columns if c.startswith("hidden_change [")][0 if run_dir == intervened_dir else 1]
+        direct = frame.groupby(["site", "substitute"])["hidden_change"].mean()
+        for _, row in table.iterrows():
+            assert row[label] == pytest.approx(direct.loc[(row["site"], row["substitute"])], rel=1e-12)
