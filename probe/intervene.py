@@ -696,9 +696,11 @@ def null_attention(p_att: torch.Tensor, tau: torch.Tensor, allowed: torch.Tensor
 
 
 def site_substitutes(site: SiteCapture, kinds, alpha: float, space: str, rtol: float, seed: int,
-                     example_ids) -> dict[str, Substitute]:
+                     example_ids, solved: tuple[DualProblems, DualSolution] | None = None) -> dict[str, Substitute]:
     """The substitute weights of ``site`` for each of ``kinds`` (module docstring), from its problems in
-    ``space`` at ``alpha`` (one solve shared by ``exact`` and ``null``)."""
+    ``space`` at ``alpha`` (one solve shared by ``exact`` and ``null``).  ``solved``: the site's problems and
+    their solution as the rows' solver computed them (:meth:`probe.rows.BatchSolver.solved`), which
+    ``exact`` and ``null`` then take instead of solving again."""
     b, h, q, k = site.shape
     kinds = tuple(kinds)
     own = site.model_probs.to(_F64)
@@ -710,7 +712,7 @@ def site_substitutes(site: SiteCapture, kinds, alpha: float, space: str, rtol: f
     none = torch.zeros(b, dtype=torch.long)
     no_bound = torch.full((b,), float("nan"), dtype=_F64)
     if any(kind in ("exact", "null") for kind in kinds):
-        problems, solution = _solve(site, alpha, space, rtol)
+        problems, solution = _solve(site, alpha, space, rtol) if solved is None else solved
         per_example = lambda x: x.reshape(b, -1)  # noqa: E731  (groups are example-major in both spaces)
         active = per_example(problems.active)
         stats = dict(  # on the CPU, like the records they go to
@@ -869,23 +871,44 @@ def _per_site(loaded, inputs, example_ids, config, emit=None) -> tuple[list[dict
     spaces, pooling = _spaces(loaded, config), pooling_of(loaded)
     substitutes: dict[tuple, dict[str, Substitute]] = {}
     order: list[tuple[str, tuple[str, int]]] = []
+    # The rows' solver (the pipeline's emit) keeps its solutions: exact and null take p* from them after
+    # the capture forward instead of solving every site a second time.
+    reuse = emit is not None and callable(getattr(emit, "keep", None)) and callable(getattr(emit, "solved", None))
+    later = tuple(kind for kind in config.substitutes if reuse and kind in ("exact", "null"))
+    now = tuple(kind for kind in config.substitutes if kind not in later)
+    deferred: list[tuple[str, SiteCapture]] = []
+    if reuse and later:
+        emit.keep()
+
+    def build(name, site, kinds, solver=None):
+        for space in spaces:
+            for alpha in config.alphas:
+                solved = solver.solved(site, space, alpha) if solver is not None else None
+                built = site_substitutes(site, kinds, alpha, space, config.rtol, config.seed, example_ids, solved)
+                for substitute in built.values():  # held until its forward: in the model's dtype
+                    substitute.weights = substitute.weights.to(site.values.dtype)
+                merged = {**substitutes.get((name, space, alpha), {}), **built}
+                substitutes[name, space, alpha] = {kind: merged[kind] for kind in config.substitutes if kind in merged}
 
     def capture(name, site):  # the substitutes are built as each site is captured; the capture is let go
         order.append((name, (site.attention_type, site.layer)))
         if emit is not None:
             emit(site)
-        for space in spaces:
-            for alpha in config.alphas:
-                built = site_substitutes(site, config.substitutes, alpha, space, config.rtol, config.seed, example_ids)
-                for substitute in built.values():  # held until its forward: in the model's dtype
-                    substitute.weights = substitute.weights.to(site.values.dtype)
-                substitutes[name, space, alpha] = built
+        if now:
+            build(name, site, now)
+        if later:  # held until the rows' solver has solved it
+            deferred.append((name, site))
         return None
 
     trace = None
     if config.from_site and _blocks(loaded.model, loaded.adapter.site_modules(loaded.model)) is not None:
         trace = Trace(outputs=[], sites=[], block_of={}, modules={})
     reference = run_forward(loaded, inputs, capture, trace=trace)
+    if deferred:
+        emit.flush()  # every site's rows solved now (the lane, if any, gets nothing left to do)
+        for name, site in deferred:
+            build(name, site, later, emit)
+        deferred.clear()
     records = []
     for name, (attention_type, layer) in order:
         start = {} if trace is None else {"trace": trace, "start_at": trace.block_of[name]}

@@ -253,3 +253,42 @@ def test_compare_sets_the_interventions_of_two_runs_side_by_side(intervened_dir,
         direct = frame.groupby(["site", "substitute"])["hidden_change"].mean()
         for _, row in table.iterrows():
             assert row[label] == pytest.approx(direct.loc[(row["site"], row["substitute"])], rel=1e-12)
+
+
+def test_exact_and_null_from_the_rows_solves_equal_their_own_solves(tiny_bert_dir):
+    """In a run, exact and null take p* from the rows' solver (BatchSolver.keep/solved) instead of solving
+    again: no second solve per site, and the records equal those of intervention_records solving on its
+    own (per-site mode; the whole-model mode solves new problems anyway)."""
+    import copy
+
+    import torch
+
+    from probe import intervene
+    from probe.loading import load_model
+    from probe.rows import BatchSolver, RowContext, Summary
+
+    loaded = intervene.with_lm_head(load_model(str(tiny_bert_dir), device="cpu"))
+    texts = ["The quick brown fox jumps over the lazy dog.", "Short one.", "Attention is inference, or so it goes."]
+    inputs = loaded.adapter.encode(loaded.tokenizer, texts, None, 32)
+    config = intervene.InterventionConfig(substitutes=("exact", "null", "second-order"), alphas=(1.0, 2.0),
+                                          whole_model=False)
+    context = RowContext(example_ids=[4, 5, 6], special_ids=frozenset(loaded.tokenizer.all_special_ids),
+                         token_text={}, tokenizer=loaded.tokenizer)
+    solver = BatchSolver(("hidden",), (1.0, 2.0), config.rtol, context, Summary(1e-5))
+    calls = []
+    original = intervene._solve
+    intervene._solve = lambda *a, **k: (calls.append(a[0].layer), original(*a, **k))[1]
+    try:
+        with torch.no_grad():
+            reused = intervene.batch_records(loaded, inputs, [4, 5, 6], config, solver)
+    finally:
+        intervene._solve = original
+    assert calls == [] and solver.kept and len(solver.tables) == 2 * 2  # rows: 2 sites x 2 alphas, solved once
+    own = intervene.intervention_records(loaded, inputs, [4, 5, 6], copy.deepcopy(config))
+    assert len(reused) == len(own) == 2 * 2 * 3 * 3  # sites x alphas x substitutes x examples
+    for mine, theirs in zip(reused, own):
+        assert [mine[k] for k in ("space", "alpha", "substitute", "site", "example")] == \
+               [theirs[k] for k in ("space", "alpha", "substitute", "site", "example")]
+        assert mine["solver_rows"] == theirs["solver_rows"] and mine["solver_not_converged"] == 0
+        for effect in ("hidden_change", "embedding_cosine"):
+            assert mine[effect] == pytest.approx(theirs[effect], rel=1e-6, abs=1e-12), (mine["site"], mine["substitute"])
