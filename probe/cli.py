@@ -370,6 +370,13 @@ def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
             f"rel_deviation, {line['space']} space, alpha {line['alpha']:g}, over {line['rows']:,} non-trivial rows: "
             f"mean {line['mean']:.3g}, p95 {line['p95']:.3g}, max {line['max']:.3g}"
         )
+    interventions = manifest.get("interventions")
+    if interventions and "means" in interventions:  # a run with --intervene: the whole-model line of each substitute
+        whole = [m for m in interventions["means"] if m["mode"] == "whole"]
+        effects = ", ".join(
+            f"{m['substitute']} {m['mean_hidden_change']:.3g}" for m in whole if m["mean_hidden_change"] is not None)
+        typer.echo(f"interventions: {interventions['records']:,} records in interventions.parquet/"
+                   + (f"; whole-model mean hidden_change: {effects}" if effects else ""))
     typer.echo(f"run directory: {run_dir}")
     if report_next:
         typer.echo(f"next: probe report {shlex.quote(str(run_dir))}   (figures, tables and index.html)")
