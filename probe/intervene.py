@@ -533,6 +533,10 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | No
         layer = per_type.get(attention_type, 0)
         per_type[attention_type] = layer + 1
         called.add(module)
+        only = getattr(at_site, "only", None)  # a function that substitutes one site: the others need no SiteCapture
+        if only is not None and site_name(attention_type, layer) != only and (trace is None or start_at is not None):
+            key_inputs.pop(module, None)
+            return output, probs
         scaling = arguments.get("scaling")
         position_bias = arguments.get("position_bias")
         call = AttentionCall(
@@ -865,6 +869,18 @@ def per_site_records(loaded, inputs: dict, example_ids, config: InterventionConf
     return _per_site(loaded, inputs, example_ids, config, emit)[0]
 
 
+@dataclass
+class _AtOneSite:
+    """The site function of a per-site forward: ``weights`` at the site ``only``, the model's own elsewhere
+    (declared by ``only``, so the other sites' calls skip building their :class:`SiteCapture`)."""
+
+    only: str
+    weights: torch.Tensor
+
+    def __call__(self, name, _site):
+        return self.weights if name == self.only else None
+
+
 def _per_site(loaded, inputs, example_ids, config, emit=None) -> tuple[list[dict], Outputs]:
     require_intervention(loaded)
     inputs, labels = _prepared(loaded, inputs, example_ids, config)
@@ -915,9 +931,7 @@ def _per_site(loaded, inputs, example_ids, config, emit=None) -> tuple[list[dict
         for space in spaces:
             for alpha in config.alphas:
                 for kind, substitute in substitutes.pop((name, space, alpha)).items():
-                    changed = run_forward(
-                        loaded, inputs, lambda at, _site, name=name, w=substitute.weights: w if at == name else None,
-                        **start)
+                    changed = run_forward(loaded, inputs, _AtOneSite(name, substitute.weights), **start)
                     common = dict(space=space, alpha=float(alpha), substitute=kind, site=name,
                                   attention_type=attention_type, layer=layer, pooling=pooling,
                                   lm_head=lm_kind(loaded))
