@@ -269,7 +269,6 @@ class _PartIndex:
         self.parts: dict[int, dict] = dict(recorded or {})
         #: the same for the interventions table (runs with --intervene; ``None`` otherwise)
         self.intervention_parts: dict[int, dict] | None = None
-        self.intervention_rows = 0
 
     def with_interventions(self, recorded: dict[int, dict]) -> "_PartIndex":
         self.intervention_parts = dict(recorded)
@@ -279,11 +278,14 @@ class _PartIndex:
         parts = self.parts if table == storage.PARTS else self.intervention_parts
         return [parts[batch] for batch in sorted(parts)]
 
-    def tables(self) -> dict:
-        """The manifest's part records of every table, and the interventions' running count."""
+    def tables(self, manifest: dict | None = None) -> dict:
+        """The manifest's part records of every table (and, given the ``manifest``, the interventions'
+        running record count into its ``interventions`` entry)."""
         tables = {storage.PART_RECORDS: self.part_records()}
         if self.intervention_parts is not None:
             tables[storage.TABLE_RECORDS[storage.INTERVENTIONS]] = self.part_records(storage.INTERVENTIONS)
+            if manifest is not None and isinstance(manifest.get("interventions"), dict):
+                manifest["interventions"]["records"] = sum(r["rows"] for r in self.intervention_parts.values())
         return tables
 
     def refresh(self) -> int:
@@ -310,7 +312,6 @@ class _PartIndex:
                 if not other.exists():
                     return  # not finished: resume redoes it (both tables)
                 self.intervention_parts[batch] = storage.describe_part(other, batch)
-            self.intervention_rows += self.intervention_parts[batch]["rows"]
         if batch not in self.parts:
             self.parts[batch] = storage.describe_part(path, batch)
         record = storage.part_record(path)
@@ -575,7 +576,7 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
         segment["timings_s"]["total_s"] = time.perf_counter() - job.started
         manifest.update(
             batches_done=len(index.records),
-            **index.tables(),
+            **index.tables(manifest),
             process=storage.heartbeat(storage.process_identity(), max(600.0, 10 * longest_batch_s)),
             solver=index.summary.solver(),
             deviations=index.summary.settings(),
@@ -713,7 +714,7 @@ def _record_stop(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex
         status="interrupted",
         stop_reason=reason,
         batches_done=len(index.records),
-        **index.tables(),
+        **index.tables(manifest),
         solver=index.summary.solver(),
         deviations=index.summary.settings(),
         fidelity=index.summary.fidelity_summary(),
@@ -745,7 +746,7 @@ def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _Par
         status="complete",
         finished_at=_now(),
         batches_done=len(index.records),
-        **index.tables(),
+        **index.tables(manifest),
         solver=index.summary.solver(),
         deviations=index.summary.settings(),
         fidelity=index.summary.fidelity_summary(),
