@@ -84,6 +84,17 @@ class Run:
         frame = read_deviations(self.run_dir, allow_damaged=self.allow_damaged).to_pandas()
         return frame.sort_values(list(ROW_KEY), kind="stable", ignore_index=True)
 
+    @cached_property
+    def interventions(self) -> "pd.DataFrame":
+        """The intervention records of a run with ``intervene=`` (``--intervene``; :mod:`probe.intervene`) as a
+        DataFrame sorted by their key (:data:`probe.schema.INTERVENTION_KEY`: space, alpha, substitute,
+        site, example), with a fresh index; a run without them raises :class:`ProbeError`."""
+        from .schema import INTERVENTION_KEY
+        from .storage import read_interventions
+
+        frame = read_interventions(self.run_dir, allow_damaged=self.allow_damaged).to_pandas()
+        return frame.sort_values(list(INTERVENTION_KEY), kind="stable", ignore_index=True)
+
     def headline(self) -> list[dict]:
         """The relative deviation per (space, alpha) slice: rows, mean, p95 and maximum over every
         non-trivial row (``n_keys > 1``), as the report's landing table states them."""
@@ -106,9 +117,10 @@ class Run:
         (``out``, default ``RUN_DIR/report``), which holds ``index.html``."""
         return report(self.run_dir, out, formats, name=name, allow_damaged=self.allow_damaged)
 
-    def export(self, to: str | Path) -> int:
-        """Write the rows into one file, Parquet or CSV by its extension; return the row count."""
-        return export(self.run_dir, to, allow_damaged=self.allow_damaged)
+    def export(self, to: str | Path, table: str = "deviations") -> int:
+        """Write the rows (``table="interventions"``: the intervention records) into one file, Parquet or
+        CSV by its extension; return the row count."""
+        return export(self.run_dir, to, allow_damaged=self.allow_damaged, table=table)
 
 
 def _numbers(value, option: str) -> tuple[float, ...]:
@@ -179,6 +191,8 @@ def run(
     fidelity_tolerance: float | None = None,
     name: str | None = None,
     progress: bool = True,
+    intervene: str | Sequence[str] | None = None,
+    intervene_modes: str | Sequence[str] = "per-site,whole",
 ) -> Run:
     """Solve the dual for every example, attention site, head and query token of ``model``; return the
     finished :class:`Run`.
@@ -191,6 +205,8 @@ def run(
     again).  ``alpha`` and ``space`` take one value, a list, or a
     comma-separated string; ``max_memory`` bytes or a size such as ``"4GB"``.  ``name`` names the run
     directory and the report (default: the model's real name, ``-random`` added for ``init="random"``).
+    ``intervene``: substitutes to put into the forward pass (``"exact,second-order,null"``; :mod:`probe.intervene`),
+    measured per site and for the whole model (``intervene_modes``); read them as :attr:`Run.interventions`.
     The other options are ``probe run``'s (``probe run --help``).  Every option is checked before the
     model loads; a rejected run raises :class:`ProbeError` and writes nothing.
     """
@@ -213,7 +229,8 @@ def run(
         init=init, tokenizer=str(tokenizer) if tokenizer is not None else None,
         max_memory_bytes=parse_memory(max_memory) if isinstance(max_memory, str) else max_memory,
         threads=threads, device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance,
-        progress=progress, name=name,
+        progress=progress, name=name, intervene=_names(intervene, "--intervene") or (),
+        intervene_modes=_names(intervene_modes, "--intervene-modes"),
     )
     check_options(settings)  # before torch loads: a mistyped option costs nothing
     from .naming import model_name
@@ -240,10 +257,12 @@ def load(run_dir: str | Path, *, allow_damaged: bool = False) -> Run:
     Its part files are checked against the manifest's records (:func:`probe.storage.require_intact`): a
     damaged run (a part missing, truncated or not the one recorded) is refused by name, unless
     ``allow_damaged``, which reads the intact parts only, with a warning.  ``probe resume`` repairs it."""
-    from .storage import require_intact
+    from .storage import require_intact, run_tables
 
     loaded = Run(run_dir, allow_damaged=allow_damaged)
-    require_intact(loaded.run_dir, loaded.manifest, allow_damaged=allow_damaged)
+    manifest = loaded.manifest
+    for table in run_tables(manifest):  # the deviations, and the interventions of a run with --intervene
+        require_intact(loaded.run_dir, manifest, allow_damaged=allow_damaged, table=table)
     return loaded
 
 
@@ -271,10 +290,18 @@ def compare(runs: Sequence[str | Path | Run], out: str | Path = "compare", forma
                         allow_damaged=allow_damaged)
 
 
-def export(run_dir: str | Path | Run, to: str | Path, *, allow_damaged: bool = False) -> int:
-    """Write a run's rows into one file: Parquet for ``*.parquet``, CSV for ``*.csv`` (any other
-    extension is refused); return the row count."""
+#: the tables ``export`` writes, by name (``--table``), and their directories in a run
+TABLES = {"deviations": "deviations.parquet", "interventions": "interventions.parquet"}
+
+
+def export(run_dir: str | Path | Run, to: str | Path, *, allow_damaged: bool = False,
+           table: str = "deviations") -> int:
+    """Write a run's rows (``table``: ``"deviations"``, or ``"interventions"`` for a run with ``--intervene``)
+    into one file: Parquet for ``*.parquet``, CSV for ``*.csv`` (any other extension is refused); return
+    the row count."""
     from .storage import export as export_rows
 
+    if table not in TABLES:
+        raise ProbeError(f"Unknown --table {table!r}: a run has the tables {' and '.join(TABLES)}.")
     run_dir = run_dir.run_dir if isinstance(run_dir, Run) else run_dir
-    return export_rows(Path(run_dir), Path(to), allow_damaged=allow_damaged)
+    return export_rows(Path(run_dir), Path(to), allow_damaged=allow_damaged, table=TABLES[table])

@@ -157,6 +157,16 @@ def run(
         None, metavar="TOL", help="Max abs error allowed between reconstructed and eager attention [default: by "
         "--dtype: float64 1e-6, float32 1e-5, float16 1e-2, bfloat16 5e-2].",
     ),
+    intervene: Optional[str] = typer.Option(
+        None, metavar="SUB[,SUB...]", help="Also put substitutes for the attention weights into the forward pass "
+        "and measure the model's outputs (docs/interventions.md): exact (the exact posterior p*), second-order, "
+        "null (a random change of the same size), model (its own weights: the identity check); records go to "
+        "interventions.parquet/ beside the rows [default: off].",
+    ),
+    intervene_modes: str = typer.Option(
+        "per-site,whole", metavar="MODE[,MODE]", help="With --intervene: per-site (each attention site "
+        "substituted on its own) and/or whole (every site at once, solved in order).",
+    ),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
     report_format: Optional[str] = typer.Option(
         None, "--format", metavar="FMT[,FMT]", help="With --report: figure formats, comma separated (png,pdf) "
@@ -188,6 +198,7 @@ def run(
             samples=samples, max_length=max_length, batch_size=batch_size, alpha=alpha, space=space, init=init,
             tokenizer=tokenizer, max_memory=max_memory, threads=threads, out=out, device=device, dtype=dtype,
             revision=revision, seed=seed, fidelity_tolerance=fidelity_tolerance, name=name, progress=progress,
+            intervene=intervene, intervene_modes=intervene_modes,
         )
     except ProbeError as error:
         _fail(error)
@@ -250,12 +261,13 @@ def resume_command(
     """
     from probe import api
     from probe.errors import ProbeError
-    from probe.storage import check_parts, read_manifest
+    from probe.storage import check_parts, read_manifest, run_tables
 
     try:
         manifest = read_manifest(run_dir)
         if manifest.get("status") == "complete":
-            check = check_parts(run_dir, manifest, checksums=True)
+            checks = [check_parts(run_dir, manifest, checksums=True, table=table) for table in run_tables(manifest)]
+            check = next((each for each in checks if not each.ok), checks[0])
             if check.ok:
                 if _main_process():
                     typer.echo(f"{run_dir} is complete ({manifest.get('batches_done')} batches, every part "
@@ -314,6 +326,10 @@ def export_command(
         "FILE.csv writes CSV; other extensions are refused.",
     ),
     allow_damaged: bool = typer.Option(False, "--allow-damaged", help=ALLOW_DAMAGED_HELP),
+    table: str = typer.Option(
+        "deviations", "--table", metavar="TABLE", help="deviations (the rows), or interventions (a run with "
+        "--intervene).",
+    ),
 ):
     """Write a run's rows (its directory of part files) into one Parquet or CSV file."""
     from probe import api
@@ -322,7 +338,7 @@ def export_command(
 
     try:
         manifest = read_manifest(run_dir)
-        rows = api.export(run_dir, to, allow_damaged=allow_damaged)
+        rows = api.export(run_dir, to, allow_damaged=allow_damaged, table=table)
     except ProbeError as error:
         _fail(error)
     _damaged_banner(run_dir, manifest, allow_damaged)
@@ -354,6 +370,13 @@ def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
             f"rel_deviation, {line['space']} space, alpha {line['alpha']:g}, over {line['rows']:,} non-trivial rows: "
             f"mean {line['mean']:.3g}, p95 {line['p95']:.3g}, max {line['max']:.3g}"
         )
+    interventions = manifest.get("interventions")
+    if interventions and "means" in interventions:  # a run with --intervene: the whole-model line of each substitute
+        whole = [m for m in interventions["means"] if m["mode"] == "whole"]
+        effects = ", ".join(
+            f"{m['substitute']} {m['mean_hidden_change']:.3g}" for m in whole if m["mean_hidden_change"] is not None)
+        typer.echo(f"interventions: {interventions['records']:,} records in interventions.parquet/"
+                   + (f"; whole-model mean hidden_change: {effects}" if effects else ""))
     typer.echo(f"run directory: {run_dir}")
     if report_next:
         typer.echo(f"next: probe report {shlex.quote(str(run_dir))}   (figures, tables and index.html)")

@@ -21,6 +21,10 @@ SPACES = ("hidden", "key")
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 #: where the model's weights come from: the checkpoint, or a random initialisation (a control)
 INITS = ("pretrained", "random")
+#: what ``--intervene`` substitutes for the model's attention weights (probe.intervene.SUBSTITUTES, without torch)
+INTERVENTION_SUBSTITUTES = ("exact", "second-order", "null", "model")
+#: the intervention modes ``--intervene-modes`` takes: every site on its own, and all sites at once
+INTERVENTION_MODES = ("per-site", "whole")
 
 
 @dataclass
@@ -46,6 +50,10 @@ class RunConfig:
     fidelity_tolerance: float | None = None  # None: by the model's dtype (probe.rows.FIDELITY_TOLERANCE)
     progress: bool = True
     name: str | None = None  # --name: the run's name (directory and report title); None: from the model's files
+    # --intervene: substitutes put into the forward pass (probe.intervene), () = off; their records go to
+    # the run's second table, interventions.parquet/
+    intervene: tuple[str, ...] = ()
+    intervene_modes: tuple[str, ...] = INTERVENTION_MODES  # --intervene-modes: per-site and/or whole
 
 
 def config_to_json(config: RunConfig) -> dict:

@@ -86,13 +86,14 @@ from .adapters.generic import DECODER, ENCODER, ENCODER_DECODER, InterfaceAdapte
 from .adapters.interface import AttentionCall, family_eager_function, unrepresentable
 from .errors import ProbeError
 from .rows import site_problems
+from .schema import INTERVENTION_COLUMNS, INTERVENTION_SCHEMA
 from .solver import DualProblems, DualSolution, factor_gram, solve_dual
 
 __all__ = [
     "SUBSTITUTES", "WHOLE", "InterventionConfig", "Outputs", "can_intervene", "require_intervention", "with_lm_head",
     "lm_kind", "pooling_of", "masked_lm_inputs", "run_forward", "site_substitutes", "null_attention", "effects",
     "per_site_records", "whole_model_records", "intervention_records", "records_table", "COLUMNS", "Trace", "pool",
-    "lm_labels", "site_name", "Substitute",
+    "lm_labels", "site_name", "Substitute", "run_config", "batch_records",
 ]
 
 _F64 = torch.float64
@@ -532,6 +533,10 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | No
         layer = per_type.get(attention_type, 0)
         per_type[attention_type] = layer + 1
         called.add(module)
+        only = getattr(at_site, "only", None)  # a function that substitutes one site: the others need no SiteCapture
+        if only is not None and site_name(attention_type, layer) != only and (trace is None or start_at is not None):
+            key_inputs.pop(module, None)
+            return output, probs
         scaling = arguments.get("scaling")
         position_bias = arguments.get("position_bias")
         call = AttentionCall(
@@ -695,9 +700,11 @@ def null_attention(p_att: torch.Tensor, tau: torch.Tensor, allowed: torch.Tensor
 
 
 def site_substitutes(site: SiteCapture, kinds, alpha: float, space: str, rtol: float, seed: int,
-                     example_ids) -> dict[str, Substitute]:
+                     example_ids, solved: tuple[DualProblems, DualSolution] | None = None) -> dict[str, Substitute]:
     """The substitute weights of ``site`` for each of ``kinds`` (module docstring), from its problems in
-    ``space`` at ``alpha`` (one solve shared by ``exact`` and ``null``)."""
+    ``space`` at ``alpha`` (one solve shared by ``exact`` and ``null``).  ``solved``: the site's problems and
+    their solution as the rows' solver computed them (:meth:`probe.rows.BatchSolver.solved`), which
+    ``exact`` and ``null`` then take instead of solving again."""
     b, h, q, k = site.shape
     kinds = tuple(kinds)
     own = site.model_probs.to(_F64)
@@ -709,7 +716,7 @@ def site_substitutes(site: SiteCapture, kinds, alpha: float, space: str, rtol: f
     none = torch.zeros(b, dtype=torch.long)
     no_bound = torch.full((b,), float("nan"), dtype=_F64)
     if any(kind in ("exact", "null") for kind in kinds):
-        problems, solution = _solve(site, alpha, space, rtol)
+        problems, solution = _solve(site, alpha, space, rtol) if solved is None else solved
         per_example = lambda x: x.reshape(b, -1)  # noqa: E731  (groups are example-major in both spaces)
         active = per_example(problems.active)
         stats = dict(  # on the CPU, like the records they go to
@@ -862,38 +869,69 @@ def per_site_records(loaded, inputs: dict, example_ids, config: InterventionConf
     return _per_site(loaded, inputs, example_ids, config, emit)[0]
 
 
+@dataclass
+class _AtOneSite:
+    """The site function of a per-site forward: ``weights`` at the site ``only``, the model's own elsewhere
+    (declared by ``only``, so the other sites' calls skip building their :class:`SiteCapture`)."""
+
+    only: str
+    weights: torch.Tensor
+
+    def __call__(self, name, _site):
+        return self.weights if name == self.only else None
+
+
 def _per_site(loaded, inputs, example_ids, config, emit=None) -> tuple[list[dict], Outputs]:
     require_intervention(loaded)
     inputs, labels = _prepared(loaded, inputs, example_ids, config)
     spaces, pooling = _spaces(loaded, config), pooling_of(loaded)
     substitutes: dict[tuple, dict[str, Substitute]] = {}
     order: list[tuple[str, tuple[str, int]]] = []
+    # The rows' solver (the pipeline's emit) keeps its solutions: exact and null take p* from them after
+    # the capture forward instead of solving every site a second time.
+    reuse = emit is not None and callable(getattr(emit, "keep", None)) and callable(getattr(emit, "solved", None))
+    later = tuple(kind for kind in config.substitutes if reuse and kind in ("exact", "null"))
+    now = tuple(kind for kind in config.substitutes if kind not in later)
+    deferred: list[tuple[str, SiteCapture]] = []
+    if reuse and later:
+        emit.keep()
+
+    def build(name, site, kinds, solver=None):
+        for space in spaces:
+            for alpha in config.alphas:
+                solved = solver.solved(site, space, alpha) if solver is not None else None
+                built = site_substitutes(site, kinds, alpha, space, config.rtol, config.seed, example_ids, solved)
+                for substitute in built.values():  # held until its forward: in the model's dtype
+                    substitute.weights = substitute.weights.to(site.values.dtype)
+                merged = {**substitutes.get((name, space, alpha), {}), **built}
+                substitutes[name, space, alpha] = {kind: merged[kind] for kind in config.substitutes if kind in merged}
 
     def capture(name, site):  # the substitutes are built as each site is captured; the capture is let go
         order.append((name, (site.attention_type, site.layer)))
         if emit is not None:
             emit(site)
-        for space in spaces:
-            for alpha in config.alphas:
-                built = site_substitutes(site, config.substitutes, alpha, space, config.rtol, config.seed, example_ids)
-                for substitute in built.values():  # held until its forward: in the model's dtype
-                    substitute.weights = substitute.weights.to(site.values.dtype)
-                substitutes[name, space, alpha] = built
+        if now:
+            build(name, site, now)
+        if later:  # held until the rows' solver has solved it
+            deferred.append((name, site))
         return None
 
     trace = None
     if config.from_site and _blocks(loaded.model, loaded.adapter.site_modules(loaded.model)) is not None:
         trace = Trace(outputs=[], sites=[], block_of={}, modules={})
     reference = run_forward(loaded, inputs, capture, trace=trace)
+    if deferred:
+        emit.flush()  # every site's rows solved now (the lane, if any, gets nothing left to do)
+        for name, site in deferred:
+            build(name, site, later, emit)
+        deferred.clear()
     records = []
     for name, (attention_type, layer) in order:
         start = {} if trace is None else {"trace": trace, "start_at": trace.block_of[name]}
         for space in spaces:
             for alpha in config.alphas:
                 for kind, substitute in substitutes.pop((name, space, alpha)).items():
-                    changed = run_forward(
-                        loaded, inputs, lambda at, _site, name=name, w=substitute.weights: w if at == name else None,
-                        **start)
+                    changed = run_forward(loaded, inputs, _AtOneSite(name, substitute.weights), **start)
                     common = dict(space=space, alpha=float(alpha), substitute=kind, site=name,
                                   attention_type=attention_type, layer=layer, pooling=pooling,
                                   lm_head=lm_kind(loaded))
@@ -950,19 +988,38 @@ def intervention_records(loaded, inputs: dict, example_ids, config: Intervention
     return records
 
 
-#: the columns of a record, with their arrow types (the key is (space, alpha, substitute, site, example))
-COLUMNS = {
-    "space": "string", "alpha": "float64", "substitute": "string", "site": "string", "example": "int64",
-    "attention_type": "string", "layer": "int32", "hidden_change": "float64", "embedding_cosine": "float64",
-    "pooling": "string", "lm_head": "string", "lm_loss_original": "float64", "lm_loss": "float64",
-    "top1_agreement": "float64", "scored_tokens": "int32", "solver_rows": "int64", "solver_not_converged": "int64",
-    "max_relative_error_bound": "float64",
-}
+def run_config(config) -> InterventionConfig:
+    """The :class:`InterventionConfig` of a run's settings (:class:`probe.config.RunConfig`: ``--intervene``,
+    ``--intervene-modes`` and the run's alphas, spaces, rtol and seed)."""
+    modes = tuple(config.intervene_modes)
+    return InterventionConfig(
+        substitutes=tuple(config.intervene), alphas=tuple(config.alphas),
+        spaces=tuple(config.spaces) if config.spaces else None, rtol=config.rtol, seed=config.seed,
+        per_site="per-site" in modes, whole_model="whole" in modes,
+    )
+
+
+def batch_records(loaded, inputs: dict, example_ids, config: InterventionConfig,
+                  emit: Callable[[SiteCapture], None]) -> list[dict]:
+    """A run's batch: the records of :func:`intervention_records`, while ``emit`` (the run's row solver)
+    receives every site of the unmodified forward they start from, so that the rows come from the same
+    forward (on the masked inputs when the model has a masked-LM head).  Without the per-site mode that
+    forward is the whole-model mode's reference."""
+    if config.per_site:
+        return intervention_records(loaded, inputs, example_ids, config, emit)
+    require_intervention(loaded)
+    prepared, _ = _prepared(loaded, inputs, example_ids, config)
+    reference = run_forward(loaded, prepared, lambda _name, site: emit(site))
+    return whole_model_records(loaded, inputs, example_ids, config, reference)
+
+
+#: the columns of a record, with their arrow types (the key is (space, alpha, substitute, site, example)):
+#: the interventions table's, defined in :mod:`probe.schema`
+COLUMNS = INTERVENTION_COLUMNS
 
 
 def records_table(records: list[dict]):
     """The records as a :class:`pyarrow.Table` with :data:`COLUMNS`' types."""
     import pyarrow as pa
 
-    schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in COLUMNS.items()])
-    return pa.Table.from_pylist(records, schema=schema)
+    return pa.Table.from_pylist(records, schema=INTERVENTION_SCHEMA)

@@ -102,6 +102,11 @@ def _prepare(
             f"{', '.join(unsupported)} (rotary models have no hidden-space parameterisation). Pass "
             f"--space {','.join(loaded.adapter.spaces)}."
         )
+    if config.intervene:  # the model with its LM head (rows and interventions alike), refused before the run
+        from .intervene import require_intervention, with_lm_head
+
+        loaded = with_lm_head(loaded)
+        require_intervention(loaded)
     loaded_at = time.perf_counter()
     texts = texts if texts is not None else load_texts(dataset or config.dataset)
     timings = {"load_model_s": loaded_at - started, "load_data_s": time.perf_counter() - loaded_at}
@@ -233,6 +238,19 @@ def _new_manifest(job: _Job) -> dict:
         },
         "segments": [],
         "parts": [],  # one record per finished part file (storage.describe_part), kept by _PartIndex
+        **({storage.TABLE_RECORDS[storage.INTERVENTIONS]: [], "interventions": _intervention_settings(job)}
+           if config.intervene else {}),
+    }
+
+
+def _intervention_settings(job: _Job) -> dict:
+    """The manifest's ``interventions`` entry before any batch: what is substituted and measured."""
+    from .intervene import lm_kind, pooling_of
+
+    return {
+        "substitutes": list(job.config.intervene), "modes": list(job.config.intervene_modes),
+        "table": storage.INTERVENTIONS, "key": ["space", "alpha", "substitute", "site", "example"],
+        "pooling": pooling_of(job.loaded), "lm_head": lm_kind(job.loaded), "records": 0,
     }
 
 
@@ -249,22 +267,51 @@ class _PartIndex:
         #: batch -> the manifest's record of its part file (name, bytes, rows, SHA-256); the ones the manifest
         #: already holds (checked by resume) are taken as they are, new ones are described when first seen
         self.parts: dict[int, dict] = dict(recorded or {})
+        #: the same for the interventions table (runs with --intervene; ``None`` otherwise)
+        self.intervention_parts: dict[int, dict] | None = None
 
-    def part_records(self) -> list[dict]:
-        return [self.parts[batch] for batch in sorted(self.parts)]
+    def with_interventions(self, recorded: dict[int, dict]) -> "_PartIndex":
+        self.intervention_parts = dict(recorded)
+        return self
+
+    def part_records(self, table: str = storage.PARTS) -> list[dict]:
+        parts = self.parts if table == storage.PARTS else self.intervention_parts
+        return [parts[batch] for batch in sorted(parts)]
+
+    def tables(self, manifest: dict | None = None) -> dict:
+        """The manifest's part records of every table (and, given the ``manifest``, the interventions'
+        running record count into its ``interventions`` entry)."""
+        tables = {storage.PART_RECORDS: self.part_records()}
+        if self.intervention_parts is not None:
+            tables[storage.TABLE_RECORDS[storage.INTERVENTIONS]] = self.part_records(storage.INTERVENTIONS)
+            if manifest is not None and isinstance(manifest.get("interventions"), dict):
+                manifest["interventions"]["records"] = sum(r["rows"] for r in self.intervention_parts.values())
+        return tables
 
     def refresh(self) -> int:
         """Read the part files not seen yet (a directory listing: other ranks' parts); return how many
-        batches are finished."""
+        batches are finished (in every table the run writes)."""
         for batch, path in storage.part_files(self.run_dir).items():
             self.add(batch, path)
         return len(self.records)
 
-    def add(self, batch: int, path: Path) -> None:
+    def add(self, batch: int, path: Path, written: bool = False) -> None:
         """Fold in one finished part (this process's own, just written: no directory listing, whose cost
-        grows with the run)."""
+        grows with the run); with interventions, the batch's part of that table too (written first).
+        ``written``: the part files were just (re)written, so their records are described afresh (a batch
+        redone because its other table's part was damaged replaces a recorded part)."""
         if batch in self.records:
             return
+        if written:
+            self.parts.pop(batch, None)
+            if self.intervention_parts is not None:
+                self.intervention_parts.pop(batch, None)
+        if self.intervention_parts is not None:
+            if batch not in self.intervention_parts:
+                other = storage.part_path(self.run_dir, batch, storage.INTERVENTIONS)
+                if not other.exists():
+                    return  # not finished: resume redoes it (both tables)
+                self.intervention_parts[batch] = storage.describe_part(other, batch)
         if batch not in self.parts:
             self.parts[batch] = storage.describe_part(path, batch)
         record = storage.part_record(path)
@@ -319,6 +366,8 @@ def run(config: RunConfig) -> Path:
         def create() -> str:  # rank 0 creates the run directory and holds it
             run_dir = storage.create_run_directory(Path(config.out), naming.slug(_run_name(config)))
             held.enter_context(storage.writer_lock(run_dir))
+            if config.intervene:
+                (run_dir / storage.INTERVENTIONS).mkdir()
             return str(run_dir.resolve())
 
         run_dir = Path(group.from_main(create))
@@ -331,7 +380,9 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
     and recomputed (:func:`probe.storage.repair_parts`).  A complete, intact run is returned untouched."""
     run_dir = Path(run_dir)
     manifest = storage.read_manifest(run_dir)
-    if manifest.get("status") == "complete" and storage.check_parts(run_dir, manifest, checksums=True).ok:
+    if manifest.get("status") == "complete" and all(
+            storage.check_parts(run_dir, manifest, checksums=True, table=table).ok
+            for table in storage.run_tables(manifest)):
         return run_dir
     if "config" not in manifest or not (run_dir / storage.PARTS).is_dir():
         raise ProbeError(f"{run_dir} was written by an older probe that cannot resume runs. Start a new `probe run`.")
@@ -346,14 +397,17 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
 
         def hold() -> None:  # rank 0 holds the run directory, and sets damaged parts aside to be redone
             held.enter_context(storage.writer_lock(run_dir))
-            check, moved = storage.repair_parts(run_dir, manifest)
-            if check.damaged:
-                manifest.setdefault("repairs", []).append({
-                    "at": _now(), "quarantine": str(moved) if moved else None,
-                    "batches": {str(batch): why for batch, why in sorted(check.damaged.items())},
-                })
-                if manifest.get("status") == "complete":
-                    manifest.update(status="interrupted", stop_reason=f"damaged: {check.describe()}")
+            for table in storage.run_tables(manifest):
+                (run_dir / table).mkdir(exist_ok=True)
+                check, moved = storage.repair_parts(run_dir, manifest, table)
+                if check.damaged:
+                    manifest.setdefault("repairs", []).append({
+                        "at": _now(), "quarantine": str(moved) if moved else None,
+                        **({} if table == storage.PARTS else {"table": table}),
+                        "batches": {str(batch): why for batch, why in sorted(check.damaged.items())},
+                    })
+                    if manifest.get("status") == "complete":
+                        manifest.update(status="interrupted", stop_reason=f"damaged: {check.describe()}")
             for segment in manifest["segments"]:  # a segment killed without a chance to say so
                 if segment.get("status") == "running":
                     segment.update(status="interrupted", stop_reason=manifest.get("stop_reason"))
@@ -479,7 +533,9 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
 
     def start() -> tuple[list[int], int]:  # rank 0: the batches left, and a new segment in the manifest
         storage.remove_temporaries(run_dir)
-        done = storage.part_files(run_dir)
+        done = set(storage.part_files(run_dir))
+        if config.intervene:  # a batch is done when both of its parts are (the interventions' is written first)
+            done &= set(storage.part_files(run_dir, storage.INTERVENTIONS))
         manifest["segments"].append({
             "segment": len(manifest["segments"]),
             **storage.process_identity(),
@@ -501,6 +557,8 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
 
     todo, segment_number = group.from_main(start)
     index = _PartIndex(run_dir, config.fidelity_tolerance, storage.part_records(manifest)) if group.main else None
+    if group.main and config.intervene:
+        index.with_interventions(storage.part_records(manifest, storage.INTERVENTIONS))
     if group.main:
         index.refresh()  # the parts of earlier segments (resume); later, this process's own as it writes them
     segment = manifest["segments"][-1] if group.main else None
@@ -518,7 +576,7 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
         segment["timings_s"]["total_s"] = time.perf_counter() - job.started
         manifest.update(
             batches_done=len(index.records),
-            parts=index.part_records(),
+            **index.tables(manifest),
             process=storage.heartbeat(storage.process_identity(), max(600.0, 10 * longest_batch_s)),
             solver=index.summary.solver(),
             deviations=index.summary.settings(),
@@ -536,8 +594,13 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
     def commit(batch, finish, batch_started) -> None:  # wait for the batch's solves and write its part file
         nonlocal longest_batch_s
         with stops.interruptible():  # a stop while the batch is computed drops it
-            table, batch_summary, seconds = finish()
+            table, batch_summary, seconds, interventions = finish()
         written = time.perf_counter()
+        if interventions is not None:  # first: a batch whose deviations part exists has its interventions too
+            storage.write_part(run_dir, batch, interventions, {
+                "examples": [job.texts.indices[i] for i in job.batches[batch]], "segment": segment_number,
+                "rank": ranks.rank, "summary": {"rows": interventions.num_rows}, "seconds": seconds,
+            }, storage.INTERVENTIONS)
         path = storage.write_part(run_dir, batch, table, {
             "examples": [job.texts.indices[i] for i in job.batches[batch]],
             "segment": segment_number,
@@ -548,7 +611,7 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: _Job, stops: Sto
         longest_batch_s = max(longest_batch_s, time.perf_counter() - batch_started)
         if group.main:
             segment["timings_s"]["write_s"] += time.perf_counter() - written
-            index.add(batch, path)
+            index.add(batch, path, written=True)
             progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)  # every row written so far
             progress.update(len(index.records) - progress.n)
             if time.perf_counter() - reported_at >= report_every_s:
@@ -607,11 +670,27 @@ def _start_batch(job: _Job, batch: int, lane=None):
     inputs = job.loaded.adapter.encode(job.loaded.tokenizer, texts, targets, job.config.max_length)
     inputs = {key: value.to(job.device) for key, value in inputs.items()}
     summary = Summary(job.config.fidelity_tolerance)
-    wait = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context, lane)
+    capture, records = None, None
+    if job.config.intervene:  # the rows come from the intervention's unmodified forward (its emit)
+        from .intervene import batch_records, run_config
 
-    def finish() -> tuple[pa.Table, Summary, dict]:
+        records, intervention_config = [], run_config(job.config)
+
+        def capture(emit):
+            started = time.perf_counter()
+            records.extend(batch_records(job.loaded, inputs, example_ids, intervention_config, emit))
+            records.append(time.perf_counter() - started)
+
+    wait = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context, lane, capture)
+
+    def finish() -> tuple[pa.Table, Summary, dict, pa.Table | None]:
         tables, seconds = wait()
-        return pa.concat_tables(tables), summary, seconds
+        if records is None:
+            return pa.concat_tables(tables), summary, seconds, None
+        from .intervene import records_table
+
+        seconds = dict(seconds, intervene=records[-1])  # the whole forward work, row capture included
+        return pa.concat_tables(tables), summary, seconds, records_table(records[:-1])
 
     return finish
 
@@ -635,7 +714,7 @@ def _record_stop(run_dir: Path, manifest: dict, segment: dict, index: _PartIndex
         status="interrupted",
         stop_reason=reason,
         batches_done=len(index.records),
-        parts=index.part_records(),
+        **index.tables(manifest),
         solver=index.summary.solver(),
         deviations=index.summary.settings(),
         fidelity=index.summary.fidelity_summary(),
@@ -661,11 +740,13 @@ def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _Par
     segment.update(status="complete", finished_at=_now())
     segment["timings_s"]["total_s"] = time.perf_counter() - started
     timings = _timings(manifest)
+    if config.intervene:
+        manifest["interventions"] = {**manifest.get("interventions", {}), **_intervention_totals(run_dir, manifest)}
     manifest.update(
         status="complete",
         finished_at=_now(),
         batches_done=len(index.records),
-        parts=index.part_records(),
+        **index.tables(manifest),
         solver=index.summary.solver(),
         deviations=index.summary.settings(),
         fidelity=index.summary.fidelity_summary(),
@@ -684,6 +765,25 @@ def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _Par
             "dtype is in docs/large-models.md): --fidelity-tolerance.",
             stacklevel=3,
         )
+
+
+def _intervention_totals(run_dir: Path, manifest: dict) -> dict:
+    """The interventions' totals, read from their part files: records, and per (space, alpha, substitute)
+    and mode (per-site: every site's records together; whole) the mean effects and certificates."""
+    import pyarrow.dataset as ds
+
+    files = sorted(str(path) for path in storage.part_files(run_dir, storage.INTERVENTIONS).values())
+    frame = ds.dataset(files, format="parquet").to_table().to_pandas()
+    frame["mode"] = frame["site"].where(frame["site"] == "whole", "per-site")
+    means = []
+    for (space, alpha, substitute, mode), group in frame.groupby(["space", "alpha", "substitute", "mode"], sort=True):
+        entry = {"space": space, "alpha": float(alpha), "substitute": substitute, "mode": mode,
+                 "records": int(len(group)), "solver_not_converged": int(group["solver_not_converged"].sum())}
+        for column in ("hidden_change", "embedding_cosine", "lm_loss_original", "lm_loss", "top1_agreement"):
+            value = group[column].mean()
+            entry[f"mean_{column}"] = None if value != value else float(value)
+        means.append(entry)
+    return {"records": int(len(frame)), "means": means}
 
 
 def _progress(total: int, initial: int, enabled: bool):

@@ -453,6 +453,28 @@ class BatchSolver:
         self.pending_bytes = 0
         self.tables: list[pa.Table] = []
         self.solve_s = 0.0
+        #: with :meth:`keep`: (attention type, layer, space, alpha) -> [(offset, problems, solution)] of every
+        #: piece solved, for a caller that uses the solutions too (the interventions' exact posterior)
+        self.kept: dict | None = None
+
+    def keep(self) -> None:
+        """Keep every solved piece's problems and solution (:meth:`solved`) as well as its rows."""
+        self.kept = {}
+
+    def solved(self, site: SiteCapture, space: str, alpha: float) -> tuple[DualProblems, DualSolution] | None:
+        """The problems and solution of the whole ``site`` in ``space`` at ``alpha``, as this solver solved
+        them for the rows (its pieces joined in example order), once :meth:`flush` has run; ``None`` when
+        not kept (or not solved)."""
+        pieces = sorted((self.kept or {}).get((site.attention_type, site.layer, space, alpha), ()),
+                        key=lambda item: item[0])
+        b, h, q, _ = site.shape
+        if not pieces or sum(piece.logits.shape[0] * piece.logits.shape[1] for _, piece, _ in pieces) != b * h * q:
+            return None
+        problems = stacked_problems([piece for _, piece, _ in pieces])
+        solutions = [solution for _, _, solution in pieces]
+        solution = solutions[0] if len(solutions) == 1 else DualSolution(
+            **{name: torch.cat([getattr(each, name) for each in solutions]) for name in vars(solutions[0])})
+        return problems, solution
 
     def __call__(self, site: SiteCapture) -> None:
         offset = 0
@@ -517,11 +539,15 @@ class BatchSolver:
                 for table, quantities in finished:  # in the stack's order, whichever worker finished first
                     self.summary.add(table, quantities.bounds)
                     self.tables.append(table)
+                if self.kept is not None:
+                    for (site, offset), dual, solution in zip(stack, duals, solutions):
+                        self.kept.setdefault((site.attention_type, site.layer, space, alpha), []).append(
+                            (offset, dual, solution))
 
 
 @torch.no_grad()
 def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary: Summary, context: RowContext,
-                  lane=None):
+                  lane=None, capture: Callable | None = None):
     """Capture every attention site of one batch and solve its problems; returns a function that waits
     for the solves and returns the rows, site by site, and the seconds spent capturing and solving.
 
@@ -532,7 +558,10 @@ def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary:
     context.example_ids = example_ids
     solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget)
     started = time.perf_counter()
-    loaded.adapter.capture(loaded.model, inputs, solver)
+    if capture is None:
+        loaded.adapter.capture(loaded.model, inputs, solver)
+    else:
+        capture(solver)
     captured = time.perf_counter() - started - solver.solve_s  # less the stacks solved as they filled
     rows = solver.finish(lane)
 

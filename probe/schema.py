@@ -41,3 +41,18 @@ DEVIATION_SCHEMA = pa.schema(
 REQUIRED_COLUMNS = tuple(DEVIATION_SCHEMA.names)
 #: The row key: no two rows of a run share it.
 ROW_KEY = ("space", "alpha", "attention_type", "layer", "head", "example", "query")
+
+
+#: The interventions table (``interventions.parquet/`` of a run with ``--intervene``; :mod:`probe.intervene`):
+#: one record per (space, alpha, substitute, site, example), ``site`` "self.3"-style or "whole" (the
+#: whole-model substitution).  Columns with their Arrow type names, in order.
+INTERVENTION_COLUMNS = {
+    "space": "string", "alpha": "float64", "substitute": "string", "site": "string", "example": "int64",
+    "attention_type": "string", "layer": "int32", "hidden_change": "float64", "embedding_cosine": "float64",
+    "pooling": "string", "lm_head": "string", "lm_loss_original": "float64", "lm_loss": "float64",
+    "top1_agreement": "float64", "scored_tokens": "int32", "solver_rows": "int64", "solver_not_converged": "int64",
+    "max_relative_error_bound": "float64",
+}
+INTERVENTION_SCHEMA = pa.schema([(name, getattr(pa, kind)()) for name, kind in INTERVENTION_COLUMNS.items()])
+#: the key of an intervention record
+INTERVENTION_KEY = ("space", "alpha", "substitute", "site", "example")

@@ -58,15 +58,19 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from .errors import ProbeError
-from .schema import DEVIATION_SCHEMA
+from .schema import DEVIATION_SCHEMA, INTERVENTION_SCHEMA
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
 PARTS = "deviations.parquet"
+#: the second table of a run with ``--intervene`` (probe.intervene): the same part-file layout, one part per batch
+INTERVENTIONS = "interventions.parquet"
 #: where ``probe resume`` moves damaged part files (outside PARTS, so no reader of PARTS sees them)
 QUARANTINE = "quarantine"
 #: the manifest's key for the list of part records (file, bytes, rows, sha256 per finished batch)
 PART_RECORDS = "parts"
+#: the manifest's list of part records of each table (the deviations' is ``parts``, as before)
+TABLE_RECORDS = {PARTS: PART_RECORDS, INTERVENTIONS: "intervention_parts"}
 #: The key, in each part file's parquet metadata, of the batch's record (JSON).
 PART_METADATA_KEY = b"probe.batch"
 _PART_NAME = re.compile(r"^part-(\d+)\.parquet$")
@@ -260,13 +264,19 @@ def create_run_directory(out: Path, slug: str) -> Path:
     raise ProbeError(f"Could not create a run directory in {out}: too many runs started this second.")
 
 
-def part_path(run_dir: Path, batch: int) -> Path:
-    return Path(run_dir) / PARTS / f"part-{batch:06d}.parquet"
+def part_path(run_dir: Path, batch: int, table: str = PARTS) -> Path:
+    return Path(run_dir) / table / f"part-{batch:06d}.parquet"
 
 
-def write_part(run_dir: Path, batch: int, table: pa.Table, record: dict) -> Path:
-    """Write one batch's rows atomically; ``record`` (JSON) goes into the file's metadata."""
-    path = part_path(run_dir, batch)
+def run_tables(manifest: dict | None) -> tuple[str, ...]:
+    """The tables a run writes: the deviations, and the interventions when it was run with ``--intervene``."""
+    config = (manifest or {}).get("config") or {}
+    return (PARTS, INTERVENTIONS) if config.get("intervene") else (PARTS,)
+
+
+def write_part(run_dir: Path, batch: int, table: pa.Table, record: dict, name: str = PARTS) -> Path:
+    """Write one batch's rows of table ``name`` atomically; ``record`` (JSON) goes into the file's metadata."""
+    path = part_path(run_dir, batch, name)
     metadata = {**(table.schema.metadata or {}), PART_METADATA_KEY: json.dumps({"batch": batch, **record}).encode()}
     table = table.replace_schema_metadata(metadata)
     _replace_atomically(path, lambda handle: pq.write_table(table, handle, **_parquet_options(table.schema)))
@@ -279,9 +289,9 @@ def part_record(path: Path) -> dict:
     return json.loads(metadata[PART_METADATA_KEY])
 
 
-def part_files(run_dir: Path) -> dict[int, Path]:
+def part_files(run_dir: Path, table: str = PARTS) -> dict[int, Path]:
     """Batch number -> its part file, for every finished batch of the run (a directory listing only)."""
-    parts = Path(run_dir) / PARTS
+    parts = Path(run_dir) / table
     files = {}
     if parts.is_dir():
         for name in sorted(os.listdir(parts)):
@@ -299,7 +309,7 @@ def finished_batches(run_dir: Path) -> dict[int, dict]:
 def remove_temporaries(run_dir: Path) -> int:
     """Delete part and manifest files left half-written by a killed process; return how many."""
     removed = 0
-    for directory in (Path(run_dir), Path(run_dir) / PARTS):
+    for directory in (Path(run_dir), *(Path(run_dir) / table for table in TABLE_RECORDS)):
         if directory.is_dir():
             for path in directory.iterdir():
                 if path.name.startswith(".") and ".tmp-" in path.name:
@@ -330,9 +340,9 @@ def describe_part(path: Path, batch: int | None = None) -> dict:
             "rows": pq.read_metadata(path).num_rows, "sha256": file_sha256(path)}
 
 
-def part_records(manifest: dict) -> dict[int, dict]:
+def part_records(manifest: dict, table: str = PARTS) -> dict[int, dict]:
     """Batch number -> its record in the manifest (none for a run written before records existed)."""
-    records = manifest.get(PART_RECORDS) if isinstance(manifest, dict) else None
+    records = manifest.get(TABLE_RECORDS[table]) if isinstance(manifest, dict) else None
     return {int(r["batch"]): r for r in records or () if isinstance(r, dict) and "batch" in r}
 
 
@@ -407,23 +417,25 @@ def _footer_problem(path: Path, expected_rows: int | None, batch: int) -> tuple[
     return None, rows
 
 
-def check_parts(run_dir: Path, manifest: dict | None = None, *, checksums: bool = False) -> PartsCheck:
+def check_parts(run_dir: Path, manifest: dict | None = None, *, checksums: bool = False,
+                table: str = PARTS) -> PartsCheck:
     """Check a run's part files against the manifest's records: the one check every reader makes.
 
     Cheap (a directory listing, one ``stat`` and one footer read per part): each recorded part must be
     present with its recorded size and row count; a part present but unrecorded must have a sound footer
     whose row count and batch number agree with its own ``probe.batch`` record; a complete run must have
     a part for every batch of its plan.  ``checksums=True`` also compares every recorded part's SHA-256
-    (reads every byte: ``probe resume`` and ``probe verify`` do).
+    (reads every byte: ``probe resume`` and ``probe verify`` do).  ``table``: which of the run's tables
+    (:data:`PARTS`, :data:`INTERVENTIONS`).
     """
     run_dir = Path(run_dir)
     if manifest is None:  # a run directory whose first manifest is not written yet has no records
         manifest = read_manifest(run_dir) if (run_dir / MANIFEST).exists() else {}
-    records = part_records(manifest)
+    records = part_records(manifest, table)
     try:
-        present = part_files(run_dir)
+        present = part_files(run_dir, table)
     except OSError as error:
-        raise ProbeError(f"Cannot list {run_dir / PARTS} ({error.strerror or error}): check its permissions.") from None
+        raise ProbeError(f"Cannot list {run_dir / table} ({error.strerror or error}): check its permissions.") from None
     total = manifest.get("batches_total")
     check = PartsCheck(run_dir, manifest.get("status"), total if isinstance(total, int) else None,
                        checksums=checksums)
@@ -456,14 +468,15 @@ def check_parts(run_dir: Path, manifest: dict | None = None, *, checksums: bool 
 
 
 def require_intact(run_dir: Path, manifest: dict | None = None, *, allow_damaged: bool = False,
-                   checksums: bool = False) -> PartsCheck:
+                   checksums: bool = False, table: str = PARTS) -> PartsCheck:
     """:func:`check_parts`, refusing a damaged run with a message that names the batches and what is wrong
     (:class:`DamagedRunError`), unless ``allow_damaged``: then the caller reads ``check.readable`` and
     shows ``check.banner()``."""
-    check = check_parts(run_dir, manifest, checksums=checksums)
+    check = check_parts(run_dir, manifest, checksums=checksums, table=table)
     if check.damaged and not allow_damaged:
+        what = "" if table == PARTS else f" (its {table})"
         raise DamagedRunError(
-            f"{run_dir} is damaged: {check.describe()}. Its other parts are intact, but reading it now would "
+            f"{run_dir} is damaged{what}: {check.describe()}. Its other parts are intact, but reading it now would "
             f"silently leave these batches out. Repair it with `probe resume {run_dir}` (it moves the damaged "
             f"parts to {Path(run_dir) / QUARANTINE} and recomputes them), or pass --allow-damaged to read "
             "what is left, marked as such.",
@@ -472,26 +485,30 @@ def require_intact(run_dir: Path, manifest: dict | None = None, *, allow_damaged
     return check
 
 
-def quarantine(run_dir: Path, batches) -> Path | None:
-    """Move the part files of ``batches`` (those present) into ``RUN_DIR/quarantine/<time>/``; return it."""
+def quarantine(run_dir: Path, batches, table: str = PARTS) -> Path | None:
+    """Move the part files of ``batches`` (those present) into ``RUN_DIR/quarantine/<time>/``
+    (``.../<time>/<table>/`` for a table other than the deviations); return it."""
     run_dir = Path(run_dir)
-    present = part_files(run_dir)
+    present = part_files(run_dir, table)
     moving = [present[b] for b in sorted(batches) if b in present]
     if not moving:
         return None
     target = run_dir / QUARANTINE / datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    if table != PARTS:
+        target = target / table
     target.mkdir(parents=True)
     for path in moving:
         shutil.move(str(path), target / path.name)
-    _fsync_directory(run_dir / PARTS)
+    _fsync_directory(run_dir / table)
     return target
 
 
-def repair_parts(run_dir: Path, manifest: dict) -> tuple[PartsCheck, Path | None]:
+def repair_parts(run_dir: Path, manifest: dict, table: str = PARTS) -> tuple[PartsCheck, Path | None]:
     """Before a resume: check every part in full (checksums; an unrecorded part is read whole), move the
     damaged ones to the quarantine folder and drop their records; record the sound unrecorded ones.
     Returns the check and the quarantine folder (None when nothing moved).  ``manifest`` is updated."""
-    check = check_parts(run_dir, manifest, checksums=True)
+    key = TABLE_RECORDS[table]
+    check = check_parts(run_dir, manifest, checksums=True, table=table)
     for batch in list(check.unrecorded):
         path = check.readable[batch]
         try:
@@ -504,11 +521,11 @@ def repair_parts(run_dir: Path, manifest: dict) -> tuple[PartsCheck, Path | None
             del check.readable[batch]
             check.unrecorded.remove(batch)
             continue
-        manifest.setdefault(PART_RECORDS, []).append(record)
-    moved = quarantine(run_dir, check.damaged)
+        manifest.setdefault(key, []).append(record)
+    moved = quarantine(run_dir, check.damaged, table)
     if check.damaged:
-        manifest[PART_RECORDS] = [r for r in manifest.get(PART_RECORDS, []) if int(r["batch"]) not in check.damaged]
-    manifest[PART_RECORDS] = sorted(manifest.get(PART_RECORDS, []), key=lambda r: int(r["batch"]))
+        manifest[key] = [r for r in manifest.get(key, []) if int(r["batch"]) not in check.damaged]
+    manifest[key] = sorted(manifest.get(key, []), key=lambda r: int(r["batch"]))
     return check, moved
 
 
@@ -543,7 +560,29 @@ def read_deviations(run_dir: Path, columns=None, *, allow_damaged: bool = False)
 EXPORT_FORMATS = {".parquet": "Parquet", ".csv": "CSV"}
 
 
-def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: dict | None = None) -> int:
+def read_interventions(run_dir: Path, columns=None, *, allow_damaged: bool = False) -> pa.Table:
+    """The intervention records of a run with ``--intervene`` (:data:`INTERVENTIONS`), in batch order, after
+    :func:`require_intact` on that table; a run without them is refused with what to do."""
+    run_dir = Path(run_dir)
+    manifest = read_manifest(run_dir)
+    if INTERVENTIONS not in run_tables(manifest):
+        raise ProbeError(
+            f"{run_dir} has no interventions: it was run without --intervene. Run the model again with "
+            "`probe run ... --intervene exact,second-order,null`."
+        )
+    check = require_intact(run_dir, manifest, allow_damaged=allow_damaged, table=INTERVENTIONS)
+    if check.damaged:
+        import warnings
+
+        warnings.warn(check.banner(), stacklevel=2)
+    files = sorted(str(p) for p in check.readable.values())
+    if not files:
+        return INTERVENTION_SCHEMA.empty_table() if columns is None else INTERVENTION_SCHEMA.empty_table().select(columns)
+    return ds.dataset(files, format="parquet").to_table(columns=columns)
+
+
+def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: dict | None = None,
+           table: str = PARTS) -> int:
     """Write a run's rows into one file, in the format its extension names (:data:`EXPORT_FORMATS`):
     Parquet (one row group per batch) or CSV (with a header line); return the row count.
 
@@ -555,7 +594,10 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
             f"--to {to}: probe writes {' or '.join(f'{kind} ({suffix})' for suffix, kind in EXPORT_FORMATS.items())}, "
             f"chosen by the file's extension, and '{to.suffix or '(none)'}' is neither. Name the file *.parquet or *.csv."
         )
-    parts = run_dir / PARTS
+    parts = run_dir / table
+    if table != PARTS and (run_dir / PARTS).is_dir() and not parts.is_dir():
+        raise ProbeError(f"{run_dir} has no {table}: it was run without --intervene. Export --table deviations, "
+                         "or run the model again with --intervene.")
     if not parts.is_dir():
         raise ProbeError(f"{parts} is not a directory of part files: {run_dir} is not a probe run directory.")
     if to.exists():
@@ -564,9 +606,14 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
         raise ProbeError(f"The directory of --to ({to.parent}) does not exist. Create it first.")
     if to.resolve().is_relative_to(parts.resolve()):
         raise ProbeError(f"--to {to} is inside the run's parts directory; choose a file outside {parts}.")
-    check = require_intact(run_dir, manifest, allow_damaged=allow_damaged)
+    check = require_intact(run_dir, manifest, allow_damaged=allow_damaged, table=table)
     files = sorted(check.readable.values())
-    schema = pq.read_schema(files[0]).remove_metadata() if files else DEVIATION_SCHEMA
+    if files:
+        schema = pq.read_schema(files[0]).remove_metadata()
+    elif table == PARTS:
+        schema = DEVIATION_SCHEMA
+    else:
+        schema = INTERVENTION_SCHEMA
     if check.damaged:
         schema = schema.with_metadata({b"probe.damaged": check.banner().encode()})
     rows = 0

@@ -41,7 +41,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import DTYPE_NAMES, INITS, SPACES  # noqa: F401 (INITS: probe.validate.INITS, as before)
+from .config import DTYPE_NAMES, INITS, INTERVENTION_MODES, INTERVENTION_SUBSTITUTES, SPACES  # noqa: F401 (INITS: probe.validate.INITS, as before)
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .hub import cached_snapshot, check_hub_name, hub_reachable, no_connection
@@ -179,6 +179,25 @@ def check_options(config) -> None:
         raise ProbeError(f"--max-memory must be more than 0 bytes, got {config.max_memory_bytes}.")
     if config.threads is not None and config.threads < 1:
         raise ProbeError(f"--threads must be at least 1, got {config.threads}.")
+    check_intervention_options(config)
+
+
+def check_intervention_options(config) -> None:
+    """``--intervene`` and ``--intervene-modes`` (probe.intervene): known names, each once."""
+    intervene = tuple(getattr(config, "intervene", ()) or ())
+    modes = tuple(getattr(config, "intervene_modes", INTERVENTION_MODES) or ())
+    for option, values, choices in (("--intervene", intervene, INTERVENTION_SUBSTITUTES),
+                                    ("--intervene-modes", modes, INTERVENTION_MODES)):
+        unknown = [value for value in values if value not in choices]
+        if unknown:
+            raise ProbeError(
+                f"Unknown {option} {', '.join(map(repr, unknown))}. Choose among {', '.join(choices)} "
+                f"(comma separated), e.g. {option} {','.join(choices[:2])}."
+            )
+        if len(set(values)) != len(values):
+            raise ProbeError(f"{option} lists a value twice ({', '.join(values)}); list each once.")
+    if not modes:
+        raise ProbeError(f"--intervene-modes needs at least one of: {', '.join(INTERVENTION_MODES)}.")
 
 
 def check_report_formats(formats: str) -> list[str]:
@@ -334,6 +353,17 @@ def check_model(config):
 def check_family_options(config, model_config, adapter) -> None:
     """Options that only one family of models reads: ``--target-column`` feeds the decoder of an
     encoder-decoder (teacher forcing); an encoder-only or decoder-only model would ignore it."""
+    if getattr(config, "intervene", ()):
+        from .adapters.generic import InterfaceAdapter
+
+        if not isinstance(adapter, InterfaceAdapter):
+            raise ProbeError(
+                f"--intervene needs a model whose attention probe can substitute, but '{config.model}' "
+                f"({model_config.model_type}) is captured with hooks on its family's own attention code, which "
+                "offers no point to put other weights in. Interventions work for the families that compute "
+                "attention through transformers' attention interface (BERT, T5, BART, GPT-2, Llama, ...): "
+                "remove --intervene, or run one of those."
+            )
     if config.dataset.target_column is not None and "cross" not in adapter.attention_types:
         kind = "decoder-only" if "causal_self" in adapter.attention_types else "encoder-only"
         raise ProbeError(

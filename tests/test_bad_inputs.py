@@ -150,6 +150,14 @@ def bad(tmp_path_factory, tiny_bert_dir):
     T5Config(d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2, architectures=["T5EncoderModel"]).save_pretrained(
         b.t5_encoder
     )
+    from transformers import MPNetConfig
+
+    b.mpnet = b.models / "mpnet"  # a family captured with hooks: it cannot substitute (--intervene)
+    MPNetConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=32).save_pretrained(b.mpnet)
+    for name in TOKENIZER:
+        if (b.tiny / name).exists():
+            shutil.copy(b.tiny / name, b.mpnet / name)
     b.a_file = b.file("a-file", "not a folder\n")
     b.texts = b.file("texts.txt", "one text\nanother text\n")
     b.jsonl_ok = b.file("ok.jsonl", '{"text": "one"}\n{"text": "two"}\n')
@@ -301,6 +309,17 @@ CASES = [
          ("do not match its config.json", "(64, 64) in the checkpoint but (128, 128)"), note=LOAD),
     Case("weights without the attention queries", lambda b: [b.no_attention],
          ("lacks 4 weights the model needs", "attention.self.query"), note=LOAD),
+    # interventions (--intervene, --intervene-modes): options, then a family that cannot substitute, from its
+    # config (before any weights load)
+    Case("intervene unknown substitute", lambda b: [b.tiny, "--intervene", "exact,posterior"],
+         ("Unknown --intervene 'posterior'", "exact, second-order, null, model")),
+    Case("intervene substitute repeated", lambda b: [b.tiny, "--intervene", "exact,null,exact"],
+         ("--intervene lists a value twice",)),
+    Case("intervene empty entry", lambda b: [b.tiny, "--intervene", "exact,,null"], ("--intervene", "empty entry")),
+    Case("intervene unknown mode", lambda b: [b.tiny, "--intervene", "exact", "--intervene-modes", "sites"],
+         ("Unknown --intervene-modes 'sites'", "per-site, whole")),
+    Case("intervene on a family that cannot substitute", lambda b: [b.mpnet, "--init", "random", "--intervene", "exact"],
+         ("--intervene needs a model whose attention probe can substitute", "(mpnet)", "remove --intervene")),
     # 5. max length
     Case("max length beyond the position table", lambda b: [b.tiny, "--max-length", 1000],
          ("--max-length 1000", "position table has 256 entries", "--max-length 256 or less")),

@@ -59,6 +59,22 @@ def draw_figures(run: Run, summary, scale: Scale):
             yield drawn
 
 
+def _interventions_section(run: Run, out_dir: Path, formats, allow_damaged: bool) -> str:
+    """The interventions section of a run with ``--intervene`` (its figure and ``interventions.csv`` written
+    into ``out_dir``); "" for a run without."""
+    from . import interventions
+    from .page import figure_html
+
+    frame = interventions.read_interventions(run.run_dir, run.manifest, allow_damaged=allow_damaged)
+    if frame is None or frame.empty:
+        return ""
+    table = interventions.effects_table(frame)
+    table.to_csv(out_dir / "interventions.csv", index=False)
+    with style():
+        drawn = save(interventions.figure(table, run.name), out_dir, formats)
+    return interventions.section_html(table, frame, figure_html(drawn))
+
+
 def build_report(
     run_dir: str | Path,
     out_dir: str | Path | None = None,
@@ -102,7 +118,8 @@ def build_report(
             + '<div class="explorer"><div>' + explorer.heatmap_tables(run, head_stats, scale) + "</div>"
             + explorer.HEAD_PANEL + "</div>"
         )
-    html_text = page(run, summary, found, saved, explorer_html, explorer_data, quantities)
+    section = _interventions_section(run, out_dir, formats, allow_damaged)
+    html_text = page(run, summary, found, saved, explorer_html, explorer_data, quantities, section)
     (out_dir / "index.html").write_text(html_text, encoding="utf-8")
     return out_dir
 

@@ -134,6 +134,23 @@ def ecdf_figure(runs: list[Run], labels: list[str], types: list[str], x_max: flo
     return Drawn("ecdf", caption, figure)
 
 
+def _interventions_html(runs: list[Run], labels: list[str], out_dir: Path, allow_damaged: bool) -> str:
+    """Runs with ``--intervene``: their mean effects per (site, substitute) side by side, written to
+    ``compare_interventions.csv`` too; "" unless at least two of the runs have interventions."""
+    from .interventions import compare_table, read_interventions
+
+    frames = [(read_interventions(run.run_dir, run.manifest, allow_damaged=allow_damaged), label)
+              for run, label in zip(runs, labels)]
+    frames = [(frame, label) for frame, label in frames if frame is not None and not frame.empty]
+    if len(frames) < 2:
+        return ""
+    table = compare_table([frame for frame, _ in frames], [label for _, label in frames])
+    table.to_csv(out_dir / "compare_interventions.csv", index=False)
+    return ("<h2>Interventions</h2><p>Mean effect of each substitute per attention site and for the whole model "
+            "(whole), run by run (compare_interventions.csv).</p>"
+            + table.to_html(index=False, border=0, na_rep="", float_format=lambda v: f"{v:.4g}"))
+
+
 def compare_runs(
     run_dirs: Sequence[str | Path], out_dir: str | Path = "compare", formats: Sequence[str] = ("png",),
     *, names: Sequence[str] | None = None, allow_damaged: bool = False,
@@ -183,6 +200,7 @@ def compare_runs(
     datasets = "".join(f"<li>{esc(label)}: {esc(run.dataset)} ({esc(run.run_dir.name)})</li>"
                        for run, label in zip(runs, labels))
     table_html = table.to_html(index=False, border=0, na_rep="", float_format=lambda v: f"{v:.4g}")
+    table_html += _interventions_html(runs, labels, out_dir, allow_damaged)
     (out_dir / "index.html").write_text(
         f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>probe compare: {esc(title)}</title>

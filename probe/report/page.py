@@ -182,7 +182,7 @@ def _table(frame: pd.DataFrame) -> str:
     return frame.to_html(index=False, border=0, na_rep="", float_format=lambda v: f"{v:.4g}", classes="stats")
 
 
-def _figure_html(figure: Saved) -> str:
+def figure_html(figure: Saved) -> str:
     esc = html.escape
     data_type = f' data-type="{esc(figure.attention_type)}"' if figure.attention_type else ""
     png = base64.b64encode(figure.png).decode("ascii")
@@ -195,8 +195,9 @@ def _figure_html(figure: Saved) -> str:
 
 
 def page(run: Run, summary: pd.DataFrame, findings: list[dict], figures: list[Saved], explorer_html: str,
-         explorer_data: dict | None, quantities: pd.DataFrame) -> str:
-    """The whole page."""
+         explorer_data: dict | None, quantities: pd.DataFrame, interventions_html: str = "") -> str:
+    """The whole page (``interventions_html``: the section of a run with ``--intervene``,
+    :func:`probe.report.interventions.section_html`)."""
     esc = html.escape
     notes = "".join(f"<li>{esc(note)}</li>" for note in run.notes)
     finding_items = "".join(f"<li>{esc(f['text'])}</li>" for f in findings) or "<li>No findings: no data.</li>"
@@ -215,7 +216,7 @@ def page(run: Run, summary: pd.DataFrame, findings: list[dict], figures: list[Sa
     if len(quantities):
         tables.append(f"<details><summary>Other measured quantities per layer ({len(quantities)} rows)</summary>"
                       f"{_table(quantities)}</details>")
-    images = "\n".join(_figure_html(f) for f in figures)
+    images = "\n".join(figure_html(f) for f in figures)
     script = ""
     if explorer_data is not None:
         script = explorer.data_script(explorer_data) + f"<script>{explorer.SCRIPT}</script>"
@@ -239,13 +240,14 @@ def page(run: Run, summary: pd.DataFrame, findings: list[dict], figures: list[Sa
 <div id="findings"><h2>Findings (computed from the rows)</h2><ul class="findings">{finding_items}</ul></div>
 </div>
 </header>
-<nav><a href="#explorer">Explorer</a><a href="#figures">Figures</a><a href="#tables">Tables</a><a href="#run">Run</a></nav>
+<nav><a href="#explorer">Explorer</a><a href="#figures">Figures</a>{'<a href="#interventions">Interventions</a>' if interventions_html else ''}<a href="#tables">Tables</a><a href="#run">Run</a></nav>
 <section id="explorer"><h2>Explorer</h2>
 {explorer_html}
 </section>
 <section id="figures"><h2>Figures</h2>
 {images or "<p>No data, no figures.</p>"}
 </section>
+{interventions_html}
 <section id="tables"><h2>Tables</h2>
 <p>The same numbers are in summary.csv (column <code>level</code>: layer, layer_head_averaged, head; every
 slice) and summary.json. p95: 95th percentile; trivial: rows left out (one key); non_converged: rows whose
