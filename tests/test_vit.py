@@ -166,14 +166,14 @@ def test_ot_attention_gradcheck_float64():
 
 def test_module_masks_exclude_padding_and_gradcheck():
     torch.manual_seed(0)
-    layer = MultiHeadAttention(6, 2, 3, kind="ot").double()
-    x = torch.randn(2, 4, 6, dtype=torch.float64)
-    extra = torch.randn(2, 3, 6, dtype=torch.float64)
-    mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
-    extra_mask = torch.tensor([[True] * 3, [False] * 3])
+    layer = MultiHeadAttention(4, 2, 2, kind="ot").double()
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    extra = torch.randn(2, 2, 4, dtype=torch.float64)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    extra_mask = torch.tensor([[True] * 2, [False] * 2])
     out = layer(x, mask, extra, extra_mask)
     garbage = x.clone()
-    garbage[1, 2:] = 1e3 * torch.randn(2, 6, dtype=torch.float64)  # padding content must not matter
+    garbage[1, 2:] = 1e3 * torch.randn(1, 4, dtype=torch.float64)  # padding content must not matter
     extra_garbage = extra.clone()
     extra_garbage[1] = 1e3
     out2 = layer(garbage, mask, extra_garbage, extra_mask)
