@@ -485,3 +485,46 @@ def test_cli_module_does_not_import_torch():
     code = "import sys, probe.vit.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_experiment_report_is_computed_from_the_runs(tmp_path):
+    """scripts/vit_experiment.py --report-only: means and t-intervals from the runs' results files."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from scipy import stats
+
+    data_dir = write_mnist(tmp_path / "data")
+    runs = tmp_path / "runs"
+    for attention in ("softmax", "ot"):
+        for seed in (0, 1, 2):
+            train(_settings(data_dir, runs / f"{attention}-seed{seed}", attention=attention, seed=seed, epochs=1))
+            # tiny runs sit at chance; give them distinct accuracies so that the interval is not degenerate
+            results_file = runs / f"{attention}-seed{seed}" / "results.json"
+            r = json.loads(results_file.read_text())
+            r["test_accuracy"] = r["learning_curve"][-1]["test_accuracy"] = 0.5 + 0.1 * seed + (attention == "ot") * 0.03 * seed**2
+            results_file.write_text(json.dumps(r))
+    path = Path(__file__).resolve().parent.parent / "scripts" / "vit_experiment.py"
+    spec = importlib.util.spec_from_file_location("vit_experiment", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = sys.argv
+    try:
+        sys.argv = ["vit_experiment.py", "--report-only", "--runs-dir", str(runs), "--report-dir",
+                    str(tmp_path / "report"), "--epochs", "1", "--attentions", "softmax", "ot"]
+        module.main()
+    finally:
+        sys.argv = argv
+    out = json.loads((tmp_path / "report" / "results.json").read_text())
+    for attention in ("softmax", "ot"):
+        accs = [json.loads((runs / f"{attention}-seed{s}" / "results.json").read_text())["test_accuracy"] for s in range(3)]
+        low, high = stats.t.interval(0.95, 2, loc=np.mean(accs), scale=stats.sem(accs))
+        s = out["summary"][attention]
+        assert s["mean"] == pytest.approx(np.mean(accs)) and s["ci95_half_width"] == pytest.approx((high - low) / 2)
+    diffs = [0.03 * s**2 for s in range(3)]
+    low, high = stats.t.interval(0.95, 2, loc=np.mean(diffs), scale=stats.sem(diffs))
+    assert out["paired_differences"]["ot-softmax"]["ci95_half_width"] == pytest.approx((high - low) / 2)
+    md = (tmp_path / "report" / "results.md").read_text()
+    assert f"{out['summary']['ot']['mean']:.3f}" in md and "not run here: no copy of CIFAR offline" in md
+    assert (tmp_path / "report" / "ot-seed0.pt").exists()
