@@ -44,7 +44,7 @@ def parse():
     p.add_argument("--data-dir", type=Path, default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--attentions", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--train-subset", type=int, default=4096)
     p.add_argument("--test-subset", type=int, default=5000)
     p.add_argument("--batch-size", type=int, default=128)

@@ -23,6 +23,8 @@ from probe.ot import ot_attention
 from probe.vit import final_layer_problems, load_checkpoint
 from probe.vit.attention import (
     MultiHeadAttention,
+    OTAttention,
+    SinkhornAttention,
     dot_cost,
     ot_attention_weights,
     sinkhorn_attention_weights,
@@ -166,7 +168,7 @@ def test_ot_attention_gradcheck_float64():
 
 def test_module_masks_exclude_padding_and_gradcheck():
     torch.manual_seed(0)
-    layer = MultiHeadAttention(4, 2, 2, kind="ot").double()
+    layer = OTAttention(4, 2, 2).double()
     x = torch.randn(2, 3, 4, dtype=torch.float64)
     extra = torch.randn(2, 2, 4, dtype=torch.float64)
     mask = torch.tensor([[True, True, True], [True, True, False]])
@@ -528,3 +530,22 @@ def test_experiment_report_is_computed_from_the_runs(tmp_path):
     md = (tmp_path / "report" / "results.md").read_text()
     assert f"{out['summary']['ot']['mean']:.3f}" in md and "not run here: no copy of CIFAR offline" in md
     assert (tmp_path / "report" / "ot-seed0.pt").exists()
+
+
+def test_attention_classes_differ_only_in_their_weights():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    layers = {kind: MultiHeadAttention(8, 2, 4, kind=kind) for kind in ("softmax", "ot", "sinkhorn")}
+    torch.manual_seed(0)
+    ot = OTAttention(8, 2, 4)
+    torch.manual_seed(0)
+    sink = SinkhornAttention(8, 2, 4, iterations=1)
+    ot.load_state_dict(layers["ot"].state_dict())
+    sink.load_state_dict(layers["softmax"].state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(ot(x), layers["ot"](x))
+        torch.testing.assert_close(sink(x), layers["softmax"](x))  # one row normalisation = softmax
+        # OT with a constant cost: the softmax layer
+        const = OTAttention(8, 2, 4, cost=lambda s, c: torch.zeros(s.shape[:-1] + (c.shape[-2],)))
+        const.load_state_dict(layers["softmax"].state_dict())
+        torch.testing.assert_close(const(x), layers["softmax"](x))

@@ -46,6 +46,8 @@ __all__ = [
     "softmax_attention_weights",
     "sinkhorn_attention_weights",
     "MultiHeadAttention",
+    "OTAttention",
+    "SinkhornAttention",
 ]
 
 Cost = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -218,3 +220,23 @@ class MultiHeadAttention(nn.Module):
         w, v = self.weights(x, mask, extra, extra_mask, query_index)
         out = (w @ v).transpose(1, 2).flatten(2)  # (B, Q, H * dh)
         return self.dropout(self.proj(out))
+
+
+class OTAttention(MultiHeadAttention):
+    """Multi-head OT attention (eq. 22): :class:`MultiHeadAttention` with ``kind="ot"``.
+
+    Keys are the templates, queries the evidence, values what is mixed; ``u`` uniform over the real tokens;
+    ``alpha = 1``, ``gamma = sqrt(head_dim)`` and the cost :func:`dot_cost` by default (see the module's
+    docstring).  ``forward(x, mask=None, extra=None, extra_mask=None, query_index=None)``: ``extra`` holds
+    the hidden states of an extra candidate set (the training trick).
+    """
+
+    def __init__(self, dim, heads, head_dim, dropout=0.0, alpha=1.0, gamma=None, cost: Cost = dot_cost):
+        super().__init__(dim, heads, head_dim, "ot", dropout, alpha, gamma, cost)
+
+
+class SinkhornAttention(MultiHeadAttention):
+    """Multi-head Sinkhorn attention (Sinkformers): :class:`MultiHeadAttention` with ``kind="sinkhorn"``."""
+
+    def __init__(self, dim, heads, head_dim, dropout=0.0, iterations: int = 3):
+        super().__init__(dim, heads, head_dim, "sinkhorn", dropout, sinkhorn_iterations=iterations)
