@@ -478,6 +478,8 @@ def test_resume_with_other_settings_is_refused(tmp_path):
         train(_settings(data_dir, tmp_path / "run", epochs=2, attention="softmax"))
     with pytest.raises(ProbeError, match="already holds 2 epochs, more than --epochs 1"):
         train(_settings(data_dir, tmp_path / "run", epochs=1))
+    longer = train(_settings(data_dir, tmp_path / "run", epochs=3))  # a larger --epochs continues
+    assert longer["epochs_done"] == 3 and [e["epoch"] for e in longer["learning_curve"]] == [1, 2, 3]
 
 
 def test_cli_module_does_not_import_torch():
