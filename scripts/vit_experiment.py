@@ -211,7 +211,8 @@ def markdown(out, args, kept) -> str:
         "- Fairness: for a seed, all three models start from the same weights (identical parameters), see the same "
         "images in the same order and differ only in the final layer's attention. The OT-ViT's training trick "
         f"(probability {p['trick_probability']}: the final-layer templates of another training image of the same "
-        "class join the candidate set) costs it an extra forward of those images; the budget is counted in steps.",
+        "class join the candidate set) costs it an extra forward of those images (and draws more dropout masks "
+        "from the same seeded generator); the budget is counted in steps.",
         f"- Model: the paper's sizes, {p['model_config']['depth']} layers, width {p['model_config']['dim']}, MLP "
         f"{p['model_config']['mlp_dim']}, {p['model_config']['heads']} heads of {p['model_config']['head_dim']}, "
         f"patch {p['model_config']['patch']}, dropout {p['model_config']['dropout']}: **{p['parameters']:,} "
