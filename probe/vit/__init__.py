@@ -42,7 +42,7 @@ def load_checkpoint(path, map_location="cpu"):
     if not path.is_file():
         raise ProbeError(f"{path} does not exist: give a run directory of `probe vit train`, or its model.pt.")
     try:
-        saved = torch.load(path, map_location=map_location, weights_only=False)
+        saved = torch.load(path, map_location=map_location, weights_only=True)
         config = ViTConfig(**saved["config"])
     except Exception as error:  # noqa: BLE001
         raise ProbeError(
