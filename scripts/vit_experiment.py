@@ -294,7 +294,9 @@ def markdown(out, args, kept) -> str:
         f"{_t_factor(len(p['seeds'])):.2f} on the standard error): wide by construction.",
         "- CIFAR-10/100: not run here, no copy of CIFAR exists offline on this machine "
         "(`probe vit train --data cifar10 --data-dir DIR` runs them where the data is).",
-        "- The full protocol (all 60,000 images, the paper's epochs) needs a GPU: "
+        "- Wall times were measured under the machine's varying load (other work ran beside these runs), so they "
+        "compare the attentions' costs only roughly.",
+        "- The full protocol (all 60,000 images, a full training budget) needs a GPU: "
         "`probe vit train --device cuda --epochs E --seed S --attention A` for each run.",
         "",
     ]
