@@ -1,0 +1,88 @@
+"""The OT-ViT experiment: OT attention (eq. 22) as a layer, ViT / OT-ViT / Sinkhorn-ViT, offline data, training.
+
+* :mod:`probe.vit.attention` -- softmax, OT (through :func:`probe.ot.ot_attention`) and Sinkhorn attention;
+* :mod:`probe.vit.model`     -- the ViT (``ViTConfig``, ``ViT``, ``parameter_count``);
+* :mod:`probe.vit.data`      -- Fashion-MNIST idx files, CIFAR-10/100 python batches;
+* :mod:`probe.vit.train`     -- one resumable training run (checkpoints, results file);
+* :mod:`probe.vit.cli`       -- the typer sub-app (``probe vit train``).
+
+Public contract for analyses of a trained OT-ViT::
+
+    model, info = load_checkpoint(path)          # a run's model.pt or checkpoint.pt (or its directory)
+    problems = final_layer_problems(model, images)
+    p = probe.ot.ot_attention(problems["candidates"], problems["source_weights"], problems["cost"],
+                              problems["evidence"], problems["alpha"], problems["gamma"])   # (B, H, N)
+
+This module imports torch only when these functions are called (the CLI's option errors stay instant).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["load_checkpoint", "final_layer_problems"]
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """Load a trained model: ``path`` is a run directory, its ``model.pt`` or its ``checkpoint.pt``.
+
+    Returns ``(model, info)``: the :class:`probe.vit.model.ViT` in eval mode and a dict with ``config``,
+    ``settings`` and (from a checkpoint) ``epoch`` and ``history``.
+    """
+    import torch
+
+    from probe.errors import ProbeError
+
+    from .model import ViT, ViTConfig
+    from .train import CHECKPOINT, MODEL
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / MODEL if (path / MODEL).exists() else path / CHECKPOINT
+    if not path.is_file():
+        raise ProbeError(f"{path} does not exist: give a run directory of `probe vit train`, or its model.pt.")
+    try:
+        saved = torch.load(path, map_location=map_location, weights_only=True)
+        config = ViTConfig(**saved["config"])
+    except Exception as error:  # noqa: BLE001
+        raise ProbeError(
+            f"cannot read {path} as a `probe vit train` model ({type(error).__name__}: {error})."
+        ) from None
+    model = ViT(config)
+    model.load_state_dict(saved["model"])
+    model.eval()
+    info = {k: saved.get(k) for k in ("config", "settings", "epoch", "history")}
+    return model, info
+
+
+def final_layer_problems(model, images) -> dict:
+    """The OT problems of the final layer's class-token query (test time: candidates = the image's templates).
+
+    ``images (B, C, H, W)``, already normalised as in training (``ImageData.normalise``).  Returns
+    ``candidates (B, H, N, dh)`` (the final layer's keys), ``source_weights (B, H, n)`` (uniform),
+    ``cost (B, H, n, N)`` (the model's cost, ``M(t_j, t) = C - <t_j, t> >= 0`` by default), ``evidence (B, H, dh)``
+    (the class-token queries), ``values (B, H, N, dh)``, and floats ``alpha``, ``gamma``, such that
+    ``probe.ot.ot_attention(candidates, source_weights, cost, evidence, alpha, gamma)`` is the model's
+    final-layer class-token attention ``(B, H, N)``.  Works for any attention kind of the model (the problems
+    are those an OT layer with the same queries and keys would solve); the model's own weights equal them
+    only for the OT-ViT.
+    """
+    import torch
+
+    was_training = model.training
+    model.eval()  # no dropout: the test-time problems
+    with torch.no_grad():
+        block = model.blocks[-1]
+        attn = block.attn
+        q, k, v = attn.split(block.norm1(model.hidden_before_final(images)))
+        B, H, n, dh = k.shape
+        model.train(was_training)
+        return {
+            "candidates": k,
+            "source_weights": torch.full((B, H, n), 1.0 / n, dtype=k.dtype, device=k.device),
+            "cost": attn.cost(k, k),
+            "evidence": q[:, :, 0],
+            "values": v,
+            "alpha": float(attn.alpha),
+            "gamma": float(attn.gamma),
+        }
