@@ -65,6 +65,11 @@ def _unbroken_defaults(get_help_record):
 
 _plain_arguments()
 
+# `probe vit train`: the ViT / OT-ViT / Sinkhorn-ViT experiment (probe/vit/cli.py; imports torch only when it runs)
+from probe.vit.cli import app as _vit_app  # noqa: E402
+
+app.add_typer(_vit_app, name="vit")
+
 #: the prefix of every error probe prints (click prints usage errors with the same)
 ERROR_PREFIX = "Error: "
 

@@ -62,17 +62,12 @@ def random_problems(count: int, n: int = 50, d: int = 32, seed: int = 0) -> dict
 
 
 def _test_images(n: int):
-    """The first ``n`` Fashion-MNIST test images, as the OT-ViT takes them (the one place that reads them)."""
-    from probe.vit.data import load_dataset
+    """The first ``n`` Fashion-MNIST test images, normalised as the OT-ViT was trained on them (the one place
+    that reads them)."""
+    from probe.vit.data import load_data
 
-    dataset = load_dataset("fashion-mnist", split="test")
-    if isinstance(dataset, tuple):  # (images, labels)
-        images = dataset[0]
-    elif isinstance(dataset, dict):
-        images = dataset["images"]
-    else:
-        images = dataset.images
-    return torch.as_tensor(images[:n])
+    data = load_data("fashion-mnist")
+    return data.normalise(data.test_images[:n])
 
 
 def model_problems(checkpoint: Path, images: int) -> tuple[dict, float, float, dict]:

@@ -204,9 +204,9 @@ def test_every_error_has_one_prefix(args, message):
     assert "╭" not in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("command", ["run", "resume", "status", "export", "report", "compare"])
+@pytest.mark.parametrize("command", ["run", "resume", "status", "export", "report", "compare", "verify", "vit train"])
 def test_help_has_no_glitches(command):
-    result = CliRunner().invoke(app, [command, "--help"], terminal_width=100, env={"COLUMNS": "100"})
+    result = CliRunner().invoke(app, [*command.split(), "--help"], terminal_width=100, env={"COLUMNS": "100"})
     assert result.exit_code == 0
     text = result.output
     assert "<bool>" not in text and "<str>" not in text and "<path>" not in text and "{" not in text

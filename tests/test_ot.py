@@ -412,7 +412,8 @@ def test_quality_script_model_mode_on_a_stub_vit(tmp_path, monkeypatch):
     vit.load_checkpoint = lambda path: ("model", {"checkpoint": str(path)})
     vit.final_layer_problems = lambda model, images: problems
     data = types.ModuleType("probe.vit.data")
-    data.load_dataset = lambda name, split: (np.zeros((3, 28, 28)), np.zeros(3))
+    data.load_data = lambda name: types.SimpleNamespace(test_images=torch.zeros(3, 1, 28, 28, dtype=torch.uint8),
+                                                        normalise=lambda images: images.float())
     monkeypatch.setitem(sys.modules, "probe.vit", vit)
     monkeypatch.setitem(sys.modules, "probe.vit.data", data)
     script = _load_script("ot_quality")

@@ -16,8 +16,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 
 def _fail(error: Exception) -> None:
-    typer.secho(f"error: {error}", err=True, fg=typer.colors.RED)
-    raise typer.Exit(code=2)
+    from probe.cli import _fail as fail  # the one error paragraph and prefix of every probe command
+
+    fail(error)
 
 
 @app.callback()
@@ -27,22 +28,22 @@ def _callback():
 
 @app.command()
 def train(
-    data: str = typer.Option("fashion-mnist", help="fashion-mnist, cifar10 or cifar100."),
+    data: str = typer.Option("fashion-mnist", metavar="NAME", help="fashion-mnist, cifar10 or cifar100."),
     data_dir: Optional[Path] = typer.Option(
-        None, help="Directory of the data set's files [default for fashion-mnist: /usr/share/datasets/fashion-mnist, "
+        None, metavar="DIR", help="Directory of the data set's files [default for fashion-mnist: /usr/share/datasets/fashion-mnist, "
                    "from `apt install dataset-fashion-mnist`]."),
-    attention: str = typer.Option("softmax", help="The final layer's attention: softmax, ot or sinkhorn."),
-    seed: int = typer.Option(0, help="Seed of the initial weights, data order, dropout and training trick."),
-    epochs: int = typer.Option(10, help="Epochs over the (subset of the) training set."),
-    lr: float = typer.Option(3e-4, help="Adam learning rate (the paper's 3e-4)."),
-    batch_size: int = typer.Option(128, help="Images per step."),
-    train_subset: Optional[int] = typer.Option(None, help="Train on a fixed subset of N training images."),
-    test_subset: Optional[int] = typer.Option(None, help="Evaluate on a fixed subset of N test images."),
-    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+    attention: str = typer.Option("softmax", metavar="KIND", help="The final layer's attention: softmax, ot or sinkhorn."),
+    seed: int = typer.Option(0, metavar="S", help="Seed of the initial weights, data order, dropout and training trick."),
+    epochs: int = typer.Option(10, metavar="E", help="Epochs over the (subset of the) training set."),
+    lr: float = typer.Option(3e-4, metavar="LR", help="Adam learning rate (the paper's 3e-4)."),
+    batch_size: int = typer.Option(128, metavar="N", help="Images per step."),
+    train_subset: Optional[int] = typer.Option(None, metavar="N", help="Train on a fixed subset of N training images."),
+    test_subset: Optional[int] = typer.Option(None, metavar="N", help="Evaluate on a fixed subset of N test images."),
+    device: str = typer.Option("cpu", metavar="DEVICE", help="cpu, cuda or cuda:N."),
     out: Optional[Path] = typer.Option(
-        None, help="Run directory (checkpoints, model.pt, results.json) [default: runs/vit-DATA-ATTENTION-seedS]."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads [default: torch's]."),
-    sinkhorn_iterations: int = typer.Option(3, help="Row normalisations of the Sinkhorn attention."),
+        None, metavar="DIR", help="Run directory (checkpoints, model.pt, results.json) [default: runs/vit-DATA-ATTENTION-seedS]."),
+    threads: Optional[int] = typer.Option(None, metavar="N", help="torch CPU threads [default: torch's]."),
+    sinkhorn_iterations: int = typer.Option(3, metavar="K", help="Row normalisations of the Sinkhorn attention."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ):
     """Train one model (or resume a killed run with the same settings) and write results.json."""
