@@ -84,3 +84,72 @@ def test_the_readme_minilm_table_is_recomputed_from_the_committed_comparison():
     assert f"{pretrained['share_above_0.1']:.1%} of the pretrained rows deviate by more than 0.1" in readme
     assert f"against {random['share_above_0.1']:.1%} at random init" in readme
     assert (compare["attention_type"] == "self").all() and len(compare) == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# the README's interventions, OT-ViT and OT-approximation numbers, from the committed results files
+
+
+def interventions_table() -> list[str]:
+    """The README's whole-model interventions table, from reports/interventions/*-results.csv."""
+    import pandas as pd
+
+    lines = [
+        "| every site substituted (whole model) | exact | second-order | null | random init: exact | random init: null |",
+        "|---|---|---|---|---|---|",
+    ]
+    for model, label, measures in (
+        ("minilm", "all-MiniLM-L6-v2", (("hidden_change", "hidden change", "#.3g"),
+                                        ("embedding_cosine", "embedding cosine", ".3f"))),
+        ("rxnmapper", "rxnmapper ALBERT", (("hidden_change", "hidden change", "#.3g"),
+                                           ("lm_loss", "masked-LM loss", ".3f"))),
+    ):
+        frame = pd.read_csv(ROOT / "reports" / "interventions" / f"{model}-results.csv", keep_default_na=False)
+        whole = frame[frame["site"] == "whole"].set_index("substitute")
+        for column, name, spec in measures:
+            if column == "lm_loss":
+                pretrained, random = (whole.loc["exact", f"lm_loss_original [{init}]"] for init in ("pretrained", "random"))
+                name = f"{name} (unmodified: {pretrained:{spec}}, random init {random:{spec}})"
+            cells = [whole.loc[s, f"{column} [pretrained]"] for s in ("exact", "second-order", "null")]
+            cells += [whole.loc[s, f"{column} [random]"] for s in ("exact", "null")]
+            lines.append(f"| {label}, {name} | " + " | ".join(f"{value:{spec}}" for value in cells) + " |")
+    return lines
+
+
+def vit_table() -> list[str]:
+    """The README's OT-ViT table, from reports/vit/results.json."""
+    results = json.loads((ROOT / "reports" / "vit" / "results.json").read_text())
+    protocol = results["protocol"]
+    lines = [
+        f"| Fashion-MNIST, {protocol['train_images']:,} training images, {protocol['epochs']} epochs, "
+        f"{len(protocol['seeds'])} seeds | test accuracy, 95% interval | paper (full protocol) |",
+        "|---|---|---|",
+    ]
+    for kind, name in (("softmax", "ViT (softmax)"), ("ot", "OT-ViT"), ("sinkhorn", "Sinkhorn-ViT")):
+        summary = results["summary"][kind]
+        lines.append(f"| {name} | {summary['mean']:.3f} ± {summary['ci95_half_width']:.3f} | "
+                     f"{results['paper']['fashion-mnist'][kind]} |")
+    return lines
+
+
+def ot_quality_sentence() -> str:
+    """The README's reading of the OT approximation at the trained OT-ViT's own setting."""
+    quality = json.loads((ROOT / "reports" / "ot" / "quality_model.json").read_text())
+    meta = quality["meta"]
+    row = next(r for r in quality["rows"]
+               if r["alpha"] == meta["model_alpha"] and abs(r["gamma"] - meta["model_gamma"]) < 1e-9)
+    assert row["certified_fraction"] == 1.0
+    return (f"median relative deviation {row['rel_deviation_median']:.3f} (10th to 90th percentile "
+            f"{row['rel_deviation_p10']:.3f} to {row['rel_deviation_p90']:.3f}) and median attention total "
+            f"variation {row['tv_median']:.3f} over {row['problems']:,} certified problems")
+
+
+def test_the_readme_interventions_table_is_recomputed_from_the_committed_results():
+    readme = (ROOT / "README.md").read_text()
+    assert table_after(readme, "## Does exact inference change what the model computes?") == interventions_table()
+
+
+def test_the_readme_vit_table_and_ot_reading_are_recomputed_from_the_committed_results():
+    readme = (ROOT / "README.md").read_text()
+    assert table_after(readme, "## The theory's second half: OT attention") == vit_table()
+    assert ot_quality_sentence() in " ".join(readme.split())
