@@ -83,7 +83,7 @@ import torch
 from . import derived
 from .adapters.base import SiteCapture
 from .adapters.generic import DECODER, ENCODER, ENCODER_DECODER, InterfaceAdapter
-from .adapters.interface import AttentionCall, family_eager_function, unrepresentable
+from .adapters.interface import eager_call
 from .errors import ProbeError
 from .rows import site_problems
 from .schema import INTERVENTION_COLUMNS, INTERVENTION_SCHEMA
@@ -516,14 +516,7 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | No
                 block.forward = replaying(block.forward)
 
     def substituting_attention(module, query, key, value, attention_mask, *args, **kwargs):
-        eager = family_eager_function(module)
-        bound = inspect.signature(eager).bind(module, query, key, value, attention_mask, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        reason = unrepresentable(module, eager, arguments)
-        if reason is not None:
-            raise ProbeError(f"probe cannot represent the attention of {type(module).__name__}: {reason}.")
-        output, probs = eager(module, query, key, value, attention_mask, *args, **kwargs)
+        output, probs, call = eager_call(module, query, key, value, attention_mask, *args, **kwargs)
         attention_type = sites.get(module)
         if attention_type is None:
             raise ProbeError(
@@ -537,15 +530,6 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | No
         if only is not None and site_name(attention_type, layer) != only and (trace is None or start_at is not None):
             key_inputs.pop(module, None)
             return output, probs
-        scaling = arguments.get("scaling")
-        position_bias = arguments.get("position_bias")
-        call = AttentionCall(
-            module=module, query=query.detach(), key=key.detach(), value=value.detach(),
-            attention_mask=None if attention_mask is None else attention_mask.detach(),
-            scaling=float(query.shape[-1] ** -0.5 if scaling is None else scaling),
-            position_bias=position_bias.detach() if isinstance(position_bias, torch.Tensor) else None,
-            probs=probs.detach(), kwargs=dict(arguments.get("kwargs", {})),
-        )
         site = adapter._site(call, attention_type, layer, roles[attention_type], key_inputs.pop(module, None))
         name = site_name(attention_type, layer)
         if trace is not None and start_at is None:

@@ -118,6 +118,35 @@ def unrepresentable(module: torch.nn.Module, eager: Callable, arguments: dict) -
     return None
 
 
+def eager_call(module, query, key, value, attention_mask, *args, **kwargs):
+    """Run the calling family's own ``eager_attention_forward`` on an attention interface call, refusing (a
+    :class:`ProbeError`) what probe's logit form cannot represent; return its ``(output, probs)`` and the
+    :class:`AttentionCall` of everything that entered the logits (detached)."""
+    eager = family_eager_function(module)
+    bound = inspect.signature(eager).bind(module, query, key, value, attention_mask, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    reason = unrepresentable(module, eager, arguments)
+    if reason is not None:
+        raise ProbeError(f"probe cannot represent the attention of {type(module).__name__}: {reason}.")
+    output, probs = eager(module, query, key, value, attention_mask, *args, **kwargs)
+    if probs is None:
+        raise ProbeError(f"{type(module).__name__}'s eager attention returned no probabilities.")
+    scaling = arguments.get("scaling")
+    call = AttentionCall(
+        module=module,
+        query=query.detach(),
+        key=key.detach(),
+        value=value.detach(),
+        attention_mask=None if attention_mask is None else attention_mask.detach(),
+        scaling=float(query.shape[-1] ** -0.5 if scaling is None else scaling),
+        position_bias=_detached(arguments.get("position_bias")),
+        probs=probs.detach(),
+        kwargs=dict(arguments.get("kwargs", {})),
+    )
+    return output, probs, call
+
+
 @contextmanager
 def eager_attention_calls(on_call: Callable[[AttentionCall], None]):
     """Within the block, every eager attention call made through ``ALL_ATTENTION_FUNCTIONS`` runs the
@@ -131,29 +160,8 @@ def eager_attention_calls(on_call: Callable[[AttentionCall], None]):
         raise RuntimeError("eager_attention_calls blocks do not nest")
 
     def probe_attention(module, query, key, value, attention_mask, *args, **kwargs):
-        eager = family_eager_function(module)
-        bound = inspect.signature(eager).bind(module, query, key, value, attention_mask, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        reason = unrepresentable(module, eager, arguments)
-        if reason is not None:
-            raise ProbeError(f"probe cannot represent the attention of {type(module).__name__}: {reason}.")
-        output, probs = eager(module, query, key, value, attention_mask, *args, **kwargs)
-        if probs is None:
-            raise ProbeError(f"{type(module).__name__}'s eager attention returned no probabilities.")
-        scaling = arguments.get("scaling")
-        extra = dict(arguments.get("kwargs", {}))
-        on_call(AttentionCall(
-            module=module,
-            query=query.detach(),
-            key=key.detach(),
-            value=value.detach(),
-            attention_mask=None if attention_mask is None else attention_mask.detach(),
-            scaling=float(query.shape[-1] ** -0.5 if scaling is None else scaling),
-            position_bias=_detached(arguments.get("position_bias")),
-            probs=probs.detach(),
-            kwargs=extra,
-        ))
+        output, probs, call = eager_call(module, query, key, value, attention_mask, *args, **kwargs)
+        on_call(call)
         return output, probs
 
     probe_attention._probe_capture = True
