@@ -298,13 +298,14 @@ def status_command(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="
     import shlex
 
     from probe.errors import ProbeError
-    from probe.storage import check_parts, read_manifest
+    from probe.storage import PARTS, check_parts, read_manifest, run_tables
 
     try:
         manifest = read_manifest(run_dir)
     except ProbeError as error:
         _fail(error)
-    check = check_parts(run_dir, manifest)
+    checks = {table: check_parts(run_dir, manifest, table=table) for table in run_tables(manifest)}
+    check = checks[PARTS]
     status = manifest.get("status")
     rows = (manifest.get("solver") or {}).get("rows", 0)
     typer.echo(
@@ -316,8 +317,10 @@ def status_command(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="
     if check.unrecorded and status != "running":  # a live run's newest parts are recorded within a second
         typer.echo(f"unrecorded: {len(check.unrecorded)} part(s) finished after the manifest's last write "
                    "(whole, footers checked; resume records them)")
-    if check.damaged:
-        typer.echo(f"damaged: {check.describe()}")
+    for table, table_check in checks.items():  # the rows' parts, and the interventions' of a run with --intervene
+        if table_check.damaged:
+            typer.echo(f"damaged{'' if table == PARTS else f' ({table})'}: {table_check.describe()}")
+    if any(table_check.damaged for table_check in checks.values()):
         typer.echo(f"repair with: probe resume {shlex.quote(str(run_dir))}")
     elif status == "interrupted":
         typer.echo(f"continue with: probe resume {shlex.quote(str(run_dir))}")

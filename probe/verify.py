@@ -92,10 +92,13 @@ class VerifyReport:
     columns: dict[str, ColumnCheck] = field(default_factory=dict)
     reference_not_converged: int = 0
     batches_rerun: int = 0
+    #: the interventions table's parts (a run with ``--intervene``), checked like the rows'; None without
+    intervention_parts: storage.PartsCheck | None = None
 
     @property
     def ok(self) -> bool:
-        return (self.parts.ok and not self.reference_not_converged
+        return (self.parts.ok and (self.intervention_parts is None or self.intervention_parts.ok)
+                and not self.reference_not_converged
                 and all(check.holds for check in self.columns.values()))
 
     def lines(self) -> list[str]:
@@ -106,6 +109,11 @@ class VerifyReport:
         ]
         if parts.unrecorded:
             out.append(f"  {len(parts.unrecorded)} part(s) not yet recorded (footers checked only)")
+        extra = self.intervention_parts
+        if extra is not None:
+            out.append(f"{storage.INTERVENTIONS}: {len(extra.readable)} of {extra.batches_total} batches checked "
+                       "against their SHA-256 records" + ("" if extra.ok else f"; DAMAGED: {extra.describe()} "
+                                                          f"(repair with: probe resume {self.run_dir})"))
         out.append(f"re-solved: {self.sampled} rows (seed {self.seed}) from {self.batches_rerun} batch(es) re-run "
                    "through the model, by gradient ascent on the full dual (probe.reference; Newton steps where "
                    "it is slow)")
@@ -269,6 +277,9 @@ def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
     manifest = storage.read_manifest(run_dir)
     parts = storage.check_parts(run_dir, manifest, checksums=True)
     report = VerifyReport(run_dir, parts, seed=seed, columns={c: ColumnCheck(c) for c in COLUMNS})
+    if storage.INTERVENTIONS in storage.run_tables(manifest):
+        report.intervention_parts = storage.check_parts(run_dir, manifest, checksums=True,
+                                                        table=storage.INTERVENTIONS)
     if sample <= 0 or not parts.readable:
         return report
     rows = _sample_rows(parts, sample, seed).to_pylist()

@@ -117,3 +117,38 @@ def test_the_reference_finishes_an_ill_conditioned_problem(monkeypatch):
     explicit_T, explicit_z = templates_from_reduced(T @ T.T, T @ z, float(z @ z))
     lam, _ = lbfgs_dual(explicit_T, explicit_z, log_u, 1.0)
     assert ref["lambda_norm"] == pytest.approx(np.linalg.norm(lam), rel=1e-4)  # L-BFGS: ~5e-5 here
+
+
+@pytest.fixture(scope="module")
+def intervened_run(tiny_bert_dir, tmp_path_factory):
+    """A tiny run with ``--intervene exact``: two tables, each with its part records."""
+    out = tmp_path_factory.mktemp("intervened")
+    result = invoke_with_one_thread("run", tiny_bert_dir, "--samples", "4", "--batch-size", "2", "--max-length", "16",
+                                    "--intervene", "exact", "--no-progress", "--out", out)
+    assert result.exit_code == 0, result.output
+    (run_dir,) = out.iterdir()
+    return run_dir
+
+
+def test_verify_and_status_check_the_interventions_parts(intervened_run, tmp_path):
+    clean = CliRunner().invoke(app, ["verify", str(intervened_run), "--sample", "0"])
+    assert clean.exit_code == 0, clean.output
+    assert "interventions.parquet: 2 of 2 batches checked against their SHA-256 records" in clean.output
+    run_dir = Path(shutil.copytree(intervened_run, tmp_path / "run"))
+    target = storage.part_path(run_dir, 1, storage.INTERVENTIONS)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 8] ^= 0xFF  # in the first column's pages (a third in hits this small file's footer)
+    target.write_bytes(bytes(data))  # same size, footer intact: only the checksum can tell
+    result = CliRunner().invoke(app, ["verify", str(run_dir), "--sample", "0"])
+    assert result.exit_code == 1, result.output
+    assert ("interventions.parquet: 1 of 2 batches checked against their SHA-256 records; DAMAGED: batch 1 "
+            "(SHA-256 differs from the recorded one)") in result.output
+    assert f"probe resume {run_dir}" in result.output and "NOT verified" in result.output
+    # status checks cheaply (presence, size, footer): a cut part is what it sees, in either table
+    cut = storage.part_path(run_dir, 0, storage.INTERVENTIONS)
+    cut.write_bytes(cut.read_bytes()[:-100])
+    status = CliRunner().invoke(app, ["status", str(run_dir)])
+    assert status.exit_code == 0, status.output
+    assert "damaged (interventions.parquet): batch 0 (" in status.output, status.output
+    assert f"repair with: probe resume {run_dir}" in status.output
+    assert "damaged: " not in status.output  # the rows' parts are intact
