@@ -452,7 +452,7 @@ def verify_command(
     rows re-solved from the model by an independent method (gradient ascent on the full dual,
     probe/reference.py, not the run's Newton-CG), each stored number against the two certificates.
 
-    Cost: reads every part once; loads the model once and re-runs the batches that hold a sampled row (at most --sample forward passes); one reference solve per sampled row. Measured: all-MiniLM-L6-v2, 64 rows from 46 batches, 6 to 25 s on a shared 2-core machine.
+    Cost: reads every part once; loads the model once and re-runs the batches that hold a sampled row (at most --sample forward passes); one reference solve per sampled row (and one small dense solve for its derived columns). Measured: all-MiniLM-L6-v2, 64 rows from 46 batches, 6 to 25 s on a shared 2-core machine.
 
     Exit status 0 only when every check holds, 1 when one fails (a damaged part, a number outside its bound), 2 for a bad input.
     """  # noqa: E501  (one line per paragraph: the help keeps a docstring's line breaks)

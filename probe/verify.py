@@ -30,14 +30,24 @@ Each stored number is compared with the reference's against what the two certifi
   (a softmax moves by at most :math:`2\|\Delta\theta\|_\infty` in :math:`\ell_1`);
 * ``evidence_norm`` :math:`\|\alpha z\|` and ``attention_entropy`` (functions of the captured inputs
   only): equal up to rounding, :math:`10^{-9}` relative;
+* ``second_order_deviation`` :math:`= \|\lambda^* - \lambda_2\|/\|\lambda^*\|`: the manifest's
+  ``max_derived_bound`` of the column (the run's largest certified bound; the row does not store the
+  error of its second-order solve) plus the reference's own quotient bound (:func:`_reference_derived`,
+  :math:`\lambda_2` by one dense solve);
+* ``output_deviation``: :math:`(2\tanh(D\varepsilon/4) + 2\tanh(D\varepsilon_{ref}/4))R /
+  \|\sum_i p_{att,i}v_i\|` (:mod:`probe.derived`'s softmax lemma and output bound, on the row's
+  template diameter :math:`D` and values' radius :math:`R`);
 
-each with an absolute slack of :data:`SLACK` for the rounding of the reduction.  The columns
-``second_order_deviation`` and ``output_deviation`` are not re-derived (they need the values and the
-second-order system; the run certifies them in its manifest's ``max_derived_bound``).
+each with an absolute slack of :data:`SLACK` for the rounding of the reduction.  Both derived columns
+are recomputed from the reference solution by dense float64 linear algebra on the explicit templates
+(with the values of the row's head, captured again with its batch), not by :mod:`probe.derived`.
+
+The interventions table of a run made with ``--intervene`` has its part checksums checked too.
 
 Cost: the checksums read every part once; then the model loads once and runs one forward pass per
 batch that holds a sampled row (at most ``sample`` batches, usually fewer), and each sampled row costs
-one reference solve (gradient ascent: a few hundred to some thousands of tiny steps).  Measured: the
+one reference solve (gradient ascent: a few hundred to some thousands of tiny steps), plus one dense
+solve of size rank(G) + 1 for the derived columns.  Measured: the
 default 64 rows of an all-MiniLM-L6-v2 run (46 batches re-run), 6 to 25 s on a shared 2-core machine.
 """
 
@@ -65,7 +75,8 @@ REFERENCE_MAX_ITER = 20_000
 #: the largest relative certificate of the reference that still verifies something: beyond it the row
 #: counts as not re-solved (the bounds, which include the reference's certificate, would be too loose)
 REFERENCE_USEFUL = 1e-7
-COLUMNS = ("rel_deviation", "lambda_norm", "attention_tv", "evidence_norm", "attention_entropy")
+COLUMNS = ("rel_deviation", "lambda_norm", "attention_tv", "evidence_norm", "attention_entropy",
+           "second_order_deviation", "output_deviation")
 
 
 @dataclass
@@ -77,6 +88,7 @@ class ColumnCheck:
     worst_ratio: float = 0.0  # max of |difference| / bound over the sample (<= 1: holds)
     worst_row: dict | None = None
     failures: int = 0
+    note: str = ""  # what limits the check, printed with it
 
     @property
     def holds(self) -> bool:
@@ -129,7 +141,7 @@ class VerifyReport:
                          f"{row['query']}, {row['space']} alpha={row['alpha']:g}: stored {row['stored']:.12g}, "
                          f"reference {row['reference']:.12g})")
             out.append(f"  {check.column}: largest difference {check.max_abs_difference:.2e}, "
-                       f"{check.worst_ratio:.2g} of its bound: {verdict}{where}")
+                       f"{check.worst_ratio:.2g} of its bound: {verdict}{where}{check.note}")
         out.append("verified: every check holds" if self.ok else "NOT verified: see above")
         return out
 
@@ -182,7 +194,10 @@ def _batch_sites(job, batch: int, needed: set[tuple[str, int]]) -> dict:
 
 
 def _row_problem(site, space: str, alpha: float, position: int, head: int, query: int):
-    """The reduced problem of one row: Gram matrix, logits s (alpha = 1), ||z||^2 (alpha = 1), log u."""
+    """The reduced problem of one row: Gram matrix, logits s (alpha = 1), ||z||^2 (alpha = 1), log u, and
+    the values v_i of the row's head (k, d_v)."""
+    import torch
+
     from .adapters.base import space_problems
 
     problems = space_problems(site, space, slice(position, position + 1))
@@ -197,11 +212,13 @@ def _row_problem(site, space: str, alpha: float, position: int, head: int, query
     if gram.dim() == 3:  # key space: one Gram matrix per key head
         gram = gram[head // (h // gram.shape[0])]
     log_u = site.log_preference.expand(b, h, q, k)[position, head, column]
+    values = site.values[position, head // (h // site.values.shape[1])]  # query head -> its value head
     return (gram.cpu().numpy(), problems.logits[0, head, column].cpu().numpy(),
-            float(problems.evidence_sqnorm[0, head, column]), log_u.to(dtype=gram.dtype).cpu().numpy())
+            float(problems.evidence_sqnorm[0, head, column]), log_u.to(dtype=gram.dtype).cpu().numpy(),
+            values.to(torch.float64).cpu().numpy())
 
 
-def _reference(gram, logits, evidence_sqnorm, log_u, alpha):
+def _reference(gram, logits, evidence_sqnorm, log_u, alpha, values=None):
     """The row's quantities from the reference solve of its full dual, with the reference's certificate."""
     import torch
 
@@ -247,7 +264,10 @@ def _reference(gram, logits, evidence_sqnorm, log_u, alpha):
     log_p_att = log_p_att - np.logaddexp.reduce(log_p_att)
     p_att = np.exp(log_p_att)
     norm = float(np.linalg.norm(lam))
+    derived = _reference_derived(T_s, z, np.exp(log_u_n), alpha, lam, epsilon, p_star, p_att,
+                                 None if values is None else np.asarray(values, dtype=float)[keep])
     return {
+        **derived,
         "rel_deviation": float(np.linalg.norm(lam - alpha * z)) / norm,
         "lambda_norm": norm,
         "attention_tv": 0.5 * float(np.abs(p_star - p_att).sum()),
@@ -259,16 +279,78 @@ def _reference(gram, logits, evidence_sqnorm, log_u, alpha):
     }
 
 
-def _bounds(stored: dict, ref: dict) -> dict:
+def _reference_derived(T_s, z, u, alpha, lam, epsilon, p_star, p_att, values) -> dict:
+    r"""``second_order_deviation`` and ``output_deviation`` of the reference solution, by dense float64
+    linear algebra on the explicit templates (none of :mod:`probe.derived`'s reduced systems, CG or tiles),
+    with what each may differ from the exact value.
+
+    * :math:`\lambda_2 = lpha(I + lpha\Sigma_u)^{-1}z`, :math:`\Sigma_u = \sum_i u_i (t_i - \mu)(t_i -
+      \mu)^	op`, by one dense solve; its residual :math:`
+ho = lpha z - (I + lpha\Sigma_u)\hat\lambda_2`
+      bounds its error, :math:`\|\hat\lambda_2 - \lambda_2\| \le \|
+ho\| =: arepsilon_{2,ref}` (the matrix
+      is :math:`\succeq I`).  :math:`v_{ref} = \|\lambda_{ref} - \hat\lambda_2\| / \|\lambda_{ref}\|` has a
+      numerator within :math:`arepsilon_{ref} + arepsilon_{2,ref}` of :math:`\|\lambda^* - \lambda_2\|`
+      and a denominator within :math:`arepsilon_{ref}` of :math:`\|\lambda^*\|`, so :math:`|v_{ref} - v|
+      \le (arepsilon_{ref} + arepsilon_{2,ref} + v_{ref}arepsilon_{ref}) / (\|\lambda_{ref}\| -
+      arepsilon_{ref})` (:mod:`probe.derived`'s quotient bound, here from the reference's certificates).
+    * :math:`o_{ref} = \|\sum_i (p_i(\lambda_{ref}) - p_{att,i}) v_i\| / \|\sum_i p_{att,i} v_i\|`, with the
+      template diameter :math:`D` and the values' radius :math:`R = \min_{c \in \{0, ar v\}}\max_i\|v_i -
+      c\|` over the row's keys that :func:`_bounds` needs (``values=None``: not computed)."""
+    dimension = len(lam)
+    centred = T_s - u @ T_s  # t_i - mu
+    sigma = centred.T @ (u[:, None] * centred)  # Sigma_u = T^T (diag u - u u^T) T
+    system = np.eye(dimension) + alpha * sigma
+    lam2 = np.linalg.solve(system, alpha * z)
+    epsilon2 = float(np.linalg.norm(alpha * z - system @ lam2))
+    norm = float(np.linalg.norm(lam))
+    second = float(np.linalg.norm(lam - lam2)) / norm
+    out = {
+        "second_order_deviation": second,
+        "second_order_bound": ((epsilon + epsilon2 + second * epsilon) / (norm - epsilon) if norm > epsilon
+                               else math.inf),
+        "template_diameter": float(np.sqrt(max(
+            (np.sum(T_s**2, 1)[:, None] + np.sum(T_s**2, 1)[None, :] - 2 * T_s @ T_s.T).max(), 0.0))),
+    }
+    if values is not None:
+        output_att = p_att @ values
+        out["output_norm"] = float(np.linalg.norm(output_att))
+        out["output_deviation"] = float(np.linalg.norm((p_star - p_att) @ values)) / out["output_norm"]
+        out["values_radius"] = float(min(np.linalg.norm(values, axis=1).max(),
+                                         np.linalg.norm(values - values.mean(0), axis=1).max()))
+        out["values_scale"] = float(np.linalg.norm(values, axis=1).max())
+    return out
+
+
+def _bounds(stored: dict, ref: dict, derived_bounds: dict | None = None) -> dict:
     """What each column's difference may be, given the two certificates (see the module's docstring)."""
     delta = float(stored["error_bound"]) + ref["epsilon"]
-    return {
+    result = {
         "rel_deviation": delta * (1 + ref["rel_deviation"]) / float(stored["lambda_norm"]) + SLACK,
         "lambda_norm": delta + SLACK,
         "attention_tv": ref["max_template_norm"] * delta + SLACK,
         "evidence_norm": INPUT_RTOL * ref["evidence_norm"] + SLACK,
         "attention_entropy": INPUT_RTOL * max(1.0, abs(ref["attention_entropy"])) + SLACK,
+        # the run's side: the manifest's largest certified bound of the column over its rows
+        # (probe.derived: (eps + eps_2 + v eps) / (||lambda|| - eps), eps_2 of the run's second-order
+        # solve, which the row does not store); the reference's side: its own quotient bound
+        # (_reference_derived)
+        "second_order_deviation": (derived_bounds or {}).get("second_order_deviation", math.inf)
+        + ref["second_order_bound"] + SLACK,
     }
+    if "output_norm" in ref:
+        # |o_hat - o_ref| <= ||p_hat - p_ref||_1 R / ||sum_i p_att_i v_i|| (sum_i (p_hat - p_ref)_i = 0, so
+        # any centre c of the values may be subtracted: probe.derived's output bound).  p_hat = p(lambda_hat)
+        # with ||lambda_hat - lambda*|| <= eps and p_ref = p(lambda_ref) within eps_ref: their logits
+        # differ from p*'s by an oscillation of at most D eps (D eps_ref), and the softmax lemma of
+        # probe.derived gives TV <= tanh(D eps / 4), so ||p_hat - p_ref||_1 <= 2 tanh(D eps / 4) +
+        # 2 tanh(D eps_ref / 4).  (The run certifies p_hat within eps/2; eps is the looser, row-stored
+        # side.)  Plus the rounding of the two p_att: INPUT_RTOL of the values' scale.
+        diameter = ref["template_diameter"]
+        moved = 2 * (math.tanh(diameter * float(stored["error_bound"]) / 4) + math.tanh(diameter * ref["epsilon"] / 4))
+        result["output_deviation"] = ((moved * ref["values_radius"] + INPUT_RTOL * ref["values_scale"])
+                                      / ref["output_norm"] + SLACK)
+    return result
 
 
 def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
@@ -285,6 +367,10 @@ def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
     rows = _sample_rows(parts, sample, seed).to_pylist()
     report.sampled = len(rows)
     job = _load_job(run_dir, manifest)
+    derived_bounds = (manifest.get("solver") or {}).get("max_derived_bound") or {}
+    if "second_order_deviation" not in derived_bounds:  # (every run that records its inputs records it)
+        report.columns["second_order_deviation"].note = (
+            "; the manifest records no certified bound for it, so only a non-finite value can fail")
     by_batch: dict[int, list[dict]] = {}
     for row in rows:
         by_batch.setdefault(row["batch"], []).append(row)
@@ -301,13 +387,19 @@ def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
                 )
             problem = _row_problem(site, row["space"], row["alpha"], example_ids.index(row["example"]),
                                    row["head"], row["query"])
-            ref = _reference(*problem, row["alpha"])
+            *problem, values = problem
+            ref = _reference(*problem, row["alpha"], values)
             if not ref["converged"]:
                 report.reference_not_converged += 1
-            bounds = _bounds(row, ref)
+            bounds = _bounds(row, ref, derived_bounds)
             for column, check in report.columns.items():
                 stored = row[column]
-                difference = abs(float(stored) - ref[column]) if stored is not None else math.inf
+                if stored is None:
+                    difference = math.inf
+                elif math.isnan(stored) and math.isnan(ref[column]):  # undefined for both (0/0)
+                    difference = 0.0
+                else:
+                    difference = abs(float(stored) - ref[column])
                 ratio = difference / bounds[column]
                 check.max_abs_difference = max(check.max_abs_difference, difference)
                 if not ratio <= 1.0:

@@ -31,7 +31,8 @@ def test_a_clean_run_verifies(clean_run):
     assert result.exit_code == 0, result.output
     assert "parts: 6 of 6 batches checked against their SHA-256 records" in result.output
     assert "re-solved: 12 rows (seed 3)" in result.output and "verified: every check holds" in result.output
-    for column in ("rel_deviation", "lambda_norm", "attention_tv", "evidence_norm", "attention_entropy"):
+    for column in ("rel_deviation", "lambda_norm", "attention_tv", "evidence_norm", "attention_entropy",
+                   "second_order_deviation", "output_deviation"):
         assert f"  {column}: largest difference" in result.output and "FAILS" not in result.output
 
 
@@ -58,7 +59,8 @@ def tamper(run_dir: Path, column: str, factor: float) -> dict:
     return target
 
 
-@pytest.mark.parametrize("column,factor", [("rel_deviation", 1 + 1e-7), ("attention_tv", 1 + 1e-6)])
+@pytest.mark.parametrize("column,factor", [("rel_deviation", 1 + 1e-7), ("attention_tv", 1 + 1e-6),
+                                           ("second_order_deviation", 1 + 1e-4), ("output_deviation", 1 + 1e-5)])
 def test_a_tampered_number_with_a_matching_checksum_fails(clean_run, tmp_path, column, factor):
     run_dir = Path(shutil.copytree(clean_run, tmp_path / "run"))
     target = tamper(run_dir, column, factor)
