@@ -315,7 +315,8 @@ ho\| =: arepsilon_{2,ref}` (the matrix
     if values is not None:
         output_att = p_att @ values
         out["output_norm"] = float(np.linalg.norm(output_att))
-        out["output_deviation"] = float(np.linalg.norm((p_star - p_att) @ values)) / out["output_norm"]
+        change = float(np.linalg.norm((p_star - p_att) @ values))
+        out["output_deviation"] = change / out["output_norm"] if out["output_norm"] > 0 else math.nan  # 0/0
         out["values_radius"] = float(min(np.linalg.norm(values, axis=1).max(),
                                          np.linalg.norm(values - values.mean(0), axis=1).max()))
         out["values_scale"] = float(np.linalg.norm(values, axis=1).max())
@@ -348,8 +349,8 @@ def _bounds(stored: dict, ref: dict, derived_bounds: dict | None = None) -> dict
         # side.)  Plus the rounding of the two p_att: INPUT_RTOL of the values' scale.
         diameter = ref["template_diameter"]
         moved = 2 * (math.tanh(diameter * float(stored["error_bound"]) / 4) + math.tanh(diameter * ref["epsilon"] / 4))
-        result["output_deviation"] = ((moved * ref["values_radius"] + INPUT_RTOL * ref["values_scale"])
-                                      / ref["output_norm"] + SLACK)
+        spread = moved * ref["values_radius"] + INPUT_RTOL * ref["values_scale"]
+        result["output_deviation"] = spread / ref["output_norm"] + SLACK if ref["output_norm"] > 0 else math.inf
     return result
 
 
