@@ -1,4 +1,4 @@
-"""The interventions results (issue 24, phase 2): a model's `probe run --intervene` run pretrained against its
+"""The interventions results: a model's `probe run --intervene` run pretrained against its
 `--init random` control, as tables generated from the runs' interventions.parquet (never typed).
 
     python scripts/interventions_results.py PRETRAINED_RUN RANDOM_RUN --name minilm \
