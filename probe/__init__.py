@@ -24,10 +24,15 @@ Layers, each in one place, data flowing one way:
                           ``probe.distributed``: several processes under torchrun);
 * ``probe.storage``   -- the run directory: atomic part files and manifest, liveness, readers, export;
 * ``probe.report``    -- parquet + manifest -> figures, tables and an HTML page;
+* ``probe.verify``    -- a finished run checked after the fact: checksums and rows re-solved independently;
+* ``probe.intervene`` -- the exact posterior put into the forward pass, and what it changes in the outputs
+                          (``probe run --intervene``: the ``interventions.parquet`` table);
+* ``probe.ot``        -- the theory's second half: the OT attention (eq. 22) and its certified OT solver;
+* ``probe.vit``       -- ViT, OT-ViT and Sinkhorn-ViT, their offline data and training (``probe vit train``);
 * ``probe.api``       -- the public Python API: ``run``, ``load``, ``resume``, ``compare``, ``export``
                           (``probe.*``) and ``report``;
 * ``probe.cli``       -- the typer app (``probe run``, ``resume``, ``status``, ``export``, ``report``,
-                          ``compare``), over ``probe.api``.
+                          ``compare``, ``verify``, ``vit train``), over ``probe.api``.
 """
 
 __version__ = "0.1.0"
