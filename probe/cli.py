@@ -19,6 +19,8 @@ from typing import Optional
 
 import typer
 
+from probe.errors import exit_with  # light: no torch
+
 # Idle OpenMP threads sleep instead of spinning: on a machine shared with other work, spinning threads
 # fight the neighbours for cores (bench/results_e2e_threads.md).  The solver's many small operations
 # would pay for waking the sleeping threads each time, so it runs its tiles side by side instead, one
@@ -70,8 +72,6 @@ from probe.vit.cli import app as _vit_app  # noqa: E402
 
 app.add_typer(_vit_app, name="vit")
 
-#: the prefix of every error probe prints (click prints usage errors with the same)
-ERROR_PREFIX = "Error: "
 
 
 ALLOW_DAMAGED_HELP = (
@@ -94,11 +94,7 @@ def _damaged_banner(run_dir: Path, manifest: dict | None, allow_damaged: bool) -
             typer.secho(check.banner(), err=True, fg=typer.colors.RED, bold=True)
 
 
-def _fail(error: Exception) -> None:
-    """Print the error's one paragraph; exit 2 (bad input, refused), or the error's own status (74: an I/O
-    error during a run, probe.errors.RunIOError)."""
-    typer.secho(f"{ERROR_PREFIX}{error}", err=True, fg=typer.colors.RED)
-    raise typer.Exit(code=getattr(error, "exit_code", 2))
+_fail = exit_with  # the error's one paragraph; exit 2, or the error's own status (74: an I/O error)
 
 
 @app.command()

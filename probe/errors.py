@@ -22,3 +22,17 @@ class RunIOError(ProbeError):
     """
 
     exit_code = EXIT_IO_ERROR
+
+
+#: the prefix of every error probe's commands print (click prints usage errors with the same)
+ERROR_PREFIX = "Error: "
+
+
+def exit_with(error: Exception):
+    """Print ``error`` as a command's one paragraph after :data:`ERROR_PREFIX` and leave the command with
+    status 2 (bad input, refused), or the error's own ``exit_code`` (74: :class:`RunIOError`).  Shared by
+    every typer app of probe (``probe``, ``probe vit``)."""
+    import typer
+
+    typer.secho(f"{ERROR_PREFIX}{error}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(code=getattr(error, "exit_code", 2))

@@ -25,7 +25,7 @@ says what is wrong and what to do:
 
 ``--format`` is checked by the CLI (:func:`check_report_formats`) before the run when ``--report``
 is given.  What only loading the weights can tell (tensors whose shapes do not fit the config, weights
-the checkpoint lacks) is checked while loading (:func:`probe.loading.from_pretrained_checked`), still
+the checkpoint lacks) is checked while loading (:func:`probe.checkpoint.from_pretrained_checked`), still
 before the run directory exists.
 """
 

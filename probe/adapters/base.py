@@ -176,7 +176,7 @@ class Adapter(ABC):
         (a value saved in config.json would otherwise win over the ``attn_implementation`` argument).
         ``device_map="auto"`` shards the model over the visible GPUs (accelerate); ``None`` loads it whole.
         """
-        from ..loading import from_pretrained_checked  # weight problems as ProbeErrors
+        from ..checkpoint import from_pretrained_checked  # weight problems as ProbeErrors
 
         placement = {"device_map": device_map} if device_map is not None else {}
         model = from_pretrained_checked(

@@ -11,14 +11,12 @@ from typing import Optional
 
 import typer
 
+from probe.errors import exit_with as _fail  # the one error paragraph and prefix of probe's commands
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="ViT / OT-ViT / Sinkhorn-ViT: train and compare (the OT attention, eq. 22).")
 
 
-def _fail(error: Exception) -> None:
-    from probe.cli import _fail as fail  # the one error paragraph and prefix of every probe command
-
-    fail(error)
 
 
 @app.callback()
