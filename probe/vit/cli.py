@@ -17,8 +17,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="ViT / OT-ViT / Sinkhorn-ViT: train and compare (the OT attention, eq. 22).")
 
 
-
-
 @app.callback()
 def _callback():
     """ViT / OT-ViT / Sinkhorn-ViT: train and compare (the OT attention, eq. 22)."""
