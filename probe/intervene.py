@@ -83,7 +83,7 @@ import torch
 from . import derived
 from .adapters.base import SiteCapture
 from .adapters.generic import DECODER, ENCODER, ENCODER_DECODER, InterfaceAdapter
-from .adapters.interface import eager_call
+from .adapters.interface import eager_call, eager_registered
 from .errors import ProbeError
 from .rows import site_problems
 from .schema import INTERVENTION_COLUMNS, INTERVENTION_SCHEMA
@@ -462,8 +462,6 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | No
 
     ``trace`` without ``start_at``: the block calls are recorded into it.  With ``start_at``: block calls
     before that index return their recorded outputs (their sites count as called)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     adapter, model = loaded.adapter, loaded.model
     sites = adapter.site_modules(model)
     names = {module: name for name, module in model.named_modules()}
@@ -555,19 +553,10 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | No
         weights = weights.to(device=value.device, dtype=value.dtype)
         return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
 
-    local = ALL_ATTENTION_FUNCTIONS._local_mapping
-    previous = local.get("eager")
-    if getattr(previous, "_probe_capture", False):
-        raise RuntimeError("attention substitution and capture blocks do not nest")
-    substituting_attention._probe_capture = True  # so that a capture block inside refuses to nest
-    ALL_ATTENTION_FUNCTIONS["eager"] = substituting_attention
     try:
-        yield
+        with eager_registered(substituting_attention, "attention substitution and capture blocks"):
+            yield
     finally:
-        if previous is None:
-            del ALL_ATTENTION_FUNCTIONS["eager"]
-        else:
-            ALL_ATTENTION_FUNCTIONS["eager"] = previous
         for handle in handles:
             handle.remove()
         for block, previous_forward in patched:

@@ -148,24 +148,19 @@ def eager_call(module, query, key, value, attention_mask, *args, **kwargs):
 
 
 @contextmanager
-def eager_attention_calls(on_call: Callable[[AttentionCall], None]):
-    """Within the block, every eager attention call made through ``ALL_ATTENTION_FUNCTIONS`` runs the
-    calling family's own ``eager_attention_forward`` and is then handed to ``on_call`` (before the model
-    goes on).  The registration is removed on exit, also after an exception; blocks do not nest."""
+def eager_registered(function: Callable, what: str = "probe's attention blocks"):
+    """Within the block, ``function`` answers every eager attention call made through transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` (registered under ``"eager"`` on that instance only); the previous entry is
+    put back on exit, also after an exception.  Probe's registrations (capture, substitution) do not nest:
+    a second one inside the block is refused."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     local = ALL_ATTENTION_FUNCTIONS._local_mapping  # GeneralInterface's per-instance overrides
     previous = local.get("eager")
     if getattr(previous, "_probe_capture", False):
-        raise RuntimeError("eager_attention_calls blocks do not nest")
-
-    def probe_attention(module, query, key, value, attention_mask, *args, **kwargs):
-        output, probs, call = eager_call(module, query, key, value, attention_mask, *args, **kwargs)
-        on_call(call)
-        return output, probs
-
-    probe_attention._probe_capture = True
-    ALL_ATTENTION_FUNCTIONS["eager"] = probe_attention
+        raise RuntimeError(f"{what} do not nest")
+    function._probe_capture = True
+    ALL_ATTENTION_FUNCTIONS["eager"] = function
     try:
         yield
     finally:
@@ -173,6 +168,21 @@ def eager_attention_calls(on_call: Callable[[AttentionCall], None]):
             del ALL_ATTENTION_FUNCTIONS["eager"]
         else:
             ALL_ATTENTION_FUNCTIONS["eager"] = previous
+
+
+@contextmanager
+def eager_attention_calls(on_call: Callable[[AttentionCall], None]):
+    """Within the block, every eager attention call made through ``ALL_ATTENTION_FUNCTIONS`` runs the
+    calling family's own ``eager_attention_forward`` and is then handed to ``on_call`` (before the model
+    goes on).  The registration is removed on exit, also after an exception; blocks do not nest."""
+
+    def probe_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        output, probs, call = eager_call(module, query, key, value, attention_mask, *args, **kwargs)
+        on_call(call)
+        return output, probs
+
+    with eager_registered(probe_attention, "eager_attention_calls blocks"):
+        yield
 
 
 def _detached(value):
