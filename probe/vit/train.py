@@ -59,15 +59,15 @@ class TrainSettings:
     out: Optional[str] = None
     threads: Optional[int] = None
     progress: bool = True
-    # model (the paper's sizes by default)
-    dim: int = 256
-    depth: int = 6
-    heads: int = 8
-    head_dim: int = 32
-    mlp_dim: int = 512
-    patch: int = 4
-    dropout: float = 0.2
-    sinkhorn_iterations: int = 3
+    # the model's sizes (MODEL_FIELDS), defaults from ViTConfig: the paper's, in one place
+    dim: int = ViTConfig.dim
+    depth: int = ViTConfig.depth
+    heads: int = ViTConfig.heads
+    head_dim: int = ViTConfig.head_dim
+    mlp_dim: int = ViTConfig.mlp_dim
+    patch: int = ViTConfig.patch
+    dropout: float = ViTConfig.dropout
+    sinkhorn_iterations: int = ViTConfig.sinkhorn_iterations
 
     def run_dir(self) -> Path:
         return Path(self.out) if self.out else Path("runs") / f"vit-{self.data}-{self.attention}-seed{self.seed}"
@@ -152,11 +152,14 @@ def _atomic_json(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+#: the settings that size the model, passed to :class:`ViTConfig` as they are
+MODEL_FIELDS = ("patch", "dim", "depth", "heads", "head_dim", "mlp_dim", "dropout", "sinkhorn_iterations")
+
+
 def model_config(s: TrainSettings, data: ImageData) -> ViTConfig:
     return ViTConfig(
-        image_size=data.image_size, channels=data.channels, num_classes=data.num_classes, patch=s.patch,
-        dim=s.dim, depth=s.depth, heads=s.heads, head_dim=s.head_dim, mlp_dim=s.mlp_dim, dropout=s.dropout,
-        attention=s.attention, sinkhorn_iterations=s.sinkhorn_iterations,
+        image_size=data.image_size, channels=data.channels, num_classes=data.num_classes, attention=s.attention,
+        **{name: getattr(s, name) for name in MODEL_FIELDS},
     )
 
 
