@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from probe import storage
-from tests.test_resume import invoke_with_one_thread
+from tests.test_resume import finished_run, invoke_with_one_thread
 
 #: 12 texts of the embedded corpus in 6 batches of 2
 RUN_ARGS = ["--samples", "12", "--batch-size", "2", "--max-length", "32", "--no-progress"]
@@ -26,11 +26,7 @@ RUN_ARGS = ["--samples", "12", "--batch-size", "2", "--max-length", "32", "--no-
 
 @pytest.fixture(scope="module")
 def clean_run(tiny_bert_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("clean")
-    result = invoke_with_one_thread("run", tiny_bert_dir, *RUN_ARGS, "--out", out)
-    assert result.exit_code == 0, result.output
-    (run_dir,) = out.iterdir()
-    return run_dir
+    return finished_run(tiny_bert_dir, tmp_path_factory.mktemp("clean"), *RUN_ARGS)
 
 
 @pytest.fixture

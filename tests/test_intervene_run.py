@@ -17,35 +17,22 @@ from probe import api, storage
 from probe.cli import app
 from probe.schema import INTERVENTION_KEY, ROW_KEY
 
-from .test_resume import finish, one_thread, probe_process
+from .test_resume import finish, finished_run, invoke_with_one_thread as invoke, probe_process
 
 #: 24 texts in 12 batches of 2: enough batches to be killed in the middle
 ARGS = ["--samples", "24", "--batch-size", "2", "--max-length", "24", "--no-progress"]
 SUBSTITUTES = "exact,second-order,null,model"
 
 
-def invoke(*args):
-    with one_thread():
-        return CliRunner().invoke(app, [str(a) for a in args])
-
-
 @pytest.fixture(scope="module")
 def plain_dir(tiny_bert_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("plain")
-    result = invoke("run", tiny_bert_dir, *ARGS, "--out", out)
-    assert result.exit_code == 0, result.output
-    (run_dir,) = out.iterdir()
-    return run_dir
+    return finished_run(tiny_bert_dir, tmp_path_factory.mktemp("plain"), *ARGS)
 
 
 @pytest.fixture(scope="module")
 def intervened_dir(tiny_bert_dir, tmp_path_factory):
     """The uninterrupted run with every substitute (in this process, one thread like the killed one)."""
-    out = tmp_path_factory.mktemp("intervened")
-    result = invoke("run", tiny_bert_dir, *ARGS, "--out", out, "--intervene", SUBSTITUTES)
-    assert result.exit_code == 0, result.output
-    (run_dir,) = out.iterdir()
-    return run_dir
+    return finished_run(tiny_bert_dir, tmp_path_factory.mktemp("intervened"), *ARGS, "--intervene", SUBSTITUTES)
 
 
 def test_the_interventions_table_has_one_record_per_key(intervened_dir):

@@ -87,14 +87,18 @@ def invoke_with_one_thread(*args):
         return CliRunner().invoke(app, [str(a) for a in args])
 
 
-@pytest.fixture(scope="module")
-def reference_dir(tiny_bert_dir, tmp_path_factory) -> Path:
-    """The uninterrupted single-process run (in this process, with one thread like the others)."""
-    out = tmp_path_factory.mktemp("reference")
-    result = invoke_with_one_thread("run", tiny_bert_dir, *RUN_ARGS, "--out", out)
+def finished_run(model_dir, out: Path, *args) -> Path:
+    """``probe run MODEL ARGS --out OUT`` in this process on one thread, finished: its run directory."""
+    result = invoke_with_one_thread("run", model_dir, *args, "--out", out)
     assert result.exit_code == 0, result.output
     (run_dir,) = out.iterdir()
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tiny_bert_dir, tmp_path_factory) -> Path:
+    """The uninterrupted single-process run (in this process, with one thread like the others)."""
+    return finished_run(tiny_bert_dir, tmp_path_factory.mktemp("reference"), *RUN_ARGS)
 
 
 @pytest.fixture(scope="module")
