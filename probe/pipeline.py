@@ -36,6 +36,7 @@ from .loading import LoadedModel, load_model
 from .parallel import Lane
 from .rows import RowContext, Summary, process_batch
 from .stopping import RunStopped, Stops
+from .schema import INTERVENTION_KEY
 from .validate import check_run
 
 
@@ -249,7 +250,7 @@ def _intervention_settings(job: _Job) -> dict:
 
     return {
         "substitutes": list(job.config.intervene), "modes": list(job.config.intervene_modes),
-        "table": storage.INTERVENTIONS, "key": ["space", "alpha", "substitute", "site", "example"],
+        "table": storage.INTERVENTIONS, "key": list(INTERVENTION_KEY),
         "pooling": pooling_of(job.loaded), "lm_head": lm_kind(job.loaded), "records": 0,
     }
 
