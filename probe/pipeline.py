@@ -35,8 +35,8 @@ from .errors import ProbeError, RunIOError
 from .loading import LoadedModel, load_model
 from .parallel import Lane
 from .rows import RowContext, Summary, process_batch
-from .stopping import RunStopped, Stops
 from .schema import INTERVENTION_KEY
+from .stopping import RunStopped, Stops
 from .validate import check_run
 
 
