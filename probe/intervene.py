@@ -72,9 +72,10 @@ import copy
 import inspect
 import json
 import math
+import weakref
 import zlib
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -402,26 +403,33 @@ def _repeat_kv(value: torch.Tensor, heads: int) -> torch.Tensor:
 
 @dataclass
 class Trace:
-    """What the block calls of an unmodified forward gave, so that a rerun substituting one site can start
-    at the site's block (:func:`run_forward`'s ``trace`` and ``start_at``).
+    """What the block calls of a forward gave, so that a later forward on the same inputs that changes
+    nothing before a given block call can start there (:func:`run_forward`'s ``trace`` and ``start_at``).
 
     A *block* is the outermost module around an attention site that is an entry of a ``ModuleList`` (a
     transformer layer: ``encoder.layer.3``, ``decoder.block.1``, ``layers.0``, ALBERT's shared layer
-    group, called once per layer).  Every block call before the one that contains the substituted site
-    gets exactly the inputs it got in the unmodified forward (the forward is the same function of the same
-    inputs up to there), so the rerun returns its recorded output instead of computing it.
+    group, called once per layer).  Every block call before the one that contains the first substituted
+    site gets exactly the inputs it got in the traced forward (the forward is the same function of the
+    same inputs up to there), so the rerun returns its recorded output instead of computing it.
+
+    The same holds within the block call a rerun starts at, up to its first attention call: the
+    projections of that site's module computed before it (its query, key and value: a quarter of a BERT
+    layer's products) return their recorded outputs too (``projections``).
 
     Attributes:
         outputs: each block call's output, in call order.
         sites: the site names called within each block call.
         block_of: site name -> the index of the block call it was called in.
         modules: site name -> its attention module.
+        projections: site name -> {projection module: its output}: the linear layers of the site's module
+            called (once each) in the site's block call before its attention call.
     """
 
-    outputs: list
-    sites: list
-    block_of: dict
-    modules: dict
+    outputs: list = field(default_factory=list)
+    sites: list = field(default_factory=list)
+    block_of: dict = field(default_factory=dict)
+    modules: dict = field(default_factory=dict)
+    projections: dict = field(default_factory=dict)
 
 
 def _blocks(model, site_modules) -> list | None:
@@ -444,6 +452,50 @@ def _blocks(model, site_modules) -> list | None:
     return blocks
 
 
+@dataclass
+class _Layout:
+    """What every substituting forward of a model needs to know of it, found once per model (:func:`_layout`).
+
+    Attributes:
+        sites: site module -> its attention type.
+        names: module -> its name in the model.
+        blocks: the sites' blocks (:class:`Trace`), ``None`` if some site is in no ``ModuleList``.
+        extra: keyword arguments of every forward (``use_cache=False`` where the model takes it).
+        projections: site module -> its linear layers (``nn.Linear``, transformers' ``Conv1D``).
+        checked: the attention classes whose eager output was checked to be ``probs @ V``.
+    """
+
+    sites: dict
+    names: dict
+    blocks: list | None
+    extra: dict
+    projections: dict
+    checked: set = field(default_factory=set)
+
+
+_LAYOUTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, _Layout]]" = weakref.WeakKeyDictionary()
+
+
+def _layout(loaded) -> _Layout:
+    """The :class:`_Layout` of ``loaded.model`` (with ``loaded.adapter``'s sites), cached with the model."""
+    model, adapter = loaded.model, loaded.adapter
+    cached = _LAYOUTS.get(model)
+    if cached is None or cached[0] is not adapter:
+        from transformers.pytorch_utils import Conv1D
+
+        sites = adapter.site_modules(model)
+        accepts = "use_cache" in inspect.signature(model.forward).parameters
+        projections = {
+            site: [m for m in site.modules() if m is not site and isinstance(m, (torch.nn.Linear, Conv1D))]
+            for site in sites
+        }
+        cached = adapter, _Layout(sites=sites, names={module: name for name, module in model.named_modules()},
+                                  blocks=_blocks(model, sites), extra={"use_cache": False} if accepts else {},
+                                  projections=projections)
+        _LAYOUTS[model] = cached
+    return cached[1]
+
+
 def _cloned(value):
     """A copy of a block's output (tensors cloned, so that the rerun cannot change the recorded ones)."""
     if isinstance(value, torch.Tensor):
@@ -455,16 +507,19 @@ def _cloned(value):
 
 @contextmanager
 def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | None = None,
-                  start_at: int | None = None):
+                  start_at: int | None = None, record: Trace | None = None, record_until: int | None = None):
     """Within the block, every eager attention call of ``loaded.model`` runs the family's own eager
     attention, builds the call's :class:`SiteCapture` (as the adapter's capture does) and hands it to
-    ``at_site``; weights it returns replace the call's attention weights (module docstring).
+    ``at_site``; weights it returns replace the call's attention weights (module docstring).  A site
+    function with an ``only`` attribute (the name of the one site it substitutes) gets ``None`` for the
+    site: it needs no :class:`SiteCapture`, and none is built.
 
-    ``trace`` without ``start_at``: the block calls are recorded into it.  With ``start_at``: block calls
-    before that index return their recorded outputs (their sites count as called)."""
+    ``trace`` with ``start_at``: block calls before that index return their recorded outputs (their sites
+    count as called).  ``record`` (an empty :class:`Trace`): the block calls of this forward are recorded
+    into it, replayed ones included; only those before ``record_until`` when given."""
     adapter, model = loaded.adapter, loaded.model
-    sites = adapter.site_modules(model)
-    names = {module: name for name, module in model.named_modules()}
+    layout = _layout(loaded)
+    sites, names = layout.sites, layout.names
     roles = adapter._roles(inputs)
     key_inputs: dict = {}
     handles = []
@@ -475,43 +530,68 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | No
             ))
     per_type: dict[str, int] = {}
     called: set = set()
-    checked: set = set()  # attention classes whose eager output was checked to be probs @ V
-    block_calls = {"count": 0, "current": None}
+    block_calls = {"count": 0, "current": None}  # block calls so far; the recorded one now running
+    replay = trace is not None and start_at is not None
     patched: list = []
-    if trace is not None:
-        blocks = _blocks(model, sites)
-        if blocks is None:
+    recent: dict = {}  # recording: projection -> [calls in this block call, its last output]
+    only = getattr(at_site, "only", None)
+    pending: dict = {}  # replaying: projection -> the output it gave in the traced forward
+    if replay and start_at < len(trace.sites) and trace.sites[start_at]:  # up to the block's first attention call
+        pending = dict(trace.projections.get(trace.sites[start_at][0], {}))
+    if replay or record is not None:
+        if layout.blocks is None:
             raise ValueError("this model's sites are not in ModuleList blocks: no trace")
-        if start_at is None:  # record every block call
-            def before(_module, _args):
-                block_calls["current"] = len(trace.outputs)
-                trace.outputs.append(None)
-                trace.sites.append([])
+        if record is not None:
+            def projected(module, _args, output):
+                if block_calls["current"] is not None:
+                    entry = recent.setdefault(module, [0, None])
+                    entry[0] += 1
+                    entry[1] = output.detach().clone() if isinstance(output, torch.Tensor) else None
 
-            def after(_module, _args, output):
-                trace.outputs[block_calls["current"]] = _cloned(output)  # later layers may change it in place
-                block_calls["current"] = None
+            for projections in layout.projections.values():
+                for projection in projections:
+                    handles.append(projection.register_forward_hook(projected))
+        for projection in pending:
+            def answering(*args, projection=projection, original=projection.forward, **kwargs):
+                answer = pending.pop(projection, None)
+                return original(*args, **kwargs) if answer is None else answer.clone()
 
-            for block in blocks:
-                handles.append(block.register_forward_pre_hook(before))
-                handles.append(block.register_forward_hook(after))
-        else:  # replay the block calls before start_at
-            def replaying(original):
-                def forward(*args, **kwargs):
-                    index = block_calls["count"]
-                    block_calls["count"] += 1
-                    if index >= start_at:
-                        return original(*args, **kwargs)
+            patched.append((projection, projection.__dict__.get("forward")))
+            projection.forward = answering
+
+        def through(original):
+            def forward(*args, **kwargs):
+                index = block_calls["count"]
+                block_calls["count"] += 1
+                keep = record is not None and (record_until is None or index < record_until)
+                if replay and index < start_at:
                     for name in trace.sites[index]:
                         kind = name.rsplit(":", 1)[0]
                         per_type[kind] = per_type.get(kind, 0) + 1
                         called.add(trace.modules[name])
+                    if keep:
+                        record.outputs.append(_cloned(trace.outputs[index]))
+                        record.sites.append(list(trace.sites[index]))
+                        for name in trace.sites[index]:
+                            record.block_of[name], record.modules[name] = index, trace.modules[name]
                     return _cloned(trace.outputs[index])
-                return forward
+                if keep:
+                    record.outputs.append(None)
+                    record.sites.append([])
+                    recent.clear()
+                outer, block_calls["current"] = block_calls["current"], index if keep else None
+                try:
+                    output = original(*args, **kwargs)
+                finally:
+                    block_calls["current"] = outer
+                if keep:
+                    record.outputs[index] = _cloned(output)  # later layers may change it in place
+                return output
+            return forward
 
-            for block in blocks:
-                patched.append((block, block.__dict__.get("forward")))
-                block.forward = replaying(block.forward)
+        for block in layout.blocks:
+            patched.append((block, block.__dict__.get("forward")))
+            block.forward = through(block.forward)
 
     def substituting_attention(module, query, key, value, attention_mask, *args, **kwargs):
         output, probs, call = eager_call(module, query, key, value, attention_mask, *args, **kwargs)
@@ -524,21 +604,30 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | No
         layer = per_type.get(attention_type, 0)
         per_type[attention_type] = layer + 1
         called.add(module)
-        only = getattr(at_site, "only", None)  # a function that substitutes one site: the others need no SiteCapture
-        if only is not None and site_name(attention_type, layer) != only and (trace is None or start_at is not None):
-            key_inputs.pop(module, None)
-            return output, probs
-        site = adapter._site(call, attention_type, layer, roles[attention_type], key_inputs.pop(module, None))
         name = site_name(attention_type, layer)
-        if trace is not None and start_at is None:
-            trace.sites[block_calls["current"]].append(name)
-            trace.block_of[name] = block_calls["current"]
-            trace.modules[name] = module
-        weights = at_site(name, site)
+        current = block_calls["current"]
+        if current is not None:
+            record.sites[current].append(name)
+            record.block_of[name], record.modules[name] = current, module
+            record.projections[name] = {  # computed once in this block call, before this attention call
+                projection: recent[projection][1] for projection in layout.projections[module]
+                if recent.get(projection, [0])[0] == 1 and recent[projection][1] is not None
+            }
+            for projection in layout.projections[module]:
+                recent.pop(projection, None)
+        pending.clear()  # an attention call: the projections before it are done
+        if only is not None:  # a function that substitutes one site: no SiteCapture anywhere
+            key_inputs.pop(module, None)
+            if name != only:
+                return output, probs
+            weights = at_site(name, None)
+        else:
+            site = adapter._site(call, attention_type, layer, roles[attention_type], key_inputs.pop(module, None))
+            weights = at_site(name, site)
         if weights is None:
             return output, probs
         values = _repeat_kv(value, query.shape[1])
-        if type(module) not in checked:
+        if type(module) not in layout.checked:
             expected = torch.matmul(probs, values).transpose(1, 2)
             tolerance = 64 * torch.finfo(output.dtype).eps  # the same product as eager's: rounding at most
             scale = float(output.abs().max()) if output.numel() else 0.0
@@ -549,7 +638,7 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | No
                     f"{type(module).__name__}'s eager attention does not return (probs @ values) in the form probe "
                     "substitutes, so its attention weights cannot be replaced; this family cannot intervene."
                 )
-            checked.add(type(module))
+            layout.checked.add(type(module))
         weights = weights.to(device=value.device, dtype=value.dtype)
         return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
 
@@ -574,23 +663,27 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | No
 
 @torch.no_grad()
 def run_forward(loaded, inputs: dict, at_site: SiteFunction | None = None, *, trace: Trace | None = None,
-                start_at: int | None = None) -> Outputs:
+                start_at: int | None = None, record: Trace | None = None, record_until: int | None = None) -> Outputs:
     """One forward pass of ``loaded.model`` on ``inputs``; at each attention site ``at_site(name, site)``
     may return weights that replace the site's attention weights (``None`` everywhere: the model's own
     forward).  Returns the final hidden states (and the LM logits, with a head).
 
-    ``trace`` (an empty :class:`Trace`) records the block calls of this forward; a later forward on the
-    same inputs that substitutes nothing before the site ``name`` can pass that trace with ``start_at =
-    trace.block_of[name]`` to start at the site's block (the forward from the site on)."""
+    ``trace`` (an empty :class:`Trace`) without ``start_at`` records the block calls of this forward; a
+    later forward on the same inputs that substitutes nothing before the site ``name`` can pass that trace
+    with ``start_at = trace.block_of[name]`` to start at the site's block (the forward from the site on).
+    ``record`` (an empty :class:`Trace`) records this forward's block calls also while it replays a trace
+    (those before ``record_until`` when given)."""
+    if trace is not None and start_at is None:
+        trace, record = None, trace
     model = loaded.model
     encoder_decoder = _inputs_kind(loaded) == ENCODER_DECODER
     target = model.get_decoder() if encoder_decoder else model.base_model
     grabbed = {}
     handle = target.register_forward_hook(lambda _m, _a, output: grabbed.__setitem__("hidden", output[0]))
-    extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
     try:
-        with _substituting(loaded, inputs, at_site or (lambda name, site: None), trace, start_at):
-            output = model(**inputs, **extra)
+        with _substituting(loaded, inputs, at_site or (lambda name, site: None), trace, start_at, record,
+                           record_until):
+            output = model(**inputs, **_layout(loaded).extra)
     finally:
         handle.remove()
     mask_name = "decoder_attention_mask" if encoder_decoder else "attention_mask"
@@ -703,7 +796,9 @@ def site_substitutes(site: SiteCapture, kinds, alpha: float, space: str, rtol: f
         problems.factor = factor_gram(problems.gram)
         solution, stats = None, None
     log_pref = problems.log_preference.expand_as(problems.logits)
-    p_att = derived.model_attention(problems.logits, log_pref, alpha, active=problems.active)
+    p_att = None
+    if any(kind in ("model", "null") for kind in kinds):
+        p_att = derived.model_attention(problems.logits, log_pref, alpha, active=problems.active)
     out = {}
     for kind in kinds:
         entry = dict(solver_rows=none, not_converged=none, max_relative_error_bound=no_bound)
@@ -845,7 +940,7 @@ def per_site_records(loaded, inputs: dict, example_ids, config: InterventionConf
 @dataclass
 class _AtOneSite:
     """The site function of a per-site forward: ``weights`` at the site ``only``, the model's own elsewhere
-    (declared by ``only``, so the other sites' calls skip building their :class:`SiteCapture`)."""
+    (declared by ``only``, so that no site's call builds a :class:`SiteCapture`: none is needed)."""
 
     only: str
     weights: torch.Tensor
@@ -854,7 +949,7 @@ class _AtOneSite:
         return self.weights if name == self.only else None
 
 
-def _per_site(loaded, inputs, example_ids, config, emit=None) -> tuple[list[dict], Outputs]:
+def _per_site(loaded, inputs, example_ids, config, emit=None) -> tuple[list[dict], Outputs, dict]:
     require_intervention(loaded)
     inputs, labels = _prepared(loaded, inputs, example_ids, config)
     spaces, pooling = _spaces(loaded, config), pooling_of(loaded)
@@ -889,36 +984,59 @@ def _per_site(loaded, inputs, example_ids, config, emit=None) -> tuple[list[dict
             deferred.append((name, site))
         return None
 
-    trace = None
-    if config.from_site and _blocks(loaded.model, loaded.adapter.site_modules(loaded.model)) is not None:
-        trace = Trace(outputs=[], sites=[], block_of={}, modules={})
+    trace = Trace() if config.from_site and _layout(loaded).blocks is not None else None
     reference = run_forward(loaded, inputs, capture, trace=trace)
     if deferred:
         emit.flush()  # every site's rows solved now (the lane, if any, gets nothing left to do)
         for name, site in deferred:
             build(name, site, later, emit)
         deferred.clear()
+    # The whole-model forward substitutes the first site just as its per-site forward does, on the same
+    # inputs: where that site is alone in the first block, the whole-model forward starts after it, from
+    # the per-site forward's output of that block (heads[space, alpha, kind]: that output, and the
+    # substitute with its certificates).
+    first = order[0][0] if order else None
+    head_start = trace is not None and first is not None and trace.sites[:1] == [[first]]
+    heads: dict[tuple, _HeadStart] = {}
     records = []
     for name, (attention_type, layer) in order:
         start = {} if trace is None else {"trace": trace, "start_at": trace.block_of[name]}
         for space in spaces:
             for alpha in config.alphas:
                 for kind, substitute in substitutes.pop((name, space, alpha)).items():
-                    changed = run_forward(loaded, inputs, _AtOneSite(name, substitute.weights), **start)
+                    head = Trace() if head_start and name == first else None
+                    changed = run_forward(loaded, inputs, _AtOneSite(name, substitute.weights), **start,
+                                          record=head, record_until=2)  # block 1: its projections
+                    if head is not None:
+                        heads[space, alpha, kind] = _HeadStart(head, substitute)
                     common = dict(space=space, alpha=float(alpha), substitute=kind, site=name,
                                   attention_type=attention_type, layer=layer, pooling=pooling,
                                   lm_head=lm_kind(loaded))
                     records += _records(common, example_ids, effects(reference, changed, pooling, labels), substitute)
-    return records, reference
+    return records, reference, heads
+
+
+@dataclass
+class _HeadStart:
+    """The first block of a whole-model forward, done by a per-site forward (:func:`_per_site`).
+
+    Attributes:
+        trace: that forward's first two block calls (the first's output, and the second's projections).
+        substitute: the site's substitute, with its certificates (the whole-model record sums them).
+    """
+
+    trace: Trace
+    substitute: Substitute
 
 
 def whole_model_records(loaded, inputs: dict, example_ids, config: InterventionConfig,
-                        reference: Outputs | None = None) -> list[dict]:
+                        reference: Outputs | None = None, heads: dict | None = None) -> list[dict]:
     """Whole-model mode ("the inference transformer"): for each space, alpha and substitute one forward in
     which every site is substituted, its problems built and solved inside the attention call from the
     hidden states the earlier substitutions produced; the solver's certificates are summed over the
     sites per example.  One record per example, ``site`` = :data:`WHOLE`.  ``reference``: the unmodified
-    model's outputs on these inputs when the caller has them (the per-site mode's capture)."""
+    model's outputs on these inputs when the caller has them (the per-site mode's capture); ``heads``: the
+    first blocks the per-site mode has done (:class:`_HeadStart`, per space, alpha and substitute)."""
     require_intervention(loaded)
     inputs, labels = _prepared(loaded, inputs, example_ids, config)
     spaces, pooling = _spaces(loaded, config), pooling_of(loaded)
@@ -932,15 +1050,23 @@ def whole_model_records(loaded, inputs: dict, example_ids, config: InterventionC
                               not_converged=torch.zeros(b, dtype=torch.long),
                               max_relative_error_bound=torch.full((b,), -torch.inf, dtype=_F64))
 
-                def substitute(name, site, kind=kind, space=space, alpha=alpha, totals=totals):
-                    chosen = site_substitutes(site, (kind,), alpha, space, config.rtol, config.seed, example_ids)[kind]
+                def add(chosen, totals=totals):
                     totals["solver_rows"] += chosen.solver_rows
                     totals["not_converged"] += chosen.not_converged
                     totals["max_relative_error_bound"] = torch.fmax(
                         totals["max_relative_error_bound"], chosen.max_relative_error_bound)
+
+                def substitute(name, site, kind=kind, space=space, alpha=alpha, add=add):
+                    chosen = site_substitutes(site, (kind,), alpha, space, config.rtol, config.seed, example_ids)[kind]
+                    add(chosen)
                     return chosen.weights
 
-                changed = run_forward(loaded, inputs, substitute)
+                head = (heads or {}).get((space, alpha, kind))
+                start = {}
+                if head is not None:  # the first block as the per-site forward of its one site did it
+                    add(head.substitute)
+                    start = {"trace": head.trace, "start_at": 1}
+                changed = run_forward(loaded, inputs, substitute, **start)
                 totals["max_relative_error_bound"] = torch.where(
                     totals["solver_rows"] > 0, totals["max_relative_error_bound"], math.nan)
                 common = dict(space=space, alpha=float(alpha), substitute=kind, site=WHOLE, attention_type=None,
@@ -953,11 +1079,11 @@ def intervention_records(loaded, inputs: dict, example_ids, config: Intervention
                          emit: Callable[[SiteCapture], None] | None = None) -> list[dict]:
     """Both modes as ``config`` asks (per site, then whole model, sharing the unmodified forward): the
     records of one batch.  ``emit``: as in :func:`per_site_records` (per-site mode only)."""
-    records, reference = [], None
+    records, reference, heads = [], None, None
     if config.per_site:
-        records, reference = _per_site(loaded, inputs, example_ids, config, emit)
+        records, reference, heads = _per_site(loaded, inputs, example_ids, config, emit)
     if config.whole_model:
-        records += whole_model_records(loaded, inputs, example_ids, config, reference)
+        records += whole_model_records(loaded, inputs, example_ids, config, reference, heads)
     return records
 
 

@@ -454,6 +454,35 @@ def test_whole_model_is_sequential_exact_substitution(bert64):
     assert float((per_site - second).abs().max()) > 1e-6
 
 
+def test_whole_model_starts_after_the_per_site_forward_of_the_first_site(bert):
+    """With both modes, the whole-model forward takes its first block from the per-site forward of the
+    first site (the same substitution on the same inputs) and runs the model once less; its records are
+    those of the whole-model mode alone, bit for bit, certificates included."""
+    inputs = encode(bert, TEXTS)
+    kinds = ("exact", "second-order", "null", "model")
+    config = iv.InterventionConfig(substitutes=kinds, alphas=(1.0, 3.0))
+    first_block = iv._blocks(bert.model, bert.adapter.site_modules(bert.model))[0]
+    original, calls = first_block.forward, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    first_block.forward = counting
+    try:
+        both = [r for r in iv.intervention_records(bert, inputs, [0, 1, 2], config) if r["site"] == iv.WHOLE]
+    finally:
+        del first_block.forward
+    # the reference, then per alpha and substitute one per-site forward from site 0; the whole model: none
+    assert len(calls) == 1 + len(config.alphas) * len(kinds)
+    alone = iv.whole_model_records(bert, inputs, [0, 1, 2], config)
+    def comparable(records):  # NaN (no solve) compares equal to NaN
+        return [{k: "nan" if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in records]
+
+    assert comparable(both) == comparable(alone)
+    assert {r["substitute"] for r in both} == set(kinds) and max(r["hidden_change"] for r in both) > 1e-6
+
+
 def test_whole_model_effect_vanishes_linearly_as_alpha_goes_to_zero(bert64):
     """With the model's logits fixed, p* = softmax(logits + alpha G (u - p*)) -> p_att as alpha -> 0, with
     TV of order alpha: the effect of the inference transformer goes to 0 at the same rate."""
@@ -608,6 +637,40 @@ def assert_from_site_equals_full(loaded, inputs):
                 fast.logits is None or torch.equal(fast.logits, full.logits)), name
     finally:
         del first_block.forward
+    assert_projections_replayed(loaded, inputs, trace, sites)
+
+
+def assert_projections_replayed(loaded, inputs, trace, sites):
+    """A rerun from a site's block answers the projections of that block's first site (called before its
+    attention) from the trace: each is computed once less than in the same rerun without them, and the
+    outputs are the same."""
+    replayed = 0
+    for index, name in enumerate(sites):
+        start_at = trace.block_of[name]
+        first = trace.sites[start_at][0]
+        projections = trace.projections[first]
+        weights = random_weights(sites[name], seed=10 + index).to(sites[name].values.dtype)
+        at_site = lambda at, _site, name=name: weights if at == name else None  # noqa: E731
+        counts = {}
+        for projection in projections:  # counts the computations (a replayed call does not reach them)
+            def counting(*args, projection=projection, original=projection.forward, **kwargs):
+                counts[projection] = counts.get(projection, 0) + 1
+                return original(*args, **kwargs)
+            projection.forward = counting
+        try:
+            fast = iv.run_forward(loaded, inputs, at_site, trace=trace, start_at=start_at)
+            computed = dict(counts)
+            counts.clear()
+            without = iv.Trace(outputs=trace.outputs, sites=trace.sites, block_of=trace.block_of,
+                               modules=trace.modules)  # no recorded projections
+            slow = iv.run_forward(loaded, inputs, at_site, trace=without, start_at=start_at)
+        finally:
+            for projection in projections:
+                del projection.forward
+        assert torch.equal(fast.hidden, slow.hidden), name
+        assert all(counts[projection] - computed.get(projection, 0) == 1 for projection in projections), name
+        replayed += len(projections)
+    assert replayed >= len(sites)  # every family here has its query, key and value in the site's module
 
 
 def test_forward_from_the_site_on_bert(bert):

@@ -36,6 +36,7 @@ read by flash attention.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from contextlib import contextmanager
@@ -100,6 +101,12 @@ def family_eager_function(module: torch.nn.Module) -> Callable:
     return eager
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(function: Callable) -> inspect.Signature:
+    """``inspect.signature`` of a family's eager function, read once (it is read at every attention call)."""
+    return inspect.signature(function)
+
+
 def unrepresentable(module: torch.nn.Module, eager: Callable, arguments: dict) -> str | None:
     """Why this call cannot be written as ``scale * q.k + log u`` (a sentence), or ``None`` if it can."""
     for name, reason in UNREPRESENTABLE.items():
@@ -108,7 +115,7 @@ def unrepresentable(module: torch.nn.Module, eager: Callable, arguments: dict) -
     if getattr(module, "sinks", None) is not None:
         return UNREPRESENTABLE["sinks"]
     unknown = [
-        name for name, parameter in inspect.signature(eager).parameters.items()
+        name for name, parameter in _signature(eager).parameters.items()
         if name not in KNOWN_PARAMETERS and parameter.kind is not inspect.Parameter.VAR_KEYWORD
     ]
     if unknown:
@@ -123,7 +130,7 @@ def eager_call(module, query, key, value, attention_mask, *args, **kwargs):
     :class:`ProbeError`) what probe's logit form cannot represent; return its ``(output, probs)`` and the
     :class:`AttentionCall` of everything that entered the logits (detached)."""
     eager = family_eager_function(module)
-    bound = inspect.signature(eager).bind(module, query, key, value, attention_mask, *args, **kwargs)
+    bound = _signature(eager).bind(module, query, key, value, attention_mask, *args, **kwargs)
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     reason = unrepresentable(module, eager, arguments)
