@@ -1030,13 +1030,17 @@ class _HeadStart:
 
 
 def whole_model_records(loaded, inputs: dict, example_ids, config: InterventionConfig,
-                        reference: Outputs | None = None, heads: dict | None = None) -> list[dict]:
+                        reference: Outputs | None = None, heads: dict | None = None,
+                        solved: Callable | None = None) -> list[dict]:
     """Whole-model mode ("the inference transformer"): for each space, alpha and substitute one forward in
     which every site is substituted, its problems built and solved inside the attention call from the
     hidden states the earlier substitutions produced; the solver's certificates are summed over the
     sites per example.  One record per example, ``site`` = :data:`WHOLE`.  ``reference``: the unmodified
     model's outputs on these inputs when the caller has them (the per-site mode's capture); ``heads``: the
-    first blocks the per-site mode has done (:class:`_HeadStart`, per space, alpha and substitute)."""
+    first blocks the per-site mode has done (:class:`_HeadStart`, per space, alpha and substitute);
+    ``solved``: the rows' solver's :meth:`~probe.rows.BatchSolver.solved`, whose solution of the first
+    site (nothing is substituted before it: its problems are the captured ones) the first site takes
+    instead of solving again."""
     require_intervention(loaded)
     inputs, labels = _prepared(loaded, inputs, example_ids, config)
     spaces, pooling = _spaces(loaded, config), pooling_of(loaded)
@@ -1056,12 +1060,17 @@ def whole_model_records(loaded, inputs: dict, example_ids, config: InterventionC
                     totals["max_relative_error_bound"] = torch.fmax(
                         totals["max_relative_error_bound"], chosen.max_relative_error_bound)
 
-                def substitute(name, site, kind=kind, space=space, alpha=alpha, add=add):
-                    chosen = site_substitutes(site, (kind,), alpha, space, config.rtol, config.seed, example_ids)[kind]
+                head = (heads or {}).get((space, alpha, kind))
+                first = [head is None and solved is not None]  # the next site is the forward's first
+
+                def substitute(name, site, kind=kind, space=space, alpha=alpha, add=add, first=first):
+                    rows = solved(site, space, alpha) if first[0] else None
+                    first[0] = False
+                    chosen = site_substitutes(site, (kind,), alpha, space, config.rtol, config.seed, example_ids,
+                                              rows)[kind]
                     add(chosen)
                     return chosen.weights
 
-                head = (heads or {}).get((space, alpha, kind))
                 start = {}
                 if head is not None:  # the first block as the per-site forward of its one site did it
                     add(head.substitute)
@@ -1108,8 +1117,13 @@ def batch_records(loaded, inputs: dict, example_ids, config: InterventionConfig,
         return intervention_records(loaded, inputs, example_ids, config, emit)
     require_intervention(loaded)
     prepared, _ = _prepared(loaded, inputs, example_ids, config)
+    reuse = callable(getattr(emit, "keep", None)) and callable(getattr(emit, "solved", None))
+    if reuse:
+        emit.keep()
     reference = run_forward(loaded, prepared, lambda _name, site: emit(site))
-    return whole_model_records(loaded, inputs, example_ids, config, reference)
+    if reuse:
+        emit.flush()  # the rows solved now: the first site takes its solution from them
+    return whole_model_records(loaded, inputs, example_ids, config, reference, solved=emit.solved if reuse else None)
 
 
 #: the columns of a record, with their arrow types (the key is (space, alpha, substitute, site, example)):

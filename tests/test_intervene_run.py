@@ -279,3 +279,41 @@ def test_exact_and_null_from_the_rows_solves_equal_their_own_solves(tiny_bert_di
         assert mine["solver_rows"] == theirs["solver_rows"] and mine["solver_not_converged"] == 0
         for effect in ("hidden_change", "embedding_cosine"):
             assert mine[effect] == pytest.approx(theirs[effect], rel=1e-6, abs=1e-12), (mine["site"], mine["substitute"])
+
+
+@pytest.mark.parametrize("modes", [("whole",), ("per-site", "whole")])
+def test_the_whole_model_solves_only_the_sites_after_the_first(tiny_bert_dir, modes):
+    """In a run, the whole-model forward's first site is the captured one (nothing is substituted before
+    it): it takes p* from the rows' solver (whole mode alone) or starts after the per-site forward of that
+    site (both modes), and solves only the later sites; its records equal those of whole_model_records
+    solving every site on its own."""
+    import torch
+
+    from probe import intervene
+    from probe.loading import load_model
+    from probe.rows import BatchSolver, RowContext, Summary
+
+    loaded = intervene.with_lm_head(load_model(str(tiny_bert_dir), device="cpu"))
+    texts = ["The quick brown fox jumps over the lazy dog.", "Short one.", "Attention is inference, or so it goes."]
+    inputs = loaded.adapter.encode(loaded.tokenizer, texts, None, 32)
+    config = intervene.InterventionConfig(substitutes=("exact",), alphas=(1.0,), per_site="per-site" in modes)
+    context = RowContext(example_ids=[4, 5, 6], special_ids=frozenset(loaded.tokenizer.all_special_ids),
+                         token_text={}, tokenizer=loaded.tokenizer)
+    solver = BatchSolver(("hidden",), (1.0,), config.rtol, context, Summary(1e-5))
+    calls = []
+    original = intervene._solve
+    intervene._solve = lambda *a, **k: (calls.append(a[0].layer), original(*a, **k))[1]
+    try:
+        with torch.no_grad():
+            records = intervene.batch_records(loaded, inputs, [4, 5, 6], config, solver)
+    finally:
+        intervene._solve = original
+    assert calls == [1]  # the tiny BERT's two layers: the whole model solves layer 1 only
+    whole = [r for r in records if r["site"] == intervene.WHOLE]
+    own = intervene.whole_model_records(loaded, inputs, [4, 5, 6], config)
+    assert len(whole) == len(own) == 3
+    for mine, theirs in zip(whole, own):
+        assert mine["example"] == theirs["example"] and mine["solver_rows"] == theirs["solver_rows"] > 0
+        assert mine["solver_not_converged"] == 0
+        for effect in ("hidden_change", "embedding_cosine", "lm_loss", "top1_agreement"):  # NaN: no LM head
+            assert mine[effect] == pytest.approx(theirs[effect], rel=1e-6, abs=1e-12, nan_ok=True), effect
