@@ -41,10 +41,13 @@ Modes
   on*: the layers (``ModuleList`` entries) called before the site's layer return what they returned in
   the capture, which is what they would compute again, and the model runs from the site's layer on.
   No family-specific layer call is needed: the layers' own modules are called by the model as usual,
-  and the earlier ones answer from the trace.  (``from_site=False``: a full forward per site.)
+  and the earlier ones answer from the trace; so do the linear projections of the site's layer called
+  before its first attention call (query, key, value).  (``from_site=False``: a full forward per site.)
 * *whole model* (:func:`whole_model_records`, "the inference transformer"): every site is substituted,
   its problems built and solved inside the attention call from the hidden states the earlier
-  substitutions produced (new solves, certified: their convergence is recorded per example).
+  substitutions produced (new solves, certified: their convergence is recorded per example).  The
+  first site's problems are the captured ones: it takes p* from the rows' solves, and with the per-site
+  mode the forward starts after it, from that site's per-site forward (:class:`_HeadStart`).
 
 Effects (per example; :func:`effects`)
 --------------------------------------
