@@ -251,19 +251,26 @@ def test_torchrun_stopped_and_resumed_equals_a_single_process_run(tiny_bert_dir,
 
 
 def interrupted_run(model_dir, data, out, monkeypatch, *args) -> Path:
-    """A run stopped by Ctrl-C in its second batch (in this process)."""
-    import probe.rows as rows
+    """A run stopped by Ctrl-C (in this process) as it starts a batch after its first part file is written:
+    batch 0 finished and batch 1 dropped, whatever the thread count (batch k + 1 is captured, and on one
+    thread solved, before batch k is written; on several, batch k's last solves run meanwhile)."""
+    import probe.pipeline as pipeline
 
-    real, calls = rows.solve_dual, {"n": 0}
+    real_start, real_write, written = pipeline._start_batch, storage.write_part, {"parts": 0}
 
-    def solve_then_interrupt(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] > 1:
+    def write(*args, **kwargs):
+        path = real_write(*args, **kwargs)
+        written["parts"] += 1
+        return path
+
+    def start_or_interrupt(*args, **kwargs):
+        if written["parts"]:
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        return real_start(*args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(rows, "solve_dual", solve_then_interrupt)
+        patch.setattr(pipeline, "_start_batch", start_or_interrupt)
+        patch.setattr(storage, "write_part", write)
         result = CliRunner().invoke(app, ["run", str(model_dir), "--dataset", str(data), "--batch-size", "2",
                                           "--out", str(out), "--no-progress", *map(str, args)])
     assert result.exit_code == 130, result.output
