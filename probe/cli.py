@@ -13,6 +13,7 @@ disk, a read-only or vanished run directory); 130 / 143 a run stopped by SIGINT 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 import os
 from pathlib import Path
 from typing import Optional
@@ -78,6 +79,18 @@ ALLOW_DAMAGED_HELP = (
     "Read a damaged run anyway (parts missing or not matching their records): its intact parts only, "
     "under a printed banner. Without it a damaged run is refused; `probe resume` repairs it."
 )
+
+
+@contextmanager
+def _banner_not_warnings():
+    """The readers' DamagedRunWarning silenced: the CLI prints the banner itself (:func:`_damaged_banner`)."""
+    import warnings
+
+    from probe.storage import DamagedRunWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DamagedRunWarning)
+        yield
 
 
 def _damaged_banner(run_dir: Path, manifest: dict | None, allow_damaged: bool) -> None:
@@ -342,7 +355,8 @@ def export_command(
 
     try:
         manifest = read_manifest(run_dir)
-        rows = api.export(run_dir, to, allow_damaged=allow_damaged, table=table)
+        with _banner_not_warnings():
+            rows = api.export(run_dir, to, allow_damaged=allow_damaged, table=table)
     except ProbeError as error:
         _fail(error)
     _damaged_banner(run_dir, manifest, allow_damaged)
@@ -406,7 +420,8 @@ def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Option
     from probe.errors import ProbeError
 
     try:
-        where = api.report(run_dir, out, formats, name=name, allow_damaged=allow_damaged)
+        with _banner_not_warnings():
+            where = api.report(run_dir, out, formats, name=name, allow_damaged=allow_damaged)
     except ProbeError as error:
         _fail(error)
     if (Path(run_dir) / "manifest.json").is_file():
@@ -429,7 +444,8 @@ def compare_command(
     from probe.errors import ProbeError
 
     try:
-        where = api.compare(run_dirs, out, report_format, names=name, allow_damaged=allow_damaged)
+        with _banner_not_warnings():
+            where = api.compare(run_dirs, out, report_format, names=name, allow_damaged=allow_damaged)
     except ProbeError as error:
         _fail(error)
     for run_dir in run_dirs:

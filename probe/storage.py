@@ -346,6 +346,11 @@ def part_records(manifest: dict, table: str = PARTS) -> dict[int, dict]:
     return {int(r["batch"]): r for r in records or () if isinstance(r, dict) and "batch" in r}
 
 
+class DamagedRunWarning(UserWarning):
+    """A reader read a damaged run anyway (``allow_damaged``): its text is the banner naming what was left
+    out.  The CLI prints that banner itself and does not repeat it as a warning."""
+
+
 class DamagedRunError(ProbeError):
     """A reader refused a run whose part files do not match their records (missing, resized, unreadable,
     wrong rows or checksum)."""
@@ -552,7 +557,7 @@ def read_deviations(run_dir: Path, columns=None, *, allow_damaged: bool = False)
     if check.damaged:
         import warnings
 
-        warnings.warn(check.banner(), stacklevel=2)
+        warnings.warn(check.banner(), DamagedRunWarning, stacklevel=2)
     return deviations_dataset(Path(run_dir) / PARTS, files=check.readable.values()).to_table(columns=columns)
 
 
@@ -574,7 +579,7 @@ def read_interventions(run_dir: Path, columns=None, *, allow_damaged: bool = Fal
     if check.damaged:
         import warnings
 
-        warnings.warn(check.banner(), stacklevel=2)
+        warnings.warn(check.banner(), DamagedRunWarning, stacklevel=2)
     files = sorted(str(p) for p in check.readable.values())
     if not files:
         return INTERVENTION_SCHEMA.empty_table() if columns is None else INTERVENTION_SCHEMA.empty_table().select(columns)

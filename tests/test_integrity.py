@@ -9,6 +9,7 @@ import hashlib
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -112,10 +113,19 @@ def test_a_damaged_run_is_refused_by_name_then_repaired_bitwise(clean_run, run_c
             storage.read_deviations(run_copy)
         assert not (tmp_path / "report").exists() and not (tmp_path / "all.parquet").exists()
 
-        # read anyway: the intact parts only, under a banner, and the exported file says so too
-        allowed = CliRunner().invoke(app, ["export", str(run_copy), "--to", str(tmp_path / "some.parquet"),
-                                           "--allow-damaged"])
+        # read anyway: the intact parts only, under a banner (said once: not also as a Python warning, which
+        # a terminal would show beside it), and the exported file says so too
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            allowed = CliRunner().invoke(app, ["export", str(run_copy), "--to", str(tmp_path / "some.parquet"),
+                                               "--allow-damaged"])
+            reported = CliRunner().invoke(app, ["report", str(run_copy), "--out", str(tmp_path / "some-report"),
+                                                "--allow-damaged"])
         assert allowed.exit_code == 0 and "DAMAGED RUN" in allowed.output and "5 of 6 batches" in allowed.output
+        assert reported.exit_code == 0 and reported.output.count("5 of 6 batches") == 1, reported.output
+        assert not [w for w in warned if issubclass(w.category, storage.DamagedRunWarning)]
+        with pytest.warns(storage.DamagedRunWarning, match="5 of 6 batches"):  # the API's readers do warn
+            storage.read_deviations(run_copy, allow_damaged=True)
         some = pq.read_table(tmp_path / "some.parquet")
         assert b"probe.damaged" in some.schema.metadata
         expected = reference[~reference["example"].isin(pd.read_parquet(part(clean_run, 3))["example"].unique())]

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from ..errors import ProbeError
 from ..schema import DEVIATION_SCHEMA
-from ..storage import MANIFEST, deviations_dataset, require_intact, with_liveness
+from ..storage import MANIFEST, DamagedRunWarning, deviations_dataset, require_intact, with_liveness
 
 #: Columns the report cannot do without.
 NEEDED_COLUMNS = ("attention_type", "layer", "head", "example", "query", "rel_deviation", "converged")
@@ -355,7 +355,7 @@ def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: boo
         check = require_intact(run_dir, manifest, allow_damaged=allow_damaged)
         files = list(check.readable.values())
         if check.damaged:
-            warnings.warn(check.banner(), stacklevel=3)
+            warnings.warn(check.banner(), DamagedRunWarning, stacklevel=3)
             notes.append(check.banner())
     rows = read_deviations(table_path, files)
     if problem:
