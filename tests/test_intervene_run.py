@@ -242,34 +242,44 @@ def test_compare_sets_the_interventions_of_two_runs_side_by_side(intervened_dir,
             assert row[label] == pytest.approx(direct.loc[(row["site"], row["substitute"])], rel=1e-12)
 
 
-def test_exact_and_null_from_the_rows_solves_equal_their_own_solves(tiny_bert_dir):
-    """In a run, exact and null take p* from the rows' solver (BatchSolver.keep/solved) instead of solving
-    again: no second solve per site, and the records equal those of intervention_records solving on its
-    own (per-site mode; the whole-model mode solves new problems anyway)."""
-    import copy
-
+def batch_with_the_rows_solver(model_dir, config):
+    """``batch_records`` of three texts with a run's row solver (keeping its solutions) as ``emit``:
+    ``(loaded, inputs, records, solver, layers)``, ``layers`` the layer of every site that
+    ``probe.intervene`` solved itself (beyond the rows' solves)."""
     import torch
 
     from probe import intervene
     from probe.loading import load_model
     from probe.rows import BatchSolver, RowContext, Summary
 
-    loaded = intervene.with_lm_head(load_model(str(tiny_bert_dir), device="cpu"))
+    loaded = intervene.with_lm_head(load_model(str(model_dir), device="cpu"))
     texts = ["The quick brown fox jumps over the lazy dog.", "Short one.", "Attention is inference, or so it goes."]
     inputs = loaded.adapter.encode(loaded.tokenizer, texts, None, 32)
-    config = intervene.InterventionConfig(substitutes=("exact", "null", "second-order"), alphas=(1.0, 2.0),
-                                          whole_model=False)
     context = RowContext(example_ids=[4, 5, 6], special_ids=frozenset(loaded.tokenizer.all_special_ids),
                          token_text={}, tokenizer=loaded.tokenizer)
-    solver = BatchSolver(("hidden",), (1.0, 2.0), config.rtol, context, Summary(1e-5))
-    calls = []
+    solver = BatchSolver(("hidden",), config.alphas, config.rtol, context, Summary(1e-5))
+    layers = []
     original = intervene._solve
-    intervene._solve = lambda *a, **k: (calls.append(a[0].layer), original(*a, **k))[1]
+    intervene._solve = lambda *a, **k: (layers.append(a[0].layer), original(*a, **k))[1]
     try:
         with torch.no_grad():
-            reused = intervene.batch_records(loaded, inputs, [4, 5, 6], config, solver)
+            records = intervene.batch_records(loaded, inputs, [4, 5, 6], config, solver)
     finally:
         intervene._solve = original
+    return loaded, inputs, records, solver, layers
+
+
+def test_exact_and_null_from_the_rows_solves_equal_their_own_solves(tiny_bert_dir):
+    """In a run, exact and null take p* from the rows' solver (BatchSolver.keep/solved) instead of solving
+    again: no second solve per site, and the records equal those of intervention_records solving on its
+    own (per-site mode; the whole-model mode solves new problems anyway)."""
+    import copy
+
+    from probe import intervene
+
+    config = intervene.InterventionConfig(substitutes=("exact", "null", "second-order"), alphas=(1.0, 2.0),
+                                          whole_model=False)
+    loaded, inputs, reused, solver, calls = batch_with_the_rows_solver(tiny_bert_dir, config)
     assert calls == [] and solver.kept and len(solver.tables) == 2 * 2  # rows: 2 sites x 2 alphas, solved once
     own = intervene.intervention_records(loaded, inputs, [4, 5, 6], copy.deepcopy(config))
     assert len(reused) == len(own) == 2 * 2 * 3 * 3  # sites x alphas x substitutes x examples
@@ -287,27 +297,10 @@ def test_the_whole_model_solves_only_the_sites_after_the_first(tiny_bert_dir, mo
     it): it takes p* from the rows' solver (whole mode alone) or starts after the per-site forward of that
     site (both modes), and solves only the later sites; its records equal those of whole_model_records
     solving every site on its own."""
-    import torch
-
     from probe import intervene
-    from probe.loading import load_model
-    from probe.rows import BatchSolver, RowContext, Summary
 
-    loaded = intervene.with_lm_head(load_model(str(tiny_bert_dir), device="cpu"))
-    texts = ["The quick brown fox jumps over the lazy dog.", "Short one.", "Attention is inference, or so it goes."]
-    inputs = loaded.adapter.encode(loaded.tokenizer, texts, None, 32)
     config = intervene.InterventionConfig(substitutes=("exact",), alphas=(1.0,), per_site="per-site" in modes)
-    context = RowContext(example_ids=[4, 5, 6], special_ids=frozenset(loaded.tokenizer.all_special_ids),
-                         token_text={}, tokenizer=loaded.tokenizer)
-    solver = BatchSolver(("hidden",), (1.0,), config.rtol, context, Summary(1e-5))
-    calls = []
-    original = intervene._solve
-    intervene._solve = lambda *a, **k: (calls.append(a[0].layer), original(*a, **k))[1]
-    try:
-        with torch.no_grad():
-            records = intervene.batch_records(loaded, inputs, [4, 5, 6], config, solver)
-    finally:
-        intervene._solve = original
+    loaded, inputs, records, _, calls = batch_with_the_rows_solver(tiny_bert_dir, config)
     assert calls == [1]  # the tiny BERT's two layers: the whole model solves layer 1 only
     whole = [r for r in records if r["site"] == intervene.WHOLE]
     own = intervene.whole_model_records(loaded, inputs, [4, 5, 6], config)
