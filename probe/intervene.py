@@ -952,6 +952,12 @@ class _AtOneSite:
         return self.weights if name == self.only else None
 
 
+def _keeps_solutions(emit) -> bool:
+    """Whether ``emit`` is a row solver that can keep its solutions for the substitutes
+    (:meth:`probe.rows.BatchSolver.keep` and :meth:`~probe.rows.BatchSolver.solved`)."""
+    return callable(getattr(emit, "keep", None)) and callable(getattr(emit, "solved", None))
+
+
 def _per_site(loaded, inputs, example_ids, config, emit=None) -> tuple[list[dict], Outputs, dict]:
     require_intervention(loaded)
     inputs, labels = _prepared(loaded, inputs, example_ids, config)
@@ -960,7 +966,7 @@ def _per_site(loaded, inputs, example_ids, config, emit=None) -> tuple[list[dict
     order: list[tuple[str, tuple[str, int]]] = []
     # The rows' solver (the pipeline's emit) keeps its solutions: exact and null take p* from them after
     # the capture forward instead of solving every site a second time.
-    reuse = emit is not None and callable(getattr(emit, "keep", None)) and callable(getattr(emit, "solved", None))
+    reuse = _keeps_solutions(emit)
     later = tuple(kind for kind in config.substitutes if reuse and kind in ("exact", "null"))
     now = tuple(kind for kind in config.substitutes if kind not in later)
     deferred: list[tuple[str, SiteCapture]] = []
@@ -1120,7 +1126,7 @@ def batch_records(loaded, inputs: dict, example_ids, config: InterventionConfig,
         return intervention_records(loaded, inputs, example_ids, config, emit)
     require_intervention(loaded)
     prepared, _ = _prepared(loaded, inputs, example_ids, config)
-    reuse = callable(getattr(emit, "keep", None)) and callable(getattr(emit, "solved", None))
+    reuse = _keeps_solutions(emit)
     if reuse:
         emit.keep()
     reference = run_forward(loaded, prepared, lambda _name, site: emit(site))
