@@ -1126,10 +1126,15 @@ def batch_records(loaded, inputs: dict, example_ids, config: InterventionConfig,
         return intervention_records(loaded, inputs, example_ids, config, emit)
     require_intervention(loaded)
     prepared, _ = _prepared(loaded, inputs, example_ids, config)
-    reuse = _keeps_solutions(emit)
-    if reuse:
-        emit.keep()
-    reference = run_forward(loaded, prepared, lambda _name, site: emit(site))
+    reuse, seen = _keeps_solutions(emit), []
+
+    def capture(_name, site):
+        if reuse and not seen:  # the first site: the whole model takes its p* from the rows' solve
+            emit.keep(sites=[(site.attention_type, site.layer)])
+        seen.append(site.layer)
+        emit(site)
+
+    reference = run_forward(loaded, prepared, capture)
     if reuse:
         emit.flush()  # the rows solved now: the first site takes its solution from them
     return whole_model_records(loaded, inputs, example_ids, config, reference, solved=emit.solved if reuse else None)

@@ -456,10 +456,14 @@ class BatchSolver:
         #: with :meth:`keep`: (attention type, layer, space, alpha) -> [(offset, problems, solution)] of every
         #: piece solved, for a caller that uses the solutions too (the interventions' exact posterior)
         self.kept: dict | None = None
+        self.kept_sites: set | None = None  # with keep(sites): the sites kept
 
-    def keep(self) -> None:
-        """Keep every solved piece's problems and solution (:meth:`solved`) as well as its rows."""
+    def keep(self, sites=None) -> None:
+        """Keep every solved piece's problems and solution (:meth:`solved`) as well as its rows; ``sites``:
+        only those of these ``(attention type, layer)`` sites (a batch's solutions of every site take as
+        much memory as its problems)."""
         self.kept = {}
+        self.kept_sites = None if sites is None else set(sites)
 
     def solved(self, site: SiteCapture, space: str, alpha: float) -> tuple[DualProblems, DualSolution] | None:
         """The problems and solution of the whole ``site`` in ``space`` at ``alpha``, as this solver solved
@@ -541,6 +545,8 @@ class BatchSolver:
                     self.tables.append(table)
                 if self.kept is not None:
                     for (site, offset), dual, solution in zip(stack, duals, solutions):
+                        if self.kept_sites is not None and (site.attention_type, site.layer) not in self.kept_sites:
+                            continue
                         self.kept.setdefault((site.attention_type, site.layer, space, alpha), []).append(
                             (offset, dual, solution))
 

@@ -300,8 +300,10 @@ def test_the_whole_model_solves_only_the_sites_after_the_first(tiny_bert_dir, mo
     from probe import intervene
 
     config = intervene.InterventionConfig(substitutes=("exact",), alphas=(1.0,), per_site="per-site" in modes)
-    loaded, inputs, records, _, calls = batch_with_the_rows_solver(tiny_bert_dir, config)
+    loaded, inputs, records, solver, calls = batch_with_the_rows_solver(tiny_bert_dir, config)
     assert calls == [1]  # the tiny BERT's two layers: the whole model solves layer 1 only
+    if modes == ("whole",):  # the rows' solver keeps the first site's solution only
+        assert set(solver.kept) == {("self", 0, "hidden", 1.0)}
     whole = [r for r in records if r["site"] == intervene.WHOLE]
     own = intervene.whole_model_records(loaded, inputs, [4, 5, 6], config)
     assert len(whole) == len(own) == 3
