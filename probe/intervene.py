@@ -954,8 +954,9 @@ class _AtOneSite:
 
 def _keeps_solutions(emit) -> bool:
     """Whether ``emit`` is a row solver that can keep its solutions for the substitutes
-    (:meth:`probe.rows.BatchSolver.keep` and :meth:`~probe.rows.BatchSolver.solved`)."""
-    return callable(getattr(emit, "keep", None)) and callable(getattr(emit, "solved", None))
+    (:meth:`probe.rows.BatchSolver.keep`, :meth:`~probe.rows.BatchSolver.solved` and
+    :meth:`~probe.rows.BatchSolver.forget`)."""
+    return all(callable(getattr(emit, method, None)) for method in ("keep", "solved", "forget"))
 
 
 def _per_site(loaded, inputs, example_ids, config, emit=None) -> tuple[list[dict], Outputs, dict]:
@@ -997,8 +998,9 @@ def _per_site(loaded, inputs, example_ids, config, emit=None) -> tuple[list[dict
     reference = run_forward(loaded, inputs, capture, trace=trace)
     if deferred:
         emit.flush()  # every site's rows solved now (the lane, if any, gets nothing left to do)
-        for name, site in deferred:
+        for name, site in deferred:  # the site's solutions let go as its substitutes are built
             build(name, site, later, emit)
+            emit.forget(site)
         deferred.clear()
     # The whole-model forward substitutes the first site just as its per-site forward does, on the same
     # inputs: where that site is alone in the first block, the whole-model forward starts after it, from

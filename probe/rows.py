@@ -480,6 +480,12 @@ class BatchSolver:
             **{name: torch.cat([getattr(each, name) for each in solutions]) for name in vars(solutions[0])})
         return problems, solution
 
+    def forget(self, site: SiteCapture) -> None:
+        """Let go of what :meth:`keep` kept of ``site`` (every space and alpha), once the caller has taken it."""
+        if self.kept:
+            for key in [key for key in self.kept if key[:2] == (site.attention_type, site.layer)]:
+                del self.kept[key]
+
     def __call__(self, site: SiteCapture) -> None:
         offset = 0
         for piece in pieces(site, self.limit_bytes):

@@ -280,7 +280,8 @@ def test_exact_and_null_from_the_rows_solves_equal_their_own_solves(tiny_bert_di
     config = intervene.InterventionConfig(substitutes=("exact", "null", "second-order"), alphas=(1.0, 2.0),
                                           whole_model=False)
     loaded, inputs, reused, solver, calls = batch_with_the_rows_solver(tiny_bert_dir, config)
-    assert calls == [] and solver.kept and len(solver.tables) == 2 * 2  # rows: 2 sites x 2 alphas, solved once
+    assert calls == [] and len(solver.tables) == 2 * 2  # rows: 2 sites x 2 alphas, solved once
+    assert solver.kept == {}  # taken, then let go as each site's substitutes were built
     own = intervene.intervention_records(loaded, inputs, [4, 5, 6], copy.deepcopy(config))
     assert len(reused) == len(own) == 2 * 2 * 3 * 3  # sites x alphas x substitutes x examples
     for mine, theirs in zip(reused, own):
