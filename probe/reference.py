@@ -87,29 +87,47 @@ def polish_primal(T, b, u, p, alpha=1.0, *, max_iter=50):
         residual = b - T.T @ q
         return 0.5 * alpha * residual @ residual + float(np.sum(q * (np.log(q) - np.log(u))))
 
-    kkt = np.zeros((n + 1, n + 1))
-    kkt[:n, n] = kkt[n, :n] = 1.0
+    return _interior_newton(
+        p, objective,
+        gradient=lambda q: -alpha * (T @ (b - T.T @ q)) + np.log(q) - np.log(u) + 1.0,
+        hessian=lambda q: alpha * (T @ T.T) + np.diag(1.0 / q),
+        constraints=np.ones((1, n)), max_iter=max_iter,
+        project=lambda q: q / q.sum(),  # back onto the simplex: the step keeps the sum up to rounding
+    )
+
+
+def _interior_newton(x, objective, gradient, hessian, constraints, max_iter, project=None):
+    r"""Newton's method for :math:`\min F(x)` subject to :math:`Cx = Cx_0` in the interior :math:`x > 0`,
+    from a feasible :math:`x_0`: each step solves the KKT system of the Hessian with the constraints
+    ``constraints`` :math:`C`, and is shortened to keep :math:`x > 0` and, away from the optimum, to
+    decrease :math:`F`.  Stops when the Newton decrement reaches rounding.  ``project``: applied to every
+    new iterate (to undo the constraints' rounding drift)."""
+    k, m = len(x), constraints.shape[0]
+    kkt = np.zeros((k + m, k + m))
+    kkt[:k, k:] = constraints.T
+    kkt[k:, :k] = constraints
     for _ in range(max_iter):
-        gradient = -alpha * (T @ (b - T.T @ p)) + np.log(p) - np.log(u) + 1.0
-        kkt[:n, :n] = alpha * (T @ T.T) + np.diag(1.0 / p)
-        step = np.linalg.solve(kkt, np.concatenate([-gradient, [0.0]]))[:n]
-        decrement = -(gradient @ step)  # the squared Newton decrement
-        if not decrement > 1e-28 * max(1.0, abs(objective(p))):
+        g = gradient(x)
+        kkt[:k, :k] = hessian(x)
+        step = np.linalg.solve(kkt, np.concatenate([-g, np.zeros(m)]))[:k]
+        decrement = -(g @ step)  # the squared Newton decrement
+        if not decrement > 1e-28 * max(1.0, abs(objective(x))):
             break
         shrinking = step < 0
-        length = min(1.0, 0.99 * float(np.min(-p[shrinking] / step[shrinking]))) if shrinking.any() else 1.0
-        start = objective(p)
+        length = min(1.0, 0.99 * float(np.min(-x[shrinking] / step[shrinking]))) if shrinking.any() else 1.0
+        start = objective(x)
         # far from the optimum, backtrack on F; near it (F's decrease below what its rounding resolves),
         # Newton converges quadratically and takes its steps whole
         while decrement > 1e-8 * max(1.0, abs(start)) and length > 1e-12 and (
-            objective(p + length * step) > start - 1e-4 * length * decrement
+            objective(x + length * step) > start - 1e-4 * length * decrement
         ):
             length *= 0.5
         if length <= 1e-12:
             break
-        p = p + length * step
-        p /= p.sum()
-    return p
+        x = x + length * step
+        if project is not None:
+            x = project(x)
+    return x
 
 
 def lbfgs_dual(T, z, log_u, alpha=1.0, *, gtol=1e-12, x0=None):
@@ -270,27 +288,12 @@ def polish_ot_plan(T, b, u, M, X, alpha, gamma, *, max_iter=50):
         residual = b - T.T @ (S @ v)
         return 0.5 * alpha * residual @ residual + cost @ v + gamma * float(np.sum(v * np.log(v)))
 
-    k = N * n
-    kkt = np.zeros((k + n, k + n))
-    kkt[:k, k:] = C.T
-    kkt[k:, :k] = C
-    for _ in range(max_iter):
-        gradient = -alpha * S.T @ (T @ (b - T.T @ (S @ x))) + cost + gamma * (np.log(x) + 1.0)
-        kkt[:k, :k] = alpha * S.T @ G @ S + gamma * np.diag(1.0 / x)
-        step = np.linalg.solve(kkt, np.concatenate([-gradient, np.zeros(n)]))[:k]
-        decrement = -(gradient @ step)
-        if not decrement > 1e-28 * max(1.0, abs(objective(x))):
-            break
-        shrinking = step < 0
-        length = min(1.0, 0.99 * float(np.min(-x[shrinking] / step[shrinking]))) if shrinking.any() else 1.0
-        start = objective(x)
-        while decrement > 1e-8 * max(1.0, abs(start)) and length > 1e-12 and (
-            objective(x + length * step) > start - 1e-4 * length * decrement
-        ):
-            length *= 0.5
-        if length <= 1e-12:
-            break
-        x = x + length * step
+    x = _interior_newton(
+        x, objective,
+        gradient=lambda v: -alpha * S.T @ (T @ (b - T.T @ (S @ v))) + cost + gamma * (np.log(v) + 1.0),
+        hessian=lambda v: alpha * S.T @ G @ S + gamma * np.diag(1.0 / v),
+        constraints=C, max_iter=max_iter,
+    )
     return x.reshape(N, n)
 
 
