@@ -9,7 +9,7 @@
     root.querySelectorAll(".arithmatex").forEach(function (element) {
       if (element.dataset.rendered) return;
       var tex = element.textContent.trim();
-      var display = element.tagName === "DIV";
+      var display = tex.indexOf("\\[") === 0;  // \[...\] displayed, \(...\) inline
       tex = tex.replace(/^\\[(\[]/, "").replace(/\\[)\]]$/, "");
       katex.render(tex, element, { displayMode: display, throwOnError: false });
       element.dataset.rendered = "1";
