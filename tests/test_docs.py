@@ -263,6 +263,22 @@ def test_the_tutorial_numbers_are_the_committed_reports():
     assert not missing, missing
 
 
+def test_the_ot_page_quotes_the_committed_model_measurement():
+    from tests.test_readme_figures import ot_quality_sentence
+
+    import pandas as pd
+
+    text = " ".join((DOCS / "ot.md").read_text().split())
+    assert ot_quality_sentence() in text
+    meta = json.loads((ROOT / "reports" / "ot" / "quality_model.json").read_text())["meta"]
+    grid = pd.read_csv(ROOT / "reports" / "ot" / "quality_model.csv")
+    at_gamma = grid[(grid["gamma"] - meta["model_gamma"]).abs() < 1e-9].set_index("alpha")
+    assert (at_gamma["certified_fraction"] == 1.0).all()
+    median = at_gamma["rel_deviation_median"]
+    assert (f"the median deviation is {median[2.0]:.3f} at $\\alpha = 2$ and {median[8.0]:.3f} at "
+            f"$\\alpha = 8$") in text
+
+
 def test_the_home_page_does_not_send_the_reader_to_the_readme():
     index = (DOCS / "index.md").read_text()
     assert "README" not in index and "(tutorial.md)" in index
