@@ -1,8 +1,9 @@
 """The documentation site teaches: its math renders, its references resolve, its CLI reference is a
 table per command, and its tutorial's numbers are the committed reports' numbers.
 
-Most checks read one strict build of the site (``mkdocs build --strict``, about 20 s here: slow).  The
-docstring rewriting (docs/hooks/docstrings.py) and the tutorial's numbers are checked without a build.
+Most checks read one strict build of the site (``mkdocs build --strict``, 20 to 40 s on this 2-core
+machine: slow); under .ci/run they read the build CI has just made.  The docstring rewriting
+(docs/hooks/docstrings.py) and the tutorial's numbers are checked without a build.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import html
 import json
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -30,8 +32,12 @@ RAW_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|data|attr|exc|obj|const|
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
+    """The built site: .ci/run's strict build (``$PROBE_DOCS_SITE``), or one built here."""
     if not HAS_DOCS_EXTRA:
         pytest.skip('needs the docs extra: pip install -e ".[docs]"')
+    built = os.environ.get("PROBE_DOCS_SITE")
+    if built and (Path(built) / "index.html").exists():
+        return Path(built)
     out = tmp_path_factory.mktemp("site")
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
