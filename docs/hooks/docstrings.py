@@ -191,13 +191,12 @@ def inline(obj: griffe.Object, text: str) -> str:
         target = target.lstrip("~.")
         path = resolve(obj, target)
         shown = title or (target.rsplit(".", 1)[-1] if short else target)
-        if path is None and _outside(obj, target):  # a builtin or another package's name: code
-            return f"`{shown}`"
-        if path is not None and (path.split(".")[0] != obj.package.name or _private(path)):
-            return f"`{shown}`"  # imported from another package, or a private helper the reference omits
         if path is None:
-            LOGGER.warning(f"{obj.path}: the docstring's :{role}:`{match.group(2)}` names no object probe has")
+            if not _outside(obj, target):  # not a builtin or another package's name: a broken reference
+                LOGGER.warning(f"{obj.path}: the docstring's :{role}:`{match.group(2)}` names no object probe has")
             return f"`{shown}`"
+        if path.split(".")[0] != obj.package.name or _private(path):
+            return f"`{shown}`"  # imported from another package, or a private helper the reference omits
         return f"[`{shown}`][{path}]"
 
     return ROLE.sub(reference, MATH.sub(math, text))
