@@ -162,7 +162,8 @@ def test_the_cli_reference_has_a_table_per_command(site):
         if param.param_type_name == "option":
             row = next((r for r in rows if f"<code>{param.opts[0]}</code>" in r), None)
             assert row is not None, param.opts[0]
-            assert html.unescape(re.sub(r"<[^>]+>", "", row)).count(param.help.split()[0]) >= 1
+            if param.help:
+                assert param.help.split()[0] in html.unescape(re.sub(r"<[^>]+>", "", row)), param.opts[0]
     assert "<th>Type</th>" in section and "<th>Default</th>" in section
     assert "Usage:" not in cli  # no raw --help text
 
