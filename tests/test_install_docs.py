@@ -1,12 +1,9 @@
 """The way in: the README is short and its commands are the ones CI runs; the real-checkpoint script is
-the project's own; the documentation site builds strictly."""
+the project's own.  (The documentation site's build is checked in test_docs.py.)"""
 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +27,9 @@ def test_the_readme_is_short_and_installs_cpu_torch_first():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
     commands = readme_commands()
-    assert commands[0] == "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    # CI's timeout and retries: where PyTorch's index cannot be reached, pip gives up at once instead of
+    # waiting through its default retries
+    assert commands[0] == "pip install torch --index-url https://download.pytorch.org/whl/cpu --timeout 20 --retries 1"
     assert commands[1] == 'pip install -e ".[demo,test]"' and commands[2] == "pytest"
     assert len(commands) == 3  # one for torch, one installs probe, one runs the tests
 
@@ -58,16 +57,3 @@ def test_the_real_checkpoints_come_from_the_projects_own_script():
 
     with pytest.raises(pytest.skip.Exception, match="bash scripts/fetch_models.sh"):
         real_model_dir("no-such-checkpoint")
-
-
-@pytest.mark.skipif(shutil.which("mkdocs") is None and subprocess.run(
-    [sys.executable, "-c", "import mkdocs, material, mkdocstrings"], capture_output=True).returncode != 0,
-    reason='needs the docs extra: pip install -e ".[docs]"')
-def test_the_docs_build_strictly(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    cli = (tmp_path / "site" / "cli" / "index.html").read_text()
-    assert "probe run" in cli and "--target-column" in cli and "--name" in cli
-    api = (tmp_path / "site" / "api" / "index.html").read_text()
-    assert 'id="probe.api.run"' in api and 'id="probe.api.Run.rows"' in api

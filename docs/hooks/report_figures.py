@@ -8,7 +8,7 @@ from pathlib import Path
 from mkdocs.structure.files import File
 
 #: folders of ``reports/`` whose figures the pages embed
-FOLDERS = ("ot", "vit", "interventions")
+FOLDERS = ("all-MiniLM-L6-v2", "all-MiniLM-L6-v2-vs-random", "ot", "vit", "interventions")
 
 
 def on_files(files, config):
