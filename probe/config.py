@@ -54,6 +54,9 @@ class RunConfig:
     # the run's second table, interventions.parquet/
     intervene: tuple[str, ...] = ()
     intervene_modes: tuple[str, ...] = INTERVENTION_MODES  # --intervene-modes: per-site and/or whole
+    # --allow-unknown-tokens: run although the tokenizer turns more than probe.tokens.UNKNOWN_LIMIT of the
+    # tokens into its unknown token (refused otherwise, before the model loads)
+    allow_unknown_tokens: bool = False
 
 
 def config_to_json(config: RunConfig) -> dict:

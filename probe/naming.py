@@ -84,3 +84,42 @@ def run_name(model: str, init: str = "pretrained", name: str | None = None) -> s
 def slug(name: str) -> str:
     """``name`` as a directory name: runs of characters other than letters, digits and ``._-`` become ``-``."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "run"
+
+
+#: what ``probe run`` adds to a run's name for its directory: ``-<YYYYmmdd>-<HHMMSS>``, and ``-k`` for the
+#: k-th run started in the same second (probe.storage.create_run_directory)
+_STAMP = re.compile(r"-(\d{8}-\d{6})(?:-(\d+))?$")
+
+
+def runs_named(path: str | Path) -> list[Path]:
+    """The run directories ``probe run`` made for the name ``path.name`` in ``path``'s folder
+    (``runs/NAME`` -> ``runs/NAME-<time>``, not ``runs/NAME-random-<time>``), oldest first."""
+    path = Path(path)
+    folder, prefix = path.parent, slug(path.name)
+    if not folder.is_dir():
+        return []
+    found = []
+    for candidate in folder.iterdir():
+        stamp = _STAMP.match(candidate.name[len(prefix):]) if candidate.name.startswith(prefix) else None
+        if stamp and (candidate / "manifest.json").is_file():
+            found.append((stamp.group(1), int(stamp.group(2) or 1), candidate))
+    return [candidate for *_, candidate in sorted(found)]
+
+
+def name_of(run_dir: str | Path) -> str:
+    """The name a run directory was made for: ``runs/NAME-<time>`` -> ``NAME`` (any other name as it is)."""
+    return _STAMP.sub("", Path(run_dir).name)
+
+
+def newest_run(path: str | Path) -> tuple[Path, str | None]:
+    """``path`` when it exists; else the newest run directory named ``path.name`` in its folder (``runs/NAME``
+    for the latest ``runs/NAME-<time>``), with a sentence that says which it took; else ``path`` as given
+    (its reader then says that it does not exist)."""
+    path = Path(path)
+    if path.exists():
+        return path, None
+    runs = runs_named(path)
+    if not runs:
+        return path, None
+    others = f" (the newest of {len(runs)} runs named {path.name})" if len(runs) > 1 else ""
+    return runs[-1], f"{path} is {runs[-1]}{others}"

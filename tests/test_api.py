@@ -81,7 +81,7 @@ def test_options_are_checked_before_torch_loads():
             "try:\n    probe.run('/nonexistent', batch_size=0)\nexcept probe.ProbeError as e:\n    print('refused', e)\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert "refused --batch-size must be at least 1" in out and out.split()[-1] == "False"
+    assert "refused batch_size= must be at least 1" in out and out.split()[-1] == "False"
 
 
 def test_compare_and_report_through_the_api(api_run, tiny_bert_dir, tmp_path):

@@ -162,9 +162,10 @@ def test_no_progress_prints_only_the_final_lines(tiny_bert_dir, texts_file, tmp_
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     lines = done.stdout.splitlines()
-    assert len(lines) == 4, done.stdout
+    assert len(lines) == 5, done.stdout
     assert lines[0].startswith(f"{Path(tiny_bert_dir).name}: ") and lines[1].startswith("rel_deviation, hidden space")
-    assert lines[2].startswith("run directory: ") and lines[3].startswith("next: probe report ")
+    assert lines[2].startswith("texts: 5 (") and "tokens, 0 of them [UNK] (0.0%)" in lines[2]
+    assert lines[3].startswith("run directory: ") and lines[4].startswith("next: probe report ")
 
 
 # --------------------------------------------------------------------------------------------------
