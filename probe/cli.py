@@ -489,7 +489,7 @@ def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
                    + (f"; whole-model mean hidden_change: {effects}" if effects else ""))
     dataset, unknown = manifest.get("dataset") or {}, manifest.get("unknown_tokens")
     typer.echo(f"texts: {dataset.get('n_examples', 0):,} ({dataset.get('description')})"
-               + (f"; {describe(unknown)}" if unknown else ""))
+               + (f"; {describe(unknown)}" if unknown else ""))  # no count in a run of an older probe
     typer.echo(f"run directory: {run_dir}")
     if report_next:
         typer.echo(f"next: probe report {shlex.quote(str(run_dir))}   (figures, tables and index.html)")

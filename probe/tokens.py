@@ -57,8 +57,11 @@ def unknown_tokens(tokenizer, texts: list[str], max_length: int) -> dict:
     return record
 
 
-def describe(record: dict) -> str:
-    """``5,067 tokens, 12 of them [UNK] (0.2%)`` (or why none is unknown), for the final lines and the report."""
+def describe(record: dict | None) -> str | None:
+    """``5,067 tokens, 12 of them [UNK] (0.2%)`` (or why none is unknown), for the final lines and the report;
+    None for a run recorded before the count."""
+    if not isinstance(record, dict):
+        return None
     if record.get("token") is None:
         return f"{record['tokens']:,} tokens, none unknown (the tokenizer has no unknown token)"
     return f"{record['tokens']:,} tokens, {record['unknown']:,} of them {record['token']} ({record['share']:.1%})"

@@ -203,7 +203,7 @@ def check_intervention_options(config) -> None:
         unknown = [value for value in values if value not in choices]
         if unknown:
             raise ProbeError(
-                f"Unknown {option(name)} {', '.join(map(repr, unknown))}. Choose among {', '.join(choices)} "
+                f"Unknown {option(name, ','.join(unknown))}. Choose among {', '.join(choices)} "
                 f"(comma separated), e.g. {option(name, ','.join(choices[:2]))}."
             )
         if len(set(values)) != len(values):

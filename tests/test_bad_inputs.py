@@ -312,12 +312,12 @@ CASES = [
     # interventions (--intervene, --intervene-modes): options, then a family that cannot substitute, from its
     # config (before any weights load)
     Case("intervene unknown substitute", lambda b: [b.tiny, "--intervene", "exact,posterior"],
-         ("Unknown --intervene 'posterior'", "exact, second-order, null, model")),
+         ("Unknown --intervene posterior", "exact, second-order, null, model")),
     Case("intervene substitute repeated", lambda b: [b.tiny, "--intervene", "exact,null,exact"],
          ("--intervene lists a value twice",)),
     Case("intervene empty entry", lambda b: [b.tiny, "--intervene", "exact,,null"], ("--intervene", "empty entry")),
     Case("intervene unknown mode", lambda b: [b.tiny, "--intervene", "exact", "--intervene-modes", "sites"],
-         ("Unknown --intervene-modes 'sites'", "per-site, whole")),
+         ("Unknown --intervene-modes sites", "per-site, whole")),
     Case("intervene on a family that cannot substitute", lambda b: [b.mpnet, "--init", "random", "--intervene", "exact"],
          ("--intervene needs a model whose attention probe can substitute", "(mpnet)", "remove --intervene")),
     # 5. max length

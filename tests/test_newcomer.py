@@ -279,3 +279,217 @@ def test_each_statistic_is_labelled_where_it_is_shown(finished_run, tmp_path):
     drawn = layers_figure(run, "self", report_scale(run, main_rows(summarize(run.rows), run, "head")))
     titles = [ax.get_title() for ax in drawn.figure.axes if ax.get_title().startswith("layer ")]
     assert titles and all("head-averaged values" in title for title in titles)
+
+
+# ==================================================================================================
+# issue 33: silent wrong answers, and the console and files of a newcomer's second try
+
+
+def _tokens(model_dir, text: str) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"])
+
+
+def _heads_and_layers(model_dir) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return config.num_attention_heads * config.num_hidden_layers
+
+
+# --------------------------------------------------------------------------------------------------
+# texts=: one string is one text; a bad item is named
+
+
+def test_a_string_is_one_text_not_its_characters(tiny_bert_dir, tmp_path):
+    import probe
+
+    text = "A single sentence about rivers."
+    run = probe.run(tiny_bert_dir, texts=text, out=tmp_path / "runs", progress=False)
+    assert run.manifest["dataset"]["n_examples"] == 1
+    assert set(run.rows["example"]) == {0}
+    assert len(run.rows) == _tokens(tiny_bert_dir, text) * _heads_and_layers(tiny_bert_dir)
+
+
+def test_a_string_that_names_a_file_is_refused_with_dataset(tiny_bert_dir, texts_file, tmp_path):
+    import probe
+
+    with pytest.raises(probe.ProbeError, match=r"is a file.*dataset="):
+        probe.run(tiny_bert_dir, texts=str(texts_file), out=tmp_path / "runs", progress=False)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("texts, fragment", [
+    (["ok", None, 3], "texts[1] is None (NoneType), not a string"),
+    (["ok", "fine", 3], "texts[2] is 3 (int), not a string"),
+    (["ok", b"raw"], "texts[1] is b'raw' (bytes), not a string"),
+    ({"text": "ok"}, "texts= takes a list of strings"),
+    (["", "  "], "texts= holds no text"),
+])
+def test_texts_name_their_bad_item(tiny_bert_dir, tmp_path, texts, fragment):
+    import probe
+
+    with pytest.raises(probe.ProbeError) as refused:
+        probe.run(tiny_bert_dir, texts=texts, out=tmp_path / "runs", progress=False)
+    assert fragment in str(refused.value)
+    assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# the Python API names parameters (alpha=), the command line its flags (--alpha)
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(alpha=0), "alpha= must be a finite number > 0"),
+    (dict(alpha="0.5,x"), "alpha= takes a number or comma-separated numbers (e.g. alpha='0.5,1,2')"),
+    (dict(alpha=[0.5, "x"]), "alpha[1] is 'x' (str), not a number"),
+    (dict(alpha=[1, 1]), "alpha= lists a value twice"),
+    (dict(batch_size=0), "batch_size= must be at least 1"),
+    (dict(batch_size="8"), "batch_size= takes a whole number, got '8'"),
+    (dict(space="query"), "Unknown space='query'"),
+    (dict(max_memory="4XB"), "max_memory='4XB' is not a memory size"),
+    (dict(intervene="posterior"), "Unknown intervene='posterior'"),
+    (dict(dtype="float8"), "Unknown dtype='float8'"),
+    (dict(fidelity_tolerance=-1.0), "fidelity_tolerance= must be a finite number > 0"),
+    (dict(max_length=1000), "max_length=1000 is more than"),
+    (dict(column="sentence"), "column= applies to dataset=, but no dataset= is given"),
+    (dict(revision="main"), "revision= applies to hub ids"),
+    (dict(texts=["a"], dataset="x.txt"), "Give texts= or dataset=, not both"),
+])
+def test_api_errors_name_the_parameter_not_the_flag(tiny_bert_dir, tmp_path, options, fragment):
+    import probe
+
+    before = CliRunner().invoke(app, ["run", str(tiny_bert_dir), "--alpha", "0", "--out", str(tmp_path / "cli")])
+    assert before.exit_code == 2 and "--alpha must be a finite number > 0" in before.output  # the CLI: its flags
+    with pytest.raises(probe.ProbeError) as refused:
+        probe.run(tiny_bert_dir, out=tmp_path / "runs", progress=False, **options)
+    message = str(refused.value)
+    assert fragment in message and "--" not in message, message
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cli").exists()
+
+
+def test_a_refused_run_keeps_no_texts_in_the_cache(tiny_bert_dir, tmp_path):
+    import probe
+
+    texts = ["A sentence no other test uses, about a kettle on a hill."]
+    with pytest.raises(probe.ProbeError):
+        probe.run(tiny_bert_dir, texts=texts, alpha=-1, out=tmp_path / "runs", progress=False)
+    cached = Path(os.environ["PROBE_CACHE_DIR"]) / "texts"
+    assert not any("kettle" in path.read_text() for path in cached.glob("*.jsonl"))
+
+
+# --------------------------------------------------------------------------------------------------
+# a tokenizer that does not know the texts
+
+
+#: a reaction-SMILES-like WordPiece vocabulary: atoms, bonds, ring digits, "." and one English word
+SMILES_WORDS = ["c", "C", "O", "N", "(", ")", "=", "1", "2", ".", ">", "the"]
+
+
+@pytest.fixture(scope="module")
+def smiles_bert(tmp_path_factory):
+    """A tiny random BERT whose tokenizer knows :data:`SMILES_WORDS` only: English becomes mostly [UNK] (its
+    vocabulary check passes: 'the' and '.' are known)."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    directory = tmp_path_factory.mktemp("smiles-bert")
+    vocabulary = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *SMILES_WORDS]
+    tokenizer = BertTokenizer(vocab={word: index for index, word in enumerate(vocabulary)})
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(vocabulary), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128)
+    BertModel._from_config(config, attn_implementation="eager").save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def unknown_share(model_dir, texts, unknown="[UNK]") -> tuple[int, int]:
+    """Counted independently of probe.tokens: the tokens of each text (no special tokens added), as strings,
+    and how many of them are the unknown token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokens = [token for text in texts
+              for token in tokenizer.convert_ids_to_tokens(tokenizer(text, add_special_tokens=False)["input_ids"])]
+    return len(tokens), sum(token == unknown for token in tokens)
+
+
+def _texts_of(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_a_tokenizer_that_does_not_know_the_texts_is_refused_before_the_model_loads(
+        smiles_bert, texts_file, tmp_path, monkeypatch):
+    import probe.loading
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the unknown tokens were counted")
+
+    monkeypatch.setattr(probe.loading, "load_model", no_weights)
+    tokens, unknown = unknown_share(smiles_bert, _texts_of(texts_file))
+    assert unknown / tokens > 0.5
+    result = invoke("run", smiles_bert, "--dataset", texts_file, "--out", tmp_path / "runs", "--no-progress")
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert "does not know these texts" in message and f"{unknown / tokens:.1%} of their tokens" in message
+    assert f"({unknown:,} of {tokens:,}) into its unknown token [UNK]" in message
+    assert "--allow-unknown-tokens" in message and "--tokenizer PATH" in message
+    assert not (tmp_path / "runs").exists()
+    import probe as api
+
+    with pytest.raises(api.ProbeError, match=r"allow_unknown_tokens=True") as refused:
+        api.run(smiles_bert, texts=_texts_of(texts_file), out=tmp_path / "runs", progress=False)
+    assert "--" not in str(refused.value)
+
+
+def test_allow_unknown_tokens_runs_and_every_run_records_the_share(smiles_bert, tiny_bert_dir, texts_file, tmp_path):
+    from probe.report import build_report
+
+    out = tmp_path / "runs"
+    result = invoke("run", smiles_bert, "--dataset", texts_file, "--out", out, "--allow-unknown-tokens", "--no-progress")
+    assert result.exit_code == 0, result.output
+    (run_dir,) = out.iterdir()
+    recorded = json.loads((run_dir / "manifest.json").read_text())["unknown_tokens"]
+    tokens, unknown = unknown_share(smiles_bert, _texts_of(texts_file))
+    assert (recorded["tokens"], recorded["unknown"], recorded["token"]) == (tokens, unknown, "[UNK]")
+    assert recorded["share"] == pytest.approx(unknown / tokens, rel=1e-12) and recorded["limit"] == 0.1
+    assert f"{tokens:,} tokens, {unknown:,} of them [UNK] ({unknown / tokens:.1%})" in result.output  # final lines
+    page = (build_report(run_dir, tmp_path / "report") / "index.html").read_text()
+    assert f"<th>unknown tokens</th><td>{tokens:,} tokens, {unknown:,} of them [UNK]" in page
+
+
+def test_the_share_counts_the_texts_own_tokens(tiny_bert_dir, minilm_dir):
+    """MiniLM's WordPiece knows English but not every symbol; GPT-2's byte-level BPE encodes everything."""
+    from transformers import AutoTokenizer
+
+    from probe.tokens import unknown_tokens
+
+    from .families import spec, tokenizer_for
+
+    texts = ["A parrot 🦜 sat on the old wooden fence and watched the quiet river flow past the mill.",
+             "Snow ☃ fell.", "Plain words only."]
+    record = unknown_tokens(AutoTokenizer.from_pretrained(tiny_bert_dir), texts, 128)
+    tokens, unknown = unknown_share(tiny_bert_dir, texts)
+    assert unknown == 2 and (record["tokens"], record["unknown"]) == (tokens, unknown)
+    assert record["share"] == pytest.approx(unknown / tokens) and record["token"] == "[UNK]"
+    truncated = unknown_tokens(AutoTokenizer.from_pretrained(tiny_bert_dir), texts[:1], 8)  # as the run cuts them
+    assert truncated["tokens"] == 8 - 2  # [CLS] and [SEP] are not the text's
+    byte_level = unknown_tokens(tokenizer_for(spec("gpt2"), minilm_dir, None), texts, 128)
+    assert byte_level["token"] is None and byte_level["share"] == 0.0 and "by construction" in byte_level["note"]
+    assert byte_level["tokens"] > 0
+
+
+def test_the_rxnmapper_tokenizer_on_english_is_refused(tmp_path):
+    """The issue's case: a reaction-SMILES vocabulary on the embedded English corpus (rxnmapper's ALBERT)."""
+    from probe.data import embedded_corpus
+
+    from .family_checks import real_model_dir
+
+    checkpoint = real_model_dir("rxnmapper-albert")
+    tokens, unknown = unknown_share(checkpoint, embedded_corpus())
+    result = invoke("run", checkpoint, "--out", tmp_path / "runs", "--no-progress")
+    assert result.exit_code == 2, result.output
+    assert f"{unknown / tokens:.1%} of their tokens ({unknown:,} of {tokens:,})" in " ".join(result.output.split())
+    assert unknown / tokens > 0.8 and not (tmp_path / "runs").exists()
