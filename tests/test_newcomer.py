@@ -764,3 +764,26 @@ def test_committed_reports_name_no_machine_paths(path):
     found = [(where, text) for where, text in _strings(json.loads(path.read_text()))
              if machine.search(text.replace("<site-packages>/", ""))]
     assert not found, found
+
+
+# --------------------------------------------------------------------------------------------------
+# a clone named probe/ in the folder Python starts in
+
+
+def test_a_clone_folder_named_probe_says_that_it_shadows_the_package(tmp_path):
+    (tmp_path / "probe").symlink_to(ROOT, target_is_directory=True)  # a clone named probe/, seen from above
+    env = {key: value for key, value in _env().items() if key != "PYTHONPATH"}
+
+    def python(*args):
+        return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    found = python("-c", "import probe; print(probe.__file__)").stdout.strip()
+    if found != "None":
+        pytest.skip(f"probe is installed where a folder cannot shadow it ({found})")
+    for done in (python("-m", "probe", "--version"), python("-c", "from probe.cli import app")):
+        assert done.returncode != 0
+        message = " ".join(done.stderr.split())
+        assert f"'import probe' found the folder {tmp_path / 'probe'} (a clone of probe's repository)" in message
+        assert "Start Python inside the clone (cd probe)" in message
+    assert python("-m", "probe", "--version").stderr.startswith("Error: ")  # one paragraph, no traceback
