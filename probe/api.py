@@ -276,8 +276,8 @@ def run(
     ``dataset`` (a hub dataset with ``config``, ``split``, ``column``, or a local .txt/.jsonl/.csv/.parquet
     file with ``column``), or neither: the embedded corpus of 300 English sentences (``texts`` are written
     once, as JSON lines named by their SHA-256, into probe's cache, ``$PROBE_CACHE_DIR`` or
-    ``~/.cache/probe``, so that :func:`resume` can read them again).  ``alpha`` and ``space`` take one value, a list, or a
-    comma-separated string; ``max_memory`` bytes or a size such as ``"4GB"``.  ``name`` names the run
+    ``~/.cache/probe``, so that :func:`resume` can read them again).  ``alpha`` and ``space`` take one
+    value, a list, or a comma-separated string; ``max_memory`` bytes or a size such as ``"4GB"``.  ``name`` names the run
     directory and the report (default: the model's real name, ``-random`` added for ``init="random"``).
     ``intervene``: substitutes to put into the forward pass (``"exact,second-order,null"``; :mod:`probe.intervene`),
     measured per site and for the whole model (``intervene_modes``); read them as :attr:`Run.interventions`.
@@ -410,5 +410,5 @@ def export(run_dir: str | Path | Run, to: str | Path, *, allow_damaged: bool = F
     if table not in TABLES:
         from .spelling import option
 
-        raise ProbeError(f"Unknown {option('table', table)}: a run has the tables {' and '.join(TABLES)}.")
+        raise ProbeError(f"Unknown {option('table')} {table!r}: a run has the tables {' and '.join(TABLES)}.")
     return export_rows(_run_path(run_dir), Path(to), allow_damaged=allow_damaged, table=TABLES[table])

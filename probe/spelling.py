@@ -16,7 +16,7 @@ from contextlib import contextmanager
 _COMMAND_LINE = contextvars.ContextVar("probe_command_line", default=False)
 
 #: Python parameters whose command-line spelling is not ``--`` and the name with dashes
-_FLAGS = {"model": "MODEL", "formats": "--format", "run_dir": "RUN_DIR"}
+_FLAGS = {"model": "MODEL"}
 
 
 def option(name: str, value=None) -> str:
@@ -35,11 +35,6 @@ def switch(name: str) -> str:
     """A boolean option turned on: ``--allow-unknown-tokens`` on the command line, ``allow_unknown_tokens=True``
     in Python."""
     return option(name) if _COMMAND_LINE.get() else f"{name}=True"
-
-
-def on_command_line() -> bool:
-    """Whether a ``probe`` command is running (messages name its flags)."""
-    return _COMMAND_LINE.get()
 
 
 @contextmanager
