@@ -1,11 +1,6 @@
-"""``python cli.py ...``: the repository's entry to the command line, which lives in :mod:`probe.cli`
-(installed as the ``probe`` command; ``python -m probe`` works too).
-
-Imported as ``probe.cli``, this file is not the package's: Python started in the folder that holds a
-clone of the repository named ``probe/``, and that folder shadowed the probe package (a folder without
-``__init__.py`` on the path becomes a namespace package).  It says so instead of failing in a circular
-import.
-"""
+"""``python cli.py ...``: the command line, which lives in :mod:`probe.cli` (installed as ``probe``).
+Found as ``probe.cli``, this file says that Python started above a clone named ``probe/``, which shadows the
+package (a folder without ``__init__.py`` is a namespace package)."""
 
 if __name__ == "probe.cli":
     from pathlib import Path
@@ -16,8 +11,7 @@ if __name__ == "probe.cli":
         "probe there shadows the package. Start Python inside the clone (cd probe) or in another folder, or "
         "clone into a folder with another name (git clone URL probe-src)."
     )
-
-from probe.cli import app, main
+from probe.cli import app, main  # noqa: E402
 
 if __name__ == "__main__":
     main()

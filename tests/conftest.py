@@ -5,9 +5,10 @@ CLI), from directories written with ``save_pretrained``.
 
 The tests write nothing under the home directory: every cache a test could fill (probe's own, with the
 texts given to ``probe.run(texts=...)`` and the compiled Newton kernel; Hugging Face's hub and datasets
-caches; matplotlib's font list; anything else that follows ``XDG_CACHE_HOME``) points into one temporary
-folder for the session, set here before any library reads it and inherited by the subprocesses the tests
-start, and removed at the end.  The real checkpoints are only read (``$PROBE_MODELS_DIR``).
+caches; matplotlib's font list; anything else that follows ``XDG_CACHE_HOME``; Chromium's profile, under
+``XDG_CONFIG_HOME``) points into one temporary folder for the session, set here before any library reads
+it and inherited by the subprocesses the tests start, and removed at the end.  The real checkpoints are
+only read (``$PROBE_MODELS_DIR``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ CACHE_VARIABLES = {
     "HF_DATASETS_CACHE": CACHES / "huggingface" / "datasets",
     "MPLCONFIGDIR": CACHES / "matplotlib",
     "XDG_CACHE_HOME": CACHES / "xdg",
+    "XDG_CONFIG_HOME": CACHES / "config",  # headless Chromium's profile (the report's browser checks)
 }
 os.environ.update({variable: str(path) for variable, path in CACHE_VARIABLES.items()})
 
