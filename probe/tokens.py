@@ -12,8 +12,8 @@ a run whose share is above :data:`UNKNOWN_LIMIT` before the model loads, unless 
 A tokenizer without an unknown token of its own has a share of 0 by construction: byte-level BPE
 (GPT-2, RoBERTa, Llama 3) encodes every byte of every text, and GPT-2's ``unk_token`` is its
 end-of-text token, which a text can only produce by spelling it out.  Such a tokenizer is recognised by
-an ``unk_token_id`` that is None or that another special role (bos, eos, pad, cls, sep, mask) also uses,
-and its record says so.
+an ``unk_token_id`` that is None or that a token added to texts (bos, eos, cls, sep) also uses, and its
+record says so.
 """
 
 from __future__ import annotations
@@ -27,14 +27,16 @@ UNKNOWN_LIMIT = 0.10
 #: texts tokenized at once while counting (the counts, not the token ids, are kept)
 _CHUNK = 1024
 
-_OTHER_ROLES = ("bos", "eos", "pad", "cls", "sep", "mask")
+#: special tokens a tokenizer adds to texts: an unk token that is also one of them (GPT-2's end-of-text) cannot be
+#: told from it, and is no unknown token of its own (padding and mask tokens do not occur: texts are not padded)
+_ADDED_ROLES = ("bos", "eos", "cls", "sep")
 
 
 def unknown_tokens(tokenizer, texts: list[str], max_length: int) -> dict:
     """The manifest's ``unknown_tokens`` record: the unknown token and its id, the texts' own tokens,
     how many of them are unknown, and their share (0 for a tokenizer without an unknown token)."""
     unknown_id = getattr(tokenizer, "unk_token_id", None)
-    others = {getattr(tokenizer, f"{role}_token_id", None) for role in _OTHER_ROLES} - {None}
+    others = {getattr(tokenizer, f"{role}_token_id", None) for role in _ADDED_ROLES} - {None}
     has_unknown = unknown_id is not None and unknown_id not in others
     added = set(getattr(tokenizer, "all_special_ids", ())) - ({unknown_id} if has_unknown else set())
     tokens = unknown = 0

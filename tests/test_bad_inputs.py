@@ -456,5 +456,5 @@ def test_max_memory_units(text, expected):
 def test_alpha_lists():
     from probe.validate import parse_numbers
 
-    assert parse_numbers("0.25, 0.5,1", "--alpha") == (0.25, 0.5, 1.0)
-    assert parse_numbers("2", "--alpha") == (2.0,)
+    assert parse_numbers("0.25, 0.5,1", "alpha") == (0.25, 0.5, 1.0)
+    assert parse_numbers("2", "alpha") == (2.0,)
