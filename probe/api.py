@@ -123,41 +123,114 @@ class Run:
         return export(self.run_dir, to, allow_damaged=self.allow_damaged, table=table)
 
 
-def _numbers(value, option: str) -> tuple[float, ...]:
-    """One number, a sequence of numbers, or a comma-separated string of them (as on the command line)."""
+def _numbers(value, name: str) -> tuple[float, ...]:
+    """One number, a sequence of numbers, or a comma-separated string of them (as on the command line);
+    ``name``: the parameter, which a refusal names."""
+    from .spelling import option
     from .validate import parse_numbers
 
     if isinstance(value, str):
-        return parse_numbers(value, option)
-    if isinstance(value, (int, float)):
+        return parse_numbers(value, name)
+    if _is_number(value):
         return (float(value),)
-    return tuple(float(v) for v in value)
+    items = _items(value, name, "a number, a list of numbers or a comma-separated string of them")
+    for index, item in enumerate(items):
+        if not _is_number(item):
+            raise ProbeError(
+                f"{name}[{index}] is {item!r} ({type(item).__name__}), not a number: {option(name)} takes a number, "
+                f"a list of numbers or a comma-separated string of them, e.g. {option(name, '0.5,1,2')}."
+            )
+    return tuple(float(item) for item in items)
 
 
-def _names(value, option: str) -> tuple[str, ...] | None:
+def _names(value, name: str) -> tuple[str, ...] | None:
     """None, one name, a sequence of names, or a comma-separated string of them."""
+    from .spelling import option
     from .validate import parse_names
 
     if value is None:
         return None
-    return parse_names(value, option) if isinstance(value, str) else tuple(str(v) for v in value)
+    if isinstance(value, str):
+        return parse_names(value, name)
+    items = _items(value, name, "a name, a list of names or a comma-separated string of them")
+    for index, item in enumerate(items):
+        if not isinstance(item, str):
+            raise ProbeError(f"{name}[{index}] is {item!r} ({type(item).__name__}), not a name: {option(name)} "
+                             "takes a name, a list of names or a comma-separated string of them.")
+    return tuple(items)
 
 
-def _texts_file(texts: Iterable[str]) -> str:
-    """Texts given in memory, written once as JSON lines into probe's cache (``$PROBE_CACHE_DIR``, else
-    ``~/.cache/probe``), named by their SHA-256, so that the run records a file that resume can read."""
-    texts = list(texts)
-    if not texts or not all(isinstance(text, str) for text in texts):
-        raise ProbeError("texts= takes a non-empty list of strings (or pass dataset= a file or hub dataset).")
+def _is_number(value) -> bool:
+    from numbers import Real
+
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _items(value, name: str, takes: str) -> list:
+    """``value`` as a list, when it is a sequence (a mapping, bytes and other single objects are refused)."""
+    from collections.abc import Iterable, Mapping
+
+    from .spelling import option
+
+    if isinstance(value, (bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise ProbeError(f"{option(name)} takes {takes}; got {value!r} ({type(value).__name__}).")
+    return list(value)
+
+
+def _check_types(**values) -> None:
+    """The API's whole-number options (``name=value``; None where the option allows it) are whole numbers:
+    ``batch_size="8"`` is refused by name, not met later as a TypeError."""
+    from .spelling import option
+
+    optional = {"samples", "threads"}
+    for name, value in values.items():
+        if value is None and name in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProbeError(f"{option(name)} takes a whole number, got {value!r} ({type(value).__name__}).")
+
+
+def _texts(texts) -> list[str]:
+    """``texts=`` as the list of texts it means: a list (or any iterable) of strings, or one string, which is
+    one text (never its characters).  The first item that is not a string is named; a string that names an
+    existing file is refused (the file's texts are read with ``dataset=``)."""
+    from .spelling import option
+
+    if isinstance(texts, str):
+        if os.path.isfile(texts):
+            raise ProbeError(
+                f"{option('texts')} takes the texts themselves, and {texts!r} is a file. To analyse the texts in it, "
+                f"pass {option('dataset', texts)}; to analyse this one string, pass {option('texts')}[{texts!r}]."
+            )
+        return [texts]
+    items = _items(texts, "texts", "a list of strings (one string is one text), or pass dataset= a file")
+    for index, text in enumerate(items):
+        if not isinstance(text, str):
+            raise ProbeError(
+                f"texts[{index}] is {text!r} ({type(text).__name__}), not a string: {option('texts')} takes a list "
+                "of strings. Convert or remove that item (empty strings are skipped, as empty rows of a file are)."
+            )
+    if not any(text.strip() for text in items):
+        raise ProbeError(f"{option('texts')} holds no text ({len(items)} item(s), every one empty). Give at least "
+                         "one non-empty string.")
+    return items
+
+
+def _texts_file(texts: list[str]) -> tuple[Path, bytes]:
+    """Where texts given in memory are kept, and their content: JSON lines in probe's cache
+    (``$PROBE_CACHE_DIR``, else ``~/.cache/probe``), named by their SHA-256, so that the run records a file
+    that resume can read (written by :func:`_keep`, once the options are checked)."""
     content = "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in texts).encode()
     directory = Path(os.environ.get("PROBE_CACHE_DIR") or Path.home() / ".cache" / "probe") / "texts"
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{hashlib.sha256(content).hexdigest()[:20]}.jsonl"
+    return directory / f"{hashlib.sha256(content).hexdigest()[:20]}.jsonl", content
+
+
+def _keep(path: Path, content: bytes) -> None:
     if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_bytes(content)
         os.replace(tmp, path)
-    return str(path)
 
 
 def _say(progress: bool, message: str) -> None:
@@ -193,46 +266,56 @@ def run(
     progress: bool = True,
     intervene: str | Sequence[str] | None = None,
     intervene_modes: str | Sequence[str] = "per-site,whole",
+    allow_unknown_tokens: bool = False,
 ) -> Run:
     """Solve the dual for every example, attention site, head and query token of ``model``; return the
     finished :class:`Run`.
 
     ``model``: a hub id or a local model directory; None runs the real all-MiniLM-L6-v2 (:func:`demo_model`).
-    The texts: ``texts`` (a list of strings), or ``dataset`` (a hub dataset with ``config``, ``split``,
-    ``column``, or a local .txt/.jsonl/.csv/.parquet file with ``column``), or neither: the embedded
-    corpus of 300 English sentences (``texts`` are written once, as JSON lines named by their SHA-256,
-    into probe's cache, ``$PROBE_CACHE_DIR`` or ``~/.cache/probe``, so that :func:`resume` can read them
-    again).  ``alpha`` and ``space`` take one value, a list, or a
-    comma-separated string; ``max_memory`` bytes or a size such as ``"4GB"``.  ``name`` names the run
+    The texts: ``texts`` (a list of strings; one string is one text, and empty strings are skipped), or
+    ``dataset`` (a hub dataset with ``config``, ``split``, ``column``, or a local .txt/.jsonl/.csv/.parquet
+    file with ``column``), or neither: the embedded corpus of 300 English sentences (``texts`` are written
+    once, as JSON lines named by their SHA-256, into probe's cache, ``$PROBE_CACHE_DIR`` or
+    ``~/.cache/probe``, so that :func:`resume` can read them again).  ``alpha`` and ``space`` take one
+    value, a list, or a comma-separated string; ``max_memory`` bytes or a size such as ``"4GB"``.  ``name`` names the run
     directory and the report (default: the model's real name, ``-random`` added for ``init="random"``).
     ``intervene``: substitutes to put into the forward pass (``"exact,second-order,null"``; :mod:`probe.intervene`),
     measured per site and for the whole model (``intervene_modes``); read them as :attr:`Run.interventions`.
-    The other options are ``probe run``'s (``probe run --help``).  Every option is checked before the
-    model loads; a rejected run raises :class:`ProbeError` and writes nothing.
+    A run whose tokenizer turns more than 10% of the tokens into its unknown token is refused before the
+    model loads (the tokenizer does not know the texts: :mod:`probe.tokens`); ``allow_unknown_tokens=True``
+    runs it anyway.  The other options are ``probe run``'s (``probe run --help``).  Every option is checked
+    before the model loads; a rejected run raises :class:`ProbeError`, naming the parameter, and writes nothing.
     """
     from .config import RunConfig
     from .data import DatasetSpec
+    from .spelling import option
     from .validate import check_options, parse_memory
 
     if texts is not None and dataset is not None:
-        raise ProbeError("Give texts= or dataset=, not both.")
+        raise ProbeError(f"Give {option('texts')} or {option('dataset')}, not both.")
+    kept = _texts_file(_texts(texts)) if texts is not None else None
+    _check_types(samples=samples, max_length=max_length, batch_size=batch_size, threads=threads, seed=seed)
+    if fidelity_tolerance is not None and not _is_number(fidelity_tolerance):
+        raise ProbeError(f"{option('fidelity_tolerance')} takes a number, got {fidelity_tolerance!r}.")
     if model is None:
         model = demo_model()
     settings = RunConfig(
         model=str(model),
         dataset=DatasetSpec(
-            name=_texts_file(texts) if texts is not None else (str(dataset) if dataset is not None else None),
+            name=str(kept[0]) if kept is not None else (str(dataset) if dataset is not None else None),
             config=config, split=split, column=column, target_column=target_column, samples=samples,
         ),
         out=Path(out), revision=revision, batch_size=batch_size, max_length=max_length,
-        alphas=_numbers(alpha, "--alpha"), spaces=_names(space, "--space"),
+        alphas=_numbers(alpha, "alpha"), spaces=_names(space, "space"),
         init=init, tokenizer=str(tokenizer) if tokenizer is not None else None,
         max_memory_bytes=parse_memory(max_memory) if isinstance(max_memory, str) else max_memory,
         threads=threads, device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance,
-        progress=progress, name=name, intervene=_names(intervene, "--intervene") or (),
-        intervene_modes=_names(intervene_modes, "--intervene-modes"),
+        progress=progress, name=name, intervene=_names(intervene, "intervene") or (),
+        intervene_modes=_names(intervene_modes, "intervene_modes"), allow_unknown_tokens=bool(allow_unknown_tokens),
     )
     check_options(settings)  # before torch loads: a mistyped option costs nothing
+    if kept is not None:
+        _keep(*kept)
     from .naming import model_name
 
     _say(progress, f"checking the data and {model_name(settings.model)} (importing torch and transformers)")
@@ -251,15 +334,24 @@ def resume(run_dir: str | Path, *, progress: bool = True) -> Run:
     return Run(resume_pipeline(Path(run_dir), progress=progress))
 
 
+def _run_path(run_dir: str | Path | Run) -> Path:
+    """A run's directory: a :class:`Run`'s, the path given, or for ``runs/NAME`` the newest run named NAME
+    (:func:`probe.naming.newest_run`)."""
+    from .naming import newest_run
+
+    return run_dir.run_dir if isinstance(run_dir, Run) else newest_run(run_dir)[0]
+
+
 def load(run_dir: str | Path, *, allow_damaged: bool = False) -> Run:
-    """An existing run directory (complete, interrupted or still running) as a :class:`Run`.
+    """An existing run directory (complete, interrupted or still running) as a :class:`Run`; ``runs/NAME``
+    loads the newest run named NAME.
 
     Its part files are checked against the manifest's records (:func:`probe.storage.require_intact`): a
     damaged run (a part missing, truncated or not the one recorded) is refused by name, unless
     ``allow_damaged``, which reads the intact parts only, with a warning.  ``probe resume`` repairs it."""
     from .storage import require_intact, run_tables
 
-    loaded = Run(run_dir, allow_damaged=allow_damaged)
+    loaded = Run(_run_path(run_dir), allow_damaged=allow_damaged)
     manifest = loaded.manifest
     for table in run_tables(manifest):  # the deviations, and the interventions of a run with --intervene
         require_intact(loaded.run_dir, manifest, allow_damaged=allow_damaged, table=table)
@@ -275,17 +367,31 @@ def report(run_dir: str | Path | Run, out: str | Path | None = None, formats: st
     """Build a run's report (figures, ``summary.csv``/``.json``, ``index.html``); return its directory."""
     from .report import build_report
 
-    run_dir = run_dir.run_dir if isinstance(run_dir, Run) else run_dir
-    return build_report(run_dir, out, _formats(formats), name=name, allow_damaged=allow_damaged)
+    return build_report(_run_path(run_dir), out, _formats(formats), name=name, allow_damaged=allow_damaged)
 
 
 def compare(runs: Sequence[str | Path | Run], out: str | Path = "compare", formats: str | Sequence[str] = "png", *,
             names: Sequence[str] | None = None, allow_damaged: bool = False) -> Path:
     """Overlay two or more runs on shared axes (per-layer mean and p95 against relative depth, ECDFs,
-    ``compare.csv``); return the comparison's directory.  ``names``: a label per run, in order."""
-    from .report import compare_runs
+    ``compare.csv``); return the comparison's directory.  ``names``: a label per run, in order.  A run may be
+    named ``runs/NAME`` for the newest run named NAME.  Runs that did not see the same data (texts, their
+    number, the max length) are compared with a :class:`probe.data.DifferentDataWarning`."""
+    import warnings
 
-    paths = [each.run_dir if isinstance(each, Run) else Path(each) for each in runs]
+    from .data import DifferentDataWarning, data_differences
+    from .report import compare_runs
+    from .storage import read_manifest
+
+    paths = [_run_path(each) for each in runs]
+    manifests = {}
+    for path in paths:
+        try:
+            manifests[str(path)] = read_manifest(path)
+        except ProbeError:  # compare_runs says what is wrong with it
+            pass
+    different = data_differences(manifests)
+    if different:
+        warnings.warn(different, DifferentDataWarning, stacklevel=2)
     return compare_runs(paths, out, _formats(formats), names=list(names) if names else None,
                         allow_damaged=allow_damaged)
 
@@ -302,6 +408,7 @@ def export(run_dir: str | Path | Run, to: str | Path, *, allow_damaged: bool = F
     from .storage import export as export_rows
 
     if table not in TABLES:
-        raise ProbeError(f"Unknown --table {table!r}: a run has the tables {' and '.join(TABLES)}.")
-    run_dir = run_dir.run_dir if isinstance(run_dir, Run) else run_dir
-    return export_rows(Path(run_dir), Path(to), allow_damaged=allow_damaged, table=TABLES[table])
+        from .spelling import option
+
+        raise ProbeError(f"Unknown {option('table')} {table!r}: a run has the tables {' and '.join(TABLES)}.")
+    return export_rows(_run_path(run_dir), Path(to), allow_damaged=allow_damaged, table=TABLES[table])

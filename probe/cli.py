@@ -1,11 +1,15 @@
 """The ``probe`` command line (a typer app): ``probe run [MODEL]``, ``probe resume RUN_DIR``,
-``probe status RUN_DIR``, ``probe export RUN_DIR --to FILE``, ``probe report RUN_DIR``,
-``probe compare RUN_DIR RUN_DIR...`` and ``probe verify RUN_DIR``.
+``probe status [RUN_DIR]``, ``probe export RUN_DIR --to FILE``, ``probe report RUN_DIR``,
+``probe compare RUN_DIR RUN_DIR...``, ``probe verify RUN_DIR`` and ``probe --version``.
 
 Each command is a thin layer over :mod:`probe.api` (the same functions a notebook calls): it turns
 options into arguments, prints the final lines, and turns a :class:`probe.errors.ProbeError` into one
-paragraph after ``Error:`` (click's own prefix for usage errors).  Nothing heavy is imported at module
-level, so option errors come back at once.
+paragraph after ``Error:`` (click's own prefix for usage errors); while a command runs, messages name
+its flags (``--alpha``, where the API says ``alpha=``: :mod:`probe.spelling`).  Nothing heavy is imported
+at module level, so option errors come back at once.
+
+A RUN_DIR may be given as ``runs/NAME`` for the newest run named NAME (``runs/NAME-<time>``; the command
+says which it took): the same command then works after every new run.
 
 Exit statuses: 0 success; 1 ``probe verify`` found a check that fails; 2 a bad input or a refused
 command (a damaged run included), with a one-paragraph message; 74 an I/O error during a run (a full
@@ -68,6 +72,27 @@ def _unbroken_defaults(get_help_record):
 
 _plain_arguments()
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from probe import __version__
+
+        typer.echo(f"probe {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _every_command(
+    ctx: typer.Context,
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print probe's version and exit."
+    ),
+):
+    """Test 'attention as inference via Fenchel duality' on pretrained Hugging Face models."""
+    from probe.spelling import command_line
+
+    ctx.with_resource(command_line())  # messages name flags (--alpha) while the command runs
+
 # `probe vit train`: the ViT / OT-ViT / Sinkhorn-ViT experiment (probe/vit/cli.py; imports torch only when it runs)
 from probe.vit.cli import app as _vit_app  # noqa: E402
 
@@ -108,6 +133,18 @@ def _damaged_banner(run_dir: Path, manifest: dict | None, allow_damaged: bool) -
 
 
 _fail = exit_with  # the error's one paragraph; exit 2, or the error's own status (74: an I/O error)
+
+RUN_DIR_HELP = "A run directory written by `probe run`, or DIR/NAME for the newest run named NAME in DIR."
+
+
+def _run_dir(path: Path) -> Path:
+    """``path``, or the newest run directory it names (``runs/NAME``), saying so on stderr."""
+    from probe.naming import newest_run
+
+    found, note = newest_run(path)
+    if note:
+        typer.echo(f"probe: {note}", err=True)
+    return found
 
 
 @app.command()
@@ -181,6 +218,11 @@ def run(
         "per-site,whole", metavar="MODE[,MODE]", help="With --intervene: per-site (each attention site "
         "substituted on its own) and/or whole (every site at once, solved in order).",
     ),
+    allow_unknown_tokens: bool = typer.Option(
+        False, "--allow-unknown-tokens", help="Run although the tokenizer turns more than 10% of the texts' tokens "
+        "into its unknown token (refused otherwise: the tokenizer does not know the texts). The share is recorded "
+        "either way.",
+    ),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
     report_format: Optional[str] = typer.Option(
         None, "--format", metavar="FMT[,FMT]", help="With --report: figure formats, comma separated (png,pdf) "
@@ -212,7 +254,7 @@ def run(
             samples=samples, max_length=max_length, batch_size=batch_size, alpha=alpha, space=space, init=init,
             tokenizer=tokenizer, max_memory=max_memory, threads=threads, out=out, device=device, dtype=dtype,
             revision=revision, seed=seed, fidelity_tolerance=fidelity_tolerance, name=name, progress=progress,
-            intervene=intervene, intervene_modes=intervene_modes,
+            intervene=intervene, intervene_modes=intervene_modes, allow_unknown_tokens=allow_unknown_tokens,
         )
     except ProbeError as error:
         _fail(error)
@@ -261,7 +303,10 @@ def _stopped(stop) -> None:
 
 @app.command("resume")
 def resume_command(
-    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `probe run` and stopped before the end."),
+    run_dir: Path = typer.Argument(
+        ..., metavar="RUN_DIR", help="A run directory written by `probe run` and stopped before the end (or DIR/NAME "
+        "for the newest run named NAME in DIR).",
+    ),
     progress: bool = typer.Option(True, help="Show a progress bar."),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
     report_format: str = typer.Option(
@@ -277,6 +322,7 @@ def resume_command(
     from probe.errors import ProbeError
     from probe.storage import check_parts, read_manifest, run_tables
 
+    run_dir = _run_dir(run_dir)
     try:
         manifest = read_manifest(run_dir)
         if manifest.get("status") == "complete":
@@ -302,13 +348,24 @@ def resume_command(
 
 
 @app.command("status")
-def status_command(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `probe run`.")):
-    """Where a run is: running, interrupted (and how to continue it) or complete."""
+def status_command(
+    run_dir: Optional[Path] = typer.Argument(
+        None, metavar="[RUN_DIR]", show_default=False,
+        help="A run directory, or a folder of them (lists every run in it) [default: runs, the folder `probe run` "
+        "writes to].",
+    ),
+):
+    """Where a run is: running, interrupted (and how to continue it) or complete; for a folder of runs, one
+    line per run (name, status, rows, started)."""
     import shlex
 
     from probe.errors import ProbeError
-    from probe.storage import PARTS, check_parts, read_manifest, run_tables
+    from probe.storage import MANIFEST, PARTS, check_parts, read_manifest, run_tables
 
+    if run_dir is None or (run_dir.is_dir() and not (run_dir / MANIFEST).exists()):
+        _list_runs(run_dir or Path("runs"))
+        return
+    run_dir = _run_dir(run_dir)
     try:
         manifest = read_manifest(run_dir)
     except ProbeError as error:
@@ -335,9 +392,41 @@ def status_command(run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="
         typer.echo(f"continue with: probe resume {shlex.quote(str(run_dir))}")
 
 
+def _list_runs(folder: Path) -> None:
+    """One line per run directory in ``folder``, oldest first: directory, name, status, batches, rows, started
+    (from each manifest; a "running" run whose process is gone shows as interrupted)."""
+    from probe.errors import ProbeError
+    from probe.storage import MANIFEST, read_manifest
+
+    lines = []
+    for run_dir in sorted(path for path in (folder.iterdir() if folder.is_dir() else ()) if (path / MANIFEST).is_file()):
+        try:
+            manifest = read_manifest(run_dir)
+        except ProbeError:
+            lines.append(("", run_dir.name, "", "unreadable manifest", "", ""))
+            continue
+        started = str(manifest.get("started_at") or "")
+        lines.append((
+            started, run_dir.name, str(manifest.get("name") or ""), str(manifest.get("status") or ""),
+            f"{manifest.get('batches_done', 0)}/{manifest.get('batches_total', '?')}",
+            f"{(manifest.get('solver') or {}).get('rows', 0):,}",
+        ))
+    if not lines:
+        typer.echo(f"{folder} holds no run directories (`probe run` writes them; --out chooses the folder).")
+        return
+    table = [("run directory", "name", "status", "batches", "rows", "started (UTC)")]
+    table += [(directory, name, status, batches, rows, started[:19].replace("T", " "))
+              for started, directory, name, status, batches, rows in sorted(lines)]
+    widths = [max(len(row[column]) for row in table) for column in range(len(table[0]))]
+    typer.echo(f"{len(lines)} run(s) in {folder}:")
+    for row in table:
+        typer.echo("  ".join(cell.rjust(width) if column in (3, 4) else cell.ljust(width)
+                             for column, (cell, width) in enumerate(zip(row, widths))).rstrip())
+
+
 @app.command("export")
 def export_command(
-    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `probe run`."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help=RUN_DIR_HELP),
     to: Path = typer.Option(
         ..., "--to", metavar="FILE", help="The file to write (must not exist): FILE.parquet writes Parquet, "
         "FILE.csv writes CSV; other extensions are refused.",
@@ -353,6 +442,7 @@ def export_command(
     from probe.errors import ProbeError
     from probe.storage import read_manifest
 
+    run_dir = _run_dir(run_dir)
     try:
         manifest = read_manifest(run_dir)
         with _banner_not_warnings():
@@ -369,10 +459,12 @@ def export_command(
 
 def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
     """The final lines: rows and their certification, the headline deviation of each (space, alpha)
-    slice (defined as in the report's landing table), the run directory and the next command."""
+    slice (defined as in the report's landing table), the texts and their unknown tokens, the run directory
+    and the next command."""
     import shlex
 
     from probe.api import load
+    from probe.tokens import describe
 
     run = load(run_dir)
     manifest = run.manifest
@@ -395,6 +487,9 @@ def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
             f"{m['substitute']} {m['mean_hidden_change']:.3g}" for m in whole if m["mean_hidden_change"] is not None)
         typer.echo(f"interventions: {interventions['records']:,} records in interventions.parquet/"
                    + (f"; whole-model mean hidden_change: {effects}" if effects else ""))
+    dataset, unknown = manifest.get("dataset") or {}, manifest.get("unknown_tokens")
+    typer.echo(f"texts: {dataset.get('n_examples', 0):,} ({dataset.get('description')})"
+               + (f"; {describe(unknown)}" if unknown else ""))  # no count in a run of an older probe
     typer.echo(f"run directory: {run_dir}")
     if report_next:
         typer.echo(f"next: probe report {shlex.quote(str(run_dir))}   (figures, tables and index.html)")
@@ -402,7 +497,9 @@ def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
 
 @app.command("report")
 def report_command(
-    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `probe run`."),
+    run_dirs: list[Path] = typer.Argument(
+        ..., metavar="RUN_DIR", help=RUN_DIR_HELP + " One run: a pattern that matches several is refused.",
+    ),
     out: Optional[Path] = typer.Option(None, metavar="DIR", help="Where to write the report [default: RUN_DIR/report]."),
     report_format: str = typer.Option("png", "--format", metavar="FMT[,FMT]", help="Figure formats, comma separated (png,pdf)."),
     name: Optional[str] = typer.Option(
@@ -411,7 +508,27 @@ def report_command(
     allow_damaged: bool = typer.Option(False, "--allow-damaged", help=ALLOW_DAMAGED_HELP),
 ):
     """A landing summary with computed findings, figures on shared scales, summary.csv/json and an HTML page."""
-    _build_report(run_dir, out, report_format, name, allow_damaged)
+    from probe.errors import ProbeError
+
+    if len(run_dirs) > 1:  # a shell pattern such as runs/NAME-* that matched several runs
+        _fail(ProbeError(_one_run_only(run_dirs)))
+    _build_report(_run_dir(run_dirs[0]), out, report_format, name, allow_damaged)
+
+
+def _one_run_only(run_dirs: list[Path]) -> str:
+    """Why `probe report` refuses several runs, which they were, and how to name one."""
+    import shlex
+
+    from probe.naming import name_of
+
+    listed = ", ".join(shlex.quote(str(path)) for path in run_dirs[:8]) + (", ..." if len(run_dirs) > 8 else "")
+    names = ", ".join(dict.fromkeys(shlex.quote(str(path.parent / name_of(path))) for path in run_dirs))
+    return (
+        f"probe report builds the report of one run, but it was given {len(run_dirs)}: {listed}. A pattern such "
+        "as runs/NAME-* matches every run whose name starts with NAME (earlier runs, and the -random controls). "
+        f"Pass one run directory, or DIR/NAME for the newest run named NAME ({names}); `probe status` lists the "
+        "runs. To set several runs side by side, use `probe compare`."
+    )
 
 
 def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Optional[str] = None,
@@ -433,21 +550,37 @@ def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Option
 
 @app.command("compare")
 def compare_command(
-    run_dirs: list[Path] = typer.Argument(..., metavar="RUN_DIR", help="Two or more run directories written by `probe run`."),
+    run_dirs: list[Path] = typer.Argument(
+        ..., metavar="RUN_DIR", help="Two or more run directories written by `probe run` (DIR/NAME: the newest run "
+        "named NAME in DIR).",
+    ),
     out: Path = typer.Option(Path("compare"), metavar="DIR", help="Where to write the comparison."),
     report_format: str = typer.Option("png", "--format", metavar="FMT[,FMT]", help="Figure formats, comma separated (png,pdf)."),
     name: Optional[list[str]] = typer.Option(None, metavar="LABEL", help="A label per run, in order (repeat the option)."),
     allow_damaged: bool = typer.Option(False, "--allow-damaged", help=ALLOW_DAMAGED_HELP),
 ):
-    """Overlay runs on shared axes: per-layer mean and p95 against relative depth, ECDFs, a table."""
+    """Overlay runs on shared axes: per-layer mean and p95 against relative depth, ECDFs, a table.
+
+    Warns when the runs did not see the same data (texts, their number or --max-length differ).
+    """
+    import warnings
+
     from probe import api
+    from probe.data import DifferentDataWarning
     from probe.errors import ProbeError
 
+    run_dirs = [_run_dir(run_dir) for run_dir in run_dirs]
     try:
-        with _banner_not_warnings():
+        with _banner_not_warnings(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", DifferentDataWarning)
             where = api.compare(run_dirs, out, report_format, names=name, allow_damaged=allow_damaged)
     except ProbeError as error:
         _fail(error)
+    for warning in caught:
+        if issubclass(warning.category, DifferentDataWarning):
+            typer.secho(f"Warning: {warning.message}", err=True, fg=typer.colors.YELLOW)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     for run_dir in run_dirs:
         if (Path(run_dir) / "manifest.json").is_file():
             _damaged_banner(run_dir, None, allow_damaged)
@@ -456,7 +589,7 @@ def compare_command(
 
 @app.command("verify")
 def verify_command(
-    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `probe run`."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help=RUN_DIR_HELP),
     sample: int = typer.Option(64, "--sample", min=0, metavar="N", help="Rows to re-solve (0: checksums only)."),
     seed: int = typer.Option(0, "--seed", metavar="S", help="Seed of the random sample of rows."),
 ):
@@ -471,6 +604,7 @@ def verify_command(
     from probe.errors import ProbeError
     from probe.verify import verify
 
+    run_dir = _run_dir(run_dir)
     try:
         report = verify(run_dir, sample=sample, seed=seed)
     except ProbeError as error:

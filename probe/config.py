@@ -14,6 +14,7 @@ from pathlib import Path
 from . import __version__
 from .data import DatasetSpec
 from .errors import ProbeError
+from .naming import expand_path, recorded_path
 
 #: the parameterisations, in display order: "hidden" (t = x/sqrt(d'), z = c W_k^T q), "key" (t = k/sqrt(d'), z = c q)
 SPACES = ("hidden", "key")
@@ -54,10 +55,23 @@ class RunConfig:
     # the run's second table, interventions.parquet/
     intervene: tuple[str, ...] = ()
     intervene_modes: tuple[str, ...] = INTERVENTION_MODES  # --intervene-modes: per-site and/or whole
+    # --allow-unknown-tokens: run although the tokenizer turns more than probe.tokens.UNKNOWN_LIMIT of the
+    # tokens into its unknown token (refused otherwise, before the model loads)
+    allow_unknown_tokens: bool = False
+
+
+#: the settings that hold local paths, which the manifest records without this machine's layout
+#: (probe.naming.recorded_path: ``<site-packages>/...``, ``~/...``) and resume expands again
+PATH_SETTINGS = ("model", "tokenizer", "out")
 
 
 def config_to_json(config: RunConfig) -> dict:
-    return json.loads(json.dumps(asdict(config), default=str))
+    data = json.loads(json.dumps(asdict(config), default=str))
+    for name in PATH_SETTINGS:
+        data[name] = recorded_path(data[name]) if data[name] is not None else None
+    if data["dataset"]["name"] is not None:
+        data["dataset"]["name"] = recorded_path(data["dataset"]["name"])
+    return data
 
 
 def config_from_json(data: dict) -> RunConfig:
@@ -72,9 +86,11 @@ def config_from_json(data: dict) -> RunConfig:
     values = {}
     for name, value in data.items():
         if name == "dataset":
-            value = DatasetSpec(**value)
+            value = DatasetSpec(**{**value, "name": expand_path(value.get("name"))})
         elif name == "out":
-            value = Path(value)
+            value = Path(expand_path(value))
+        elif name in PATH_SETTINGS:
+            value = expand_path(value)
         elif isinstance(value, list):
             value = tuple(value)
         values[name] = value

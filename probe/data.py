@@ -19,6 +19,8 @@ from pathlib import Path
 
 from .errors import ProbeError
 from .hub import check_hub_name, hub_reachable, no_connection
+from .naming import recorded_path
+from .spelling import option
 
 #: Local file endings and the ``datasets`` builder that reads them.
 LOCAL_BUILDERS = {
@@ -66,8 +68,8 @@ class DatasetSpec:
     def describe(self) -> str:
         if self.name is None:
             return "embedded probe corpus"
-        if self.local_path is not None:
-            return f"{self.name} [{self.text_column}]"
+        if self.local_path is not None:  # without this machine's layout where possible (~/data.txt)
+            return f"{recorded_path(self.name)} [{self.text_column}]"
         parts = [self.name] + ([self.config] if self.config else []) + [self.split_name]
         return "/".join(parts) + f" [{self.text_column}]"
 
@@ -172,8 +174,8 @@ def _load_dataset(spec: DatasetSpec, streaming: bool):
                 ) from None
             raise
     if Path(spec.name).suffix in LOCAL_BUILDERS:
-        raise ProbeError(f"The dataset file '{spec.name}' does not exist (--dataset). Check the path.")
-    check_hub_name(spec.name, "dataset", "--dataset", "wikitext")
+        raise ProbeError(f"The dataset file '{spec.name}' does not exist ({option('dataset')}). Check the path.")
+    check_hub_name(spec.name, "dataset", option("dataset"), "wikitext")
     reachable = hub_reachable()
     try:
         return datasets.load_dataset(spec.name, spec.config, split=spec.split_name, streaming=streaming)
@@ -186,7 +188,7 @@ def _load_dataset(spec: DatasetSpec, streaming: bool):
 def _load_error(spec: DatasetSpec, error: Exception) -> ProbeError:
     return ProbeError(
         f"Could not load the hub dataset '{spec.name}' (config '{spec.config}', split '{spec.split_name}'): "
-        f"{_first_line(error)}. Check the dataset name, --config and --split, or pass a local "
+        f"{_first_line(error)}. Check the dataset name, {option('config')} and {option('split')}, or pass a local "
         ".txt/.jsonl/.csv/.parquet file."
     )
 
@@ -336,7 +338,7 @@ def _csv_problem(lines) -> str | None:
 # texts
 
 
-def _check_text_feature(spec: DatasetSpec, dataset, column: str, option: str) -> None:
+def _check_text_feature(spec: DatasetSpec, dataset, column: str) -> None:
     """A column that is declared as something other than text (a parquet column of ints, lists)."""
     import datasets
 
@@ -359,7 +361,7 @@ def _check_text_feature(spec: DatasetSpec, dataset, column: str, option: str) ->
     ]
     raise ProbeError(
         f"Column '{column}' of the dataset '{spec.name}' holds {kind}, not text. "
-        + (f"Text columns: {', '.join(text_columns)}; choose one with {option}." if text_columns
+        + (f"Text columns: {', '.join(text_columns)}; choose one with {option('column')}." if text_columns
            else "It has no text column.")
     )
 
@@ -373,13 +375,13 @@ def _dataset_rows(spec: DatasetSpec):
     if columns is None:  # a stream that does not declare its features: look at its first row
         first = next(iter(dataset), None)
         columns = [] if first is None else list(first)
-    for wanted, option in ((spec.text_column, "--column"), (spec.target_column, "--target-column")):
+    for wanted, name in ((spec.text_column, "column"), (spec.target_column, "target_column")):
         if wanted is not None and columns and wanted not in columns:
             raise ProbeError(
                 f"Dataset '{spec.name}' has no column '{wanted}'. Available columns: {', '.join(columns)}. "
-                f"Choose one with {option}."
+                f"Choose one with {option(name)}."
             )
-    _check_text_feature(spec, dataset, spec.text_column, "--column")
+    _check_text_feature(spec, dataset, spec.text_column)
     if streaming:
         yield from ((row.get(spec.text_column), row.get(spec.target_column)) for row in dataset)
     else:
@@ -392,10 +394,11 @@ def load_texts(spec: DatasetSpec) -> Texts:
     A value that is neither text nor missing (a number, a list) is an error naming its row.
     """
     if spec.samples is not None and spec.samples < 1:
-        raise ProbeError(f"--samples must be at least 1, got {spec.samples}.")
+        raise ProbeError(f"{option('samples')} must be at least 1, got {spec.samples}.")
     if spec.name is None:
         if spec.target_column:
-            raise ProbeError("--target-column needs --dataset: the embedded corpus has only a text column.")
+            raise ProbeError(f"{option('target_column')} needs {option('dataset')}: the embedded corpus has only a "
+                             "text column.")
         rows = ((text, None) for text in embedded_corpus())
     else:
         rows = _dataset_rows(spec)
@@ -409,7 +412,7 @@ def load_texts(spec: DatasetSpec) -> Texts:
                     raise ProbeError(
                         f"Row {i} (counting from 0) of the dataset '{spec.name}' has {text!r} "
                         f"({type(text).__name__}) in column '{spec.text_column}', which is not text. "
-                        "Fix the data or choose a text column with --column."
+                        f"Fix the data or choose a text column with {option('column')}."
                     )
                 if text is None or not text.strip():
                     skipped += 1
@@ -434,3 +437,37 @@ def load_texts(spec: DatasetSpec) -> Texts:
         )
     return Texts(texts=texts, indices=indices, targets=targets if spec.target_column else None,
                  skipped_empty=skipped, spec=spec)
+
+
+# --------------------------------------------------------------------------------------------------
+# whether runs saw the same data
+
+
+class DifferentDataWarning(UserWarning):
+    """Runs set side by side (``probe compare``) that did not see the same data."""
+
+
+def data_differences(manifests: dict[str, dict]) -> str | None:
+    """How the data of runs differ (``manifests``: each run's manifest by its directory), in one sentence;
+    None when every run saw the same texts (the same SHA-256), as many of them, cut at the same
+    ``--max-length``.  A run whose manifest lacks a field is not compared on it."""
+    def seen(manifest: dict) -> tuple:
+        dataset = manifest.get("dataset") or {}
+        return dataset.get("texts_sha256"), dataset.get("n_examples"), dataset.get("max_length")
+
+    found = {run: seen(manifest) for run, manifest in manifests.items()}
+    for field, label in ((0, "texts"), (1, "number of texts"), (2, "max length")):
+        if len({values[field] for values in found.values() if values[field] is not None}) > 1:
+            break
+    else:
+        return None
+    described = "; ".join(
+        f"{run}: {(manifests[run].get('dataset') or {}).get('description', '?')}, {n if n is not None else '?'} "
+        f"texts, max length {length if length is not None else '?'}"
+        for run, (_, n, length) in found.items()
+    )
+    return (
+        f"The runs did not see the same data ({label} differ): {described}. Their numbers describe different "
+        "texts, so a difference between them is not only the models'. Compare runs made with the same "
+        f"{option('dataset')}, {option('samples')} and {option('max_length')}."
+    )

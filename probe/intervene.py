@@ -240,11 +240,14 @@ def with_lm_head(loaded):
         source = loaded.info.get("path") or loaded.info["id"]
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the load report is read below, not printed
+        from .loading import quiet_transformers
+
         try:
-            model, report = loader.from_pretrained(
-                source, config=config, revision=loaded.info.get("revision"), dtype=dtype, attn_implementation="eager",
-                output_loading_info=True,
-            )
+            with quiet_transformers():  # no "Loading weights" bar in probe's lines
+                model, report = loader.from_pretrained(
+                    source, config=config, revision=loaded.info.get("revision"), dtype=dtype,
+                    attn_implementation="eager", output_loading_info=True,
+                )
         except (OSError, ValueError, RuntimeError) as error:
             raise ProbeError(f"Could not load the language-model head of '{source}': {error}.") from None
         finally:

@@ -15,6 +15,7 @@ import torch
 
 from .checkpoint import first_line as _first_line
 from .errors import ProbeError
+from .spelling import option
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,7 +44,7 @@ def resolve_device(device: str) -> torch.device:
         return resolved
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
-            raise ProbeError(f"Device '{device}' asked for, but CUDA is not available here. Use --device cpu.")
+            raise ProbeError(f"Device '{device}' asked for, but CUDA is not available here. Use {option('device', 'cpu')}.")
         count = torch.cuda.device_count()
         if resolved.index is not None and resolved.index >= count:
             raise ProbeError(
@@ -53,13 +54,45 @@ def resolve_device(device: str) -> torch.device:
         return resolved
     if resolved.type == "mps":
         if not torch.backends.mps.is_available():
-            raise ProbeError(f"Device '{device}' asked for, but MPS (Apple GPU) is not available here. Use --device cpu.")
+            raise ProbeError(
+                f"Device '{device}' asked for, but MPS (Apple GPU) is not available here. Use {option('device', 'cpu')}.")
         return resolved
     if resolved.type == "meta":
         raise ProbeError(
-            "Device 'meta' holds shapes but no values, so nothing can be measured on it. Use --device cpu or cuda."
+            "Device 'meta' holds shapes but no values, so nothing can be measured on it. Use "
+            f"{option('device', 'cpu')} or cuda."
         )
     raise ProbeError(f"probe does not run on '{device}'. Use auto, cpu, cuda, cuda:N or mps.")
+
+
+def device_name(device: str) -> str:
+    """The device ``--device DEVICE`` loads the model onto, in words: ``auto`` becomes the one it picks
+    (``cpu``, ``cuda:0 (NVIDIA H100 80GB HBM3)``, or every visible GPU when the model is sharded)."""
+    if device == "auto" and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        return f"{torch.cuda.device_count()} GPUs (sharded by accelerate, device_map='auto')"
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        index = resolved.index if resolved.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return str(resolved)
+
+
+class quiet_transformers:
+    """transformers' own progress bars (its "Loading weights" bar) off meanwhile, whatever probe's
+    ``--progress``: probe says what it loads itself, and the bar would break its lines (a log file gets
+    carriage returns).  Its logging is left as it is: a warning about the checkpoint still shows."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self.was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+
+    def __exit__(self, *exc):
+        if self.was_enabled:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.enable_progress_bar()
 
 
 def load_config(name: str, revision: str | None = None):
@@ -86,7 +119,7 @@ def load_tokenizer(source: str, revision: str | None = None):
     except Exception as error:  # tokenizers raise OSError, ValueError, Exception from the Rust side, ...
         raise ProbeError(
             f"Could not load the tokenizer from '{source}': {_first_line(error)}. Pass a directory with the "
-            "model's tokenizer files (tokenizer.json, vocab.txt, spiece.model, ...) with --tokenizer."
+            f"model's tokenizer files (tokenizer.json, vocab.txt, spiece.model, ...) with {option('tokenizer')}."
         ) from None
     ids = tokenizer(VOCABULARY_PROBE, add_special_tokens=False)["input_ids"]
     unknown = getattr(tokenizer, "unk_token_id", None)
@@ -94,7 +127,7 @@ def load_tokenizer(source: str, revision: str | None = None):
         raise ProbeError(
             f"The tokenizer from '{source}' has no vocabulary: it turns every word of {VOCABULARY_PROBE!r} "
             f"into the unknown token, so every text would look the same to the model. Pass the model's "
-            "tokenizer with --tokenizer PATH."
+            f"tokenizer with {option('tokenizer', 'PATH')}."
         )
     return tokenizer
 
@@ -106,15 +139,16 @@ def _device_map(device: str, init: str) -> str | None:
         return None
     if init == "random":
         raise ProbeError(
-            f"--init random builds the model on one device, but {torch.cuda.device_count()} GPUs are visible and "
-            "--device auto would shard it. Pass --device cuda:0 (or set CUDA_VISIBLE_DEVICES)."
+            f"{option('init', 'random')} builds the model on one device, but {torch.cuda.device_count()} GPUs are "
+            f"visible and {option('device', 'auto')} would shard it. Pass {option('device', 'cuda:0')} (or set "
+            "CUDA_VISIBLE_DEVICES)."
         )
     import importlib.util
 
     if importlib.util.find_spec("accelerate") is None:
         raise ProbeError(
             f"{torch.cuda.device_count()} GPUs are visible: probe shards the model over them with device_map='auto', "
-            "which needs the accelerate package (pip install 'probe[large]'). Or pass --device cuda:0."
+            f"which needs the accelerate package (pip install 'probe[large]'). Or pass {option('device', 'cuda:0')}."
         )
     return "auto"
 
@@ -152,12 +186,13 @@ def load_model(
     saved_implementation = getattr(config, "_attn_implementation", None)
     config._attn_implementation = "eager"
     try:
-        if init == "random":
-            model = adapter.init_model(config, dtype=DTYPES[dtype], seed=seed)
-        else:
-            model = adapter.load_model(
-                name, config=config, revision=revision, dtype=DTYPES[dtype], device_map=device_map
-            )
+        with quiet_transformers():  # its "Loading weights" bar would break probe's lines
+            if init == "random":
+                model = adapter.init_model(config, dtype=DTYPES[dtype], seed=seed)
+            else:
+                model = adapter.load_model(
+                    name, config=config, revision=revision, dtype=DTYPES[dtype], device_map=device_map
+                )
     except (OSError, ValueError) as error:
         raise ProbeError(
             f"Could not load the weights of '{name}': {_first_line(error)}. A model directory needs its "

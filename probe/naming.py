@@ -84,3 +84,95 @@ def run_name(model: str, init: str = "pretrained", name: str | None = None) -> s
 def slug(name: str) -> str:
     """``name`` as a directory name: runs of characters other than letters, digits and ``._-`` become ``-``."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "run"
+
+
+#: what ``probe run`` adds to a run's name for its directory: ``-<YYYYmmdd>-<HHMMSS>``, and ``-k`` for the
+#: k-th run started in the same second (probe.storage.create_run_directory)
+_STAMP = re.compile(r"-(\d{8}-\d{6})(?:-(\d+))?$")
+
+
+def runs_named(path: str | Path) -> list[Path]:
+    """The run directories ``probe run`` made for the name ``path.name`` in ``path``'s folder
+    (``runs/NAME`` -> ``runs/NAME-<time>``, not ``runs/NAME-random-<time>``), oldest first."""
+    path = Path(path)
+    folder, prefix = path.parent, slug(path.name)
+    if not folder.is_dir():
+        return []
+    found = []
+    for candidate in folder.iterdir():
+        stamp = _STAMP.match(candidate.name[len(prefix):]) if candidate.name.startswith(prefix) else None
+        if stamp and (candidate / "manifest.json").is_file():
+            found.append((stamp.group(1), int(stamp.group(2) or 1), candidate))
+    return [candidate for *_, candidate in sorted(found)]
+
+
+def name_of(run_dir: str | Path) -> str:
+    """The name a run directory was made for: ``runs/NAME-<time>`` -> ``NAME`` (any other name as it is)."""
+    return _STAMP.sub("", Path(run_dir).name)
+
+
+def newest_run(path: str | Path) -> tuple[Path, str | None]:
+    """``path`` when it exists; else the newest run directory named ``path.name`` in its folder (``runs/NAME``
+    for the latest ``runs/NAME-<time>``), with a sentence that says which it took; else ``path`` as given
+    (its reader then says that it does not exist)."""
+    path = Path(path)
+    if path.exists():
+        return path, None
+    runs = runs_named(path)
+    if not runs:
+        return path, None
+    others = f" (the newest of {len(runs)} runs named {path.name})" if len(runs) > 1 else ""
+    return runs[-1], f"{path} is {runs[-1]}{others}"
+
+
+# --------------------------------------------------------------------------------------------------
+# paths as a manifest records them
+
+#: how a manifest writes the folder of installed packages (site-packages) at the start of a path inside it
+SITE_PACKAGES = "<site-packages>"
+
+
+def _package_folders() -> list[Path]:
+    """The folders Python installs packages into here (site-packages, system and user)."""
+    import site
+    import sysconfig
+
+    folders = [sysconfig.get_paths()[key] for key in ("purelib", "platlib")]
+    folders += list(getattr(site, "getsitepackages", lambda: [])()) + [site.getusersitepackages()]
+    return list(dict.fromkeys(Path(folder).resolve() for folder in folders))
+
+
+def recorded_path(path: str | Path) -> str:
+    """A local path as a manifest records it, without this machine's layout where possible: inside an
+    installed package's folder (the demo model, a model shipped as a package) as ``<site-packages>/...``;
+    under the home directory as ``~/...``; any other absolute path as it is.  A relative path, a hub id
+    included, is kept as given.  :func:`expand_path` reads it back, on this machine or another."""
+    text = str(path)
+    given = Path(text).expanduser()
+    if not given.is_absolute():
+        return text
+    candidates = (given, given.resolve())
+    for folder in _package_folders():
+        for candidate in candidates:
+            if candidate.is_relative_to(folder):
+                return f"{SITE_PACKAGES}/{candidate.relative_to(folder).as_posix()}"
+    home = Path.home()
+    if home != Path(home.anchor):  # a home directory that is the root would swallow every path
+        for root in dict.fromkeys((home, home.resolve())):
+            for candidate in candidates:
+                if candidate.is_relative_to(root):
+                    return f"~/{candidate.relative_to(root).as_posix()}"
+    return str(given)
+
+
+def expand_path(text: str | None) -> str | None:
+    """A path recorded by :func:`recorded_path` as a path here: ``<site-packages>/x`` in the package folder
+    that holds ``x`` (the first one, if none does), ``~/x`` under the home directory; anything else as it is."""
+    if not isinstance(text, str):
+        return text
+    if text.startswith(SITE_PACKAGES + "/"):
+        rest = text[len(SITE_PACKAGES) + 1:]
+        folders = _package_folders()
+        found = next((folder / rest for folder in folders if (folder / rest).exists()), None)
+        return str(found or (folders[0] / rest))
+    return str(Path(text).expanduser()) if text.startswith("~") else text

@@ -32,7 +32,7 @@ from . import __version__, allocator, distributed, fingerprint, naming, native, 
 from .config import RunConfig, config_from_json, config_to_json  # noqa: F401 (probe.pipeline.RunConfig, as before)
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError, RunIOError
-from .loading import LoadedModel, load_model
+from .loading import LoadedModel, device_name, load_model
 from .parallel import Lane
 from .rows import RowContext, Summary, process_batch
 from .schema import INTERVENTION_KEY
@@ -90,12 +90,12 @@ def _prepare(
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     started = time.perf_counter()
-    _say(config, f"loading {naming.model_name(config.model)} ({config.init} weights, {config.dtype}) onto {device}")
-    with _transformers_quiet(not config.progress):
-        loaded = load_model(
-            model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
-            init=config.init, seed=config.seed, tokenizer=config.tokenizer,
-        )
+    _say(config, f"loading {naming.model_name(config.model)} ({config.init} weights, {config.dtype}) onto "
+                 f"{device_name(device)}")
+    loaded = load_model(
+        model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
+        init=config.init, seed=config.seed, tokenizer=config.tokenizer,
+    )
     unsupported = [space for space in config.spaces if space not in loaded.adapter.spaces]
     if unsupported:
         raise ProbeError(
@@ -130,26 +130,6 @@ def _say(config: RunConfig, message: str) -> None:
         print(f"probe: {message}", file=sys.stderr, flush=True)
 
 
-class _transformers_quiet:
-    """With ``quiet``, transformers' own progress bars (its "Loading weights" bar) stay off meanwhile."""
-
-    def __init__(self, quiet: bool):
-        self.quiet, self.was_enabled = quiet, None
-
-    def __enter__(self):
-        if self.quiet:
-            from transformers.utils import logging as hf_logging
-
-            self.was_enabled = hf_logging.is_progress_bar_enabled()
-            hf_logging.disable_progress_bar()
-
-    def __exit__(self, *exc):
-        if self.was_enabled:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.enable_progress_bar()
-
-
 def _plan_sha256(batches: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(batches).encode()).hexdigest()
 
@@ -179,7 +159,7 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-def _new_manifest(job: _Job) -> dict:
+def _new_manifest(job: _Job, unknown_tokens: dict) -> dict:
     config, loaded, texts = job.config, job.loaded, job.texts
     local_model = Path(config.model).expanduser().exists()
     local_data = config.dataset.name is not None and Path(config.dataset.name).expanduser().exists()
@@ -189,14 +169,15 @@ def _new_manifest(job: _Job) -> dict:
         "name": _run_name(config),
         "status": "running",
         "started_at": _now(),
-        "model": {**loaded.info, "name": naming.model_name(config.model)},
+        "model": {**loaded.info, "name": naming.model_name(config.model),  # local paths as naming.recorded_path
+                  **{key: naming.recorded_path(loaded.info[key]) for key in ("id", "path") if loaded.info[key]}},
         "adapter": type(loaded.adapter).__name__,
         "attention_types": list(loaded.adapter.attention_types),
         "attention_implementation": "eager",
         "dtype": config.dtype,
         "device": str(job.device),
         "dataset": {
-            **asdict(config.dataset),
+            **config_to_json(config)["dataset"],  # a local file's path as naming.recorded_path
             "description": config.dataset.describe(),
             "n_examples": len(texts.texts),
             "skipped_empty": texts.skipped_empty,
@@ -204,6 +185,7 @@ def _new_manifest(job: _Job) -> dict:
             "max_length": config.max_length,
             "truncated_examples": sum(length >= config.max_length for length in job.lengths),
         },
+        "unknown_tokens": unknown_tokens,  # probe.tokens: how much of the texts the tokenizer does not know
         "alpha": list(config.alphas),
         "spaces": list(config.spaces),
         "init": config.init,
@@ -228,12 +210,13 @@ def _new_manifest(job: _Job) -> dict:
         "config": config_to_json(config),
         # what resume loads and checks: the same model files, texts and batch plan
         "inputs": {
-            "model_location": str(model_directory) if local_model else config.model,
+            "model_location": naming.recorded_path(model_directory) if local_model else config.model,
             # a hub model's commit: its cache snapshot's name (the directory is named after it)
             "model_revision": None if local_model else loaded.info.get("revision") or model_directory.name,
-            "model_directory": str(model_directory),
+            "model_directory": naming.recorded_path(model_directory),
             "model_fingerprint": fingerprint.model_fingerprint(model_directory),
-            "dataset_location": str(Path(config.dataset.name).expanduser().resolve()) if local_data else config.dataset.name,
+            "dataset_location": (naming.recorded_path(Path(config.dataset.name).expanduser().resolve()) if local_data
+                                 else config.dataset.name),
             "batch_plan_sha256": _plan_sha256(job.batches),
             **_tokenizer_inputs(config.tokenizer),
         },
@@ -340,7 +323,7 @@ def _tokenizer_inputs(tokenizer: str | None) -> dict:
     if not path.is_dir():  # a hub id: the batch plan check covers it
         return {"tokenizer_location": tokenizer}
     path = path.resolve()
-    return {"tokenizer_location": str(path), "tokenizer_fingerprint": fingerprint.model_fingerprint(path)}
+    return {"tokenizer_location": naming.recorded_path(path), "tokenizer_fingerprint": fingerprint.model_fingerprint(path)}
 
 
 def _timings(manifest: dict) -> dict:
@@ -372,7 +355,7 @@ def run(config: RunConfig) -> Path:
             return str(run_dir.resolve())
 
         run_dir = Path(group.from_main(create))
-        return _execute(run_dir, _new_manifest(job) if group.main else None, job, stops, group)
+        return _execute(run_dir, _new_manifest(job, checked.unknown_tokens) if group.main else None, job, stops, group)
 
 
 def resume(run_dir: Path, *, progress: bool = True) -> Path:
@@ -419,7 +402,8 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
 
 def _prepare_resume(run_dir: Path, manifest: dict, config: RunConfig, device: str) -> _Job:
     """Check that the model files are the run's, load model and texts, and check the texts and batches."""
-    inputs = manifest["inputs"]
+    inputs = {key: naming.expand_path(value) if key.endswith("_location") else value  # naming.recorded_path's
+              for key, value in manifest["inputs"].items()}
     try:
         directory = fingerprint.model_directory(inputs["model_location"], inputs["model_revision"])
     except OSError as error:  # a hub snapshot that is no longer cached (and no connection)
@@ -788,7 +772,7 @@ def _intervention_totals(run_dir: Path, manifest: dict) -> dict:
 
 
 def _progress(total: int, initial: int, enabled: bool):
-    from tqdm.auto import tqdm
+    """A bar on a terminal; plain lines where stderr is a file or a pipe (:mod:`probe.progress`)."""
+    from .progress import progress
 
-    return tqdm(total=total, initial=initial, unit="batch", desc="probe: solving", disable=not enabled,
-                dynamic_ncols=True)
+    return progress(total, initial, enabled, unit="batch", desc="probe: solving")

@@ -21,7 +21,12 @@ says what is wrong and what to do:
    limit; probe never changes a setting behind the user's back) and at least its special tokens;
 6. **options that do not apply** to the chosen input: ``--split``/``--config`` on a local file,
    ``--column``/``--split``/``--config`` with the embedded corpus, ``--revision`` with a local
-   model directory.
+   model directory;
+7. **unknown tokens**: the tokenizer turns at most 10% of the texts' tokens into its unknown token, unless
+   ``--allow-unknown-tokens`` (:mod:`probe.tokens`; every text is tokenized once for it).
+
+Messages name options as the caller spells them: ``--alpha`` on the command line, ``alpha=`` in Python
+(:mod:`probe.spelling`).
 
 ``--format`` is checked by the CLI (:func:`check_report_formats`) before the run when ``--report``
 is given.  What only loading the weights can tell (tensors whose shapes do not fit the config, weights
@@ -45,6 +50,8 @@ from .config import DTYPE_NAMES, INITS, INTERVENTION_MODES, INTERVENTION_SUBSTIT
 from .data import DatasetSpec, Texts, load_texts
 from .errors import ProbeError
 from .hub import cached_snapshot, check_hub_name, hub_reachable, no_connection
+from .spelling import option
+from .tokens import check_unknown_tokens, unknown_tokens
 
 #: Files that hold a model's weights (one of them is needed), as save_pretrained writes them.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -70,6 +77,7 @@ class Checked:
     texts: Texts
     load_data_s: float
     config: object
+    unknown_tokens: dict  # the tokenizer's unknown tokens among the texts' (probe.tokens.unknown_tokens)
 
 
 def check_run(config) -> Checked:
@@ -84,6 +92,8 @@ def check_run(config) -> Checked:
     model_config, tokenizer, spaces = check_model(config)
     check_max_length(config, model_config, tokenizer)
     check_not_applicable(config)
+    unknown = unknown_tokens(tokenizer, texts.texts, config.max_length)
+    check_unknown_tokens(unknown, config.model, config.allow_unknown_tokens)
     from dataclasses import replace
 
     from .rows import FIDELITY_TOLERANCE
@@ -91,15 +101,16 @@ def check_run(config) -> Checked:
     tolerance = config.fidelity_tolerance
     resolved = replace(config, spaces=spaces, fidelity_tolerance=FIDELITY_TOLERANCE[config.dtype] if tolerance is None
                        else tolerance)
-    return Checked(texts=texts, load_data_s=load_data_s, config=resolved)
+    return Checked(texts=texts, load_data_s=load_data_s, config=resolved, unknown_tokens=unknown)
 
 
 # --------------------------------------------------------------------------------------------------
 # 1. options
 
 
-def parse_numbers(text: str, option: str) -> tuple[float, ...]:
-    """``"0.25,0.5,1"`` -> ``(0.25, 0.5, 1.0)``; one value or a comma-separated list."""
+def parse_numbers(text: str, name: str) -> tuple[float, ...]:
+    """``"0.25,0.5,1"`` -> ``(0.25, 0.5, 1.0)``; one value or a comma-separated list (``name``: the
+    option's parameter name, for the message)."""
     items = [item.strip() for item in str(text).split(",")]
     values = []
     for item in items:
@@ -107,17 +118,17 @@ def parse_numbers(text: str, option: str) -> tuple[float, ...]:
             values.append(float(item))
         except ValueError:
             raise ProbeError(
-                f"{option} takes a number or comma-separated numbers (e.g. {option} 0.5,1,2); "
+                f"{option(name)} takes a number or comma-separated numbers (e.g. {option(name, '0.5,1,2')}); "
                 f"{item!r} in {text!r} is not a number."
             ) from None
     return tuple(values)
 
 
-def parse_names(text: str, option: str) -> tuple[str, ...]:
+def parse_names(text: str, name: str) -> tuple[str, ...]:
     """``"hidden, key"`` -> ``("hidden", "key")``."""
     names = tuple(item.strip() for item in str(text).split(","))
-    if any(not name for name in names):
-        raise ProbeError(f"{option} {text!r} has an empty entry; separate names by single commas.")
+    if any(not each for each in names):
+        raise ProbeError(f"{option(name, text)} has an empty entry; separate names by single commas.")
     return names
 
 
@@ -128,12 +139,12 @@ def parse_memory(text: str) -> int:
     unit = match and match.group(2).lower()
     if not match or unit not in MEMORY_UNITS:
         raise ProbeError(
-            f"--max-memory {text!r} is not a memory size. Give a number and a unit, e.g. 4GB, 512MB or 8GiB "
+            f"{option('max_memory', text)} is not a memory size. Give a number and a unit, e.g. 4GB, 512MB or 8GiB "
             f"(units: {', '.join(u.upper().replace('I', 'i') for u in MEMORY_UNITS)})."
         )
     size = float(match.group(1)) * MEMORY_UNITS[unit]
     if not math.isfinite(size) or size < 1:
-        raise ProbeError(f"--max-memory must be a finite size of at least 1 byte, got {text!r}.")
+        raise ProbeError(f"{option('max_memory')} must be a finite size of at least 1 byte, got {text!r}.")
     return int(size)
 
 
@@ -142,43 +153,44 @@ def check_options(config) -> None:
     torch loads only to check a device other than auto or cpu)."""
 
     if not config.alphas:
-        raise ProbeError("--alpha needs at least one value.")
+        raise ProbeError(f"{option('alpha')} needs at least one value.")
     for alpha in config.alphas:
         if not math.isfinite(alpha) or alpha <= 0:
             raise ProbeError(
-                f"--alpha must be a finite number > 0 (the strength of the inference problem), got {alpha}."
+                f"{option('alpha')} must be a finite number > 0 (the strength of the inference problem), got {alpha}."
             )
     if len(set(config.alphas)) != len(config.alphas):
-        raise ProbeError(f"--alpha lists a value twice ({', '.join(map(str, config.alphas))}); list each once.")
-    for option, value in (("--fidelity-tolerance", config.fidelity_tolerance), ("rtol", config.rtol)):
-        if value is None and option == "--fidelity-tolerance":  # None: by the model's dtype
-            continue
-        if not math.isfinite(value) or value <= 0:
-            raise ProbeError(f"{option} must be a finite number > 0, got {value}.")
+        raise ProbeError(
+            f"{option('alpha')} lists a value twice ({', '.join(map(str, config.alphas))}); list each once.")
+    # the fidelity tolerance (None: by the model's dtype), and the solver's rtol (a setting, not an option)
+    for name, value in ((option("fidelity_tolerance"), config.fidelity_tolerance), ("rtol", config.rtol)):
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise ProbeError(f"{name} must be a finite number > 0, got {value}.")
     if config.dtype not in DTYPE_NAMES:
-        raise ProbeError(f"Unknown dtype '{config.dtype}'. Choose one of: {', '.join(DTYPE_NAMES)}.")
+        raise ProbeError(f"Unknown {option('dtype', config.dtype)}. Choose one of: {', '.join(DTYPE_NAMES)}.")
     if config.device not in ("auto", "cpu"):
         from .loading import resolve_device
 
         resolve_device(config.device)
-    for option, value in (("--batch-size", config.batch_size), ("--max-length", config.max_length)):
+    for name, value in (("batch_size", config.batch_size), ("max_length", config.max_length)):
         if value < 1:
-            raise ProbeError(f"{option} must be at least 1, got {value}.")
+            raise ProbeError(f"{option(name)} must be at least 1, got {value}.")
     if config.dataset.samples is not None and config.dataset.samples < 1:
-        raise ProbeError(f"--samples must be at least 1, got {config.dataset.samples}.")
+        raise ProbeError(f"{option('samples')} must be at least 1, got {config.dataset.samples}.")
     if config.spaces is not None and not config.spaces:
-        raise ProbeError(f"--space needs at least one of: {', '.join(SPACES)}.")
+        raise ProbeError(f"{option('space')} needs at least one of: {', '.join(SPACES)}.")
     unknown = [space for space in config.spaces or () if space not in SPACES]
     if unknown:
-        raise ProbeError(f"Unknown --space {', '.join(unknown)}. Choose from: {', '.join(SPACES)} (comma separated).")
+        raise ProbeError(
+            f"Unknown {option('space', ','.join(unknown))}. Choose from: {', '.join(SPACES)} (comma separated).")
     if config.spaces is not None and len(set(config.spaces)) != len(config.spaces):
-        raise ProbeError(f"--space lists a space twice ({', '.join(config.spaces)}); list each once.")
+        raise ProbeError(f"{option('space')} lists a space twice ({', '.join(config.spaces)}); list each once.")
     if config.init not in INITS:
-        raise ProbeError(f"Unknown --init '{config.init}'. Choose {' or '.join(INITS)}.")
+        raise ProbeError(f"Unknown {option('init', config.init)}. Choose {' or '.join(INITS)}.")
     if config.max_memory_bytes is not None and config.max_memory_bytes < 1:
-        raise ProbeError(f"--max-memory must be more than 0 bytes, got {config.max_memory_bytes}.")
+        raise ProbeError(f"{option('max_memory')} must be more than 0 bytes, got {config.max_memory_bytes}.")
     if config.threads is not None and config.threads < 1:
-        raise ProbeError(f"--threads must be at least 1, got {config.threads}.")
+        raise ProbeError(f"{option('threads')} must be at least 1, got {config.threads}.")
     check_intervention_options(config)
 
 
@@ -186,18 +198,18 @@ def check_intervention_options(config) -> None:
     """``--intervene`` and ``--intervene-modes`` (probe.intervene): known names, each once."""
     intervene = tuple(getattr(config, "intervene", ()) or ())
     modes = tuple(getattr(config, "intervene_modes", INTERVENTION_MODES) or ())
-    for option, values, choices in (("--intervene", intervene, INTERVENTION_SUBSTITUTES),
-                                    ("--intervene-modes", modes, INTERVENTION_MODES)):
+    for name, values, choices in (("intervene", intervene, INTERVENTION_SUBSTITUTES),
+                                  ("intervene_modes", modes, INTERVENTION_MODES)):
         unknown = [value for value in values if value not in choices]
         if unknown:
             raise ProbeError(
-                f"Unknown {option} {', '.join(map(repr, unknown))}. Choose among {', '.join(choices)} "
-                f"(comma separated), e.g. {option} {','.join(choices[:2])}."
+                f"Unknown {option(name, ','.join(unknown))}. Choose among {', '.join(choices)} "
+                f"(comma separated), e.g. {option(name, ','.join(choices[:2]))}."
             )
         if len(set(values)) != len(values):
-            raise ProbeError(f"{option} lists a value twice ({', '.join(values)}); list each once.")
+            raise ProbeError(f"{option(name)} lists a value twice ({', '.join(values)}); list each once.")
     if not modes:
-        raise ProbeError(f"--intervene-modes needs at least one of: {', '.join(INTERVENTION_MODES)}.")
+        raise ProbeError(f"{option('intervene_modes')} needs at least one of: {', '.join(INTERVENTION_MODES)}.")
 
 
 def check_report_formats(formats: str) -> list[str]:
@@ -215,19 +227,20 @@ def check_output(out: Path) -> None:
     """``out`` is, or can become, a folder in which probe can create a run directory."""
     out = out.expanduser()
     if out.exists() and not out.is_dir():
-        raise ProbeError(f"--out '{out}' is a file, not a folder. Pass the folder that should hold run directories.")
+        raise ProbeError(
+            f"{option('out', str(out))} is a file, not a folder. Pass the folder that should hold run directories.")
     existing = out
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ProbeError(f"--out '{out}' cannot be created: '{existing}' is a file. Pass another folder.")
+        raise ProbeError(f"{option('out', str(out))} cannot be created: '{existing}' is a file. Pass another folder.")
     try:
         handle, name = tempfile.mkstemp(prefix=".probe-write-test-", dir=existing)
         os.close(handle)
         os.remove(name)
     except OSError as error:
         raise ProbeError(
-            f"--out '{out}' is not writable: probe cannot create files in '{existing}' ({error.strerror}). "
+            f"{option('out', str(out))} is not writable: probe cannot create files in '{existing}' ({error.strerror}). "
             "Pass a folder you can write to."
         ) from None
 
@@ -236,15 +249,15 @@ def check_output(out: Path) -> None:
 # 4. model
 
 
-def _local_or_cached(name: str, revision: str | None, what: str, option: str, marker: str) -> Path | None:
-    """The directory holding ``name``'s files: itself when local, its cached snapshot when the Hub is
-    closed; None for a hub id that will be downloaded."""
+def _local_or_cached(name: str, revision: str | None, what: str, marker: str) -> Path | None:
+    """The directory holding ``name``'s files (``what``: the option's parameter name, model or tokenizer):
+    itself when local, its cached snapshot when the Hub is closed; None for a hub id that will be downloaded."""
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ProbeError(f"The {what} '{name}' ({option}) is a file; pass the directory that holds its files.")
+            raise ProbeError(f"The {what} '{name}' ({option(what)}) is a file; pass the directory that holds its files.")
         return path
-    check_hub_name(name, what, option, "bert-base-uncased")
+    check_hub_name(name, what, option(what), "bert-base-uncased")
     if hub_reachable():
         return None
     snapshot = cached_snapshot(name, revision, marker)
@@ -302,12 +315,12 @@ def _weights_file_problem(file: Path) -> str | None:
     return None
 
 
-def check_tokenizer_files(directory: Path, name: str, option: str) -> None:
+def check_tokenizer_files(directory: Path, name: str, given: str) -> None:
     if not any((directory / f).exists() for f in TOKENIZER_FILES):
         raise ProbeError(
-            f"'{name}' has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}{option}). Without them every "
+            f"'{name}' has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}{given}). Without them every "
             "word would become the unknown token. Save the tokenizer beside the model (tokenizer.save_pretrained), "
-            "or pass the directory that holds it with --tokenizer PATH."
+            f"or pass the directory that holds it with {option('tokenizer', 'PATH')}."
         )
 
 
@@ -317,7 +330,7 @@ def check_model(config):
     from .adapters import adapter_for
     from .loading import load_config, load_tokenizer
 
-    directory = _local_or_cached(config.model, config.revision, "model", "MODEL", "config.json")
+    directory = _local_or_cached(config.model, config.revision, "model", "config.json")
     if directory is not None and not (directory / "config.json").exists():
         raise ProbeError(
             f"'{config.model}' has no config.json: it is not a Hugging Face model directory. "
@@ -333,7 +346,7 @@ def check_model(config):
         raise ProbeError(
             f"{model_config.model_type} supports the space(s) {', '.join(adapter.spaces)} only, not "
             f"{', '.join(unsupported)} (rotary models have no hidden-space parameterisation). Pass "
-            f"--space {','.join(adapter.spaces)}."
+            f"{option('space', ','.join(adapter.spaces))}."
         )
     if directory is not None:
         if config.init != "random":
@@ -341,11 +354,9 @@ def check_model(config):
         if config.tokenizer is None:
             check_tokenizer_files(directory, config.model, "")
     if config.tokenizer is not None:
-        tokenizer_directory = _local_or_cached(
-            config.tokenizer, None, "tokenizer", "--tokenizer", "tokenizer_config.json"
-        )
+        tokenizer_directory = _local_or_cached(config.tokenizer, None, "tokenizer", "tokenizer_config.json")
         if tokenizer_directory is not None:
-            check_tokenizer_files(tokenizer_directory, config.tokenizer, "; given with --tokenizer")
+            check_tokenizer_files(tokenizer_directory, config.tokenizer, f"; given with {option('tokenizer')}")
     tokenizer = load_tokenizer(config.tokenizer or config.model, None if config.tokenizer else config.revision)
     return model_config, tokenizer, spaces
 
@@ -358,18 +369,18 @@ def check_family_options(config, model_config, adapter) -> None:
 
         if not isinstance(adapter, InterfaceAdapter):
             raise ProbeError(
-                f"--intervene needs a model whose attention probe can substitute, but '{config.model}' "
+                f"{option('intervene')} needs a model whose attention probe can substitute, but '{config.model}' "
                 f"({model_config.model_type}) is captured with hooks on its family's own attention code, which "
                 "offers no point to put other weights in. Interventions work for the families that compute "
                 "attention through transformers' attention interface (BERT, T5, BART, GPT-2, Llama, ...): "
-                "remove --intervene, or run one of those."
+                f"remove {option('intervene')}, or run one of those."
             )
     if config.dataset.target_column is not None and "cross" not in adapter.attention_types:
         kind = "decoder-only" if "causal_self" in adapter.attention_types else "encoder-only"
         raise ProbeError(
-            f"--target-column applies to encoder-decoder models (their decoder reads the targets), but "
+            f"{option('target_column')} applies to encoder-decoder models (their decoder reads the targets), but "
             f"'{config.model}' ({model_config.model_type}) is {kind}: it would ignore the column. Remove "
-            "--target-column, or run an encoder-decoder model (t5, bart, ...)."
+            f"{option('target_column')}, or run an encoder-decoder model (t5, bart, ...)."
         )
 
 
@@ -395,14 +406,14 @@ def check_max_length(config, model_config, tokenizer) -> None:
     limit = position_limit(model_config, tokenizer)
     if limit is not None and config.max_length > limit[0]:
         raise ProbeError(
-            f"--max-length {config.max_length} is more than '{config.model}' takes: {limit[1]}. "
-            f"Use --max-length {limit[0]} or less."
+            f"{option('max_length', config.max_length)} is more than '{config.model}' takes: {limit[1]}. "
+            f"Use {option('max_length', limit[0])} or less."
         )
     special = len(tokenizer("")["input_ids"])  # tokens added to every text ([CLS], [SEP], </s>, ...)
     if config.max_length < special:
         raise ProbeError(
-            f"--max-length {config.max_length} is too small for this tokenizer: it adds {special} special tokens to "
-            "every text, which are never truncated. Use a larger --max-length."
+            f"{option('max_length', config.max_length)} is too small for this tokenizer: it adds {special} special "
+            f"tokens to every text, which are never truncated. Use a larger {option('max_length')}."
         )
 
 
@@ -413,16 +424,16 @@ def check_max_length(config, model_config, tokenizer) -> None:
 def check_not_applicable(config) -> None:
     spec: DatasetSpec = config.dataset
     if spec.name is None:
-        given = [option for option, value in (("--column", spec.column), ("--split", spec.split),
-                                              ("--config", spec.config)) if value is not None]
+        given = [option(name) for name, value in (("column", spec.column), ("split", spec.split),
+                                                  ("config", spec.config)) if value is not None]
         if given:
             raise ProbeError(
-                f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --dataset, but no --dataset is "
-                "given: the embedded corpus has one column of texts and no splits or configurations. "
-                "Remove the option or add --dataset."
+                f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to {option('dataset')}, but no "
+                f"{option('dataset')} is given: the embedded corpus has one column of texts and no splits or "
+                f"configurations. Remove the option or add {option('dataset')}."
             )
     elif spec.local_path is not None:
-        given = [option for option, value in (("--split", spec.split), ("--config", spec.config)) if value is not None]
+        given = [option(name) for name, value in (("split", spec.split), ("config", spec.config)) if value is not None]
         if given:
             raise ProbeError(
                 f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to hub datasets, but '{spec.name}' "
@@ -430,7 +441,7 @@ def check_not_applicable(config) -> None:
             )
     if config.revision is not None and Path(config.model).expanduser().exists():
         raise ProbeError(
-            f"--revision applies to hub ids, but '{config.model}' is a local directory (it holds one version). "
-            "Remove --revision."
+            f"{option('revision')} applies to hub ids, but '{config.model}' is a local directory (it holds one "
+            f"version). Remove {option('revision')}."
         )
 

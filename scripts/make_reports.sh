@@ -11,13 +11,14 @@ cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# report NAME MODEL_DIR: run probe on the model (named NAME), render its report into reports/NAME
+# report NAME MODEL_DIR: run probe on the model (named NAME), render its report into reports/NAME.  The run
+# starts in $work with --out runs, so that its manifest records no temporary folder (model paths are recorded
+# as <site-packages>/... or ~/..., probe.naming.recorded_path).
 report() {
   local name=$1 model_dir=$2
-  ln -s "$model_dir" "$work/$name"   # so that the run is named after the model
-  probe run "$work/$name" --name "$name" --out "$work/runs" --batch-size 16 --max-length 128 --no-progress
+  (cd "$work" && probe run "$model_dir" --name "$name" --out runs --batch-size 16 --max-length 128 --no-progress)
   local run_dir
-  run_dir=$(ls -d "$work"/runs/"$name"-*)
+  run_dir=$(ls -d "$work"/runs/"$name"-*)   # the only run named NAME in a fresh $work
   rm -rf "reports/$name"
   probe report "$run_dir" --out "reports/$name" --format png
   cp "$run_dir/manifest.json" "reports/$name/manifest.json"

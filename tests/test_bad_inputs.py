@@ -209,7 +209,7 @@ CASES = [
     Case("format unknown", lambda b: [b.tiny, "--report", "--format", "svg"], ("Unknown figure format", "svg")),
     Case("format empty", lambda b: [b.tiny, "--report", "--format", ","], ("No figure format given",)),
     Case("format without report", lambda b: [b.tiny, "--format", "pdf"], ("--format applies to the report",)),
-    Case("dtype unknown", lambda b: [b.tiny, "--dtype", "float8"], ("Unknown dtype 'float8'",)),
+    Case("dtype unknown", lambda b: [b.tiny, "--dtype", "float8"], ("Unknown --dtype float8",)),
     Case("device meta", lambda b: [b.tiny, "--device", "meta"], ("Device 'meta'", "--device cpu")),
     Case("device mps", lambda b: [b.tiny, "--device", "mps"], ("MPS", "not available"),
          skip="MPS is available here" if HAS_MPS else None),
@@ -227,8 +227,8 @@ CASES = [
     Case("space unknown", lambda b: [b.tiny, "--space", "hidden,query"], ("Unknown --space query", "hidden, key")),
     Case("space repeated", lambda b: [b.tiny, "--space", "key,key"], ("--space lists a space twice",)),
     Case("space empty entry", lambda b: [b.tiny, "--space", "hidden,"], ("--space", "empty entry")),
-    Case("init unknown", lambda b: [b.tiny, "--init", "xavier"], ("Unknown --init 'xavier'", "pretrained or random")),
-    Case("max memory unit", lambda b: [b.tiny, "--max-memory", "4XB"], ("--max-memory '4XB' is not a memory size",)),
+    Case("init unknown", lambda b: [b.tiny, "--init", "xavier"], ("Unknown --init xavier", "pretrained or random")),
+    Case("max memory unit", lambda b: [b.tiny, "--max-memory", "4XB"], ("--max-memory 4XB is not a memory size",)),
     Case("max memory no unit", lambda b: [b.tiny, "--max-memory", "4"], ("is not a memory size",)),
     Case("max memory words", lambda b: [b.tiny, "--max-memory", "lots"], ("is not a memory size",)),
     Case("max memory negative", lambda b: [b.tiny, "--max-memory", "-1GB"], ("is not a memory size",)),
@@ -312,12 +312,12 @@ CASES = [
     # interventions (--intervene, --intervene-modes): options, then a family that cannot substitute, from its
     # config (before any weights load)
     Case("intervene unknown substitute", lambda b: [b.tiny, "--intervene", "exact,posterior"],
-         ("Unknown --intervene 'posterior'", "exact, second-order, null, model")),
+         ("Unknown --intervene posterior", "exact, second-order, null, model")),
     Case("intervene substitute repeated", lambda b: [b.tiny, "--intervene", "exact,null,exact"],
          ("--intervene lists a value twice",)),
     Case("intervene empty entry", lambda b: [b.tiny, "--intervene", "exact,,null"], ("--intervene", "empty entry")),
     Case("intervene unknown mode", lambda b: [b.tiny, "--intervene", "exact", "--intervene-modes", "sites"],
-         ("Unknown --intervene-modes 'sites'", "per-site, whole")),
+         ("Unknown --intervene-modes sites", "per-site, whole")),
     Case("intervene on a family that cannot substitute", lambda b: [b.mpnet, "--init", "random", "--intervene", "exact"],
          ("--intervene needs a model whose attention probe can substitute", "(mpnet)", "remove --intervene")),
     # 5. max length
@@ -456,5 +456,5 @@ def test_max_memory_units(text, expected):
 def test_alpha_lists():
     from probe.validate import parse_numbers
 
-    assert parse_numbers("0.25, 0.5,1", "--alpha") == (0.25, 0.5, 1.0)
-    assert parse_numbers("2", "--alpha") == (2.0,)
+    assert parse_numbers("0.25, 0.5,1", "alpha") == (0.25, 0.5, 1.0)
+    assert parse_numbers("2", "alpha") == (2.0,)

@@ -70,7 +70,7 @@ def test_an_explicit_fidelity_tolerance_wins(tiny_llama, tmp_path):
         ("cuda:0", 2, "pretrained", True, None),  # an explicit device is obeyed
         ("cpu", 2, "pretrained", True, None),
         ("auto", 2, "pretrained", False, ProbeError("accelerate")),
-        ("auto", 2, "random", True, ProbeError("--device cuda:0")),
+        ("auto", 2, "random", True, ProbeError("device='cuda:0'")),  # the Python API's spelling (probe.spelling)
     ],
 )
 def test_device_map_when_several_gpus_are_visible(monkeypatch, device, gpus, init, accelerate, expected):

@@ -86,6 +86,23 @@ def test_the_readme_minilm_table_is_recomputed_from_the_committed_comparison():
     assert (compare["attention_type"] == "self").all() and len(compare) == 2
 
 
+def test_the_readme_says_what_its_commands_give_on_all_texts():
+    """The table is the 100-text comparison; the README's commands run all texts of the corpus, whose share
+    above 0.1 the committed single-run report gives (its per-layer shares, weighted by their rows)."""
+    import pandas as pd
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    summary = pd.read_csv(ROOT / "reports" / "all-MiniLM-L6-v2" / "summary.csv")
+    layers = summary[(summary["level"] == "layer") & (summary["space"] == "hidden") & (summary["alpha"] == 1.0)]
+    rows = int(layers["count"].sum())
+    share = float((layers["share_above_0.1"] * layers["count"]).sum() / rows)
+    n_texts = json.loads((ROOT / "reports" / "all-MiniLM-L6-v2" / "manifest.json").read_text())["dataset"]["n_examples"]
+    compare = pd.read_csv(ROOT / "reports" / "all-MiniLM-L6-v2-vs-random" / "compare.csv")
+    assert "first 100 texts of the embedded corpus (`--samples 100`" in readme and compare["rows"].iloc[0] < rows
+    assert f"The commands above analyse all {n_texts} texts" in readme
+    assert f"there, {share:.1%} of the {rows:,} pretrained rows deviate by more than 0.1" in readme
+
+
 # --------------------------------------------------------------------------------------------------
 # the README's interventions, OT-ViT and OT-approximation numbers, from the committed results files
 

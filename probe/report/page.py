@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from .. import __version__
+from ..tokens import describe as describe_unknown
 from . import explorer
 from .data import Run, lookup, type_label
 from .style import Saved
@@ -160,6 +161,7 @@ def _facts(run: Run) -> list[tuple[str, str]]:
         ("revision", lookup(manifest, "model", "revision")),
         ("dataset", run.dataset),
         ("dataset spec", {k: v for k, v in (lookup(manifest, "dataset") or {}).items() if k != "texts_sha256"}),
+        ("unknown tokens", describe_unknown(lookup(manifest, "unknown_tokens"))),  # probe.tokens; None: older run
         ("alpha", run.alphas or lookup(manifest, "alpha")),
         ("spaces", run.spaces or None),
         ("attention types", ", ".join(type_label(t) for t in run.types) or "none"),
