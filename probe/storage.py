@@ -58,7 +58,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from .errors import ProbeError
-from .schema import DEVIATION_SCHEMA, INTERVENTION_SCHEMA
+from .schema import DEVIATION_SCHEMA, INTERVENTION_SCHEMA, ROW_KEY
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -76,11 +76,76 @@ PART_METADATA_KEY = b"probe.batch"
 _PART_NAME = re.compile(r"^part-(\d+)\.parquet$")
 
 
+#: How part files (and exports) are compressed: zstd at this level (bench/results_storage.md measured the
+#: levels: higher ones save almost nothing on these columns and write slower).
+COMPRESSION, COMPRESSION_LEVEL = "zstd", 1
+#: Within a part file, rows are in the row key's order (:data:`probe.schema.ROW_KEY`; a run written before
+#: this is in the order its sites were solved, which every reader accepts), and a new row group starts where
+#: one of these columns changes, so that a reader filtering on a slice (DuckDB, pyarrow, polars and Spark read
+#: the row groups' statistics) skips the row groups of the others.
+ROW_GROUP_COLUMNS = ("space", "alpha", "attention_type", "layer")
+#: ... unless the row group would hold fewer rows than this: small slices share one (their statistics still
+#: bound them), since each row group costs its own metadata in the file's footer.
+MIN_ROW_GROUP_ROWS = 4096
+#: no row group holds more rows than this (pyarrow's own default)
+MAX_ROW_GROUP_ROWS = 1 << 20
+
+
 def _parquet_options(schema: pa.Schema) -> dict:
-    """How tables are written: dictionary encoding only for the columns whose values repeat (names,
-    indices, flags); the float measurements rarely repeat, and trying a dictionary on them before falling
-    back made writing 2.7x slower and the files 17% larger (measured on the embedded corpus's parts)."""
-    return {"use_dictionary": [field.name for field in schema if not pa.types.is_floating(field.type)]}
+    """How tables are written, losslessly (bench/results_storage.md): zstd; the float measurements (float64,
+    as certified) split into their bytes' streams (``BYTE_STREAM_SPLIT``: the exponents' bytes, which repeat,
+    compress; the mantissas' do not) and never dictionary-encoded (they rarely repeat, and trying a
+    dictionary before falling back made writing 2.7x slower); dictionaries for the columns whose values
+    repeat (names, indices, flags)."""
+    floats = [field.name for field in schema if pa.types.is_floating(field.type)]
+    return {
+        "compression": COMPRESSION,
+        "compression_level": COMPRESSION_LEVEL,
+        "use_dictionary": [field.name for field in schema if field.name not in floats],
+        "column_encoding": dict.fromkeys(floats, "BYTE_STREAM_SPLIT"),
+    }
+
+
+def _in_key_order(table: pa.Table) -> pa.Table:
+    """The rows of a deviations table in the row key's order (other tables as they are)."""
+    if not set(ROW_KEY) <= set(table.column_names):
+        return table
+    return table.sort_by([(name, "ascending") for name in ROW_KEY])
+
+
+def _row_group_bounds(table: pa.Table) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each row group of ``table`` (in the row key's order): a new one where a
+    column of :data:`ROW_GROUP_COLUMNS` changes, slices of fewer than :data:`MIN_ROW_GROUP_ROWS` rows merged
+    with the next, none longer than :data:`MAX_ROW_GROUP_ROWS`."""
+    import numpy as np
+
+    rows = table.num_rows
+    if not set(ROW_KEY) <= set(table.column_names) or rows <= MIN_ROW_GROUP_ROWS:  # not in key order: one
+        starts = [0]
+    else:
+        changed = np.zeros(rows, bool)
+        changed[0] = True
+        for name in ROW_GROUP_COLUMNS:
+            codes = table[name].combine_chunks().dictionary_encode().indices.to_numpy(zero_copy_only=False)
+            changed[1:] |= codes[1:] != codes[:-1]
+        starts = [0]
+        for start in np.flatnonzero(changed)[1:].tolist():
+            if start - starts[-1] >= MIN_ROW_GROUP_ROWS:
+                starts.append(start)
+        if rows - starts[-1] < MIN_ROW_GROUP_ROWS and len(starts) > 1:
+            starts.pop()  # a short last slice joins the one before
+    bounds = []
+    for start, stop in zip(starts, starts[1:] + [rows]):
+        for offset in range(start, stop, MAX_ROW_GROUP_ROWS):
+            bounds.append((offset, min(MAX_ROW_GROUP_ROWS, stop - offset)))
+    return bounds or [(0, 0)]
+
+
+def _write_table(table: pa.Table, handle) -> None:
+    """``table`` as one Parquet file with :func:`_parquet_options`, one row group per :func:`_row_group_bounds`."""
+    with pq.ParquetWriter(handle, table.schema, **_parquet_options(table.schema)) as writer:
+        for offset, length in _row_group_bounds(table):
+            writer.write_table(table.slice(offset, length), row_group_size=max(length, 1))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,8 +343,8 @@ def write_part(run_dir: Path, batch: int, table: pa.Table, record: dict, name: s
     """Write one batch's rows of table ``name`` atomically; ``record`` (JSON) goes into the file's metadata."""
     path = part_path(run_dir, batch, name)
     metadata = {**(table.schema.metadata or {}), PART_METADATA_KEY: json.dumps({"batch": batch, **record}).encode()}
-    table = table.replace_schema_metadata(metadata)
-    _replace_atomically(path, lambda handle: pq.write_table(table, handle, **_parquet_options(table.schema)))
+    table = _in_key_order(table).replace_schema_metadata(metadata)
+    _replace_atomically(path, lambda handle: _write_table(table, handle))
     return path
 
 

@@ -1,0 +1,450 @@
+"""Scale benchmark: valid runs of 10^6, 10^7 and 10^8 rows, and the peak memory and wall time of every
+command on each (issue 34).
+
+**The runs.**  The smallest is real: ``probe run`` of all-MiniLM-L6-v2 over ``--texts`` texts of two
+sentences each (pairs of the embedded corpus's sentences drawn with a fixed seed: texts no test uses).  Each
+larger one is that run's part files replicated ``copies`` times through the real writer
+(:func:`probe.storage.write_part`) with new example indices (copy c of example e is e + c n, n the real
+run's texts) and new batch numbers, each part recorded (bytes, rows, SHA-256) in a manifest whose totals
+are folded from the parts' own summaries, as a run folds them.  So they pass the readers' integrity checks
+and ``probe verify``'s checksum pass, and their rows have the real run's distribution.  (Their batch plan is
+not one the model would make, so ``probe verify`` can re-solve rows of the real run only.)
+
+**The commands**, each in a child process: its peak resident set is that child's own ``ru_maxrss``
+(GNU time's ``%M``), its time the wall clock.
+
+* ``end of run``: what the pipeline does after its last batch: the manifest's totals folded from every
+  part's record (:class:`probe.pipeline._PartIndex`, as rank 0 and ``probe resume`` fold them) and written
+  (``_record_completion``), then the final lines (``probe.cli._print_summary``, which calls
+  ``Run.headline()``);
+* ``report``, ``compare`` (the run against its twin: a second run directory whose part files are hard links
+  to the run's, so two runs are read), ``export`` (to Parquet, in the row key's
+  order), ``status``;
+* ``verify``: ``probe verify --sample 0`` (every part's SHA-256), and ``verify sample``: reading its seeded
+  sample of 64 rows (``probe.verify._sample_rows``); on the real run, ``verify re-solve``: ``probe verify``
+  with its default sample re-solved from the model;
+* ``headline``: ``probe.load(RUN).headline()``.
+
+**The run's own memory** (``--run-texts``, default 300 and 3,000 texts): ``probe run``'s peak resident set
+(the run and its final lines; and the run alone, before its final lines), with ``--max-length 64``, so that
+the longest batch has the same shape at both sizes (a run's working set is set by its longest batch, tokens
+squared, which grows with the number of texts only through the longest text drawn).
+
+Results: ``bench/results_scale.json`` and ``.md``; ``--figure`` redraws ``docs/images/large-runs-scale.png``
+from the JSON.  The runs go under ``--work`` (default: the system's temporary directory; 10^8 rows take
+about 6 GB, 10^7 about 650 MB) and are deleted at the end unless ``--keep``.
+
+    python bench/scale.py                                   # 10^6, 10^7, 10^8 rows; 300 and 3,000 texts
+    python bench/scale.py --sizes 1e6,1e7 --run-texts ''    # the two smaller sizes only
+    python bench/scale.py --figure                          # redraw the figure from the results file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = ROOT / "bench"
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))
+
+#: the seed of the texts' sentence pairs
+TEXTS_SEED = 34
+#: what the issue asks of the report at the largest size: peak resident set and wall time
+REPORT_TARGET = {"peak_rss_gb": 1.5, "wall_s": 15 * 60}
+#: what it asks of ``probe run`` from the fewest to the most texts of --run-texts
+RUN_GROWTH_TARGET = 1.15
+COMMANDS = ("end of run", "report", "compare", "export", "verify", "verify sample", "status", "headline")
+FIGURE = ROOT / "docs" / "images" / "large-runs-scale.png"
+
+
+def two_sentence_texts(count: int, seed: int = TEXTS_SEED) -> list[str]:
+    """``count`` texts, each two sentences of the embedded corpus drawn at random (with ``seed``)."""
+    from probe.data import embedded_corpus
+
+    sentences = embedded_corpus()
+    draw = random.Random(seed)
+    return [f"{draw.choice(sentences)} {draw.choice(sentences)}" for _ in range(count)]
+
+
+def child_env(budget: str | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if budget:
+        env["PROBE_MEMORY_BUDGET"] = budget
+    return env
+
+
+def measure(command: list[str], env: dict, log: Path) -> dict:
+    """Run ``command`` as a child process: its wall seconds and peak resident set; its output goes to ``log``.
+    A failure stops the benchmark.
+
+    The peak is GNU time's (``/usr/bin/time``: the command is forked from that small process).  Where it is
+    missing, the child's own ``ru_maxrss`` from ``os.wait4``, which on Linux also counts the memory of this
+    process at the fork (kept across ``exec``), so that this process then stays small (it imports pyarrow
+    only to build the synthetic runs)."""
+    timing = log.with_suffix(".time")
+    gnu_time = Path("/usr/bin/time")
+    wrapped = [str(gnu_time), "-f", "%M", "-o", str(timing), *command] if gnu_time.exists() else command
+    with open(log, "w") as out:
+        started = time.perf_counter()
+        process = subprocess.Popen(wrapped, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - started
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, command))} failed ({process.returncode}):\n{log.read_text()[-4000:]}")
+    peak_kb = int(timing.read_text().split()[-1]) if gnu_time.exists() else usage.ru_maxrss
+    return {"wall_s": round(wall, 3), "peak_rss_mb": round(peak_kb / 1024, 1)}
+
+
+def python(code: str, *args) -> list[str]:
+    return [sys.executable, "-c", code, *map(str, args)]
+
+
+def probe_command(*args) -> list[str]:
+    return [sys.executable, str(ROOT / "cli.py"), *map(str, args)]
+
+
+#: ``probe run`` as the command line runs it (api.run, then the final lines), reporting the peak resident set
+#: before the final lines too
+RUN = """
+import json, resource, sys
+from probe import api
+from probe.cli import _print_summary
+run = api.run(**json.loads(sys.argv[1]))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+_print_summary(run.run_dir)
+print("BENCH " + json.dumps({"run_dir": str(run.run_dir), "run_peak_rss_mb": before / 1024}))
+"""
+
+#: what the pipeline does after a run's last batch (see the module's docstring)
+END_OF_RUN = """
+import sys, time
+from pathlib import Path
+from probe import pipeline, storage
+from probe.cli import _print_summary
+run_dir = Path(sys.argv[1])
+manifest = storage.read_manifest(run_dir)
+config = pipeline.config_from_json(manifest["config"])
+index = pipeline._PartIndex(run_dir, config.fidelity_tolerance, storage.part_records(manifest))
+index.refresh()
+segment = manifest["segments"][-1]
+pipeline._record_completion(run_dir, manifest, segment, index, config,
+                            time.perf_counter() - segment["timings_s"]["total_s"])
+_print_summary(run_dir)
+"""
+
+VERIFY_SAMPLE = """
+import sys
+from probe import storage
+from probe.verify import _sample_rows
+print(_sample_rows(storage.check_parts(sys.argv[1]), 64, 0).num_rows, "rows sampled")
+"""
+
+HEADLINE = """
+import sys, probe
+print(probe.load(sys.argv[1]).headline())
+"""
+
+
+def run_probe(texts: list[str], work: Path, name: str, model: str | None, max_length: int, env: dict) -> dict:
+    """``probe run`` of ``model`` (default: the real all-MiniLM-L6-v2) over ``texts``, measured."""
+    data = work / f"{name}.txt"
+    data.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    settings = {"model": model, "dataset": str(data), "out": str(work / "runs"), "name": name,
+                "max_length": max_length, "progress": False}
+    log = work / f"{name}.log"
+    measured = measure(python(RUN, json.dumps(settings)), env, log)
+    (line,) = [line for line in log.read_text().splitlines() if line.startswith("BENCH ")]
+    reported = json.loads(line[len("BENCH "):])
+    manifest = json.loads((Path(reported["run_dir"]) / "manifest.json").read_text())
+    return {**measured, "run_phase_peak_rss_mb": round(reported["run_peak_rss_mb"], 1),
+            "texts": len(texts), "rows": manifest["solver"]["rows"], "max_length": max_length,
+            "run_dir": reported["run_dir"]}
+
+
+def replicate(source: Path, copies: int, target: Path) -> Path:
+    """A valid run of ``copies`` copies of ``source``'s rows (see the module's docstring), at ``target``."""
+    import copy
+
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from probe import storage
+    from probe.pipeline import _PartIndex
+
+    manifest = storage.read_manifest(source)
+    examples, batches = manifest["dataset"]["n_examples"], manifest["batches_total"]
+    (target / storage.PARTS).mkdir(parents=True)
+    sources = {batch: (pq.read_table(path), storage.part_record(path))
+               for batch, path in storage.part_files(source).items()}
+    index = _PartIndex(target, manifest["fidelity"]["tolerance"])
+    for copy_number in range(copies):
+        shift = copy_number * examples
+        for batch, (table, record) in sources.items():
+            table = table.replace_schema_metadata(None)
+            column = table.schema.get_field_index("example")
+            table = table.set_column(column, "example", pc.add(table["example"], shift))
+            record = {**{key: value for key, value in record.items() if key != "batch"},
+                      "examples": [example + shift for example in record["examples"]]}
+            number = copy_number * batches + batch
+            index.add(number, storage.write_part(target, number, table, record), written=True)
+    replicated = copy.deepcopy(manifest)
+    replicated["dataset"]["n_examples"] = examples * copies
+    replicated["synthetic"] = {"source": str(source), "copies": copies,
+                               "note": "the source run's parts replicated with new example indices (bench/scale.py)"}
+    for segment in replicated["segments"]:
+        index.fold_into(segment)
+    replicated.update(batches_total=batches * copies, batches_done=len(index.records), **index.tables(),
+                      solver=index.summary.solver(), deviations=index.summary.settings(),
+                      fidelity=index.summary.fidelity_summary())
+    storage.write_manifest(target, replicated)
+    return target
+
+
+def twin(run_dir: Path, target: Path) -> Path:
+    """A second run directory holding ``run_dir``'s manifest and hard links to its part files (no copy)."""
+    from probe import storage
+
+    if not target.exists():
+        (target / storage.PARTS).mkdir(parents=True)
+        shutil.copy(run_dir / storage.MANIFEST, target / storage.MANIFEST)
+        for path in storage.part_files(run_dir).values():
+            os.link(path, target / storage.PARTS / path.name)
+    return target
+
+
+def measure_size(run_dir: Path, work: Path, commands: list[str], env: dict, real: bool) -> dict:
+    """Every command of ``commands`` on ``run_dir``."""
+    from probe import storage
+
+    manifest = storage.read_manifest(run_dir)
+    parts = storage.part_files(run_dir)
+    on_disk = sum(path.stat().st_size for path in parts.values())
+    rows = manifest["solver"]["rows"]
+    result = {"rows": rows, "parts": len(parts), "bytes_on_disk": on_disk, "bytes_per_row": round(on_disk / rows, 2),
+              "commands": {}}
+    label = run_dir.name
+    todo = {
+        "end of run": lambda: python(END_OF_RUN, run_dir),
+        "report": lambda: probe_command("report", run_dir, "--out", work / f"report-{label}"),
+        "compare": lambda: probe_command("compare", run_dir, twin(run_dir, work / f"{label}-twin"),
+                                         "--out", work / f"compare-{label}"),
+        "export": lambda: probe_command("export", run_dir, "--to", work / f"export-{label}.parquet"),
+        "verify": lambda: probe_command("verify", run_dir, "--sample", "0"),
+        "verify sample": lambda: python(VERIFY_SAMPLE, run_dir),
+        "verify re-solve": lambda: probe_command("verify", run_dir),
+        "status": lambda: probe_command("status", run_dir),
+        "headline": lambda: python(HEADLINE, run_dir),
+    }
+    for name in [*commands, *(["verify re-solve"] if real and "verify" in commands else [])]:
+        log = work / f"{label}-{name.replace(' ', '-')}.log"
+        result["commands"][name] = measure(todo[name](), env, log)
+        print(f"  {rows:>12,} rows  {name:<16} {result['commands'][name]['peak_rss_mb']:>8,.0f} MB "
+              f"{result['commands'][name]['wall_s']:>8,.1f} s", flush=True)
+        for leftover in (work / f"export-{label}.parquet", work / f"report-{label}", work / f"compare-{label}",
+                         work / f"{label}-twin"):
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+            elif leftover.exists():
+                leftover.unlink()
+    return result
+
+
+def parse_sizes(text: str) -> list[int]:
+    return [int(float(size)) for size in text.split(",") if size.strip()]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1e6,1e7,1e8", help="row counts, comma separated (the first: the real run)")
+    parser.add_argument("--texts", type=int, default=444, help="texts of the real run (444: about 10^6 rows)")
+    parser.add_argument("--model", default=None, help="model directory [default: the real all-MiniLM-L6-v2]")
+    parser.add_argument("--commands", default=",".join(COMMANDS), help="which commands to measure")
+    parser.add_argument("--run-texts", default="300,3000", help="texts of the runs whose own memory is measured")
+    parser.add_argument("--run-max-length", type=int, default=64)
+    parser.add_argument("--budget", default=None, help="PROBE_MEMORY_BUDGET for the readers [default: probe's]")
+    parser.add_argument("--work", type=Path, default=None, help="where the runs go [default: a temporary directory]")
+    parser.add_argument("--keep", action="store_true", help="keep the runs")
+    parser.add_argument("--out", type=Path, default=HERE / "results_scale.json")
+    parser.add_argument("--figure", action="store_true", help="only redraw the figure from --out's results")
+    args = parser.parse_args(argv)
+    if args.figure:
+        draw_figure(json.loads(args.out.read_text()), FIGURE)
+        return 0
+
+    from machine import cpu_model, load_average
+
+    commands = [name.strip() for name in args.commands.split(",") if name.strip()]
+    unknown = set(commands) - set(COMMANDS)
+    if unknown:
+        parser.error(f"unknown commands {sorted(unknown)}: choose from {', '.join(COMMANDS)}")
+    env = child_env(args.budget)
+    work_parent = args.work or Path(tempfile.gettempdir())
+    work_parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="probe-scale-", dir=work_parent))
+    load_before = load_average()
+    results = {"written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_average_before": load_before},
+               "settings": {"texts": args.texts, "model": args.model or "all-MiniLM-L6-v2", "commands": commands,
+                            "memory_budget": args.budget or os.environ.get("PROBE_MEMORY_BUDGET") or "default",
+                            "texts_seed": TEXTS_SEED},
+               "targets": {"report": REPORT_TARGET, "run_growth": RUN_GROWTH_TARGET},
+               "run_memory": [], "sizes": []}
+    try:
+        for count in parse_sizes(args.run_texts):
+            print(f"probe run over {count:,} texts (--max-length {args.run_max_length})", flush=True)
+            measured = run_probe(two_sentence_texts(count), work, f"texts{count}", args.model, args.run_max_length, env)
+            shutil.rmtree(measured.pop("run_dir"))
+            results["run_memory"].append(measured)
+            print(f"  {measured['rows']:,} rows: {measured['peak_rss_mb']:,.0f} MB peak "
+                  f"({measured['run_phase_peak_rss_mb']:,.0f} MB before the final lines), {measured['wall_s']:,.0f} s")
+        sizes = parse_sizes(args.sizes)
+        if sizes:
+            print(f"the real run: {args.texts:,} texts", flush=True)
+            real = run_probe(two_sentence_texts(args.texts), work, "scale", args.model, 128, env)
+            source = Path(real.pop("run_dir"))
+            results["real_run"] = real
+            for size in sizes:
+                copies = max(1, round(size / real["rows"]))
+                run_dir = source if copies == 1 else replicate(source, copies, work / f"scale-x{copies}")
+                print(f"{copies} cop{'y' if copies == 1 else 'ies'} of the real run", flush=True)
+                measured = measure_size(run_dir, work, commands, env, real=copies == 1)
+                results["sizes"].append({"target_rows": size, "copies": copies, **measured})
+                if run_dir != source and not args.keep:
+                    shutil.rmtree(run_dir)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    results["machine"]["load_average_after"] = load_average()
+    results["verdicts"] = verdicts(results)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(results))
+    print(markdown(results))
+    if results["sizes"] and args.out.resolve() == (HERE / "results_scale.json").resolve():
+        draw_figure(results, FIGURE)
+    return 0
+
+
+def verdicts(results: dict) -> dict:
+    """The issue's targets against what was measured."""
+    out = {}
+    runs = results["run_memory"]
+    if len(runs) >= 2:
+        first, last = runs[0], runs[-1]
+        out["run_growth"] = {
+            "texts": [first["texts"], last["texts"]],
+            "peak_ratio": round(last["peak_rss_mb"] / first["peak_rss_mb"], 3),
+            "run_phase_peak_ratio": round(last["run_phase_peak_rss_mb"] / first["run_phase_peak_rss_mb"], 3),
+            "target": RUN_GROWTH_TARGET,
+        }
+        out["run_growth"]["met"] = out["run_growth"]["peak_ratio"] <= RUN_GROWTH_TARGET
+    reports = [(size["rows"], size["commands"]["report"]) for size in results["sizes"] if "report" in size["commands"]]
+    if reports:
+        rows, largest = max(reports, key=lambda item: item[0])
+        out["report_at_largest"] = {
+            "rows": rows, **largest, "target": REPORT_TARGET,
+            "met": largest["peak_rss_mb"] <= REPORT_TARGET["peak_rss_gb"] * 1000 and largest["wall_s"] <= REPORT_TARGET["wall_s"],
+        }
+    return out
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        "# Scale: memory and time of every command against the number of rows",
+        "",
+        f"Written by `bench/scale.py` on {results['written_at'][:10]} ({results['machine']['cpu']}, "
+        f"{results['machine']['cores']} cores shared with other work; 1-minute load average "
+        f"{(results['machine']['load_average_before'] or ['?'])[0]} before, "
+        f"{(results['machine']['load_average_after'] or ['?'])[0]} after). Peak resident set of each command's "
+        f"own process, wall time. Readers' memory budget: {results['settings']['memory_budget']}.",
+        "",
+    ]
+    if results["run_memory"]:
+        lines += [
+            "## The run's own memory",
+            "",
+            f"`probe run` of {results['settings']['model']} over texts of two sentences, `--max-length "
+            f"{results['run_memory'][0]['max_length']}`.",
+            "",
+            "| texts | rows | peak RSS (MB) | of which before the final lines (MB) | wall (s) |",
+            "|---|---|---|---|---|",
+        ]
+        for run in results["run_memory"]:
+            lines.append(f"| {run['texts']:,} | {run['rows']:,} | {run['peak_rss_mb']:,.0f} | "
+                         f"{run['run_phase_peak_rss_mb']:,.0f} | {run['wall_s']:,.0f} |")
+        growth = results["verdicts"].get("run_growth")
+        if growth:
+            lines += ["", f"Growth from {growth['texts'][0]:,} to {growth['texts'][1]:,} texts: {growth['peak_ratio']:.2f}x "
+                      f"(the run alone: {growth['run_phase_peak_ratio']:.2f}x); target at most {growth['target']}x: "
+                      f"{'met' if growth['met'] else '**not met**'}."]
+        lines.append("")
+    if results["sizes"]:
+        real = results["real_run"]
+        lines += [
+            "## Every command against the run's size",
+            "",
+            f"The smallest run is real ({real['texts']:,} texts, {real['rows']:,} rows, `probe run` {real['wall_s']:,.0f} s "
+            f"at {real['peak_rss_mb']:,.0f} MB); the larger ones are its parts replicated through the real writer.",
+            "",
+        ]
+        commands = list(dict.fromkeys(name for size in results["sizes"] for name in size["commands"]))
+        lines += ["| command | " + " | ".join(f"{size['rows']:,} rows" for size in results["sizes"]) + " |",
+                  "|---|" + "---|" * len(results["sizes"])]
+        lines.append("| bytes per row on disk | " + " | ".join(f"{size['bytes_per_row']:.1f}" for size in results["sizes"]) + " |")
+        for name in commands:
+            cells = []
+            for size in results["sizes"]:
+                got = size["commands"].get(name)
+                cells.append("" if got is None else f"{got['peak_rss_mb']:,.0f} MB, {got['wall_s']:,.1f} s")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        report = results["verdicts"].get("report_at_largest")
+        if report:
+            lines += ["", f"The report at {report['rows']:,} rows: {report['peak_rss_mb']:,.0f} MB, {report['wall_s']:,.0f} s; "
+                      f"target at most {report['target']['peak_rss_gb']} GB and {report['target']['wall_s'] // 60} minutes: "
+                      f"{'met' if report['met'] else '**not met**'}."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def draw_figure(results: dict, path: Path) -> None:
+    """Peak resident set and wall time of each command against the rows (log-log), from the results."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = results["sizes"]
+    commands = list(dict.fromkeys(name for size in sizes for name in size["commands"]))
+    figure, (memory, seconds) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for name in commands:
+        points = [(size["rows"], size["commands"][name]) for size in sizes if name in size["commands"]]
+        rows = [row for row, _ in points]
+        memory.plot(rows, [got["peak_rss_mb"] / 1000 for _, got in points], marker="o", label=name)
+        seconds.plot(rows, [got["wall_s"] for _, got in points], marker="o", label=name)
+    memory.axhline(REPORT_TARGET["peak_rss_gb"], color="grey", linestyle="--", linewidth=1)
+    seconds.axhline(REPORT_TARGET["wall_s"], color="grey", linestyle="--", linewidth=1)
+    for axis, label in ((memory, "peak resident set (GB)"), (seconds, "wall time (s)")):
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel("rows in the run")
+        axis.set_ylabel(label)
+        axis.grid(True, which="both", alpha=0.3)
+    seconds.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
