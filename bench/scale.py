@@ -270,6 +270,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="1e6,1e7,1e8", help="row counts, comma separated (the first: the real run)")
     parser.add_argument("--texts", type=int, default=444, help="texts of the real run (444: about 10^6 rows)")
     parser.add_argument("--model", default=None, help="model directory [default: the real all-MiniLM-L6-v2]")
+    parser.add_argument("--source", type=Path, default=None,
+                        help="a finished run to take as the real run instead of running the model (it is not deleted)")
     parser.add_argument("--commands", default=",".join(COMMANDS), help="which commands to measure")
     parser.add_argument("--run-texts", default="300,3000", help="texts of the runs whose own memory is measured")
     parser.add_argument("--run-max-length", type=int, default=64)
@@ -310,19 +312,24 @@ def main(argv=None) -> int:
             print(f"  {measured['rows']:,} rows: {measured['peak_rss_mb']:,.0f} MB peak "
                   f"({measured['run_phase_peak_rss_mb']:,.0f} MB before the final lines), {measured['wall_s']:,.0f} s")
         sizes = parse_sizes(args.sizes)
-        if sizes:
+        if sizes and args.source is not None:
+            source = args.source
+            manifest = json.loads((source / "manifest.json").read_text())
+            results["real_run"] = {"texts": manifest["dataset"]["n_examples"], "rows": manifest["solver"]["rows"],
+                                   "given": str(source)}
+        elif sizes:
             print(f"the real run: {args.texts:,} texts", flush=True)
             real = run_probe(two_sentence_texts(args.texts), work, "scale", args.model, 128, env)
             source = Path(real.pop("run_dir"))
             results["real_run"] = real
-            for size in sizes:
-                copies = max(1, round(size / real["rows"]))
-                run_dir = source if copies == 1 else replicate(source, copies, work / f"scale-x{copies}")
-                print(f"{copies} cop{'y' if copies == 1 else 'ies'} of the real run", flush=True)
-                measured = measure_size(run_dir, work, commands, env, real=copies == 1)
-                results["sizes"].append({"target_rows": size, "copies": copies, **measured})
-                if run_dir != source and not args.keep:
-                    shutil.rmtree(run_dir)
+        for size in sizes:
+            copies = max(1, round(size / results["real_run"]["rows"]))
+            run_dir = source if copies == 1 else replicate(source, copies, work / f"scale-x{copies}")
+            print(f"{copies} cop{'y' if copies == 1 else 'ies'} of the real run", flush=True)
+            measured = measure_size(run_dir, work, commands, env, real=copies == 1)
+            results["sizes"].append({"target_rows": size, "copies": copies, **measured})
+            if run_dir != source and not args.keep:
+                shutil.rmtree(run_dir)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -391,11 +398,13 @@ def markdown(results: dict) -> str:
         lines.append("")
     if results["sizes"]:
         real = results["real_run"]
+        made = (f"`probe run` {real['wall_s']:,.0f} s at {real['peak_rss_mb']:,.0f} MB" if "wall_s" in real
+                else f"given: {real['given']}")
         lines += [
             "## Every command against the run's size",
             "",
-            f"The smallest run is real ({real['texts']:,} texts, {real['rows']:,} rows, `probe run` {real['wall_s']:,.0f} s "
-            f"at {real['peak_rss_mb']:,.0f} MB); the larger ones are its parts replicated through the real writer.",
+            f"The smallest run is real ({real['texts']:,} texts, {real['rows']:,} rows, {made}); the larger ones are "
+            "its parts replicated through the real writer.",
             "",
         ]
         commands = list(dict.fromkeys(name for size in results["sizes"] for name in size["commands"]))

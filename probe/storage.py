@@ -58,7 +58,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from .errors import ProbeError
-from .schema import DEVIATION_SCHEMA, INTERVENTION_SCHEMA, ROW_KEY
+from .schema import DEVIATION_SCHEMA, INTERVENTION_KEY, INTERVENTION_SCHEMA, ROW_KEY
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -651,10 +651,21 @@ def read_interventions(run_dir: Path, columns=None, *, allow_damaged: bool = Fal
     return ds.dataset(files, format="parquet").to_table(columns=columns)
 
 
+#: rows per row group of an exported Parquet file
+EXPORT_ROW_GROUP_ROWS = 1 << 17
+#: rows per batch the export's sort hands over (DuckDB buffers a few of them within its memory limit)
+SORTED_BATCH_ROWS = 1 << 14
+
+
 def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: dict | None = None,
            table: str = PARTS) -> int:
     """Write a run's rows into one file, in the format its extension names (:data:`EXPORT_FORMATS`):
-    Parquet (one row group per batch) or CSV (with a header line); return the row count.
+    Parquet (row groups of :data:`EXPORT_ROW_GROUP_ROWS` rows) or CSV (with a header line); return the row count.
+
+    The rows are in their key's order, as ``Run.rows`` has them (:data:`probe.schema.ROW_KEY`; the
+    interventions' :data:`probe.schema.INTERVENTION_KEY`), sorted out of core: DuckDB sorts the part files
+    under the readers' memory budget, spilling to disk (:func:`probe.query.connect`), and the sorted rows
+    stream into the file batch by batch, so memory does not grow with the rows.
 
     The parts are checked first (:func:`require_intact`): a damaged run is refused unless
     ``allow_damaged``, and then a Parquet file's metadata carries the banner under ``probe.damaged``."""
@@ -684,8 +695,7 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
         schema = DEVIATION_SCHEMA
     else:
         schema = INTERVENTION_SCHEMA
-    if check.damaged:
-        schema = schema.with_metadata({b"probe.damaged": check.banner().encode()})
+    key = ROW_KEY if table == PARTS else INTERVENTION_KEY
     rows = 0
 
     def write(handle):
@@ -693,17 +703,50 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
         if to.suffix.lower() == ".csv":
             from pyarrow import csv
 
-            with csv.CSVWriter(handle, schema.remove_metadata()) as writer:
-                for path in files:
-                    table = pq.read_table(path).replace_schema_metadata(None)
-                    writer.write_table(table)
-                    rows += table.num_rows
+            with csv.CSVWriter(handle, schema) as writer:
+                for batch in sorted_batches(files, schema, key):
+                    writer.write_batch(batch)
+                    rows += batch.num_rows
             return
-        with pq.ParquetWriter(handle, schema, **_parquet_options(schema)) as writer:
-            for path in files:
-                table = pq.read_table(path).replace_schema_metadata(schema.metadata)
-                writer.write_table(table)
-                rows += table.num_rows
+        damaged = {b"probe.damaged": check.banner().encode()} if check.damaged else None
+        with pq.ParquetWriter(handle, schema.with_metadata(damaged) if damaged else schema,
+                              **_parquet_options(schema)) as writer:
+            group: list[pa.RecordBatch] = []  # the batches of the row group being filled
+            for batch in sorted_batches(files, schema, key):
+                group.append(batch)
+                rows += batch.num_rows
+                if sum(each.num_rows for each in group) >= EXPORT_ROW_GROUP_ROWS:
+                    writer.write_table(pa.Table.from_batches(group), row_group_size=EXPORT_ROW_GROUP_ROWS)
+                    group = []
+            if group:
+                writer.write_table(pa.Table.from_batches(group), row_group_size=EXPORT_ROW_GROUP_ROWS)
 
     _replace_atomically(to, write)
     return rows
+
+
+def sorted_batches(files, schema: pa.Schema, key):
+    """The rows of part ``files`` (with ``schema``'s columns) in the order of the columns ``key``, as record
+    batches of at most :data:`SORTED_BATCH_ROWS` rows: DuckDB's out-of-core sort (:func:`probe.query.connect`).
+
+    On one thread: with two, DuckDB's sort sometimes failed to pin a block under a small memory limit (64 MB,
+    on 0.6M rows), and on this 2-core machine it was no faster (bench/NOTES.md)."""
+    if not files:
+        return
+    from .query import connect, parquet_source
+
+    def quoted(name: str) -> str:
+        return '"' + name.replace('"', '""') + '"'
+
+    connection = connect(threads=1)
+    try:
+        relation = connection.sql(f"SELECT {', '.join(map(quoted, schema.names))} FROM {parquet_source(files)} "
+                                  f"ORDER BY {', '.join(map(quoted, key))}")
+        for batch in relation.to_arrow_reader(SORTED_BATCH_ROWS):
+            if not batch.num_rows:
+                continue
+            if not batch.schema.equals(schema):  # DuckDB's own types where Arrow has several (string views)
+                batch = pa.Table.from_batches([batch]).cast(schema).combine_chunks().to_batches()[0]
+            yield batch
+    finally:
+        connection.close()
