@@ -92,17 +92,15 @@ MAX_ROW_GROUP_ROWS = 1 << 20
 
 
 def _parquet_options(schema: pa.Schema) -> dict:
-    """How tables are written, losslessly (bench/results_storage.md): zstd; the float measurements (float64,
-    as certified) split into their bytes' streams (``BYTE_STREAM_SPLIT``: the exponents' bytes, which repeat,
-    compress; the mantissas' do not) and never dictionary-encoded (they rarely repeat, and trying a
-    dictionary before falling back made writing 2.7x slower); dictionaries for the columns whose values
-    repeat (names, indices, flags)."""
-    floats = [field.name for field in schema if pa.types.is_floating(field.type)]
+    """How tables are written, losslessly (bench/results_storage.md): zstd; dictionaries for the columns whose
+    values repeat (names, indices, flags), none for the float measurements (float64, as certified: they rarely
+    repeat, and trying a dictionary before falling back made writing 2.7x slower).  The floats are not
+    byte-stream-split: that would save a few percent more, but Spark's default Parquet reader cannot decode
+    it, and the run directory is meant to be read anywhere."""
     return {
         "compression": COMPRESSION,
         "compression_level": COMPRESSION_LEVEL,
-        "use_dictionary": [field.name for field in schema if field.name not in floats],
-        "column_encoding": dict.fromkeys(floats, "BYTE_STREAM_SPLIT"),
+        "use_dictionary": [field.name for field in schema if not pa.types.is_floating(field.type)],
     }
 
 
