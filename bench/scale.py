@@ -30,8 +30,8 @@ not one the model would make, so ``probe verify`` can re-solve rows of the real 
 the longest batch has the same shape at both sizes (a run's working set is set by its longest batch, tokens
 squared, which grows with the number of texts only through the longest text drawn).
 
-Results: ``bench/results_scale.json`` and ``.md``; ``--figure`` redraws ``docs/images/large-runs-scale.png``
-from the JSON.  The runs go under ``--work`` (default: the system's temporary directory; 10^8 rows take
+Results: ``bench/results_scale.json`` and ``.md``, and in ``docs/large-runs.md`` the figure
+``docs/images/large-runs-scale.png`` and a table (``--figure`` redraws both from the JSON).  The runs go under ``--work`` (default: the system's temporary directory; 10^8 rows take
 about 6 GB, 10^7 about 650 MB) and are deleted at the end unless ``--keep``.
 
     python bench/scale.py                                   # 10^6, 10^7, 10^8 rows; 300 and 3,000 texts
@@ -66,6 +66,7 @@ REPORT_TARGET = {"peak_rss_gb": 1.5, "wall_s": 15 * 60}
 RUN_GROWTH_TARGET = 1.15
 COMMANDS = ("end of run", "report", "compare", "export", "verify", "verify sample", "status", "headline")
 FIGURE = ROOT / "docs" / "images" / "large-runs-scale.png"
+DOCS = ROOT / "docs" / "large-runs.md"
 
 
 def two_sentence_texts(count: int, seed: int = TEXTS_SEED) -> list[str]:
@@ -282,7 +283,7 @@ def main(argv=None) -> int:
     parser.add_argument("--figure", action="store_true", help="only redraw the figure from --out's results")
     args = parser.parse_args(argv)
     if args.figure:
-        draw_figure(json.loads(args.out.read_text()), FIGURE)
+        publish(json.loads(args.out.read_text()))
         return 0
 
     from machine import cpu_model, load_average
@@ -338,8 +339,8 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(results))
     print(markdown(results))
-    if results["sizes"] and args.out.resolve() == (HERE / "results_scale.json").resolve():
-        draw_figure(results, FIGURE)
+    if args.out.resolve() == (HERE / "results_scale.json").resolve():  # the committed results: the docs follow
+        publish(results)
     return 0
 
 
@@ -366,6 +367,72 @@ def verdicts(results: dict) -> dict:
     return out
 
 
+def run_memory_lines(results: dict) -> list[str]:
+    """The run's own memory at each --run-texts, as a table, and its growth against the target."""
+    lines = [
+        f"`probe run` of {results['settings']['model']} over texts of two sentences, `--max-length "
+        f"{results['run_memory'][0]['max_length']}`:",
+        "",
+        "| texts | rows | peak resident set | of which before the final lines | wall time |",
+        "|---|---|---|---|---|",
+    ]
+    for run in results["run_memory"]:
+        lines.append(f"| {run['texts']:,} | {run['rows']:,} | {run['peak_rss_mb']:,.0f} MB | "
+                     f"{run['run_phase_peak_rss_mb']:,.0f} MB | {run['wall_s']:,.0f} s |")
+    growth = results["verdicts"].get("run_growth")
+    if growth:
+        lines += ["", f"From {growth['texts'][0]:,} to {growth['texts'][1]:,} texts the peak grows {growth['peak_ratio']:.2f}x "
+                  f"(the run before its final lines: {growth['run_phase_peak_ratio']:.2f}x); the target is at most "
+                  f"{growth['target']}x: {'met' if growth['met'] else '**not met**'}."]
+    return lines
+
+
+def command_lines(results: dict) -> list[str]:
+    """Every command's peak resident set and wall time at each size, as a table, and the report's target."""
+    sizes = results["sizes"]
+    commands = list(dict.fromkeys(name for size in sizes for name in size["commands"]))
+    lines = ["| command | " + " | ".join(f"{size['rows']:,} rows" for size in sizes) + " |",
+             "|---|" + "---|" * len(sizes),
+             "| bytes per row on disk | " + " | ".join(f"{size['bytes_per_row']:.1f}" for size in sizes) + " |"]
+    for name in commands:
+        cells = []
+        for size in sizes:
+            got = size["commands"].get(name)
+            cells.append("" if got is None else f"{got['peak_rss_mb']:,.0f} MB, {got['wall_s']:,.1f} s")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    report = results["verdicts"].get("report_at_largest")
+    if report:
+        lines += ["", f"The report at {report['rows']:,} rows: {report['peak_rss_mb']:,.0f} MB, {report['wall_s']:,.0f} s; "
+                  f"the target is at most {report['target']['peak_rss_gb']} GB and {report['target']['wall_s'] // 60} "
+                  f"minutes: {'met' if report['met'] else '**not met**'}."]
+    return lines
+
+
+def docs_block(results: dict) -> str:
+    """What docs/large-runs.md shows of the results, between its ``scale:table`` markers."""
+    lines = []
+    if results["sizes"]:
+        lines += command_lines(results) + [""]
+    if results["run_memory"]:
+        lines += run_memory_lines(results) + [""]
+    lines.append(f"Measured on {results['written_at'][:10]}, {results['machine']['cpu']}, "
+                 f"{results['machine']['cores']} cores; readers' budget: {results['settings']['memory_budget']}.")
+    return "\n".join(lines)
+
+
+def fill_markers(path: Path, values: dict) -> None:
+    """Replace what stands between ``<!-- NAME -->`` and ``<!-- /NAME -->`` in ``path`` by ``values[NAME]``."""
+    import re
+
+    text = path.read_text(encoding="utf-8")
+    for name, value in values.items():
+        text, found = re.subn(rf"(<!-- {re.escape(name)} -->).*?(<!-- /{re.escape(name)} -->)",
+                              lambda match: f"{match.group(1)}{value}{match.group(2)}", text, flags=re.S)
+        if not found:
+            raise SystemExit(f"{path} has no <!-- {name} --> marker")
+    path.write_text(text, encoding="utf-8")
+
+
 def markdown(results: dict) -> str:
     lines = [
         "# Scale: memory and time of every command against the number of rows",
@@ -378,24 +445,7 @@ def markdown(results: dict) -> str:
         "",
     ]
     if results["run_memory"]:
-        lines += [
-            "## The run's own memory",
-            "",
-            f"`probe run` of {results['settings']['model']} over texts of two sentences, `--max-length "
-            f"{results['run_memory'][0]['max_length']}`.",
-            "",
-            "| texts | rows | peak RSS (MB) | of which before the final lines (MB) | wall (s) |",
-            "|---|---|---|---|---|",
-        ]
-        for run in results["run_memory"]:
-            lines.append(f"| {run['texts']:,} | {run['rows']:,} | {run['peak_rss_mb']:,.0f} | "
-                         f"{run['run_phase_peak_rss_mb']:,.0f} | {run['wall_s']:,.0f} |")
-        growth = results["verdicts"].get("run_growth")
-        if growth:
-            lines += ["", f"Growth from {growth['texts'][0]:,} to {growth['texts'][1]:,} texts: {growth['peak_ratio']:.2f}x "
-                      f"(the run alone: {growth['run_phase_peak_ratio']:.2f}x); target at most {growth['target']}x: "
-                      f"{'met' if growth['met'] else '**not met**'}."]
-        lines.append("")
+        lines += ["## The run's own memory", "", *run_memory_lines(results), ""]
     if results["sizes"]:
         real = results["real_run"]
         made = (f"`probe run` {real['wall_s']:,.0f} s at {real['peak_rss_mb']:,.0f} MB" if "wall_s" in real
@@ -406,24 +456,17 @@ def markdown(results: dict) -> str:
             f"The smallest run is real ({real['texts']:,} texts, {real['rows']:,} rows, {made}); the larger ones are "
             "its parts replicated through the real writer.",
             "",
+            *command_lines(results),
+            "",
         ]
-        commands = list(dict.fromkeys(name for size in results["sizes"] for name in size["commands"]))
-        lines += ["| command | " + " | ".join(f"{size['rows']:,} rows" for size in results["sizes"]) + " |",
-                  "|---|" + "---|" * len(results["sizes"])]
-        lines.append("| bytes per row on disk | " + " | ".join(f"{size['bytes_per_row']:.1f}" for size in results["sizes"]) + " |")
-        for name in commands:
-            cells = []
-            for size in results["sizes"]:
-                got = size["commands"].get(name)
-                cells.append("" if got is None else f"{got['peak_rss_mb']:,.0f} MB, {got['wall_s']:,.1f} s")
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        report = results["verdicts"].get("report_at_largest")
-        if report:
-            lines += ["", f"The report at {report['rows']:,} rows: {report['peak_rss_mb']:,.0f} MB, {report['wall_s']:,.0f} s; "
-                      f"target at most {report['target']['peak_rss_gb']} GB and {report['target']['wall_s'] // 60} minutes: "
-                      f"{'met' if report['met'] else '**not met**'}."]
-        lines.append("")
     return "\n".join(lines)
+
+
+def publish(results: dict) -> None:
+    """The figure and the table of docs/large-runs.md, from the results."""
+    if results["sizes"]:
+        draw_figure(results, FIGURE)
+    fill_markers(DOCS, {"scale:table": "\n" + docs_block(results) + "\n"})
 
 
 def draw_figure(results: dict, path: Path) -> None:

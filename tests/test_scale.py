@@ -210,3 +210,61 @@ def test_the_scale_benchmark_builds_valid_runs_and_measures_them(tiny_bert_dir, 
     result = CliRunner().invoke(app, ["verify", str(copy_dir), "--sample", "0"])
     assert result.exit_code == 0, result.output
     assert "| export |" in out.with_suffix(".md").read_text()
+
+
+# ------------------------------------------------------------------------------------- docs/large-runs.md
+
+DOCS = ROOT / "docs" / "large-runs.md"
+
+
+def bench_module(name: str):
+    """A script of bench/ as a module (bench/ is not a package)."""
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_docs_snippets_read_a_run_as_pandas_does(large_run):
+    """The page's DuckDB and polars snippets (its Python blocks but Spark's) on a run of twelve parts: per
+    layer and head, the rows, mean, linear 95th percentile and maximum of pandas over the whole table."""
+    import re
+
+    import pandas as pd
+
+    run_dir, _ = large_run
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
+    tested = [block for block in blocks if "pyspark" not in block]
+    assert len(tested) == 2 and any("duckdb" in b for b in tested) and any("polars" in b for b in tested)
+    rows = pd.read_parquet(run_dir / storage.PARTS, columns=["space", "alpha", "trivial", "layer", "head",
+                                                             "rel_deviation"])
+    rows = rows[(rows["space"] == "hidden") & (rows["alpha"] == 1) & ~rows["trivial"]]
+    grouped = rows.groupby(["layer", "head"], sort=True)["rel_deviation"]
+    expected = pd.DataFrame({"rows": grouped.count(), "mean": grouped.mean(), "p95": grouped.quantile(0.95),
+                             "max": grouped.max()}).reset_index()
+    for block in tested:
+        scope: dict = {}
+        exec(block.replace("RUN_DIR", str(run_dir)), scope)
+        got = scope["per_head"]
+        got = got.to_pandas() if hasattr(got, "to_pandas") else got
+        assert list(got.columns) == list(expected.columns)
+        for column in expected.columns:
+            np.testing.assert_allclose(got[column].to_numpy(float), expected[column].to_numpy(float), rtol=1e-12,
+                                       err_msg=column)
+
+
+def test_the_docs_numbers_are_the_results_files():
+    """docs/large-runs.md quotes bench/results_storage.json, and its table is bench/results_scale.json's."""
+    import re
+
+    text = DOCS.read_text()
+    storage_results = json.loads((ROOT / "bench" / "results_storage.json").read_text())
+    for name, value in bench_module("storage").docs_values(storage_results).items():
+        assert f"<!-- {name} -->{value}<!-- /{name} -->" in text, name
+    scale_results = ROOT / "bench" / "results_scale.json"
+    if scale_results.exists():  # written by the benchmark's full run
+        block = re.search(r"<!-- scale:table -->\n(.*?)\n<!-- /scale:table -->", text, flags=re.S).group(1)
+        assert block == bench_module("scale").docs_block(json.loads(scale_results.read_text()))
