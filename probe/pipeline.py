@@ -779,20 +779,22 @@ INTERVENTION_MEANS = ("hidden_change", "embedding_cosine", "lm_loss_original", "
 
 
 def _intervention_totals(run_dir: Path, manifest: dict) -> dict:
-    """The interventions' totals, read back from their part files by one streaming aggregate
-    (:mod:`probe.query`, on one thread; no record is held): records, and per (space, alpha, substitute) and mode (per-site:
-    every site's records together; whole) the records, solves not converged and mean effects (over the
-    values that are numbers: ``None`` where there is none, as for the LM loss without an LM head)."""
+    """The interventions' totals, read back from their part files by one streaming aggregate (:mod:`probe.query`;
+    no record is held): records, and per (space, alpha, substitute) and mode (per-site: every site's records
+    together; whole) the records, solves not converged and mean effects (over the values that are numbers:
+    ``None`` where there is none, as for the LM loss without an LM head).  On one thread, so that the sums
+    are taken in one order and a resumed run's totals equal an uninterrupted one's."""
     from .query import connect, parquet_source
 
     files = list(storage.part_files(run_dir, storage.INTERVENTIONS).values())
     if not files:
         return {"records": 0, "means": []}
-    means = ", ".join(f'avg("{name}") FILTER (WHERE NOT isnan("{name}")) AS "mean_{name}"' for name in INTERVENTION_MEANS)
+    means = ", ".join(f'avg("{name}") FILTER (WHERE NOT isnan("{name}")) AS "mean_{name}"'
+                      for name in INTERVENTION_MEANS)
     sql = (f"SELECT space, alpha, substitute, CASE WHEN site = 'whole' THEN 'whole' ELSE 'per-site' END AS mode, "
            f"count(*) AS records, sum(solver_not_converged) AS solver_not_converged, {means} "
            f"FROM {parquet_source(files)} GROUP BY ALL ORDER BY space, alpha, substitute, mode")
-    connection = connect(threads=1)  # one thread: the sums in one order, so a resumed run's equal an uninterrupted one's
+    connection = connect(threads=1)
     try:
         cursor = connection.execute(sql)
         names = [column[0] for column in cursor.description]

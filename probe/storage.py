@@ -18,6 +18,11 @@ them.  A part file's name identifies its batch, and batches are deterministic gi
 so redoing a batch rewrites the same file: nothing is ever duplicated.  The manifest is replaced the
 same way (temporary file, fsync, rename).
 
+Inside a part file the rows are in the row key's order (:data:`probe.schema.ROW_KEY`), with a row group per
+(space, alpha, attention type, layer) slice, so that a reader filtering on a slice skips the others; zstd
+(:func:`_parquet_options`; bench/results_storage.md).  Parts written before that hold one row group, their rows
+in the order they were solved; every reader takes both.
+
 Each part carries, in its parquet metadata under ``probe.batch``, the batch's number, example indices,
 solver/fidelity summary and timing; totals over a run are folded from these, so they are right however
 many processes (segments, ranks) wrote the parts.
@@ -709,13 +714,14 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
         damaged = {b"probe.damaged": check.banner().encode()} if check.damaged else None
         with pq.ParquetWriter(handle, schema.with_metadata(damaged) if damaged else schema,
                               **_parquet_options(schema)) as writer:
-            group: list[pa.RecordBatch] = []  # the batches of the row group being filled
+            group: list[pa.RecordBatch] = []  # the batches of the row group being filled, and their rows
+            filled = 0
             for batch in sorted_batches(files, schema, key):
                 group.append(batch)
-                rows += batch.num_rows
-                if sum(each.num_rows for each in group) >= EXPORT_ROW_GROUP_ROWS:
+                rows, filled = rows + batch.num_rows, filled + batch.num_rows
+                if filled >= EXPORT_ROW_GROUP_ROWS:
                     writer.write_table(pa.Table.from_batches(group), row_group_size=EXPORT_ROW_GROUP_ROWS)
-                    group = []
+                    group, filled = [], 0
             if group:
                 writer.write_table(pa.Table.from_batches(group), row_group_size=EXPORT_ROW_GROUP_ROWS)
 
