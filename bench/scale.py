@@ -10,8 +10,8 @@ are folded from the parts' own summaries, as a run folds them.  So they pass the
 and ``probe verify``'s checksum pass, and their rows have the real run's distribution.  (Their batch plan is
 not one the model would make, so ``probe verify`` can re-solve rows of the real run only.)
 
-**The commands**, each in a child process: its peak resident set is that child's own ``ru_maxrss``
-(GNU time's ``%M``), its time the wall clock.
+**The commands**, each in a child process: its peak resident set (GNU time's ``%M``: the command's own
+process) and its wall time.
 
 * ``end of run``: what the pipeline does after its last batch: the manifest's totals folded from every
   part's record (:class:`probe.pipeline._PartIndex`, as rank 0 and ``probe resume`` fold them) and written
@@ -26,16 +26,20 @@ not one the model would make, so ``probe verify`` can re-solve rows of the real 
 * ``headline``: ``probe.load(RUN).headline()``.
 
 **The run's own memory** (``--run-texts``, default 300 and 3,000 texts): ``probe run``'s peak resident set
-(the run and its final lines; and the run alone, before its final lines), with ``--max-length 64``, so that
-the longest batch has the same shape at both sizes (a run's working set is set by its longest batch, tokens
-squared, which grows with the number of texts only through the longest text drawn).
+(the run and its final lines; and the run alone, before its final lines), over texts of six sentences cut at
+``--max-length 64``, so that (almost) every batch has the same shape at both sizes and the runs differ in
+the number of texts only.  A run's working set is set by its largest batches (tokens squared, and the
+heap's pages settle over the first few of them): with texts of natural lengths, more texts also bring longer
+ones and more batches of the largest shape, which is another variable (bench/NOTES.md).
 
 Results: ``bench/results_scale.json`` and ``.md``, and in ``docs/large-runs.md`` the figure
-``docs/images/large-runs-scale.png`` and a table (``--figure`` redraws both from the JSON).  The runs go under ``--work`` (default: the system's temporary directory; 10^8 rows take
-about 6 GB, 10^7 about 650 MB) and are deleted at the end unless ``--keep``.
+``docs/images/large-runs-scale.png`` and a table (``--figure`` redraws both from the JSON).  A section not
+measured (``--sizes ''`` or ``--run-texts ''``) is kept from the results file.  The runs go under ``--work``
+(default: the system's temporary directory; 10^8 rows take about 7 GB, 10^7 about 700 MB, and the export's
+sort spills about as much again) and are deleted at the end unless ``--keep``.
 
     python bench/scale.py                                   # 10^6, 10^7, 10^8 rows; 300 and 3,000 texts
-    python bench/scale.py --sizes 1e6,1e7 --run-texts ''    # the two smaller sizes only
+    python bench/scale.py --sizes 1e6,1e7 --run-texts ''    # the two smaller sizes only (the run's memory kept)
     python bench/scale.py --figure                          # redraw the figure from the results file
 """
 
@@ -69,13 +73,13 @@ FIGURE = ROOT / "docs" / "images" / "large-runs-scale.png"
 DOCS = ROOT / "docs" / "large-runs.md"
 
 
-def two_sentence_texts(count: int, seed: int = TEXTS_SEED) -> list[str]:
-    """``count`` texts, each two sentences of the embedded corpus drawn at random (with ``seed``)."""
+def corpus_texts(count: int, sentences: int = 2, seed: int = TEXTS_SEED) -> list[str]:
+    """``count`` texts, each ``sentences`` sentences of the embedded corpus drawn at random (with ``seed``)."""
     from probe.data import embedded_corpus
 
-    sentences = embedded_corpus()
+    corpus = embedded_corpus()
     draw = random.Random(seed)
-    return [f"{draw.choice(sentences)} {draw.choice(sentences)}" for _ in range(count)]
+    return [" ".join(draw.choice(corpus) for _ in range(sentences)) for _ in range(count)]
 
 
 def child_env(budget: str | None = None) -> dict:
@@ -275,6 +279,7 @@ def main(argv=None) -> int:
                         help="a finished run to take as the real run instead of running the model (it is not deleted)")
     parser.add_argument("--commands", default=",".join(COMMANDS), help="which commands to measure")
     parser.add_argument("--run-texts", default="300,3000", help="texts of the runs whose own memory is measured")
+    parser.add_argument("--run-sentences", type=int, default=6, help="sentences per text of those runs")
     parser.add_argument("--run-max-length", type=int, default=64)
     parser.add_argument("--budget", default=None, help="PROBE_MEMORY_BUDGET for the readers [default: probe's]")
     parser.add_argument("--work", type=Path, default=None, help="where the runs go [default: a temporary directory]")
@@ -296,45 +301,62 @@ def main(argv=None) -> int:
     work_parent = args.work or Path(tempfile.gettempdir())
     work_parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="probe-scale-", dir=work_parent))
-    load_before = load_average()
-    results = {"written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_average_before": load_before},
-               "settings": {"texts": args.texts, "model": args.model or "all-MiniLM-L6-v2", "commands": commands,
-                            "memory_budget": args.budget or os.environ.get("PROBE_MEMORY_BUDGET") or "default",
-                            "texts_seed": TEXTS_SEED},
+    # a section this call does not measure is kept from the results file it writes
+    earlier = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
                "targets": {"report": REPORT_TARGET, "run_growth": RUN_GROWTH_TARGET},
-               "run_memory": [], "sizes": []}
+               "run_memory": earlier.get("run_memory"), "scale": earlier.get("scale")}
+    model = args.model or "all-MiniLM-L6-v2"
+
+    def section(settings: dict) -> dict:
+        return {"measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "load_average_before": load_average(), "settings": {"model": model, **settings}}
+
     try:
-        for count in parse_sizes(args.run_texts):
-            print(f"probe run over {count:,} texts (--max-length {args.run_max_length})", flush=True)
-            measured = run_probe(two_sentence_texts(count), work, f"texts{count}", args.model, args.run_max_length, env)
-            shutil.rmtree(measured.pop("run_dir"))
-            results["run_memory"].append(measured)
-            print(f"  {measured['rows']:,} rows: {measured['peak_rss_mb']:,.0f} MB peak "
-                  f"({measured['run_phase_peak_rss_mb']:,.0f} MB before the final lines), {measured['wall_s']:,.0f} s")
+        counts = parse_sizes(args.run_texts)
+        if counts:
+            memory = section({"sentences": args.run_sentences, "max_length": args.run_max_length,
+                              "texts_seed": TEXTS_SEED})
+            memory["runs"] = []
+            for count in counts:
+                print(f"probe run over {count:,} texts of {args.run_sentences} sentences (--max-length "
+                      f"{args.run_max_length})", flush=True)
+                measured = run_probe(corpus_texts(count, args.run_sentences), work, f"texts{count}", args.model,
+                                     args.run_max_length, env)
+                shutil.rmtree(measured.pop("run_dir"))
+                memory["runs"].append(measured)
+                print(f"  {measured['rows']:,} rows: {measured['peak_rss_mb']:,.0f} MB peak "
+                      f"({measured['run_phase_peak_rss_mb']:,.0f} MB before the final lines), {measured['wall_s']:,.0f} s")
+            memory["load_average_after"] = load_average()
+            results["run_memory"] = memory
         sizes = parse_sizes(args.sizes)
-        if sizes and args.source is not None:
-            source = args.source
-            manifest = json.loads((source / "manifest.json").read_text())
-            results["real_run"] = {"texts": manifest["dataset"]["n_examples"], "rows": manifest["solver"]["rows"],
-                                   "given": str(source)}
-        elif sizes:
-            print(f"the real run: {args.texts:,} texts", flush=True)
-            real = run_probe(two_sentence_texts(args.texts), work, "scale", args.model, 128, env)
-            source = Path(real.pop("run_dir"))
-            results["real_run"] = real
-        for size in sizes:
-            copies = max(1, round(size / results["real_run"]["rows"]))
-            run_dir = source if copies == 1 else replicate(source, copies, work / f"scale-x{copies}")
-            print(f"{copies} cop{'y' if copies == 1 else 'ies'} of the real run", flush=True)
-            measured = measure_size(run_dir, work, commands, env, real=copies == 1)
-            results["sizes"].append({"target_rows": size, "copies": copies, **measured})
-            if run_dir != source and not args.keep:
-                shutil.rmtree(run_dir)
+        if sizes:
+            scale = section({"texts": args.texts, "commands": commands, "texts_seed": TEXTS_SEED,
+                             "memory_budget": args.budget or os.environ.get("PROBE_MEMORY_BUDGET") or "default"})
+            if args.source is not None:
+                source = args.source
+                manifest = json.loads((source / "manifest.json").read_text())
+                scale["real_run"] = {"texts": manifest["dataset"]["n_examples"], "rows": manifest["solver"]["rows"],
+                                     "given": str(source)}
+            else:
+                print(f"the real run: {args.texts:,} texts", flush=True)
+                real = run_probe(corpus_texts(args.texts), work, "scale", args.model, 128, env)
+                source = Path(real.pop("run_dir"))
+                scale["real_run"] = real
+            scale["sizes"] = []
+            for size in sizes:
+                copies = max(1, round(size / scale["real_run"]["rows"]))
+                run_dir = source if copies == 1 else replicate(source, copies, work / f"scale-x{copies}")
+                print(f"{copies} cop{'y' if copies == 1 else 'ies'} of the real run", flush=True)
+                measured = measure_size(run_dir, work, commands, env, real=copies == 1)
+                scale["sizes"].append({"target_rows": size, "copies": copies, **measured})
+                if run_dir != source and not args.keep:
+                    shutil.rmtree(run_dir)
+            scale["load_average_after"] = load_average()
+            results["scale"] = scale
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    results["machine"]["load_average_after"] = load_average()
     results["verdicts"] = verdicts(results)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(results))
@@ -347,7 +369,7 @@ def main(argv=None) -> int:
 def verdicts(results: dict) -> dict:
     """The issue's targets against what was measured."""
     out = {}
-    runs = results["run_memory"]
+    runs = (results["run_memory"] or {}).get("runs", [])
     if len(runs) >= 2:
         first, last = runs[0], runs[-1]
         out["run_growth"] = {
@@ -357,7 +379,8 @@ def verdicts(results: dict) -> dict:
             "target": RUN_GROWTH_TARGET,
         }
         out["run_growth"]["met"] = out["run_growth"]["peak_ratio"] <= RUN_GROWTH_TARGET
-    reports = [(size["rows"], size["commands"]["report"]) for size in results["sizes"] if "report" in size["commands"]]
+    sizes = (results["scale"] or {}).get("sizes", [])
+    reports = [(size["rows"], size["commands"]["report"]) for size in sizes if "report" in size["commands"]]
     if reports:
         rows, largest = max(reports, key=lambda item: item[0])
         out["report_at_largest"] = {
@@ -367,19 +390,28 @@ def verdicts(results: dict) -> dict:
     return out
 
 
+def when(section: dict) -> str:
+    """When and under what load a section of the results was measured."""
+    before, after = section.get("load_average_before"), section.get("load_average_after")
+    return (f"measured on {section['measured_at'][:10]}, 1-minute load average {before[0] if before else '?'} before "
+            f"and {after[0] if after else '?'} after")
+
+
 def run_memory_lines(results: dict) -> list[str]:
     """The run's own memory at each --run-texts, as a table, and its growth against the target."""
+    memory = results["run_memory"]
+    settings = memory["settings"]
     lines = [
-        f"`probe run` of {results['settings']['model']} over texts of two sentences, `--max-length "
-        f"{results['run_memory'][0]['max_length']}`:",
+        f"`probe run` of {settings['model']} over texts of {settings['sentences']} sentences, `--max-length "
+        f"{settings['max_length']}` ({when(memory)}):",
         "",
         "| texts | rows | peak resident set | of which before the final lines | wall time |",
         "|---|---|---|---|---|",
     ]
-    for run in results["run_memory"]:
+    for run in memory["runs"]:
         lines.append(f"| {run['texts']:,} | {run['rows']:,} | {run['peak_rss_mb']:,.0f} MB | "
                      f"{run['run_phase_peak_rss_mb']:,.0f} MB | {run['wall_s']:,.0f} s |")
-    growth = results["verdicts"].get("run_growth")
+    growth = verdicts(results).get("run_growth")
     if growth:
         lines += ["", f"From {growth['texts'][0]:,} to {growth['texts'][1]:,} texts the peak grows {growth['peak_ratio']:.2f}x "
                   f"(the run before its final lines: {growth['run_phase_peak_ratio']:.2f}x); the target is at most "
@@ -389,9 +421,11 @@ def run_memory_lines(results: dict) -> list[str]:
 
 def command_lines(results: dict) -> list[str]:
     """Every command's peak resident set and wall time at each size, as a table, and the report's target."""
-    sizes = results["sizes"]
+    scale = results["scale"]
+    sizes = scale["sizes"]
     commands = list(dict.fromkeys(name for size in sizes for name in size["commands"]))
-    lines = ["| command | " + " | ".join(f"{size['rows']:,} rows" for size in sizes) + " |",
+    lines = [f"Readers' memory budget: {scale['settings']['memory_budget']}; {when(scale)}.", "",
+             "| command | " + " | ".join(f"{size['rows']:,} rows" for size in sizes) + " |",
              "|---|" + "---|" * len(sizes),
              "| bytes per row on disk | " + " | ".join(f"{size['bytes_per_row']:.1f}" for size in sizes) + " |"]
     for name in commands:
@@ -400,7 +434,7 @@ def command_lines(results: dict) -> list[str]:
             got = size["commands"].get(name)
             cells.append("" if got is None else f"{got['peak_rss_mb']:,.0f} MB, {got['wall_s']:,.1f} s")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    report = results["verdicts"].get("report_at_largest")
+    report = verdicts(results).get("report_at_largest")
     if report:
         lines += ["", f"The report at {report['rows']:,} rows: {report['peak_rss_mb']:,.0f} MB, {report['wall_s']:,.0f} s; "
                   f"the target is at most {report['target']['peak_rss_gb']} GB and {report['target']['wall_s'] // 60} "
@@ -411,12 +445,12 @@ def command_lines(results: dict) -> list[str]:
 def docs_block(results: dict) -> str:
     """What docs/large-runs.md shows of the results, between its ``scale:table`` markers."""
     lines = []
-    if results["sizes"]:
-        lines += command_lines(results) + [""]
+    if results["scale"]:
+        lines += ["**Every command** on runs of each size, peak resident set and wall time:", "",
+                  *command_lines(results), ""]
     if results["run_memory"]:
-        lines += run_memory_lines(results) + [""]
-    lines.append(f"Measured on {results['written_at'][:10]}, {results['machine']['cpu']}, "
-                 f"{results['machine']['cores']} cores; readers' budget: {results['settings']['memory_budget']}.")
+        lines += ["**The run's own memory.**", "", *run_memory_lines(results), ""]
+    lines.append(f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores shared with other work.")
     return "\n".join(lines)
 
 
@@ -437,24 +471,21 @@ def markdown(results: dict) -> str:
     lines = [
         "# Scale: memory and time of every command against the number of rows",
         "",
-        f"Written by `bench/scale.py` on {results['written_at'][:10]} ({results['machine']['cpu']}, "
-        f"{results['machine']['cores']} cores shared with other work; 1-minute load average "
-        f"{(results['machine']['load_average_before'] or ['?'])[0]} before, "
-        f"{(results['machine']['load_average_after'] or ['?'])[0]} after). Peak resident set of each command's "
-        f"own process, wall time. Readers' memory budget: {results['settings']['memory_budget']}.",
+        f"Written by `bench/scale.py` ({results['machine']['cpu']}, {results['machine']['cores']} cores shared with "
+        "other work). Peak resident set of each command's own process, and wall time.",
         "",
     ]
     if results["run_memory"]:
         lines += ["## The run's own memory", "", *run_memory_lines(results), ""]
-    if results["sizes"]:
-        real = results["real_run"]
+    if results["scale"]:
+        real = results["scale"]["real_run"]
         made = (f"`probe run` {real['wall_s']:,.0f} s at {real['peak_rss_mb']:,.0f} MB" if "wall_s" in real
                 else f"given: {real['given']}")
         lines += [
             "## Every command against the run's size",
             "",
-            f"The smallest run is real ({real['texts']:,} texts, {real['rows']:,} rows, {made}); the larger ones are "
-            "its parts replicated through the real writer.",
+            f"The smallest run is real ({real['texts']:,} texts of two sentences, {real['rows']:,} rows, {made}); the "
+            "larger ones are its parts replicated through the real writer.",
             "",
             *command_lines(results),
             "",
@@ -464,7 +495,7 @@ def markdown(results: dict) -> str:
 
 def publish(results: dict) -> None:
     """The figure and the table of docs/large-runs.md, from the results."""
-    if results["sizes"]:
+    if results["scale"]:
         draw_figure(results, FIGURE)
     fill_markers(DOCS, {"scale:table": "\n" + docs_block(results) + "\n"})
 
@@ -476,7 +507,9 @@ def draw_figure(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = results["sizes"]
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    sizes = results["scale"]["sizes"]
     commands = list(dict.fromkeys(name for size in sizes for name in size["commands"]))
     figure, (memory, seconds) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     for name in commands:
@@ -484,14 +517,17 @@ def draw_figure(results: dict, path: Path) -> None:
         rows = [row for row, _ in points]
         memory.plot(rows, [got["peak_rss_mb"] / 1000 for _, got in points], marker="o", label=name)
         seconds.plot(rows, [got["wall_s"] for _, got in points], marker="o", label=name)
-    memory.axhline(REPORT_TARGET["peak_rss_gb"], color="grey", linestyle="--", linewidth=1)
-    seconds.axhline(REPORT_TARGET["wall_s"], color="grey", linestyle="--", linewidth=1)
+    memory.axhline(REPORT_TARGET["peak_rss_gb"], color="grey", linestyle="--", linewidth=1, label="the report's target")
+    seconds.axhline(REPORT_TARGET["wall_s"], color="grey", linestyle="--", linewidth=1, label="the report's target")
     for axis, label in ((memory, "peak resident set (GB)"), (seconds, "wall time (s)")):
         axis.set_xscale("log")
         axis.set_yscale("log")
         axis.set_xlabel("rows in the run")
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)
+        axis.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.yaxis.set_minor_formatter(NullFormatter())
     seconds.legend(fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)

@@ -112,14 +112,14 @@ def main(argv=None) -> int:
     from machine import cpu_model, load_average
     from probe import storage
     from probe.schema import ROW_KEY
-    from scale import DOCS, child_env, fill_markers, run_probe, two_sentence_texts
+    from scale import DOCS, child_env, corpus_texts, fill_markers, run_probe
 
     load_before = load_average()
     scratch = Path(tempfile.mkdtemp(prefix="probe-storage-"))
     try:
         source = args.run
         if source is None:
-            source = Path(run_probe(two_sentence_texts(args.texts), scratch, "storage", None, 128, child_env())["run_dir"])
+            source = Path(run_probe(corpus_texts(args.texts), scratch, "storage", None, 128, child_env())["run_dir"])
         parts = {batch: pq.read_table(path) for batch, path in storage.part_files(source).items()}
         records = {batch: storage.part_record(path) for batch, path in storage.part_files(source).items()}
         rows = sum(table.num_rows for table in parts.values())

@@ -196,7 +196,7 @@ def test_the_scale_benchmark_builds_valid_runs_and_measures_them(tiny_bert_dir, 
     )
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(out.read_text())
-    real, copied = results["sizes"]
+    real, copied = results["scale"]["sizes"]
     assert copied["rows"] == copied["copies"] * real["rows"] and copied["copies"] > 1
     for size in (real, copied):
         assert set(size["commands"]) == {"status", "export"}
