@@ -62,7 +62,7 @@ HERE = ROOT / "bench"
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
-#: the seed of the texts' sentence pairs
+#: the seed of the texts' sentences
 TEXTS_SEED = 34
 #: what the issue asks of the report at the largest size: peak resident set and wall time
 REPORT_TARGET = {"peak_rss_gb": 1.5, "wall_s": 15 * 60}
@@ -94,9 +94,8 @@ def measure(command: list[str], env: dict, log: Path) -> dict:
     A failure stops the benchmark.
 
     The peak is GNU time's (``/usr/bin/time``: the command is forked from that small process).  Where it is
-    missing, the child's own ``ru_maxrss`` from ``os.wait4``, which on Linux also counts the memory of this
-    process at the fork (kept across ``exec``), so that this process then stays small (it imports pyarrow
-    only to build the synthetic runs)."""
+    missing, the child's ``ru_maxrss`` from ``os.wait4``, which on Linux also counts this process's resident
+    set at the fork (it is kept across ``exec``): an upper bound."""
     timing = log.with_suffix(".time")
     gnu_time = Path("/usr/bin/time")
     wrapped = [str(gnu_time), "-f", "%M", "-o", str(timing), *command] if gnu_time.exists() else command
@@ -326,7 +325,8 @@ def main(argv=None) -> int:
                 shutil.rmtree(measured.pop("run_dir"))
                 memory["runs"].append(measured)
                 print(f"  {measured['rows']:,} rows: {measured['peak_rss_mb']:,.0f} MB peak "
-                      f"({measured['run_phase_peak_rss_mb']:,.0f} MB before the final lines), {measured['wall_s']:,.0f} s")
+                      f"({measured['run_phase_peak_rss_mb']:,.0f} MB before the final lines), "
+                      f"{measured['wall_s']:,.0f} s")
             memory["load_average_after"] = load_average()
             results["run_memory"] = memory
         sizes = parse_sizes(args.sizes)
@@ -385,7 +385,8 @@ def verdicts(results: dict) -> dict:
         rows, largest = max(reports, key=lambda item: item[0])
         out["report_at_largest"] = {
             "rows": rows, **largest, "target": REPORT_TARGET,
-            "met": largest["peak_rss_mb"] <= REPORT_TARGET["peak_rss_gb"] * 1000 and largest["wall_s"] <= REPORT_TARGET["wall_s"],
+            "met": (largest["peak_rss_mb"] <= REPORT_TARGET["peak_rss_gb"] * 1000
+                    and largest["wall_s"] <= REPORT_TARGET["wall_s"]),
         }
     return out
 
@@ -413,7 +414,8 @@ def run_memory_lines(results: dict) -> list[str]:
                      f"{run['run_phase_peak_rss_mb']:,.0f} MB | {run['wall_s']:,.0f} s |")
     growth = verdicts(results).get("run_growth")
     if growth:
-        lines += ["", f"From {growth['texts'][0]:,} to {growth['texts'][1]:,} texts the peak grows {growth['peak_ratio']:.2f}x "
+        lines += ["", f"From {growth['texts'][0]:,} to {growth['texts'][1]:,} texts the peak grows "
+                  f"{growth['peak_ratio']:.2f}x "
                   f"(the run before its final lines: {growth['run_phase_peak_ratio']:.2f}x); the target is at most "
                   f"{growth['target']}x: {'met' if growth['met'] else '**not met**'}."]
     return lines
@@ -436,7 +438,8 @@ def command_lines(results: dict) -> list[str]:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     report = verdicts(results).get("report_at_largest")
     if report:
-        lines += ["", f"The report at {report['rows']:,} rows: {report['peak_rss_mb']:,.0f} MB, {report['wall_s']:,.0f} s; "
+        lines += ["", f"The report at {report['rows']:,} rows: {report['peak_rss_mb']:,.0f} MB, "
+                  f"{report['wall_s']:,.0f} s; "
                   f"the target is at most {report['target']['peak_rss_gb']} GB and {report['target']['wall_s'] // 60} "
                   f"minutes: {'met' if report['met'] else '**not met**'}."]
     return lines

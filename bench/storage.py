@@ -195,7 +195,8 @@ def main(argv=None) -> int:
         "# Storage: bytes per row and the writer's time",
         "",
         f"Written by `bench/storage.py` on {summary['written_at'][:10]} ({summary['machine']['cpu']}, "
-        f"{summary['machine']['cores']} cores shared with other work; 1-minute load average {load_before[0] if load_before else '?'} "
+        f"{summary['machine']['cores']} cores shared with other work; 1-minute load average "
+        f"{load_before[0] if load_before else '?'} "
         f"before). The {rows:,} rows of {len(parts)} part files of a real run ({summary['source']['model']}, "
         f"{summary['source']['texts']:,} texts) rewritten by each writer through `probe.storage.write_part`, "
         f"{args.repeats} rounds taking turns; write time: the median round.",
@@ -219,8 +220,9 @@ def main(argv=None) -> int:
         "",
         f"probe writes {chosen}: {results[chosen]['bytes_per_row']:.1f} bytes per row against "
         f"{before['bytes_per_row']:.1f} before ({results[chosen]['bytes_ratio_to_before']:.2f}x), written in "
-        f"{results[chosen]['write_s_ratio_to_before']:.2f}x the wall time and {results[chosen]['write_cpu_s_ratio_to_before']:.2f}x "
-        f"the CPU time ({results[chosen]['write_cpu_s_per_million_rows'] - before['write_cpu_s_per_million_rows']:+.2f} "
+        f"{results[chosen]['write_s_ratio_to_before']:.2f}x the wall time and "
+        f"{results[chosen]['write_cpu_s_ratio_to_before']:.2f}x the CPU time "
+        f"({results[chosen]['write_cpu_s_per_million_rows'] - before['write_cpu_s_per_million_rows']:+.2f} "
         f"CPU seconds per million rows: sorting the rows, and zstd), where the run itself took "
         f"{summary['run_s_per_million_rows']:.0f} s per million rows. The {len(measured)} float64 columns of "
         f"measurements take {sum(measured.values()):.1f} of those bytes ({min(measured.values()):.2f} to "

@@ -65,13 +65,15 @@ def large_run(tmp_path_factory) -> tuple[Path, int]:
         summary = Summary(1e-5)
         summary.add(table)
         size += table.nbytes
-        path = storage.write_part(run_dir, batch, table, {"examples": examples.tolist(), "segment": 0, "rank": 0,
-                                                           "summary": summary.state(), "seconds": {"capture": 0, "solve": 0}})
+        record = {"examples": examples.tolist(), "segment": 0, "rank": 0, "summary": summary.state(),
+                  "seconds": {"capture": 0, "solve": 0}}
+        path = storage.write_part(run_dir, batch, table, record)
         records.append(storage.describe_part(path, batch))
     segment = {"segment": 0, "ranks": [{"rank": 0}], "timings_s": {"capture_s": 0.0, "solve_s": 0.0, "total_s": 0.0}}
-    storage.write_manifest(run_dir, {"status": "complete", "batches_total": parts, "batches_done": parts,
-                                     "parts": records, "segments": [segment], "config": config_to_json(RunConfig(model="synthetic")),
-                                     "solver": {"rows": sum(r["rows"] for r in records)}})
+    storage.write_manifest(run_dir, {
+        "status": "complete", "batches_total": parts, "batches_done": parts, "parts": records, "segments": [segment],
+        "config": config_to_json(RunConfig(model="synthetic")), "solver": {"rows": sum(r["rows"] for r in records)},
+    })
     return run_dir, size
 
 
@@ -129,7 +131,8 @@ def test_verify_draws_its_sample_without_loading_the_run(large_run):
 
 def test_status_reads_no_rows(large_run):
     run_dir, size = large_run
-    peak, output = arrow_peak("import sys; from probe.cli import app; app(['status', sys.argv[1]], standalone_mode=False)", run_dir)
+    peak, output = arrow_peak("import sys; from probe.cli import app; "
+                              "app(['status', sys.argv[1]], standalone_mode=False)", run_dir)
     assert f"{run_dir}: complete, 12 of 12 batches" in output
     assert peak < size / 100, (peak, size)
 
@@ -152,8 +155,8 @@ def test_the_end_of_a_run_reads_no_rows(large_run, tmp_path):
     manifest = storage.read_manifest(run_dir)
     rows = pq.read_table(run_dir / storage.PARTS, columns=["rel_deviation", "iterations"]).to_pandas()
     assert manifest["solver"]["rows"] == len(rows) and manifest["solver"]["max_iterations"] == rows["iterations"].max()
-    assert manifest["deviations"]["hidden, alpha=1"]["mean_rel_deviation"] == pytest.approx(rows["rel_deviation"].mean(),
-                                                                                            rel=1e-12)
+    mean = manifest["deviations"]["hidden, alpha=1"]["mean_rel_deviation"]
+    assert mean == pytest.approx(rows["rel_deviation"].mean(), rel=1e-12)
 
 
 def test_planning_tokenizes_the_texts_a_chunk_at_a_time(tiny_bert_dir, monkeypatch):
