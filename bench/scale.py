@@ -414,10 +414,10 @@ def run_memory_lines(results: dict) -> list[str]:
                      f"{run['run_phase_peak_rss_mb']:,.0f} MB | {run['wall_s']:,.0f} s |")
     growth = verdicts(results).get("run_growth")
     if growth:
-        lines += ["", f"From {growth['texts'][0]:,} to {growth['texts'][1]:,} texts the peak grows "
-                  f"{growth['peak_ratio']:.2f}x "
-                  f"(the run before its final lines: {growth['run_phase_peak_ratio']:.2f}x); the target is at most "
-                  f"{growth['target']}x: {'met' if growth['met'] else '**not met**'}."]
+        lines += ["", against_target(
+            f"From {growth['texts'][0]:,} to {growth['texts'][1]:,} texts the peak grows {growth['peak_ratio']:.2f}x "
+            f"(the run before its final lines: {growth['run_phase_peak_ratio']:.2f}x)",
+            f"at most {growth['target']}x", growth["met"])]
     return lines
 
 
@@ -438,11 +438,15 @@ def command_lines(results: dict) -> list[str]:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     report = verdicts(results).get("report_at_largest")
     if report:
-        lines += ["", f"The report at {report['rows']:,} rows: {report['peak_rss_mb']:,.0f} MB, "
-                  f"{report['wall_s']:,.0f} s; "
-                  f"the target is at most {report['target']['peak_rss_gb']} GB and {report['target']['wall_s'] // 60} "
-                  f"minutes: {'met' if report['met'] else '**not met**'}."]
+        target = report["target"]
+        lines += ["", against_target(
+            f"The report at {report['rows']:,} rows: {report['peak_rss_mb']:,.0f} MB, {report['wall_s']:,.0f} s",
+            f"at most {target['peak_rss_gb']} GB and {target['wall_s'] // 60} minutes", report["met"])]
     return lines
+
+
+def against_target(measured: str, target: str, met: bool) -> str:
+    return f"{measured}; the target is {target}: {'met' if met else '**not met**'}."
 
 
 def docs_block(results: dict) -> str:
