@@ -66,11 +66,17 @@ class _Job:
     started: float  # time.perf_counter() when the segment started loading
 
 
+#: texts tokenized at once while the batches are planned (their lengths are kept, not their tokens, so
+#: that planning holds a few thousand texts' tokens whatever the number of texts)
+PLAN_CHUNK = 4096
+
+
 def _plan_batches(loaded: LoadedModel, texts: Texts, batch_size: int, max_length: int):
     """Batches of dataset positions, longest first (less padding; memory problems show at once)."""
-    lengths = [
-        len(ids) for ids in loaded.tokenizer(texts.texts, truncation=True, max_length=max_length)["input_ids"]
-    ]
+    lengths = []
+    for start in range(0, len(texts.texts), PLAN_CHUNK):
+        chunk = texts.texts[start : start + PLAN_CHUNK]
+        lengths += [len(ids) for ids in loaded.tokenizer(chunk, truncation=True, max_length=max_length)["input_ids"]]
     if max(lengths) > max_length:
         raise ProbeError(
             f"--max-length {max_length} is too small for this tokenizer: it produced {max(lengths)} tokens "
@@ -752,23 +758,43 @@ def _record_completion(run_dir: Path, manifest: dict, segment: dict, index: _Par
         )
 
 
-def _intervention_totals(run_dir: Path, manifest: dict) -> dict:
-    """The interventions' totals, read from their part files: records, and per (space, alpha, substitute)
-    and mode (per-site: every site's records together; whole) the mean effects and certificates."""
-    import pyarrow.dataset as ds
+#: the intervention columns whose means the manifest records per (space, alpha, substitute, mode)
+INTERVENTION_MEANS = ("hidden_change", "embedding_cosine", "lm_loss_original", "lm_loss", "top1_agreement")
 
-    files = sorted(str(path) for path in storage.part_files(run_dir, storage.INTERVENTIONS).values())
-    frame = ds.dataset(files, format="parquet").to_table().to_pandas()
-    frame["mode"] = frame["site"].where(frame["site"] == "whole", "per-site")
+
+def _intervention_totals(run_dir: Path, manifest: dict) -> dict:
+    """The interventions' totals, read back from their part files by one streaming aggregate (:mod:`probe.query`;
+    no record is held): records, and per (space, alpha, substitute) and mode (per-site: every site's records
+    together; whole) the records, solves not converged and mean effects (over the values that are numbers:
+    ``None`` where there is none, as for the LM loss without an LM head).  On one thread, so that the sums
+    are taken in one order and a resumed run's totals equal an uninterrupted one's."""
+    from .query import connect, parquet_source
+
+    files = list(storage.part_files(run_dir, storage.INTERVENTIONS).values())
+    if not files:
+        return {"records": 0, "means": []}
+    means = ", ".join(f'avg("{name}") FILTER (WHERE NOT isnan("{name}")) AS "mean_{name}"'
+                      for name in INTERVENTION_MEANS)
+    sql = (f"SELECT space, alpha, substitute, CASE WHEN site = 'whole' THEN 'whole' ELSE 'per-site' END AS mode, "
+           f"count(*) AS records, sum(solver_not_converged) AS solver_not_converged, {means} "
+           f"FROM {parquet_source(files)} GROUP BY ALL ORDER BY space, alpha, substitute, mode")
+    connection = connect(threads=1)
+    try:
+        cursor = connection.execute(sql)
+        names = [column[0] for column in cursor.description]
+        groups = [dict(zip(names, values)) for values in cursor.fetchall()]
+    finally:
+        connection.close()
     means = []
-    for (space, alpha, substitute, mode), group in frame.groupby(["space", "alpha", "substitute", "mode"], sort=True):
-        entry = {"space": space, "alpha": float(alpha), "substitute": substitute, "mode": mode,
-                 "records": int(len(group)), "solver_not_converged": int(group["solver_not_converged"].sum())}
-        for column in ("hidden_change", "embedding_cosine", "lm_loss_original", "lm_loss", "top1_agreement"):
-            value = group[column].mean()
-            entry[f"mean_{column}"] = None if value != value else float(value)
+    for group in groups:
+        entry = {"space": group["space"], "alpha": float(group["alpha"]), "substitute": group["substitute"],
+                 "mode": group["mode"], "records": int(group["records"]),
+                 "solver_not_converged": int(group["solver_not_converged"] or 0)}
+        for name in INTERVENTION_MEANS:
+            value = group[f"mean_{name}"]
+            entry[f"mean_{name}"] = None if value is None or value != value else float(value)
         means.append(entry)
-    return {"records": int(len(frame)), "means": means}
+    return {"records": sum(entry["records"] for entry in means), "means": means}
 
 
 def _progress(total: int, initial: int, enabled: bool):

@@ -18,6 +18,11 @@ them.  A part file's name identifies its batch, and batches are deterministic gi
 so redoing a batch rewrites the same file: nothing is ever duplicated.  The manifest is replaced the
 same way (temporary file, fsync, rename).
 
+Inside a part file the rows are in the row key's order (:data:`probe.schema.ROW_KEY`), with a row group per
+(space, alpha, attention type, layer) slice, so that a reader filtering on a slice skips the others; zstd
+(:func:`_parquet_options`; bench/results_storage.md).  Parts written before that hold one row group, their rows
+in the order they were solved; every reader takes both.
+
 Each part carries, in its parquet metadata under ``probe.batch``, the batch's number, example indices,
 solver/fidelity summary and timing; totals over a run are folded from these, so they are right however
 many processes (segments, ranks) wrote the parts.
@@ -58,7 +63,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from .errors import ProbeError
-from .schema import DEVIATION_SCHEMA, INTERVENTION_SCHEMA
+from .schema import DEVIATION_SCHEMA, INTERVENTION_KEY, INTERVENTION_SCHEMA, ROW_KEY
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -76,11 +81,74 @@ PART_METADATA_KEY = b"probe.batch"
 _PART_NAME = re.compile(r"^part-(\d+)\.parquet$")
 
 
+#: How part files (and exports) are compressed: zstd at this level (bench/results_storage.md measured the
+#: levels: higher ones save almost nothing on these columns and write slower).
+COMPRESSION, COMPRESSION_LEVEL = "zstd", 1
+#: Within a part file, rows are in the row key's order (:data:`probe.schema.ROW_KEY`; a run written before
+#: this is in the order its sites were solved, which every reader accepts), and a new row group starts where
+#: one of these columns changes, so that a reader filtering on a slice (DuckDB, pyarrow, polars and Spark read
+#: the row groups' statistics) skips the row groups of the others.
+ROW_GROUP_COLUMNS = ("space", "alpha", "attention_type", "layer")
+#: ... unless the row group would hold fewer rows than this: small slices share one (their statistics still
+#: bound them), since each row group costs its own metadata in the file's footer.
+MIN_ROW_GROUP_ROWS = 4096
+#: no row group holds more rows than this (pyarrow's own default)
+MAX_ROW_GROUP_ROWS = 1 << 20
+
+
 def _parquet_options(schema: pa.Schema) -> dict:
-    """How tables are written: dictionary encoding only for the columns whose values repeat (names,
-    indices, flags); the float measurements rarely repeat, and trying a dictionary on them before falling
-    back made writing 2.7x slower and the files 17% larger (measured on the embedded corpus's parts)."""
-    return {"use_dictionary": [field.name for field in schema if not pa.types.is_floating(field.type)]}
+    """How tables are written, losslessly (bench/results_storage.md): zstd; dictionaries for the columns whose
+    values repeat (names, indices, flags), none for the float measurements (float64, as certified: they rarely
+    repeat, and trying a dictionary before falling back made writing 2.7x slower).  The floats are not
+    byte-stream-split: that would save a few percent more, but Spark's default Parquet reader cannot decode
+    it, and the run directory is meant to be read anywhere."""
+    return {
+        "compression": COMPRESSION,
+        "compression_level": COMPRESSION_LEVEL,
+        "use_dictionary": [field.name for field in schema if not pa.types.is_floating(field.type)],
+    }
+
+
+def _in_key_order(table: pa.Table) -> pa.Table:
+    """The rows of a deviations table in the row key's order (other tables as they are)."""
+    if not set(ROW_KEY) <= set(table.column_names):
+        return table
+    return table.sort_by([(name, "ascending") for name in ROW_KEY])
+
+
+def _row_group_bounds(table: pa.Table) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each row group of ``table`` (in the row key's order): a new one where a
+    column of :data:`ROW_GROUP_COLUMNS` changes, slices of fewer than :data:`MIN_ROW_GROUP_ROWS` rows merged
+    with the next, none longer than :data:`MAX_ROW_GROUP_ROWS`."""
+    import numpy as np
+
+    rows = table.num_rows
+    if not set(ROW_KEY) <= set(table.column_names) or rows <= MIN_ROW_GROUP_ROWS:  # not in key order: one
+        starts = [0]
+    else:
+        changed = np.zeros(rows, bool)
+        changed[0] = True
+        for name in ROW_GROUP_COLUMNS:
+            codes = table[name].combine_chunks().dictionary_encode().indices.to_numpy(zero_copy_only=False)
+            changed[1:] |= codes[1:] != codes[:-1]
+        starts = [0]
+        for start in np.flatnonzero(changed)[1:].tolist():
+            if start - starts[-1] >= MIN_ROW_GROUP_ROWS:
+                starts.append(start)
+        if rows - starts[-1] < MIN_ROW_GROUP_ROWS and len(starts) > 1:
+            starts.pop()  # a short last slice joins the one before
+    bounds = []
+    for start, stop in zip(starts, starts[1:] + [rows]):
+        for offset in range(start, stop, MAX_ROW_GROUP_ROWS):
+            bounds.append((offset, min(MAX_ROW_GROUP_ROWS, stop - offset)))
+    return bounds or [(0, 0)]
+
+
+def _write_table(table: pa.Table, handle) -> None:
+    """``table`` as one Parquet file with :func:`_parquet_options`, one row group per :func:`_row_group_bounds`."""
+    with pq.ParquetWriter(handle, table.schema, **_parquet_options(table.schema)) as writer:
+        for offset, length in _row_group_bounds(table):
+            writer.write_table(table.slice(offset, length), row_group_size=max(length, 1))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,8 +346,8 @@ def write_part(run_dir: Path, batch: int, table: pa.Table, record: dict, name: s
     """Write one batch's rows of table ``name`` atomically; ``record`` (JSON) goes into the file's metadata."""
     path = part_path(run_dir, batch, name)
     metadata = {**(table.schema.metadata or {}), PART_METADATA_KEY: json.dumps({"batch": batch, **record}).encode()}
-    table = table.replace_schema_metadata(metadata)
-    _replace_atomically(path, lambda handle: pq.write_table(table, handle, **_parquet_options(table.schema)))
+    table = _in_key_order(table).replace_schema_metadata(metadata)
+    _replace_atomically(path, lambda handle: _write_table(table, handle))
     return path
 
 
@@ -586,10 +654,21 @@ def read_interventions(run_dir: Path, columns=None, *, allow_damaged: bool = Fal
     return ds.dataset(files, format="parquet").to_table(columns=columns)
 
 
+#: rows per row group of an exported Parquet file
+EXPORT_ROW_GROUP_ROWS = 1 << 17
+#: rows per batch the export's sort hands over (DuckDB buffers a few of them within its memory limit)
+SORTED_BATCH_ROWS = 1 << 14
+
+
 def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: dict | None = None,
            table: str = PARTS) -> int:
     """Write a run's rows into one file, in the format its extension names (:data:`EXPORT_FORMATS`):
-    Parquet (one row group per batch) or CSV (with a header line); return the row count.
+    Parquet (row groups of :data:`EXPORT_ROW_GROUP_ROWS` rows) or CSV (with a header line); return the row count.
+
+    The rows are in their key's order, as ``Run.rows`` has them (:data:`probe.schema.ROW_KEY`; the
+    interventions' :data:`probe.schema.INTERVENTION_KEY`), sorted out of core: DuckDB sorts the part files
+    under the readers' memory budget, spilling to disk (:func:`probe.query.connect`), and the sorted rows
+    stream into the file batch by batch, so memory does not grow with the rows.
 
     The parts are checked first (:func:`require_intact`): a damaged run is refused unless
     ``allow_damaged``, and then a Parquet file's metadata carries the banner under ``probe.damaged``."""
@@ -619,8 +698,7 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
         schema = DEVIATION_SCHEMA
     else:
         schema = INTERVENTION_SCHEMA
-    if check.damaged:
-        schema = schema.with_metadata({b"probe.damaged": check.banner().encode()})
+    key = ROW_KEY if table == PARTS else INTERVENTION_KEY
     rows = 0
 
     def write(handle):
@@ -628,17 +706,51 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
         if to.suffix.lower() == ".csv":
             from pyarrow import csv
 
-            with csv.CSVWriter(handle, schema.remove_metadata()) as writer:
-                for path in files:
-                    table = pq.read_table(path).replace_schema_metadata(None)
-                    writer.write_table(table)
-                    rows += table.num_rows
+            with csv.CSVWriter(handle, schema) as writer:
+                for batch in sorted_batches(files, schema, key):
+                    writer.write_batch(batch)
+                    rows += batch.num_rows
             return
-        with pq.ParquetWriter(handle, schema, **_parquet_options(schema)) as writer:
-            for path in files:
-                table = pq.read_table(path).replace_schema_metadata(schema.metadata)
-                writer.write_table(table)
-                rows += table.num_rows
+        damaged = {b"probe.damaged": check.banner().encode()} if check.damaged else None
+        with pq.ParquetWriter(handle, schema.with_metadata(damaged) if damaged else schema,
+                              **_parquet_options(schema)) as writer:
+            group: list[pa.RecordBatch] = []  # the batches of the row group being filled, and their rows
+            filled = 0
+            for batch in sorted_batches(files, schema, key):
+                group.append(batch)
+                rows, filled = rows + batch.num_rows, filled + batch.num_rows
+                if filled >= EXPORT_ROW_GROUP_ROWS:
+                    writer.write_table(pa.Table.from_batches(group), row_group_size=EXPORT_ROW_GROUP_ROWS)
+                    group, filled = [], 0
+            if group:
+                writer.write_table(pa.Table.from_batches(group), row_group_size=EXPORT_ROW_GROUP_ROWS)
 
     _replace_atomically(to, write)
     return rows
+
+
+def sorted_batches(files, schema: pa.Schema, key):
+    """The rows of part ``files`` (with ``schema``'s columns) in the order of the columns ``key``, as record
+    batches of at most :data:`SORTED_BATCH_ROWS` rows: DuckDB's out-of-core sort (:func:`probe.query.connect`).
+
+    On one thread: with two, DuckDB's sort sometimes failed to pin a block under a small memory limit (64 MB,
+    on 0.6M rows), and on this 2-core machine it was no faster (bench/NOTES.md)."""
+    if not files:
+        return
+    from .query import connect, parquet_source
+
+    def quoted(name: str) -> str:
+        return '"' + name.replace('"', '""') + '"'
+
+    connection = connect(threads=1)
+    try:
+        relation = connection.sql(f"SELECT {', '.join(map(quoted, schema.names))} FROM {parquet_source(files)} "
+                                  f"ORDER BY {', '.join(map(quoted, key))}")
+        for batch in relation.to_arrow_reader(SORTED_BATCH_ROWS):
+            if not batch.num_rows:
+                continue
+            if not batch.schema.equals(schema):  # DuckDB's own types where Arrow has several (string views)
+                batch = pa.Table.from_batches([batch]).cast(schema).combine_chunks().to_batches()[0]
+            yield batch
+    finally:
+        connection.close()

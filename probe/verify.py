@@ -148,18 +148,31 @@ class VerifyReport:
 
 def _sample_rows(check: storage.PartsCheck, sample: int, seed: int) -> pa.Table:
     """``sample`` rows drawn uniformly (without replacement, seeded) from the readable parts, with the
-    batch each came from."""
-    tables = []
+    batch each came from.  The draw is over the rows' positions (the parts in batch order, each part's rows
+    in its order), numbered from the parts' footers; then only the row groups that hold a drawn row are read,
+    one at a time, so memory holds one row group, whatever the run's size."""
     wanted = list(ROW_KEY) + list(COLUMNS) + ["error_bound", "n_keys"]
-    for batch, path in sorted(check.readable.items()):
-        table = pq.read_table(path, columns=wanted)
-        tables.append(table.append_column("batch", pa.array(np.full(table.num_rows, batch, np.int64))))
-    if not tables:
+    if not check.readable:
         raise ProbeError(f"{check.run_dir} has no finished batches: nothing to verify.")
-    rows = pa.concat_tables(tables)
+    groups = []  # (batch, part file, row group, its rows), in the order of the positions
+    for batch, path in sorted(check.readable.items()):
+        metadata = pq.read_metadata(path)
+        groups += [(batch, path, group, metadata.row_group(group).num_rows) for group in range(metadata.num_row_groups)]
+    total = sum(rows for *_, rows in groups)
     rng = np.random.default_rng(seed)
-    chosen = np.sort(rng.choice(rows.num_rows, size=min(sample, rows.num_rows), replace=False))
-    return rows.take(pa.array(chosen))
+    chosen = np.sort(rng.choice(total, size=min(sample, total), replace=False))
+    tables, start = [], 0
+    for batch, path, group, rows in groups:
+        here = chosen[np.searchsorted(chosen, start):np.searchsorted(chosen, start + rows)] - start
+        if len(here):
+            with pq.ParquetFile(path) as part:
+                table = part.read_row_group(group, columns=wanted).take(pa.array(here))
+            tables.append(table.append_column("batch", pa.array(np.full(len(here), batch, np.int64))))
+        start += rows
+    if not tables:  # parts without rows: an empty sample with the columns it would have
+        table = pq.read_schema(next(iter(check.readable.values()))).empty_table().select(wanted)
+        return table.append_column("batch", pa.array([], pa.int64()))
+    return pa.concat_tables(tables)
 
 
 def _load_job(run_dir: Path, manifest: dict):

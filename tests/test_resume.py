@@ -245,6 +245,20 @@ def test_torchrun_stopped_and_resumed_equals_a_single_process_run(tiny_bert_dir,
     assert sum(r["batches"] for s in manifest["segments"] for r in s["ranks"]) == 20
     records = storage.finished_batches(run_dir)
     assert {record["rank"] for record in records.values()} == {0, 1}
+    # the ranks' parts are one Parquet dataset: other readers read it as pandas does (docs/large-runs.md), and
+    # its export holds the rows in the row key's order, as Run.rows has them
+    import duckdb
+    import polars
+
+    from probe import api
+
+    files = f"{run_dir}/deviations.parquet/*.parquet"
+    for name, frame in (("duckdb", duckdb.sql(f"SELECT * FROM read_parquet('{files}')").df()),
+                        ("polars", polars.read_parquet(files).to_pandas())):
+        pd.testing.assert_frame_equal(sorted_rows(frame), sorted_rows(reference), check_exact=True, check_dtype=False,
+                                      obj=name)
+    storage.export(run_dir, tmp_path / "all.parquet")
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "all.parquet"), api.load(run_dir).rows, check_exact=True)
 
 
 # ------------------------------------------------------------------------------- resume refuses changes

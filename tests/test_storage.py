@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -18,7 +19,7 @@ import pytest
 
 from probe import storage
 from probe.errors import ProbeError
-from probe.schema import DEVIATION_SCHEMA
+from probe.schema import DEVIATION_SCHEMA, ROW_KEY
 
 
 def batch_table(batch: int, examples=(0, 1), queries=3) -> pa.Table:
@@ -105,13 +106,134 @@ def test_rewriting_a_batch_replaces_it(run_dir):
 def test_export_writes_one_file(run_dir, tmp_path):
     to = tmp_path / "all.parquet"
     assert storage.export(run_dir, to) == len(expected_frame())
-    exported = pq.ParquetFile(to)
-    assert exported.num_row_groups == 2 and exported.schema_arrow == DEVIATION_SCHEMA
-    pd.testing.assert_frame_equal(pd.read_parquet(to), pd.read_parquet(run_dir / "deviations.parquet"))
+    assert pq.ParquetFile(to).schema_arrow == DEVIATION_SCHEMA
+    expected = pd.read_parquet(run_dir / "deviations.parquet").sort_values(list(ROW_KEY), ignore_index=True)
+    pd.testing.assert_frame_equal(pd.read_parquet(to), expected)
     with pytest.raises(ProbeError, match="exists already"):
         storage.export(run_dir, to)
     with pytest.raises(ProbeError, match="does not exist"):
         storage.export(run_dir, tmp_path / "nowhere" / "x.parquet")
+
+
+# ------------------------------------------------------------------------ the writer: order, row groups, bits
+
+#: float64 values whose bits a lossy or canonicalising step would change
+SPECIAL_FLOATS = [np.nan, -0.0, 0.0, np.inf, -np.inf, 5e-324, -1e-310, 1.7976931348623157e308, 1 / 3]
+
+
+def scrambled_rows(examples, seed: int, *, layers=2, heads=2, queries=3) -> pa.Table:
+    """Rows of a batch in no particular order (as a run with several spaces and alphas solves them: slice
+    by slice, examples interleaved), every column filled; the float columns hold random bit patterns (NaNs
+    with payloads among them) and the special values above."""
+    rng = np.random.default_rng(seed)
+    keys = list(itertools.product(("key", "hidden"), (1.0, 0.5), ("self",), range(layers), range(heads),
+                                  examples, range(queries)))
+    keys = [keys[i] for i in rng.permutation(len(keys))]
+    n = len(keys)
+    columns = {name: [key[i] for key in keys] for i, name in enumerate(ROW_KEY)}
+    for field in DEVIATION_SCHEMA:
+        if field.name in columns:
+            continue
+        if pa.types.is_floating(field.type):
+            values = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64).view(np.float64)
+            values[: len(SPECIAL_FLOATS)] = SPECIAL_FLOATS[:n]
+            columns[field.name] = values
+        elif pa.types.is_integer(field.type):
+            columns[field.name] = rng.integers(0, 30_000, n).astype(field.type.to_pandas_dtype())
+        elif pa.types.is_boolean(field.type):
+            columns[field.name] = rng.random(n) < 0.5
+        else:
+            columns[field.name] = [f"t{i}" for i in rng.integers(0, 50, n)]
+    return pa.table(columns, schema=DEVIATION_SCHEMA)
+
+
+def float_bits(table: pa.Table, name: str) -> np.ndarray:
+    return table[name].to_numpy(zero_copy_only=False).view(np.int64)
+
+
+def assert_bitwise_equal(table: pa.Table, expected: pa.Table):
+    """Every column equal, the floats bit for bit (NaN payloads, signed zeros and subnormals included)."""
+    assert table.column_names == expected.column_names and table.num_rows == expected.num_rows
+    for name in expected.column_names:
+        if pa.types.is_floating(expected.schema.field(name).type):
+            np.testing.assert_array_equal(float_bits(table, name), float_bits(expected, name), err_msg=name)
+        else:
+            assert table[name].to_pylist() == expected[name].to_pylist(), name
+
+
+def key_sorted(table: pa.Table) -> pa.Table:
+    """The rows in the row key's order, as pandas sorts their keys (an independent sort; the key is unique)."""
+    order = table.select(list(ROW_KEY)).to_pandas().sort_values(list(ROW_KEY), kind="stable").index
+    return table.replace_schema_metadata(None).take(pa.array(order.to_numpy()))
+
+
+def test_a_part_holds_its_rows_in_key_order_one_row_group_per_slice(tmp_path, monkeypatch):
+    """A part file: its rows in the row key's order, bit for bit the rows given (float64 kept: NaN payloads,
+    -0.0, subnormals), zstd, and a row group per (space, alpha, attention type, layer) slice whose statistics
+    let a filter on the layer skip the other slices."""
+    import pyarrow.dataset as ds
+
+    monkeypatch.setattr(storage, "MIN_ROW_GROUP_ROWS", 5)  # slices of 12 rows here
+    run_dir = storage.create_run_directory(tmp_path, "model")
+    rows = scrambled_rows((3, 1), seed=1)
+    path = storage.write_part(run_dir, 0, rows, {"examples": [3, 1]})
+    written = pq.read_table(path).replace_schema_metadata(None)
+    assert_bitwise_equal(written, key_sorted(rows))
+    metadata = pq.read_metadata(path)
+    assert metadata.num_row_groups == 2 * 2 * 2  # spaces x alphas x layers
+    for group in range(metadata.num_row_groups):
+        for column in range(metadata.num_columns):
+            chunk = metadata.row_group(group).column(column)
+            assert chunk.compression == "ZSTD", chunk.path_in_schema
+    fragment = next(ds.dataset(path).get_fragments())
+    kept = fragment.split_by_row_group(ds.field("layer") == 1)
+    assert len(kept) == 4 and all(f.to_table()["layer"].to_pylist() == [1] * 12 for f in kept)
+    small = storage.write_part(run_dir, 1, scrambled_rows((0,), seed=2, layers=1, heads=1, queries=1), {})
+    assert pq.read_metadata(small).num_row_groups == 1  # 4 rows: one row group
+
+
+def test_parts_written_before_this_writer_still_read(tmp_path):
+    """A run whose parts were written the old way (snappy, plain floats, one row group, rows in the order
+    they were solved) beside parts of this writer: readers and export take both."""
+    run_dir = storage.create_run_directory(tmp_path, "model")
+    old = scrambled_rows((5, 2), seed=3)
+    pq.write_table(old, storage.part_path(run_dir, 0), compression="snappy",
+                   use_dictionary=[f.name for f in old.schema if not pa.types.is_floating(f.type)])
+    new = scrambled_rows((4, 0), seed=4)
+    storage.write_part(run_dir, 1, new, {"examples": [4, 0]})
+    both = pa.concat_tables([old, new])
+    assert_bitwise_equal(key_sorted(storage.read_deviations(run_dir)), key_sorted(both))
+    to = tmp_path / "all.parquet"
+    assert storage.export(run_dir, to) == both.num_rows
+    assert_bitwise_equal(pq.read_table(to), key_sorted(both))
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv"])
+def test_export_writes_the_rows_in_the_row_keys_order(tmp_path, suffix):
+    """Examples interleaved across parts (the plan takes texts longest first): the exported file holds the
+    rows sorted by the row key, as Run.rows has them, bit for bit (the CSV: every value read back equal)."""
+    from pyarrow import csv
+
+    run_dir = storage.create_run_directory(tmp_path, "model")
+    parts = [scrambled_rows(examples, seed=batch) for batch, examples in enumerate([(7, 2), (0, 9), (4,)])]
+    for batch, rows in enumerate(parts):
+        storage.write_part(run_dir, batch, rows, {})
+    to = tmp_path / f"all{suffix}"
+    assert storage.export(run_dir, to) == sum(rows.num_rows for rows in parts)
+    expected = key_sorted(pa.concat_tables(parts))
+    if suffix == ".csv":
+        read = csv.read_csv(to, convert_options=csv.ConvertOptions(column_types=DEVIATION_SCHEMA))
+        assert read.column_names == expected.column_names
+        for name in expected.column_names:  # a NaN's payload is not written in text: compare NaN as NaN
+            got, want = read[name].to_numpy(zero_copy_only=False), expected[name].to_numpy(zero_copy_only=False)
+            if pa.types.is_floating(expected.schema.field(name).type):
+                np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=name)
+                finite = ~np.isnan(want)
+                np.testing.assert_array_equal(got[finite].view(np.int64), want[finite].view(np.int64), err_msg=name)
+            else:
+                np.testing.assert_array_equal(got, want, err_msg=name)
+    else:
+        assert_bitwise_equal(pq.read_table(to), expected)
 
 
 def test_only_repeating_columns_are_dictionary_encoded(run_dir, tmp_path):
