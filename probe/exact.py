@@ -59,7 +59,7 @@ import torch
 from .errors import ProbeError
 from .solver import DualProblems, factor_gram, row_dot, solve_dual, solve_spd_reduced
 
-__all__ = ["exact_attention", "ExactCertificate"]
+__all__ = ["exact_attention", "ExactCertificate", "merge_summaries"]
 
 #: relative residual to which the backward's Newton system is solved (float64)
 BACKWARD_RTOL = 1e-12
@@ -118,6 +118,17 @@ class ExactCertificate:
         names = ("problems", "not_converged", "max_error_bound", "max_relative_error_bound", "max_iterations",
                  "mean_iterations")
         return {name: getattr(self, name) for name in names}
+
+
+def merge_summaries(summaries: list[dict]) -> dict:
+    """The :meth:`ExactCertificate.summary` of several batches as one: counts added, maxima of the maxima, the
+    mean of the iterations weighted by the problems (a training loop's per-epoch record)."""
+    problems = sum(s["problems"] for s in summaries)
+    merged = {"problems": problems, "not_converged": sum(s["not_converged"] for s in summaries)}
+    for name in ("max_error_bound", "max_relative_error_bound", "max_iterations"):
+        merged[name] = max((s[name] for s in summaries), default=0)
+    merged["mean_iterations"] = sum(s["mean_iterations"] * s["problems"] for s in summaries) / max(problems, 1)
+    return merged
 
 
 def exact_attention(
