@@ -1,4 +1,4 @@
-"""The ViT / OT-ViT / Sinkhorn-ViT comparison on Fashion-MNIST, reduced to fit a shared 2-core CPU.
+"""The ViT / OT-ViT / Sinkhorn-ViT / exact-ViT comparison on Fashion-MNIST, reduced to fit a shared 2-core CPU.
 
 Runs ``probe vit train`` (as ``python3 -m probe.vit.cli train``) for every (seed, attention), at most
 ``--jobs`` at once, one torch thread each, then writes ``reports/vit/results.json`` and
@@ -6,12 +6,21 @@ Runs ``probe vit train`` (as ``python3 -m probe.vit.cli train``) for every (seed
 resume from their last epoch (start the script again).  ``--report-only`` rewrites the reports from the
 runs that exist.
 
+``--reuse-runs-from reports/vit/results.json`` takes the runs that are not in ``--runs-dir`` from a report this
+script wrote before (its ``runs`` entries are the runs' results files), so that a new arm can join the committed
+ones without training them again.  ``--rerun-check DIR`` names a fresh run of one reused arm (the same
+settings, fewer epochs); the report compares its learning curve with the reused run's, entry by entry and bit
+for bit, which shows that the reused arms' code path still computes what it computed then.
+
 The protocol is fair by construction: every run gets the same training subset, test subset, epochs, batch
 size and learning rate; for a given seed, every attention gets the same initial weights (the parameters are
 the same) and the same data order (see ``probe.vit.train``).
 
     PYTHONPATH=. python3 scripts/vit_experiment.py            # run (or finish) the protocol, then report
     PYTHONPATH=. python3 scripts/vit_experiment.py --report-only
+    PYTHONPATH=. python3 scripts/vit_experiment.py --epochs 4 --attentions exact     # train one arm
+    PYTHONPATH=. python3 scripts/vit_experiment.py --report-only --epochs 4 \
+        --reuse-runs-from reports/vit/results.json --rerun-check runs/determinism/softmax-seed0
 """
 
 from __future__ import annotations
@@ -53,6 +62,10 @@ def parse():
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--keep-checkpoint", default="ot-seed0",
                    help="RUN whose model.pt is copied to the report directory (empty: none).")
+    p.add_argument("--reuse-runs-from", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="Take the runs missing from --runs-dir from this earlier report of the script.")
+    p.add_argument("--rerun-check", type=Path, nargs="*", default=[], metavar="DIR",
+                   help="Fresh runs of reused arms, compared bit for bit with the reused runs' learning curves.")
     return p.parse_args()
 
 
@@ -128,15 +141,49 @@ def t_interval(values: list[float]) -> tuple[float, float | None, float | None]:
     return mean, sd, float(t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
 
 
+#: what a rerun must reproduce bit for bit, per epoch
+CHECKED_FIELDS = ("train_loss", "train_accuracy", "test_accuracy", "test_loss")
+
+
+def rerun_check(run_dir: Path, reused: dict) -> dict:
+    """A fresh run of a reused arm against the reused run: every finished epoch's ``CHECKED_FIELDS`` equal?"""
+    fresh = json.loads((run_dir / "results.json").read_text())
+    s = fresh["settings"]
+    name = run_name(s["attention"], s["seed"])
+    if name not in reused:
+        raise SystemExit(f"--rerun-check {run_dir}: {name} is not a reused run.")
+    pairs = list(zip(fresh["learning_curve"], reused[name]["learning_curve"]))
+    return {"run": name, "directory": run_dir.name, "epochs": len(pairs),
+            "fields": list(CHECKED_FIELDS),
+            "identical": all(a[f] == b[f] for a, b in pairs for f in CHECKED_FIELDS),
+            "versions": fresh["versions"]}
+
+
+def exact_certificates(run: dict) -> dict:
+    """The exact-ViT run's Newton iterations and certificates over its epochs (``exact_train``, ``exact_test``)."""
+    from probe.exact import merge_summaries
+
+    curve = run["learning_curve"]
+    return {
+        "train": merge_summaries([e["exact_train"] for e in curve]),
+        "test": merge_summaries([e["exact_test"] for e in curve]),
+        "train_mean_iterations_per_epoch": [e["exact_train"]["mean_iterations"] for e in curve],
+    }
+
+
 def report(args) -> dict:
-    runs = {}
+    runs, reused = {}, {}
+    earlier = json.loads(args.reuse_runs_from.read_text()) if args.reuse_runs_from else None
     for attention in args.attentions:
         for seed in args.seeds:
             path = args.runs_dir / run_name(attention, seed) / "results.json"
-            if path.exists():
-                r = json.loads(path.read_text())
-                if r.get("epochs_done", 0) >= args.epochs:
-                    runs[(attention, seed)] = at_epoch(r, args.epochs)
+            r = json.loads(path.read_text()) if path.exists() else None
+            if r is not None:  # the run directory as the repository names it, not a machine path
+                r["settings"]["out"] = _shown(path.parent)
+            if r is None and earlier is not None and run_name(attention, seed) in earlier["runs"]:
+                r = reused[run_name(attention, seed)] = earlier["runs"][run_name(attention, seed)]
+            if r is not None and r.get("epochs_done", 0) >= args.epochs:
+                runs[(attention, seed)] = at_epoch(r, args.epochs)
     if not runs:
         raise SystemExit(f"no finished runs in {args.runs_dir}: run the protocol first.")
     any_run = next(iter(runs.values()))
@@ -177,15 +224,25 @@ def report(args) -> dict:
             mean, sd, half = t_interval(diffs)
             paired[f"{attention}-softmax"] = {"seeds": common, "differences": diffs, "mean": mean, "sd": sd,
                                               "ci95_half_width": half}
+    certificates = {run_name(a, seed): exact_certificates(r) for (a, seed), r in runs.items() if a == "exact"}
     out = {"protocol": protocol, "summary": summary, "paired_differences": paired,
            "runs": {run_name(a, s): r for (a, s), r in runs.items()}, "paper": PAPER,
            "generated_by": "scripts/vit_experiment.py", "generated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if certificates:
+        out["exact_certificates"] = certificates
+    if reused:
+        out["reused_runs"] = {"from": _shown(args.reuse_runs_from), "generated_at": earlier["generated_at"],
+                              "runs": sorted(reused), "checks": [rerun_check(d, reused) for d in args.rerun_check]}
     args.report_dir.mkdir(parents=True, exist_ok=True)
     (args.report_dir / "results.json").write_text(json.dumps(out, indent=2) + "\n")
     kept = None
     if args.keep_checkpoint:
         source = args.runs_dir / args.keep_checkpoint / "model.pt"
-        if source.exists():
+        if not source.exists() and args.keep_checkpoint in reused and "kept_model" in earlier:
+            kept = args.report_dir / earlier["kept_model"]["file"]  # the reused run's kept model stays
+            out["kept_model"] = earlier["kept_model"]
+            (args.report_dir / "results.json").write_text(json.dumps(out, indent=2) + "\n")
+        elif source.exists():
             kept = args.report_dir / f"{args.keep_checkpoint}.pt"
             shutil.copyfile(source, kept)
             raw = json.loads((args.runs_dir / args.keep_checkpoint / "results.json").read_text())
@@ -194,6 +251,12 @@ def report(args) -> dict:
             (args.report_dir / "results.json").write_text(json.dumps(out, indent=2) + "\n")
     (args.report_dir / "results.md").write_text(markdown(out, args, kept))
     return out
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository where it is inside it (no machine paths in the reports)."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def _paper_gap() -> float:
@@ -213,7 +276,7 @@ def _fmt(mean, half):
 def markdown(out, args, kept) -> str:
     p, summary, paired = out["protocol"], out["summary"], out["paired_differences"]
     lines = [
-        "# ViT, OT-ViT and Sinkhorn-ViT on Fashion-MNIST: a reduced, fair comparison",
+        "# ViT, OT-ViT, Sinkhorn-ViT and exact-ViT on Fashion-MNIST: a reduced, fair comparison",
         "",
         f"Generated by `scripts/vit_experiment.py` from the runs' results files ({out['generated_at']}); "
         "nothing here is typed by hand.",
@@ -225,7 +288,7 @@ def markdown(out, args, kept) -> str:
         f"**{p['test_images']:,} test images**.",
         f"- Budget: **{p['epochs']} epochs = {p['steps']} steps** of batch {p['batch_size']}, Adam at a constant "
         f"learning rate {p['lr']:g}; seeds {', '.join(map(str, p['seeds']))}.",
-        "- Fairness: for a seed, all three models start from the same weights (identical parameters), see the same "
+        "- Fairness: for a seed, all the models start from the same weights (identical parameters), see the same "
         "images in the same order and differ only in the final layer's attention. The OT-ViT's training trick "
         f"(probability {p['trick_probability']}: the final-layer templates of another training image of the same "
         "class join the candidate set) costs it an extra forward of those images (and draws more dropout masks "
@@ -234,8 +297,11 @@ def markdown(out, args, kept) -> str:
         f"{p['model_config']['mlp_dim']}, {p['model_config']['heads']} heads of {p['model_config']['head_dim']}, "
         f"patch {p['model_config']['patch']}, dropout {p['model_config']['dropout']}: **{p['parameters']:,} "
         f"parameters**. OT layer: alpha = {p['ot_alpha']:g}, gamma = sqrt(head dim) = {p['ot_gamma']:.3f}; Sinkhorn "
-        f"layer: {p['model_config']['sinkhorn_iterations']} row normalisations.",
+        f"layer: {p['model_config']['sinkhorn_iterations']} row normalisations; exact layer: the KL problem's exact "
+        "posterior p* (`probe.exact`) with templates k / sqrt(head dim), evidence q, u uniform and alpha = 1, whose "
+        "closed-form approximation lambda = alpha z is the ViT's softmax layer.",
         f"- Machine: a 2-core CPU shared with other work, {p['parallel_runs']} runs at a time, 1 thread each.",
+        *_reuse_lines(out),
         "",
         "## Test accuracy (mean and 95% t-interval over seeds)",
         "",
@@ -282,7 +348,7 @@ def markdown(out, args, kept) -> str:
         "",
         "## What this run can and cannot show",
         "",
-        "- It shows that the three models train from the same command and code path, and how they compare "
+        "- It shows that the models train from the same command and code path, and how they compare "
         f"**at this small budget** ({p['steps']} steps on {p['train_images']:,} images), with the same data, "
         f"order and initial weights: " + ("; ".join(verdicts) if verdicts else "too few seeds for an interval") + ".",
         f"- It cannot confirm or refute the paper's Fashion-MNIST numbers ({PAPER['fashion-mnist']['softmax']} and "
@@ -300,6 +366,7 @@ def markdown(out, args, kept) -> str:
         "`probe vit train --device cuda --epochs E --seed S --attention A` for each run.",
         "",
     ]
+    lines += _exact_lines(out)
     if kept is not None:
         k = out["kept_model"]
         lines += [f"The model of run `{k['run']}` after {k['epochs']} epochs (test accuracy {k['test_accuracy']:.4f}) is "
@@ -308,6 +375,49 @@ def markdown(out, args, kept) -> str:
                   f"`{args.runs_dir.relative_to(ROOT) if args.runs_dir.is_relative_to(ROOT) else args.runs_dir}` "
                   "(not in git).", ""]
     return "\n".join(lines)
+
+
+def _reuse_lines(out) -> list[str]:
+    """The protocol's line on runs taken from an earlier report, and the bitwise check of a fresh rerun."""
+    reused = out.get("reused_runs")
+    if not reused:
+        return []
+    line = (f"- Reused: {', '.join(f'`{r}`' for r in reused['runs'])} are the runs of `{reused['from']}` "
+            f"({reused['generated_at']}), not trained again.")
+    for check in reused["checks"]:
+        verdict = ("bit for bit the same" if check["identical"] else
+                   "NOT the same: the reused runs' code path has changed, and they should be trained again")
+        line += (f" A fresh run of `{check['run']}` with the current code gave {check['epochs']} epoch(s) whose "
+                 f"{', '.join(check['fields'])} are {verdict} as the reused run's.")
+    return [line]
+
+
+def _exact_lines(out) -> list[str]:
+    """The exact-ViT's Newton iterations, certificates and cost per step against the ViT."""
+    certificates, summary = out.get("exact_certificates"), out["summary"]
+    if not certificates:
+        return []
+    lines = ["## The exact-ViT's solver during training", "",
+             "Every training step solves one problem per image and head (the class-token query); the evaluation "
+             "solves one per test image and head. Certified: the solver's bound on the error of lambda* is at most "
+             "1e-9 of its norm.", "",
+             "| run | problems in training | Newton iterations, mean (per epoch) | max | max bound / norm lambda | "
+             "not certified | test problems | not certified |", "|---|---|---|---|---|---|---|---|"]
+    for name, c in certificates.items():
+        t, e = c["train"], c["test"]
+        lines.append(
+            f"| {name} | {t['problems']:,} | {t['mean_iterations']:.2f} ("
+            + ", ".join(f"{x:.2f}" for x in c["train_mean_iterations_per_epoch"])
+            + f") | {t['max_iterations']} | {max(t['max_relative_error_bound'], e['max_relative_error_bound']):.1e} | "
+            f"{t['not_converged']} | {e['problems']:,} | {e['not_converged']} |"
+        )
+    if "softmax" in summary and "exact" in summary:
+        ratio = summary["exact"]["mean_train_s_per_step"] / summary["softmax"]["mean_train_s_per_step"]
+        lines += ["", f"Training time per step: {summary['exact']['mean_train_s_per_step']:.1f} s for the exact-ViT "
+                  f"against {summary['softmax']['mean_train_s_per_step']:.1f} s for the ViT ({ratio:.2f}x), measured "
+                  "in different runs under the shared machine's varying load; `bench/results_exact.md` measures the "
+                  "two side by side."]
+    return lines + [""]
 
 
 def main():

@@ -501,12 +501,26 @@ def test_cli_module_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
-def test_experiment_report_is_computed_from_the_runs(tmp_path):
-    """scripts/vit_experiment.py --report-only: means and t-intervals from the runs' results files."""
+def run_experiment_script(*argv):
+    """``scripts/vit_experiment.py ARGV`` in this process."""
     import importlib.util
     import sys
     from pathlib import Path
 
+    path = Path(__file__).resolve().parent.parent / "scripts" / "vit_experiment.py"
+    spec = importlib.util.spec_from_file_location("vit_experiment", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    saved = sys.argv
+    try:
+        sys.argv = ["vit_experiment.py", *argv]
+        module.main()
+    finally:
+        sys.argv = saved
+
+
+def test_experiment_report_is_computed_from_the_runs(tmp_path):
+    """scripts/vit_experiment.py --report-only: means and t-intervals from the runs' results files."""
     from scipy import stats
 
     data_dir = write_mnist(tmp_path / "data")
@@ -519,17 +533,8 @@ def test_experiment_report_is_computed_from_the_runs(tmp_path):
             r = json.loads(results_file.read_text())
             r["test_accuracy"] = r["learning_curve"][-1]["test_accuracy"] = 0.5 + 0.1 * seed + (attention == "ot") * 0.03 * seed**2
             results_file.write_text(json.dumps(r))
-    path = Path(__file__).resolve().parent.parent / "scripts" / "vit_experiment.py"
-    spec = importlib.util.spec_from_file_location("vit_experiment", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    argv = sys.argv
-    try:
-        sys.argv = ["vit_experiment.py", "--report-only", "--runs-dir", str(runs), "--report-dir",
-                    str(tmp_path / "report"), "--epochs", "1", "--attentions", "softmax", "ot"]
-        module.main()
-    finally:
-        sys.argv = argv
+    run_experiment_script("--report-only", "--runs-dir", str(runs), "--report-dir", str(tmp_path / "report"),
+                          "--epochs", "1", "--attentions", "softmax", "ot")
     out = json.loads((tmp_path / "report" / "results.json").read_text())
     for attention in ("softmax", "ot"):
         accs = [json.loads((runs / f"{attention}-seed{s}" / "results.json").read_text())["test_accuracy"] for s in range(3)]
@@ -676,3 +681,37 @@ def test_a_checkpoint_holding_an_arbitrary_object_is_refused_and_runs_no_code(tm
                                       "--no-progress", "--epochs", "2"])
     assert result.exit_code == 2 and "refusing to read" in result.output and "Traceback" not in result.output
     assert not marker.exists()
+
+
+def test_experiment_report_reuses_earlier_runs_checks_a_rerun_and_records_the_exact_arm(tmp_path):
+    """A new arm joins the runs of an earlier report: the reused runs are taken as they were, a fresh rerun of
+    one of them is compared bit for bit, and the exact arm's certificates are tabulated from its history."""
+    data_dir = write_mnist(tmp_path / "data")
+    first, later = tmp_path / "first", tmp_path / "later"
+    for seed in (0, 1):
+        train(_settings(data_dir, first / f"softmax-seed{seed}", attention="softmax", seed=seed, epochs=2))
+        train(_settings(data_dir, later / f"exact-seed{seed}", attention="exact", seed=seed, epochs=2))
+    common = ["--report-only", "--epochs", "2", "--seeds", "0", "1"]
+    run_experiment_script(*common, "--runs-dir", str(first), "--report-dir", str(tmp_path / "r1"),
+                          "--attentions", "softmax")
+    rerun = train(_settings(data_dir, tmp_path / "rerun" / "softmax-seed0", attention="softmax", seed=0, epochs=1))
+    changed = tmp_path / "changed" / "softmax-seed1"  # a "rerun" that does not reproduce its run
+    train(_settings(data_dir, changed, attention="softmax", seed=1, epochs=1, lr=1e-3))
+    run_experiment_script(*common, "--runs-dir", str(later), "--report-dir", str(tmp_path / "r2"),
+                          "--attentions", "softmax", "exact", "--reuse-runs-from", str(tmp_path / "r1" / "results.json"),
+                          "--rerun-check", str(tmp_path / "rerun" / "softmax-seed0"), str(changed))
+    earlier = json.loads((tmp_path / "r1" / "results.json").read_text())
+    out = json.loads((tmp_path / "r2" / "results.json").read_text())
+    assert out["runs"]["softmax-seed0"] == earlier["runs"]["softmax-seed0"]
+    assert out["reused_runs"]["runs"] == ["softmax-seed0", "softmax-seed1"]
+    checks = {c["run"]: c for c in out["reused_runs"]["checks"]}
+    assert checks["softmax-seed0"]["identical"] and checks["softmax-seed0"]["epochs"] == 1
+    assert rerun["learning_curve"][0]["train_loss"] == earlier["runs"]["softmax-seed0"]["learning_curve"][0]["train_loss"]
+    assert not checks["softmax-seed1"]["identical"]
+    certificates = out["exact_certificates"]["exact-seed1"]
+    history = json.loads((later / "exact-seed1" / "results.json").read_text())["learning_curve"]
+    assert certificates["train"]["problems"] == sum(e["exact_train"]["problems"] for e in history) == 2 * 64 * 2
+    assert certificates["train"]["max_iterations"] == max(e["exact_train"]["max_iterations"] for e in history)
+    md = (tmp_path / "r2" / "results.md").read_text()
+    assert "bit for bit the same" in md and "NOT the same" in md and "exact-ViT − ViT" in md
+    assert "## The exact-ViT's solver during training" in md
