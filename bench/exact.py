@@ -1,13 +1,14 @@
-"""Forward + backward time of the exact attention (probe.exact) against softmax attention, at the ViT's final-layer size.
+"""Forward + backward time of the exact attention (probe.exact) against softmax attention, at the ViT's
+final-layer size.
 
 The exact-ViT's final layer solves one problem per image and head for the class-token query: ``B = 128``
 images, ``H = 8`` heads, ``N = 50`` keys (49 patches of a 28x28 image at patch 4x4, and the class token),
 head dimension ``d' = 32``, templates ``k / sqrt(d')``, evidence ``q``, ``u`` uniform, ``alpha = 1``, float32
 inputs (as in training).  Its queries and keys come from the final layer of two paper-size models on 128
 Fashion-MNIST test images: the ViT at its initial weights (seed 0), and the trained OT-ViT kept in
-``reports/vit/ot-seed0.pt`` (4 epochs; its parameters have the exact-ViT's shapes).  Each timing is the attention weights' forward and their backward for a fixed
-random upstream gradient (gradients to ``q`` and ``k``): ``softmax(q k^T / sqrt(d'))`` against
-``exact_attention``.  A second measurement puts it in context: one whole training step (forward, backward and
+``reports/vit/ot-seed0.pt`` (4 epochs; its parameters have the exact-ViT's shapes).  Each timing is the
+attention weights' forward and their backward for a fixed random upstream gradient (gradients to ``q`` and
+``k``): ``softmax(q k^T / sqrt(d'))`` against ``exact_attention``.  A second measurement puts it in context: one whole training step (forward, backward and
 Adam) of the paper-size ViT and exact-ViT, from the same weights on the same batch.
 
 Repeats alternate softmax and exact, so that both see the same load; the ratios are of the medians, and the

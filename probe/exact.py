@@ -3,7 +3,8 @@ r"""Exact inference as a differentiable layer: the KL problem's posterior :math:
 For templates :math:`t_1..t_n` (rows of :math:`T`), a preference :math:`u = \mathrm{softmax}(\ell)` with mean
 :math:`\mu = T^\top u`, evidence :math:`z` and strength :math:`\alpha`, the dual of :mod:`probe.solver`
 
-.. math::  \max_\lambda\ \langle\lambda, \mu + z\rangle - \|\lambda\|^2/(2\alpha) - \log\sum_i u_i e^{\langle t_i,\lambda\rangle}
+.. math::  \max_\lambda\ \langle\lambda, \mu + z\rangle - \|\lambda\|^2/(2\alpha)
+           - \log\sum_i u_i e^{\langle t_i,\lambda\rangle}
 
 has one maximiser :math:`\lambda^*`, and :func:`exact_attention` returns the exact posterior
 
@@ -39,7 +40,8 @@ matrix of the solver's Newton system.  For an incoming gradient :math:`v = \part
 
 .. math::  \frac{\partial L}{\partial z} = \alpha T^\top e, \qquad
            \frac{\partial L}{\partial \ell} = e + \Sigma_u b, \qquad
-           \frac{\partial L}{\partial T} = e\,\lambda^{*\top} + (u - p^*)\,\Big(\frac{\partial L}{\partial z}\Big)^{\!\top}.
+           \frac{\partial L}{\partial T} = e\,\lambda^{*\top}
+           + (u - p^*)\,\Big(\frac{\partial L}{\partial z}\Big)^{\!\top}.
 
 The solve runs in the solver's reduced space: with :math:`T = AV^\top` (:math:`V` orthonormal),
 :math:`b = A\,K_r^{-1}A^\top w` with :math:`K_r = I/\alpha + A^\top\Sigma_p A`, which is the Newton system

@@ -112,8 +112,8 @@ def test_leading_dimensions_broadcast_and_float32():
         torch.testing.assert_close(p[:, i], exact_attention(T, queries[:, i], ell), rtol=0, atol=1e-12)
     p32 = exact_attention(T.float().unsqueeze(1), queries.float(), ell.float().unsqueeze(1))
     assert p32.dtype == torch.float32
-    torch.testing.assert_close(p32.double(), exact_attention(T.float().double().unsqueeze(1),
-                                                             queries.float().double(), ell.float().double().unsqueeze(1)))
+    rounded = [x.float().double() for x in (T.unsqueeze(1), queries, ell.unsqueeze(1))]  # the same inputs, in float64
+    torch.testing.assert_close(p32.double(), exact_attention(*rounded))
 
 
 # --------------------------------------------------------------------------- gradients: finite differences

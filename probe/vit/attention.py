@@ -120,7 +120,9 @@ def sinkhorn_attention_weights(q, k, mask=None, iterations: int = 3):
     return logits.exp()
 
 
-def exact_attention_weights(q, k, key_mask=None, alpha: float = 1.0, gamma=None) -> tuple[torch.Tensor, ExactCertificate]:
+def exact_attention_weights(
+    q, k, key_mask=None, alpha: float = 1.0, gamma=None
+) -> tuple[torch.Tensor, ExactCertificate]:
     r"""The exact posterior of every query over the keys (module docstring): templates ``k / gamma``, evidence
     ``q``, ``u`` uniform over the real keys, ``gamma = sqrt(dh)`` by default.
 

@@ -133,7 +133,8 @@ def _idx_split(directory: Path, prefix: str):
 #: numpy 1 and numpy 2 module names, ``numpy.ndarray``, ``numpy.dtype``, and ``_codecs.encode`` (the bytes
 #: of protocol-2 pickles written by Python 3).  None of them runs code of the file's choosing.
 _CIFAR_GLOBALS = frozenset(
-    [(module, name) for module in ("numpy.core.multiarray", "numpy._core.multiarray") for name in ("_reconstruct", "scalar")]
+    [(module, name) for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+     for name in ("_reconstruct", "scalar")]
     + [(module, "_frombuffer") for module in ("numpy.core.numeric", "numpy._core.numeric")]
     + [("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")]
 )
