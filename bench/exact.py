@@ -11,8 +11,9 @@ attention weights' forward and their backward for a fixed random upstream gradie
 ``k``): ``softmax(q k^T / sqrt(d'))`` against ``exact_attention``.  A second measurement puts it in context: one whole training step (forward, backward and
 Adam) of the paper-size ViT and exact-ViT, from the same weights on the same batch.
 
-Repeats alternate softmax and exact, so that both see the same load; the ratios are of the medians, and the
-smallest and largest per-repeat ratios show the noise.  One torch thread (the protocol's).
+Times are the process's CPU time (``time.process_time``) with one torch thread (the protocol's): on a
+shared machine, wall time mostly measures the other work.  Repeats alternate softmax and exact; the ratios
+are of the medians, and the smallest and largest per-repeat ratios show the noise.
 
     python bench/exact.py            # a few minutes on one core: bench/results_exact.json and .md
     python bench/exact.py --quick    # smoke run: random images, small batch, one repeat
@@ -44,6 +45,9 @@ from probe.vit import load_checkpoint  # noqa: E402
 from probe.vit.model import ViT, ViTConfig  # noqa: E402
 
 TRAINED = ROOT / "reports" / "vit" / "ot-seed0.pt"
+
+#: the clock of every timing: this process's CPU time (one thread), not the shared machine's wall time
+clock = time.process_time
 
 
 def images(batch: int, quick: bool) -> torch.Tensor:
@@ -77,11 +81,11 @@ def exact_weights(q, k):
 def timed_weights(weights, q, k, upstream):
     """(forward s, backward s, certificate summary or None) of one forward and backward."""
     q, k = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
-    start = time.perf_counter()
+    start = clock()
     w, certificate = weights(q, k)
-    middle = time.perf_counter()
+    middle = clock()
     (w * upstream).sum().backward()
-    end = time.perf_counter()
+    end = clock()
     return middle - start, end - middle, None if certificate is None else certificate.summary()
 
 
@@ -126,12 +130,12 @@ def measure_step(x, y, repeats):
         model = models[kind]
         model.train()
         torch.manual_seed(1)  # the same dropout masks for both
-        start = time.perf_counter()
+        start = clock()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         optimizers[kind].zero_grad(set_to_none=True)
         loss.backward()
         optimizers[kind].step()
-        return time.perf_counter() - start
+        return clock() - start
 
     step("softmax"), step("exact")  # warm-up
     times = {"softmax": [], "exact": []}
@@ -153,7 +157,7 @@ def markdown(results) -> str:
         "",
         f"{results['date']}, {results['cpu']}, torch {results['torch']}, {results['threads']} thread, load average "
         f"{results['load_average_start']} at the start and {results['load_average_end']} at the end (shared "
-        f"machine). {results['repeats']} alternating repeats; medians.",
+        f"machine). CPU time of one thread; {results['repeats']} alternating repeats; medians.",
         "",
         "## The final layer's attention weights: forward + backward",
         "",

@@ -6,11 +6,14 @@ Runs ``probe vit train`` (as ``python3 -m probe.vit.cli train``) for every (seed
 resume from their last epoch (start the script again).  ``--report-only`` rewrites the reports from the
 runs that exist.
 
-``--reuse-runs-from reports/vit/results.json`` takes the runs that are not in ``--runs-dir`` from a report this
-script wrote before (its ``runs`` entries are the runs' results files), so that a new arm can join the committed
-ones without training them again.  ``--rerun-check DIR`` names a fresh run of one reused arm (the same
-settings, fewer epochs); the report compares its learning curve with the reused run's, entry by entry and bit
-for bit, which shows that the reused arms' code path still computes what it computed then.
+``--reuse-runs-from reports/vit/results.json`` takes the arms of a report this script wrote before (its
+``runs`` entries are the runs' results files), so that a new arm can join the committed ones without training
+them again.  Runs of a reused arm that are also in ``--runs-dir`` are *reruns* on this machine: the report
+compares them with the reused runs, bit for bit and as paired differences, and pairs the new arms with the
+softmax reruns (the same machine and period of load).  ``--rerun-check LABEL=DIR`` names a further run (the
+same settings, made with other code, fewer epochs allowed), compared bit for bit with the rerun of the same
+name, or the report's run: with the reused runs' code and with the code the change started from, it shows
+whether the change left their code path computing the same numbers.
 
 The protocol is fair by construction: every run gets the same training subset, test subset, epochs, batch
 size and learning rate; for a given seed, every attention gets the same initial weights (the parameters are
@@ -18,9 +21,9 @@ the same) and the same data order (see ``probe.vit.train``).
 
     PYTHONPATH=. python3 scripts/vit_experiment.py            # run (or finish) the protocol, then report
     PYTHONPATH=. python3 scripts/vit_experiment.py --report-only
-    PYTHONPATH=. python3 scripts/vit_experiment.py --epochs 4 --attentions exact     # train one arm
+    PYTHONPATH=. python3 scripts/vit_experiment.py --epochs 4 --attentions exact softmax   # a new arm and reruns
     PYTHONPATH=. python3 scripts/vit_experiment.py --report-only --epochs 4 \
-        --reuse-runs-from reports/vit/results.json --rerun-check runs/determinism/softmax-seed0
+        --reuse-runs-from reports/vit/results.json --rerun-check "main's code=runs/main/softmax-seed0"
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ def parse():
                    help="RUN whose model.pt is copied to the report directory (empty: none).")
     p.add_argument("--reuse-runs-from", type=Path, default=None, metavar="RESULTS_JSON",
                    help="Take the runs missing from --runs-dir from this earlier report of the script.")
-    p.add_argument("--rerun-check", type=Path, nargs="*", default=[], metavar="DIR",
-                   help="Fresh runs of reused arms, compared bit for bit with the reused runs' learning curves.")
+    p.add_argument("--rerun-check", nargs="*", default=[], metavar="LABEL=DIR",
+                   help="Further runs (LABEL: the code that made them), compared bit for bit with the runs used here.")
     return p.parse_args()
 
 
@@ -145,18 +148,18 @@ def t_interval(values: list[float]) -> tuple[float, float | None, float | None]:
 CHECKED_FIELDS = ("train_loss", "train_accuracy", "test_accuracy", "test_loss")
 
 
-def rerun_check(run_dir: Path, reused: dict) -> dict:
-    """A fresh run of a reused arm against the reused run: every finished epoch's ``CHECKED_FIELDS`` equal?"""
-    fresh = json.loads((run_dir / "results.json").read_text())
-    s = fresh["settings"]
-    name = run_name(s["attention"], s["seed"])
-    if name not in reused:
-        raise SystemExit(f"--rerun-check {run_dir}: {name} is not a reused run.")
-    pairs = list(zip(fresh["learning_curve"], reused[name]["learning_curve"]))
-    return {"run": name, "directory": run_dir.name, "epochs": len(pairs),
-            "fields": list(CHECKED_FIELDS),
-            "identical": all(a[f] == b[f] for a, b in pairs for f in CHECKED_FIELDS),
-            "versions": fresh["versions"]}
+def compare_runs(fresh: dict, reference: dict) -> dict:
+    """``fresh``'s learning curve against ``reference``'s, epoch by epoch: bit for bit the same in
+    ``CHECKED_FIELDS``?  And the largest absolute difference of each field (over the epochs both have)."""
+    pairs = list(zip(fresh["learning_curve"], reference["learning_curve"]))
+    return {"epochs": len(pairs), "identical": all(a[f] == b[f] for a, b in pairs for f in CHECKED_FIELDS),
+            "max_abs_difference": {f: max(abs(a[f] - b[f]) for a, b in pairs) for f in CHECKED_FIELDS}}
+
+
+def _labelled(item: str) -> tuple[str, Path]:
+    """``LABEL=DIR`` or ``DIR`` (labelled by its parent folder's name)."""
+    label, _, directory = item.rpartition("=")
+    return (label or Path(directory).parent.name), Path(directory)
 
 
 def exact_certificates(run: dict) -> dict:
@@ -171,19 +174,57 @@ def exact_certificates(run: dict) -> dict:
     }
 
 
+def _summary(runs: dict, attention: str, seeds: list[int], epochs: int) -> dict | None:
+    """Test accuracy (mean, t-interval), learning curve, wall time and training seconds per step of one arm."""
+    chosen = [runs[(attention, seed)] for seed in seeds if (attention, seed) in runs]
+    if not chosen:
+        return None
+    accs = [r["test_accuracy"] for r in chosen]
+    mean, sd, half = t_interval(accs)
+    step_s = [sum(e["train_s"] for e in r["learning_curve"]) / r["steps"] for r in chosen]
+    return {
+        "mean_train_s_per_step": sum(step_s) / len(step_s),
+        "seeds": [seed for seed in seeds if (attention, seed) in runs], "test_accuracy": accs,
+        "mean": mean, "sd": sd, "ci95_half_width": half,
+        "mean_wall_time_s": sum(r["wall_time_s"] for r in chosen) / len(chosen),
+        "mean_test_accuracy_per_epoch": [t_interval([r["learning_curve"][e]["test_accuracy"] for r in chosen])[0]
+                                         for e in range(epochs)],
+    }
+
+
+def _paired(runs: dict, baseline: dict, attention: str, seeds: list[int]) -> dict | None:
+    """Per-seed differences of test accuracy, ``attention``'s runs minus ``baseline``'s softmax runs."""
+    common = [seed for seed in seeds if (attention, seed) in runs and ("softmax", seed) in baseline]
+    if not common:
+        return None
+    diffs = [runs[(attention, seed)]["test_accuracy"] - baseline[("softmax", seed)]["test_accuracy"] for seed in common]
+    mean, sd, half = t_interval(diffs)
+    return {"seeds": common, "differences": diffs, "mean": mean, "sd": sd, "ci95_half_width": half}
+
+
 def report(args) -> dict:
-    runs, reused = {}, {}
+    """The report from the runs in ``--runs-dir`` and, with ``--reuse-runs-from``, an earlier report's runs.
+
+    With reuse, an arm's runs come from the earlier report when it holds the arm (its comparison stays as it
+    was), else from the runs directory.  Runs directory runs of a reused arm are *reruns*: they are compared
+    with the reused runs (bit for bit, and as a paired difference), and a new arm is paired with the reruns of
+    the softmax arm where they exist, so that it is compared with a ViT trained on the same machine."""
+    here, earlier_runs = {}, {}
     earlier = json.loads(args.reuse_runs_from.read_text()) if args.reuse_runs_from else None
     for attention in args.attentions:
         for seed in args.seeds:
-            path = args.runs_dir / run_name(attention, seed) / "results.json"
-            r = json.loads(path.read_text()) if path.exists() else None
-            if r is not None:  # the run directory as the repository names it, not a machine path
-                r["settings"]["out"] = _shown(path.parent)
-            if r is None and earlier is not None and run_name(attention, seed) in earlier["runs"]:
-                r = reused[run_name(attention, seed)] = earlier["runs"][run_name(attention, seed)]
-            if r is not None and r.get("epochs_done", 0) >= args.epochs:
-                runs[(attention, seed)] = at_epoch(r, args.epochs)
+            name = run_name(attention, seed)
+            path = args.runs_dir / name / "results.json"
+            if path.exists():
+                r = json.loads(path.read_text())
+                r["settings"]["out"] = _shown(path.parent)  # as the repository names it, not a machine path
+                if r.get("epochs_done", 0) >= args.epochs:
+                    here[(attention, seed)] = at_epoch(r, args.epochs)
+            if earlier is not None and name in earlier["runs"] and earlier["runs"][name]["epochs_done"] >= args.epochs:
+                earlier_runs[(attention, seed)] = at_epoch(earlier["runs"][name], args.epochs)
+    reused_arms = {a for a, _ in earlier_runs}
+    runs = {key: r for key, r in here.items() if key[0] not in reused_arms} | earlier_runs
+    reruns = {key: r for key, r in here.items() if key[0] in reused_arms}
     if not runs:
         raise SystemExit(f"no finished runs in {args.runs_dir}: run the protocol first.")
     any_run = next(iter(runs.values()))
@@ -197,56 +238,57 @@ def report(args) -> dict:
         "ot_gamma": runs.get(("ot", args.seeds[0]), any_run)["gamma"],
         "trick_probability": 0.5,
     }
-    summary = {}
-    for attention in args.attentions:
-        accs = [runs[(attention, seed)]["test_accuracy"] for seed in args.seeds if (attention, seed) in runs]
-        if not accs:
-            continue
-        mean, sd, half = t_interval(accs)
-        walls = [runs[(attention, seed)]["wall_time_s"] for seed in args.seeds if (attention, seed) in runs]
-        curve = [t_interval([runs[(attention, seed)]["learning_curve"][e]["test_accuracy"]
-                             for seed in args.seeds if (attention, seed) in runs])[0] for e in range(args.epochs)]
-        step_s = [sum(e["train_s"] for e in runs[(attention, seed)]["learning_curve"]) / runs[(attention, seed)]["steps"]
-                  for seed in args.seeds if (attention, seed) in runs]
-        summary[attention] = {
-            "mean_train_s_per_step": sum(step_s) / len(step_s),
-            "seeds": [seed for seed in args.seeds if (attention, seed) in runs], "test_accuracy": accs,
-            "mean": mean, "sd": sd, "ci95_half_width": half, "mean_wall_time_s": sum(walls) / len(walls),
-            "mean_test_accuracy_per_epoch": curve,
-        }
+    summary = {a: _summary(runs, a, args.seeds, args.epochs) for a in args.attentions}
+    summary = {a: v for a, v in summary.items() if v is not None}
     paired = {}
-    for attention in args.attentions:
-        if attention == "softmax":
-            continue
-        common = [seed for seed in args.seeds if (attention, seed) in runs and ("softmax", seed) in runs]
-        if common:
-            diffs = [runs[(attention, seed)]["test_accuracy"] - runs[("softmax", seed)]["test_accuracy"] for seed in common]
-            mean, sd, half = t_interval(diffs)
-            paired[f"{attention}-softmax"] = {"seeds": common, "differences": diffs, "mean": mean, "sd": sd,
-                                              "ci95_half_width": half}
+    for attention in summary:
+        if attention != "softmax":  # a new arm against the softmax reruns where they exist
+            baseline = reruns if attention not in reused_arms and ("softmax", args.seeds[0]) in reruns else runs
+            d = _paired(runs, baseline, attention, args.seeds)
+            if d is not None:
+                paired[f"{attention}-softmax"] = dict(d, baseline="rerun" if baseline is reruns else "same source")
     certificates = {run_name(a, seed): exact_certificates(r) for (a, seed), r in runs.items() if a == "exact"}
     out = {"protocol": protocol, "summary": summary, "paired_differences": paired,
            "runs": {run_name(a, s): r for (a, s), r in runs.items()}, "paper": PAPER,
            "generated_by": "scripts/vit_experiment.py", "generated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if certificates:
         out["exact_certificates"] = certificates
-    if reused:
+    if earlier is not None:
         out["reused_runs"] = {"from": _shown(args.reuse_runs_from), "generated_at": earlier["generated_at"],
-                              "runs": sorted(reused), "checks": [rerun_check(d, reused) for d in args.rerun_check]}
+                              "runs": sorted(run_name(a, seed) for a, seed in earlier_runs)}
+    if reruns:
+        out["reruns"] = {
+            "summary": {a: v for a in sorted({a for a, _ in reruns}) if (v := _summary(reruns, a, args.seeds, args.epochs))},
+            "against_reused": {run_name(a, seed): compare_runs(r, earlier_runs[(a, seed)]) for (a, seed), r in reruns.items()},
+            "paired_differences": {f"{a}-rerun-{a}": _paired(reruns, earlier_runs, a, args.seeds)
+                                   for a in sorted({a for a, _ in reruns}) if a == "softmax"},
+            "runs": {run_name(a, seed): r for (a, seed), r in reruns.items()},
+        }
+    checks = []
+    for item in args.rerun_check:
+        label, directory = _labelled(item)
+        fresh = json.loads((directory / "results.json").read_text())
+        key = (fresh["settings"]["attention"], fresh["settings"]["seed"])
+        reference, against = (reruns[key], "rerun") if key in reruns else (runs[key], "report")
+        checks.append({"label": label, "directory": _shown(directory), "run": run_name(*key), "against": against,
+                       **compare_runs(fresh, reference)})
+    if checks:
+        out["checks"] = checks
     args.report_dir.mkdir(parents=True, exist_ok=True)
     (args.report_dir / "results.json").write_text(json.dumps(out, indent=2) + "\n")
     kept = None
     if args.keep_checkpoint:
-        source = args.runs_dir / args.keep_checkpoint / "model.pt"
-        if not source.exists() and args.keep_checkpoint in reused and "kept_model" in earlier:
+        name = args.keep_checkpoint
+        source = args.runs_dir / name / "model.pt"
+        if earlier is not None and earlier.get("kept_model", {}).get("run") == name and name in out["reused_runs"]["runs"]:
             kept = args.report_dir / earlier["kept_model"]["file"]  # the reused run's kept model stays
             out["kept_model"] = earlier["kept_model"]
             (args.report_dir / "results.json").write_text(json.dumps(out, indent=2) + "\n")
         elif source.exists():
-            kept = args.report_dir / f"{args.keep_checkpoint}.pt"
+            kept = args.report_dir / f"{name}.pt"
             shutil.copyfile(source, kept)
-            raw = json.loads((args.runs_dir / args.keep_checkpoint / "results.json").read_text())
-            out["kept_model"] = {"run": args.keep_checkpoint, "file": kept.name, "epochs": raw["epochs_done"],
+            raw = json.loads((args.runs_dir / name / "results.json").read_text())
+            out["kept_model"] = {"run": name, "file": kept.name, "epochs": raw["epochs_done"],
                                  "test_accuracy": raw["test_accuracy"]}
             (args.report_dir / "results.json").write_text(json.dumps(out, indent=2) + "\n")
     (args.report_dir / "results.md").write_text(markdown(out, args, kept))
@@ -308,34 +350,39 @@ def markdown(out, args, kept) -> str:
         "| model | here: Fashion-MNIST, reduced protocol | seeds | mean wall time per run: training and evaluation (s per training step) | paper: Fashion-MNIST (full protocol) | paper: CIFAR-10 | paper: CIFAR-100 |",
         "|---|---|---|---|---|---|---|",
     ]
-    for attention, s in summary.items():
+    rows = [(NAMES[a], a, v) for a, v in summary.items()]
+    rows += [(f"{NAMES[a]}, rerun here", a, v) for a, v in out.get("reruns", {}).get("summary", {}).items()]
+    for name, attention, s in rows:
         lines.append(
-            f"| {NAMES[attention]} | {_fmt(s['mean'], s['ci95_half_width'])} | {len(s['seeds'])} | "
+            f"| {name} | {_fmt(s['mean'], s['ci95_half_width'])} | {len(s['seeds'])} | "
             f"{s['mean_wall_time_s'] / 60:.1f} min ({s['mean_train_s_per_step']:.1f} s) | {PAPER['fashion-mnist'][attention]} | "
             f"{PAPER['cifar10'][attention]}; not run here: no copy of CIFAR offline | "
             f"{PAPER['cifar100'][attention]}; not run here: no copy of CIFAR offline |"
         )
     lines += ["", "Per seed:", "", "| model | " + " | ".join(f"seed {s}" for s in p["seeds"]) + " |",
               "|---|" + "---|" * len(p["seeds"])]
-    for attention, s in summary.items():
+    for name, _, s in rows:
         by_seed = dict(zip(s["seeds"], s["test_accuracy"]))
-        lines.append(f"| {NAMES[attention]} | " + " | ".join(
+        lines.append(f"| {name} | " + " | ".join(
             f"{by_seed[seed]:.4f}" if seed in by_seed else "missing" for seed in p["seeds"]) + " |")
     lines += ["", "Mean test accuracy after each epoch (the learning curve):", "",
               "| model | " + " | ".join(f"epoch {e + 1}" for e in range(p["epochs"])) + " |",
               "|---|" + "---|" * p["epochs"]]
-    for attention, s in summary.items():
-        lines.append(f"| {NAMES[attention]} | " + " | ".join(f"{a:.4f}" for a in s["mean_test_accuracy_per_epoch"]) + " |")
+    for name, _, s in rows:
+        lines.append(f"| {name} | " + " | ".join(f"{a:.4f}" for a in s["mean_test_accuracy_per_epoch"]) + " |")
     lines += ["", "## Paired differences (same seed: same initial weights and data order)", "",
               "| difference | mean | 95% t-interval | per seed |", "|---|---|---|---|"]
     verdicts = []
-    for key, d in paired.items():
-        attention = key.split("-")[0]
+    differences = [(f"{NAMES[key.split('-')[0]]} − ViT" + (" (rerun here)" if d.get("baseline") == "rerun" else ""),
+                    key.split("-")[0], d) for key, d in paired.items()]
+    differences += [(f"{NAMES[key.split('-')[0]]} rerun here − {NAMES[key.split('-')[0]]}", None, d)
+                    for key, d in out.get("reruns", {}).get("paired_differences", {}).items() if d is not None]
+    for label, attention, d in differences:
         half = d["ci95_half_width"]
         interval = "n/a (one seed)" if half is None else f"[{d['mean'] - half:+.4f}, {d['mean'] + half:+.4f}]"
-        lines.append(f"| {NAMES[attention]} − ViT | {d['mean']:+.4f} | {interval} | "
+        lines.append(f"| {label} | {d['mean']:+.4f} | {interval} | "
                      + ", ".join(f"{x:+.4f}" for x in d["differences"]) + " |")
-        if half is not None:
+        if half is not None and attention is not None:
             if d["mean"] - half > 0:
                 verdicts.append(f"{NAMES[attention]} is better than the ViT in this reduced setting (interval above 0)")
             elif d["mean"] + half < 0:
@@ -377,19 +424,33 @@ def markdown(out, args, kept) -> str:
     return "\n".join(lines)
 
 
+def _differences(check: dict) -> str:
+    """How a rerun compares with its reference: bit for bit, or its largest differences."""
+    if check["identical"]:
+        return f"bit for bit the same ({', '.join(CHECKED_FIELDS)}, {check['epochs']} epoch(s))"
+    d = check["max_abs_difference"]
+    return (f"not bit for bit the same: over {check['epochs']} epoch(s) the largest differences are "
+            f"{d['train_loss']:.1e} in training loss and {d['test_accuracy']:.4f} in test accuracy")
+
+
 def _reuse_lines(out) -> list[str]:
-    """The protocol's line on runs taken from an earlier report, and the bitwise check of a fresh rerun."""
-    reused = out.get("reused_runs")
+    """The protocol's lines on runs taken from an earlier report, the reruns of reused arms, and the checks."""
+    reused, reruns = out.get("reused_runs"), out.get("reruns")
     if not reused:
         return []
-    line = (f"- Reused: {', '.join(f'`{r}`' for r in reused['runs'])} are the runs of `{reused['from']}` "
-            f"({reused['generated_at']}), not trained again.")
-    for check in reused["checks"]:
-        verdict = ("bit for bit the same" if check["identical"] else
-                   "NOT the same: the reused runs' code path has changed, and they should be trained again")
-        line += (f" A fresh run of `{check['run']}` with the current code gave {check['epochs']} epoch(s) whose "
-                 f"{', '.join(check['fields'])} are {verdict} as the reused run's.")
-    return [line]
+    lines = [f"- Reused: {', '.join(f'`{r}`' for r in reused['runs'])} are the runs of `{reused['from']}` "
+             f"({reused['generated_at']}), not trained again."]
+    if reruns:
+        compared = reruns["against_reused"]
+        lines.append(
+            f"- Rerun here: {', '.join(f'`{r}`' for r in compared)}, trained again on this machine with this code. "
+            "Against the reused runs they are " + "; ".join(f"`{r}`: {_differences(c)}" for r, c in compared.items())
+            + ". New arms are paired with these reruns (the same machine, the same period of load).")
+    for check in out.get("checks", []):
+        lines.append(f"- Check: `{check['directory']}`, a run of `{check['run']}` made with {check['label']}, against "
+                     f"the {'rerun here' if check['against'] == 'rerun' else 'run in this report'}: "
+                     f"{_differences(check)}.")
+    return lines
 
 
 def _exact_lines(out) -> list[str]:
@@ -411,12 +472,14 @@ def _exact_lines(out) -> list[str]:
             + f") | {t['max_iterations']} | {max(t['max_relative_error_bound'], e['max_relative_error_bound']):.1e} | "
             f"{t['not_converged']} | {e['problems']:,} | {e['not_converged']} |"
         )
-    if "softmax" in summary and "exact" in summary:
-        ratio = summary["exact"]["mean_train_s_per_step"] / summary["softmax"]["mean_train_s_per_step"]
-        lines += ["", f"Training time per step: {summary['exact']['mean_train_s_per_step']:.1f} s for the exact-ViT "
-                  f"against {summary['softmax']['mean_train_s_per_step']:.1f} s for the ViT ({ratio:.2f}x), measured "
-                  "in different runs under the shared machine's varying load; `bench/results_exact.md` measures the "
-                  "two side by side."]
+    baseline = out.get("reruns", {}).get("summary", {}).get("softmax") or summary.get("softmax")
+    if baseline and "exact" in summary:
+        ratio = summary["exact"]["mean_train_s_per_step"] / baseline["mean_train_s_per_step"]
+        lines += ["", f"Training time per step (wall clock): {summary['exact']['mean_train_s_per_step']:.1f} s for the "
+                  f"exact-ViT against {baseline['mean_train_s_per_step']:.1f} s for the ViT"
+                  f"{' rerun here' if baseline is not summary.get('softmax') else ''} ({ratio:.2f}x), measured in "
+                  "separate processes under the shared machine's varying load; `bench/results_exact.md` measures the "
+                  "two side by side in CPU time."]
     return lines + [""]
 
 

@@ -684,34 +684,42 @@ def test_a_checkpoint_holding_an_arbitrary_object_is_refused_and_runs_no_code(tm
 
 
 def test_experiment_report_reuses_earlier_runs_checks_a_rerun_and_records_the_exact_arm(tmp_path):
-    """A new arm joins the runs of an earlier report: the reused runs are taken as they were, a fresh rerun of
-    one of them is compared bit for bit, and the exact arm's certificates are tabulated from its history."""
+    """A new arm joins the runs of an earlier report: the reused runs are taken as they were, a rerun of one of
+    them on this machine is compared bit for bit and becomes the new arm's baseline, a further run is checked,
+    and the exact arm's certificates are tabulated from its history."""
     data_dir = write_mnist(tmp_path / "data")
     first, later = tmp_path / "first", tmp_path / "later"
     for seed in (0, 1):
         train(_settings(data_dir, first / f"softmax-seed{seed}", attention="softmax", seed=seed, epochs=2))
         train(_settings(data_dir, later / f"exact-seed{seed}", attention="exact", seed=seed, epochs=2))
+    train(_settings(data_dir, later / "softmax-seed0", attention="softmax", seed=0, epochs=2))  # a rerun
+    changed = tmp_path / "changed" / "softmax-seed0"  # a "run with other code" that does not reproduce
+    train(_settings(data_dir, changed, attention="softmax", seed=0, epochs=1, lr=1e-3))
     common = ["--report-only", "--epochs", "2", "--seeds", "0", "1"]
     run_experiment_script(*common, "--runs-dir", str(first), "--report-dir", str(tmp_path / "r1"),
                           "--attentions", "softmax")
-    rerun = train(_settings(data_dir, tmp_path / "rerun" / "softmax-seed0", attention="softmax", seed=0, epochs=1))
-    changed = tmp_path / "changed" / "softmax-seed1"  # a "rerun" that does not reproduce its run
-    train(_settings(data_dir, changed, attention="softmax", seed=1, epochs=1, lr=1e-3))
     run_experiment_script(*common, "--runs-dir", str(later), "--report-dir", str(tmp_path / "r2"),
                           "--attentions", "softmax", "exact", "--reuse-runs-from", str(tmp_path / "r1" / "results.json"),
-                          "--rerun-check", str(tmp_path / "rerun" / "softmax-seed0"), str(changed))
+                          "--rerun-check", f"other code={changed}")
     earlier = json.loads((tmp_path / "r1" / "results.json").read_text())
     out = json.loads((tmp_path / "r2" / "results.json").read_text())
-    assert out["runs"]["softmax-seed0"] == earlier["runs"]["softmax-seed0"]
+    assert out["runs"]["softmax-seed0"] == earlier["runs"]["softmax-seed0"]  # the reused arm, as it was
     assert out["reused_runs"]["runs"] == ["softmax-seed0", "softmax-seed1"]
-    checks = {c["run"]: c for c in out["reused_runs"]["checks"]}
-    assert checks["softmax-seed0"]["identical"] and checks["softmax-seed0"]["epochs"] == 1
-    assert rerun["learning_curve"][0]["train_loss"] == earlier["runs"]["softmax-seed0"]["learning_curve"][0]["train_loss"]
-    assert not checks["softmax-seed1"]["identical"]
+    rerun = out["reruns"]["against_reused"]["softmax-seed0"]
+    assert rerun["identical"] and rerun["epochs"] == 2 and rerun["max_abs_difference"]["train_loss"] == 0
+    (check,) = out["checks"]
+    assert check["label"] == "other code" and check["against"] == "rerun" and not check["identical"]
+    # the exact arm is paired with the rerun (seed 0: the only seed rerun)
+    exact_acc = json.loads((later / "exact-seed0" / "results.json").read_text())["test_accuracy"]
+    rerun_acc = json.loads((later / "softmax-seed0" / "results.json").read_text())["test_accuracy"]
+    paired = out["paired_differences"]["exact-softmax"]
+    assert paired["baseline"] == "rerun" and paired["seeds"] == [0] and paired["differences"] == [exact_acc - rerun_acc]
     certificates = out["exact_certificates"]["exact-seed1"]
     history = json.loads((later / "exact-seed1" / "results.json").read_text())["learning_curve"]
     assert certificates["train"]["problems"] == sum(e["exact_train"]["problems"] for e in history) == 2 * 64 * 2
     assert certificates["train"]["max_iterations"] == max(e["exact_train"]["max_iterations"] for e in history)
     md = (tmp_path / "r2" / "results.md").read_text()
-    assert "bit for bit the same" in md and "NOT the same" in md and "exact-ViT − ViT" in md
+    assert "bit for bit the same" in md and "made with other code" in md and "not bit for bit the same" in md
+    assert "exact-ViT − ViT (rerun here)" in md and "ViT (softmax), rerun here" in md
     assert "## The exact-ViT's solver during training" in md
+
