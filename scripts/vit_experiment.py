@@ -23,7 +23,8 @@ the same) and the same data order (see ``probe.vit.train``).
     PYTHONPATH=. python3 scripts/vit_experiment.py --report-only
     PYTHONPATH=. python3 scripts/vit_experiment.py --epochs 4 --attentions exact softmax   # a new arm and reruns
     PYTHONPATH=. python3 scripts/vit_experiment.py --report-only --epochs 4 \
-        --reuse-runs-from reports/vit/results.json --rerun-check "main's code=runs/main/softmax-seed0"
+        --reuse-runs-from reports/vit/results.json --reuse-arms softmax ot sinkhorn \
+        --rerun-check "main's code=runs/main/softmax-seed0"
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def parse():
     p.add_argument("--keep-checkpoint", default="ot-seed0",
                    help="RUN whose model.pt is copied to the report directory (empty: none).")
     p.add_argument("--reuse-runs-from", type=Path, default=None, metavar="RESULTS_JSON",
-                   help="Take the runs missing from --runs-dir from this earlier report of the script.")
+                   help="Take the arms of this earlier report of the script (their runs there, as they were).")
+    p.add_argument("--reuse-arms", nargs="+", default=None, choices=ATTENTIONS, metavar="ATTENTION",
+                   help="Which arms to take from --reuse-runs-from [default: all it holds].")
     p.add_argument("--rerun-check", nargs="*", default=[], metavar="LABEL=DIR",
                    help="Further runs (LABEL: the code that made them), compared bit for bit with the runs used here.")
     return p.parse_args()
@@ -220,7 +223,8 @@ def report(args) -> dict:
                 r["settings"]["out"] = _shown(path.parent)  # as the repository names it, not a machine path
                 if r.get("epochs_done", 0) >= args.epochs:
                     here[(attention, seed)] = at_epoch(r, args.epochs)
-            if earlier is not None and name in earlier["runs"] and earlier["runs"][name]["epochs_done"] >= args.epochs:
+            reusable = earlier is not None and (args.reuse_arms is None or attention in args.reuse_arms)
+            if reusable and name in earlier["runs"] and earlier["runs"][name]["epochs_done"] >= args.epochs:
                 earlier_runs[(attention, seed)] = at_epoch(earlier["runs"][name], args.epochs)
     reused_arms = {a for a, _ in earlier_runs}
     runs = {key: r for key, r in here.items() if key[0] not in reused_arms} | earlier_runs

@@ -722,4 +722,11 @@ def test_experiment_report_reuses_earlier_runs_checks_a_rerun_and_records_the_ex
     assert "bit for bit the same" in md and "made with other code" in md and "not bit for bit the same" in md
     assert "exact-ViT − ViT (rerun here)" in md and "ViT (softmax), rerun here" in md
     assert "## The exact-ViT's solver during training" in md
+    # the report can be made again from itself: the reused arm named, the new arm from the runs directory
+    run_experiment_script(*common, "--runs-dir", str(later), "--report-dir", str(tmp_path / "r3"),
+                          "--attentions", "softmax", "exact", "--reuse-runs-from", str(tmp_path / "r2" / "results.json"),
+                          "--reuse-arms", "softmax", "--rerun-check", f"other code={changed}")
+    again = json.loads((tmp_path / "r3" / "results.json").read_text())
+    for key in ("summary", "paired_differences", "runs", "reruns", "checks", "exact_certificates"):
+        assert again[key] == out[key], key
 
