@@ -29,10 +29,10 @@ def load_checkpoint(path, map_location="cpu"):
     """Load a trained model: ``path`` is a run directory, its ``model.pt`` or its ``checkpoint.pt``.
 
     Returns ``(model, info)``: the :class:`probe.vit.model.ViT` in eval mode and a dict with ``config``,
-    ``settings`` and (from a checkpoint) ``epoch`` and ``history``.
+    ``settings`` and (from a checkpoint) ``epoch`` and ``history``.  The file is read with
+    ``torch.load(weights_only=True)`` (:func:`probe.vit.train.read_checkpoint`): one that holds any other Python
+    object is refused.
     """
-    import torch
-
     from probe.errors import ProbeError
 
     from .model import ViT, ViTConfig
