@@ -181,11 +181,11 @@ def exact_certificates(run: dict) -> dict:
 GAP_IMAGES = 256
 
 
-def posterior_gap(run_dir: Path, data_dir: Path | None) -> dict | None:
+def posterior_gap(run_dir: Path, settings: dict, data_dir: Path | None) -> dict | None:
     """How far the exact posterior is from softmax attention in a trained model's final layer: for the class-token
-    query of each head on the first ``GAP_IMAGES`` test images, p* of templates k / sqrt(d'), evidence q and u
-    uniform against softmax(<q, k> / sqrt(d')), the approximation lambda = alpha z of the same problem (the
-    model's ``model.pt``; None where the run has none)."""
+    query of each head on the first ``GAP_IMAGES`` test images of the run's data (``settings``), p* of templates
+    k / sqrt(d'), evidence q and u uniform against softmax(<q, k> / sqrt(d')), the approximation lambda = alpha z of
+    the same problem (the model's ``model.pt``; None where the run has none)."""
     if not (run_dir / "model.pt").exists():
         return None
     import torch
@@ -194,9 +194,10 @@ def posterior_gap(run_dir: Path, data_dir: Path | None) -> dict | None:
     from probe.vit import final_layer_problems, load_checkpoint
     from probe.vit.data import load_data
 
-    data = load_data("fashion-mnist", data_dir)
+    data = load_data(settings["data"], settings["data_dir"] or data_dir)
     model, _ = load_checkpoint(run_dir)
-    problems = final_layer_problems(model, data.normalise(data.test_images[:GAP_IMAGES]))
+    images = data.test_images[:GAP_IMAGES]
+    problems = final_layer_problems(model, data.normalise(images))
     k, q = problems["candidates"].double(), problems["evidence"].double()  # (B, H, N, d'), (B, H, d')
     T = k / math.sqrt(k.shape[-1])
     p = exact_attention(T, q, torch.zeros(k.shape[:-1], dtype=torch.float64), 1.0)
@@ -209,7 +210,7 @@ def posterior_gap(run_dir: Path, data_dir: Path | None) -> dict | None:
     def entropy(w):
         return -(w * w.clamp_min(1e-300).log()).sum(-1).flatten()
 
-    return {"images": GAP_IMAGES, "problems": tv.numel(), "keys": p.shape[-1],
+    return {"images": images.shape[0], "problems": tv.numel(), "keys": p.shape[-1],
             "tv_median": float(tv.median()), "tv_p90": float(tv.quantile(0.9)), "tv_max": float(tv.max()),
             "rel_deviation_median": float(rel.median()),
             "entropy_exact_median": float(entropy(p).median()), "entropy_softmax_median": float(entropy(softmax).median()),
@@ -290,10 +291,12 @@ def report(args) -> dict:
             d = _paired(runs, baseline, attention, args.seeds)
             if d is not None:
                 paired[f"{attention}-softmax"] = dict(d, baseline="rerun" if baseline is reruns else "same source")
-    certificates = {run_name(a, seed): exact_certificates(r) for (a, seed), r in runs.items() if a == "exact"}
-    gaps = {name: gap for name in certificates if (gap := posterior_gap(args.runs_dir / name, args.data_dir))}
+    out_runs = {run_name(a, seed): r for (a, seed), r in runs.items()}
+    certificates = {name: exact_certificates(r) for name, r in out_runs.items() if name.startswith("exact-")}
+    gaps = {name: gap for name in certificates
+            if (gap := posterior_gap(args.runs_dir / name, out_runs[name]["settings"], args.data_dir))}
     out = {"protocol": protocol, "summary": summary, "paired_differences": paired,
-           "runs": {run_name(a, s): r for (a, s), r in runs.items()}, "paper": PAPER,
+           "runs": out_runs, "paper": PAPER,
            "generated_by": "scripts/vit_experiment.py", "generated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if certificates:
         out["exact_certificates"] = certificates

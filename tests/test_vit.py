@@ -718,6 +718,8 @@ def test_experiment_report_reuses_earlier_runs_checks_a_rerun_and_records_the_ex
     history = json.loads((later / "exact-seed1" / "results.json").read_text())["learning_curve"]
     assert certificates["train"]["problems"] == sum(e["exact_train"]["problems"] for e in history) == 2 * 64 * 2
     assert certificates["train"]["max_iterations"] == max(e["exact_train"]["max_iterations"] for e in history)
+    gap = out["exact_vs_softmax"]["exact-seed0"]  # the trained layer's p* against its softmax, on the test images
+    assert gap["problems"] == 32 * TINY["heads"] and 0 < gap["tv_median"] <= gap["tv_p90"] <= gap["tv_max"] < 1
     md = (tmp_path / "r2" / "results.md").read_text()
     assert "bit for bit the same" in md and "made with other code" in md and "not bit for bit the same" in md
     assert "exact-ViT − ViT (rerun here)" in md and "ViT (softmax), rerun here" in md
@@ -727,6 +729,6 @@ def test_experiment_report_reuses_earlier_runs_checks_a_rerun_and_records_the_ex
                           "--attentions", "softmax", "exact", "--reuse-runs-from", str(tmp_path / "r2" / "results.json"),
                           "--reuse-arms", "softmax", "--rerun-check", f"other code={changed}")
     again = json.loads((tmp_path / "r3" / "results.json").read_text())
-    for key in ("summary", "paired_differences", "runs", "reruns", "checks", "exact_certificates"):
+    for key in ("summary", "paired_differences", "runs", "reruns", "checks", "exact_certificates", "exact_vs_softmax"):
         assert again[key] == out[key], key
 
