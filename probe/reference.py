@@ -110,7 +110,14 @@ def _interior_newton(x, objective, gradient, hessian, constraints, max_iter, pro
         g = gradient(x)
         kkt[:k, :k] = hessian(x)
         step = np.linalg.solve(kkt, np.concatenate([-g, np.zeros(m)]))[:k]
-        decrement = -(g @ step)  # the squared Newton decrement
+        # the squared Newton decrement, as step^T H step: -g^T step is the same number in exact arithmetic,
+        # but g's component normal to the constraints (large, e.g. a constant for the simplex) cancels in it
+        # only up to rounding, which can make it <= 0 and stop the polish at Clarabel's 1e-9 answer; where
+        # H holds an infinite curvature (an entry of x near 1e-300), -g^T step as before
+        with np.errstate(invalid="ignore", over="ignore"):
+            decrement = float(step @ kkt[:k, :k] @ step)
+        if not np.isfinite(decrement):
+            decrement = -(g @ step)
         if not decrement > 1e-28 * max(1.0, abs(objective(x))):
             break
         shrinking = step < 0

@@ -1,4 +1,4 @@
-"""The ViT / OT-ViT / Sinkhorn-ViT comparison on Fashion-MNIST, reduced to fit a shared 2-core CPU.
+"""The ViT / OT-ViT / Sinkhorn-ViT / exact-ViT comparison on Fashion-MNIST, reduced to fit a shared 2-core CPU.
 
 Runs ``probe vit train`` (as ``python3 -m probe.vit.cli train``) for every (seed, attention), at most
 ``--jobs`` at once, one torch thread each, then writes ``reports/vit/results.json`` and
@@ -6,12 +6,25 @@ Runs ``probe vit train`` (as ``python3 -m probe.vit.cli train``) for every (seed
 resume from their last epoch (start the script again).  ``--report-only`` rewrites the reports from the
 runs that exist.
 
+``--reuse-runs-from reports/vit/results.json`` takes the arms of a report this script wrote before (its
+``runs`` entries are the runs' results files), so that a new arm can join the committed ones without training
+them again.  Runs of a reused arm that are also in ``--runs-dir`` are *reruns* on this machine: the report
+compares them with the reused runs, bit for bit and as paired differences, and pairs the new arms with the
+softmax reruns (the same machine and period of load).  ``--rerun-check LABEL=DIR`` names a further run (the
+same settings, made with other code, fewer epochs allowed), compared bit for bit with the rerun of the same
+name, or the report's run: with the reused runs' code and with the code the change started from, it shows
+whether the change left their code path computing the same numbers.
+
 The protocol is fair by construction: every run gets the same training subset, test subset, epochs, batch
 size and learning rate; for a given seed, every attention gets the same initial weights (the parameters are
 the same) and the same data order (see ``probe.vit.train``).
 
     PYTHONPATH=. python3 scripts/vit_experiment.py            # run (or finish) the protocol, then report
     PYTHONPATH=. python3 scripts/vit_experiment.py --report-only
+    PYTHONPATH=. python3 scripts/vit_experiment.py --epochs 4 --attentions exact softmax   # a new arm and reruns
+    PYTHONPATH=. python3 scripts/vit_experiment.py --report-only --epochs 4 \
+        --reuse-runs-from reports/vit/results.json --reuse-arms softmax ot sinkhorn \
+        --rerun-check "main's code=runs/main/softmax-seed0"
 """
 
 from __future__ import annotations
@@ -27,13 +40,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ATTENTIONS = ("softmax", "ot", "sinkhorn")
-NAMES = {"softmax": "ViT (softmax)", "ot": "OT-ViT", "sinkhorn": "Sinkhorn-ViT"}
+ATTENTIONS = ("softmax", "ot", "sinkhorn", "exact")
+NAMES = {"softmax": "ViT (softmax)", "ot": "OT-ViT", "sinkhorn": "Sinkhorn-ViT", "exact": "exact-ViT"}
 # The source paper's reported test accuracies (95% intervals), quoted for comparison; not results of ours.
 PAPER = {
-    "fashion-mnist": {"softmax": "0.928 ± 0.01", "ot": "0.937 ± 0.01", "sinkhorn": "not reported"},
-    "cifar10": {"softmax": "0.751 ± 0.01", "ot": "0.772 ± 0.02", "sinkhorn": "not reported"},
-    "cifar100": {"softmax": "0.463 ± 0.01", "ot": "0.491 ± 0.01", "sinkhorn": "not reported"},
+    name: {"softmax": softmax, "ot": ot, "sinkhorn": "not reported", "exact": "not reported"}
+    for name, softmax, ot in (("fashion-mnist", "0.928 ± 0.01", "0.937 ± 0.01"),
+                              ("cifar10", "0.751 ± 0.01", "0.772 ± 0.02"), ("cifar100", "0.463 ± 0.01", "0.491 ± 0.01"))
 }
 
 
@@ -53,6 +66,12 @@ def parse():
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--keep-checkpoint", default="ot-seed0",
                    help="RUN whose model.pt is copied to the report directory (empty: none).")
+    p.add_argument("--reuse-runs-from", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="Take the arms of this earlier report of the script (their runs there, as they were).")
+    p.add_argument("--reuse-arms", nargs="+", default=None, choices=ATTENTIONS, metavar="ATTENTION",
+                   help="Which arms to take from --reuse-runs-from [default: all it holds].")
+    p.add_argument("--rerun-check", nargs="*", default=[], metavar="LABEL=DIR",
+                   help="Further runs (LABEL: the code that made them), compared bit for bit with the runs used here.")
     return p.parse_args()
 
 
@@ -128,15 +147,128 @@ def t_interval(values: list[float]) -> tuple[float, float | None, float | None]:
     return mean, sd, float(t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
 
 
+#: what a rerun must reproduce bit for bit, per epoch
+CHECKED_FIELDS = ("train_loss", "train_accuracy", "test_accuracy", "test_loss")
+
+
+def compare_runs(fresh: dict, reference: dict) -> dict:
+    """``fresh``'s learning curve against ``reference``'s, epoch by epoch: bit for bit the same in
+    ``CHECKED_FIELDS``?  And the largest absolute difference of each field (over the epochs both have)."""
+    pairs = list(zip(fresh["learning_curve"], reference["learning_curve"]))
+    return {"epochs": len(pairs), "identical": all(a[f] == b[f] for a, b in pairs for f in CHECKED_FIELDS),
+            "max_abs_difference": {f: max(abs(a[f] - b[f]) for a, b in pairs) for f in CHECKED_FIELDS}}
+
+
+def _labelled(item: str) -> tuple[str, Path]:
+    """``LABEL=DIR`` or ``DIR`` (labelled by its parent folder's name)."""
+    label, _, directory = item.rpartition("=")
+    return (label or Path(directory).parent.name), Path(directory)
+
+
+def exact_certificates(run: dict) -> dict:
+    """The exact-ViT run's Newton iterations and certificates over its epochs (``exact_train``, ``exact_test``)."""
+    from probe.exact import merge_summaries
+
+    curve = run["learning_curve"]
+    return {
+        "train": merge_summaries([e["exact_train"] for e in curve]),
+        "test": merge_summaries([e["exact_test"] for e in curve]),
+        "train_mean_iterations_per_epoch": [e["exact_train"]["mean_iterations"] for e in curve],
+    }
+
+
+#: test images on which a trained model's final-layer exact posterior is compared with its softmax
+GAP_IMAGES = 256
+
+
+def posterior_gap(run_dir: Path, settings: dict, data_dir: Path | None) -> dict | None:
+    """How far the exact posterior is from softmax attention in a trained model's final layer: for the class-token
+    query of each head on the first ``GAP_IMAGES`` test images of the run's data (``settings``), p* of templates
+    k / sqrt(d'), evidence q and u uniform against softmax(<q, k> / sqrt(d')), the approximation lambda = alpha z of
+    the same problem (the model's ``model.pt``; None where the run has none)."""
+    if not (run_dir / "model.pt").exists():
+        return None
+    import torch
+
+    from probe.exact import exact_attention
+    from probe.vit import final_layer_problems, load_checkpoint
+    from probe.vit.data import load_data
+
+    data = load_data(settings["data"], settings["data_dir"] or data_dir)
+    model, _ = load_checkpoint(run_dir)
+    images = data.test_images[:GAP_IMAGES]
+    problems = final_layer_problems(model, data.normalise(images))
+    k, q = problems["candidates"].double(), problems["evidence"].double()  # (B, H, N, d'), (B, H, d')
+    T = k / math.sqrt(k.shape[-1])
+    p = exact_attention(T, q, torch.zeros(k.shape[:-1], dtype=torch.float64), 1.0)
+    softmax = torch.softmax((T @ q.unsqueeze(-1)).squeeze(-1), dim=-1)
+    u = torch.full_like(p, 1.0 / p.shape[-1])
+    lam = q + (T.transpose(-1, -2) @ (u - p).unsqueeze(-1)).squeeze(-1)  # lambda* = alpha z + T^T alpha (u - p*)
+    tv = 0.5 * (p - softmax).abs().sum(-1).flatten()
+    rel = ((lam - q).norm(dim=-1) / lam.norm(dim=-1)).flatten()
+
+    def entropy(w):
+        return -(w * w.clamp_min(1e-300).log()).sum(-1).flatten()
+
+    return {"images": images.shape[0], "problems": tv.numel(), "keys": p.shape[-1],
+            "tv_median": float(tv.median()), "tv_p90": float(tv.quantile(0.9)), "tv_max": float(tv.max()),
+            "rel_deviation_median": float(rel.median()),
+            "entropy_exact_median": float(entropy(p).median()), "entropy_softmax_median": float(entropy(softmax).median()),
+            "entropy_uniform": math.log(p.shape[-1])}
+
+
+def _summary(runs: dict, attention: str, seeds: list[int], epochs: int) -> dict | None:
+    """Test accuracy (mean, t-interval), learning curve, wall time and training seconds per step of one arm."""
+    chosen = [runs[(attention, seed)] for seed in seeds if (attention, seed) in runs]
+    if not chosen:
+        return None
+    accs = [r["test_accuracy"] for r in chosen]
+    mean, sd, half = t_interval(accs)
+    step_s = [sum(e["train_s"] for e in r["learning_curve"]) / r["steps"] for r in chosen]
+    return {
+        "mean_train_s_per_step": sum(step_s) / len(step_s),
+        "seeds": [seed for seed in seeds if (attention, seed) in runs], "test_accuracy": accs,
+        "mean": mean, "sd": sd, "ci95_half_width": half,
+        "mean_wall_time_s": sum(r["wall_time_s"] for r in chosen) / len(chosen),
+        "mean_test_accuracy_per_epoch": [t_interval([r["learning_curve"][e]["test_accuracy"] for r in chosen])[0]
+                                         for e in range(epochs)],
+    }
+
+
+def _paired(runs: dict, baseline: dict, attention: str, seeds: list[int]) -> dict | None:
+    """Per-seed differences of test accuracy, ``attention``'s runs minus ``baseline``'s softmax runs."""
+    common = [seed for seed in seeds if (attention, seed) in runs and ("softmax", seed) in baseline]
+    if not common:
+        return None
+    diffs = [runs[(attention, seed)]["test_accuracy"] - baseline[("softmax", seed)]["test_accuracy"] for seed in common]
+    mean, sd, half = t_interval(diffs)
+    return {"seeds": common, "differences": diffs, "mean": mean, "sd": sd, "ci95_half_width": half}
+
+
 def report(args) -> dict:
-    runs = {}
+    """The report from the runs in ``--runs-dir`` and, with ``--reuse-runs-from``, an earlier report's runs.
+
+    With reuse, an arm's runs come from the earlier report when it holds the arm (its comparison stays as it
+    was), else from the runs directory.  Runs directory runs of a reused arm are *reruns*: they are compared
+    with the reused runs (bit for bit, and as a paired difference), and a new arm is paired with the reruns of
+    the softmax arm where they exist, so that it is compared with a ViT trained on the same machine."""
+    here, earlier_runs = {}, {}
+    earlier = json.loads(args.reuse_runs_from.read_text()) if args.reuse_runs_from else None
     for attention in args.attentions:
         for seed in args.seeds:
-            path = args.runs_dir / run_name(attention, seed) / "results.json"
+            name = run_name(attention, seed)
+            path = args.runs_dir / name / "results.json"
             if path.exists():
                 r = json.loads(path.read_text())
+                r["settings"]["out"] = _shown(path.parent)  # as the repository names it, not a machine path
                 if r.get("epochs_done", 0) >= args.epochs:
-                    runs[(attention, seed)] = at_epoch(r, args.epochs)
+                    here[(attention, seed)] = at_epoch(r, args.epochs)
+            reusable = earlier is not None and (args.reuse_arms is None or attention in args.reuse_arms)
+            if reusable and name in earlier["runs"] and earlier["runs"][name]["epochs_done"] >= args.epochs:
+                earlier_runs[(attention, seed)] = at_epoch(earlier["runs"][name], args.epochs)
+    reused_arms = {a for a, _ in earlier_runs}
+    runs = {key: r for key, r in here.items() if key[0] not in reused_arms} | earlier_runs
+    reruns = {key: r for key, r in here.items() if key[0] in reused_arms}
     if not runs:
         raise SystemExit(f"no finished runs in {args.runs_dir}: run the protocol first.")
     any_run = next(iter(runs.values()))
@@ -150,50 +282,73 @@ def report(args) -> dict:
         "ot_gamma": runs.get(("ot", args.seeds[0]), any_run)["gamma"],
         "trick_probability": 0.5,
     }
-    summary = {}
-    for attention in args.attentions:
-        accs = [runs[(attention, seed)]["test_accuracy"] for seed in args.seeds if (attention, seed) in runs]
-        if not accs:
-            continue
-        mean, sd, half = t_interval(accs)
-        walls = [runs[(attention, seed)]["wall_time_s"] for seed in args.seeds if (attention, seed) in runs]
-        curve = [t_interval([runs[(attention, seed)]["learning_curve"][e]["test_accuracy"]
-                             for seed in args.seeds if (attention, seed) in runs])[0] for e in range(args.epochs)]
-        step_s = [sum(e["train_s"] for e in runs[(attention, seed)]["learning_curve"]) / runs[(attention, seed)]["steps"]
-                  for seed in args.seeds if (attention, seed) in runs]
-        summary[attention] = {
-            "mean_train_s_per_step": sum(step_s) / len(step_s),
-            "seeds": [seed for seed in args.seeds if (attention, seed) in runs], "test_accuracy": accs,
-            "mean": mean, "sd": sd, "ci95_half_width": half, "mean_wall_time_s": sum(walls) / len(walls),
-            "mean_test_accuracy_per_epoch": curve,
-        }
+    summary = {a: _summary(runs, a, args.seeds, args.epochs) for a in args.attentions}
+    summary = {a: v for a, v in summary.items() if v is not None}
     paired = {}
-    for attention in args.attentions:
-        if attention == "softmax":
-            continue
-        common = [seed for seed in args.seeds if (attention, seed) in runs and ("softmax", seed) in runs]
-        if common:
-            diffs = [runs[(attention, seed)]["test_accuracy"] - runs[("softmax", seed)]["test_accuracy"] for seed in common]
-            mean, sd, half = t_interval(diffs)
-            paired[f"{attention}-softmax"] = {"seeds": common, "differences": diffs, "mean": mean, "sd": sd,
-                                              "ci95_half_width": half}
+    for attention in summary:
+        if attention != "softmax":  # a new arm against the softmax reruns where they exist
+            baseline = reruns if attention not in reused_arms and ("softmax", args.seeds[0]) in reruns else runs
+            d = _paired(runs, baseline, attention, args.seeds)
+            if d is not None:
+                paired[f"{attention}-softmax"] = dict(d, baseline="rerun" if baseline is reruns else "same source")
+    out_runs = {run_name(a, seed): r for (a, seed), r in runs.items()}
+    certificates = {name: exact_certificates(r) for name, r in out_runs.items() if name.startswith("exact-")}
+    gaps = {name: gap for name in certificates
+            if (gap := posterior_gap(args.runs_dir / name, out_runs[name]["settings"], args.data_dir))}
     out = {"protocol": protocol, "summary": summary, "paired_differences": paired,
-           "runs": {run_name(a, s): r for (a, s), r in runs.items()}, "paper": PAPER,
+           "runs": out_runs, "paper": PAPER,
            "generated_by": "scripts/vit_experiment.py", "generated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if certificates:
+        out["exact_certificates"] = certificates
+    if gaps:
+        out["exact_vs_softmax"] = gaps
+    if earlier is not None:
+        made = earlier.get("reused_runs", {}).get("generated_at", earlier["generated_at"])  # a report made from itself
+        out["reused_runs"] = {"from": _shown(args.reuse_runs_from), "generated_at": made,
+                              "runs": sorted(run_name(a, seed) for a, seed in earlier_runs)}
+    if reruns:
+        out["reruns"] = {
+            "summary": {a: v for a in sorted({a for a, _ in reruns}) if (v := _summary(reruns, a, args.seeds, args.epochs))},
+            "against_reused": {run_name(a, seed): compare_runs(r, earlier_runs[(a, seed)]) for (a, seed), r in reruns.items()},
+            "paired_differences": {f"{a}-rerun-{a}": _paired(reruns, earlier_runs, a, args.seeds)
+                                   for a in sorted({a for a, _ in reruns}) if a == "softmax"},
+            "runs": {run_name(a, seed): r for (a, seed), r in reruns.items()},
+        }
+    checks = []
+    for item in args.rerun_check:
+        label, directory = _labelled(item)
+        fresh = json.loads((directory / "results.json").read_text())
+        key = (fresh["settings"]["attention"], fresh["settings"]["seed"])
+        reference, against = (reruns[key], "rerun") if key in reruns else (runs[key], "report")
+        checks.append({"label": label, "directory": _shown(directory), "run": run_name(*key), "against": against,
+                       **compare_runs(fresh, reference)})
+    if checks:
+        out["checks"] = checks
     args.report_dir.mkdir(parents=True, exist_ok=True)
     (args.report_dir / "results.json").write_text(json.dumps(out, indent=2) + "\n")
     kept = None
     if args.keep_checkpoint:
-        source = args.runs_dir / args.keep_checkpoint / "model.pt"
-        if source.exists():
-            kept = args.report_dir / f"{args.keep_checkpoint}.pt"
+        name = args.keep_checkpoint
+        source = args.runs_dir / name / "model.pt"
+        if earlier is not None and earlier.get("kept_model", {}).get("run") == name and name in out["reused_runs"]["runs"]:
+            kept = args.report_dir / earlier["kept_model"]["file"]  # the reused run's kept model stays
+            out["kept_model"] = earlier["kept_model"]
+            (args.report_dir / "results.json").write_text(json.dumps(out, indent=2) + "\n")
+        elif source.exists():
+            kept = args.report_dir / f"{name}.pt"
             shutil.copyfile(source, kept)
-            raw = json.loads((args.runs_dir / args.keep_checkpoint / "results.json").read_text())
-            out["kept_model"] = {"run": args.keep_checkpoint, "file": kept.name, "epochs": raw["epochs_done"],
+            raw = json.loads((args.runs_dir / name / "results.json").read_text())
+            out["kept_model"] = {"run": name, "file": kept.name, "epochs": raw["epochs_done"],
                                  "test_accuracy": raw["test_accuracy"]}
             (args.report_dir / "results.json").write_text(json.dumps(out, indent=2) + "\n")
     (args.report_dir / "results.md").write_text(markdown(out, args, kept))
     return out
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository where it is inside it (no machine paths in the reports)."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def _paper_gap() -> float:
@@ -213,7 +368,7 @@ def _fmt(mean, half):
 def markdown(out, args, kept) -> str:
     p, summary, paired = out["protocol"], out["summary"], out["paired_differences"]
     lines = [
-        "# ViT, OT-ViT and Sinkhorn-ViT on Fashion-MNIST: a reduced, fair comparison",
+        "# ViT, OT-ViT, Sinkhorn-ViT and exact-ViT on Fashion-MNIST: a reduced, fair comparison",
         "",
         f"Generated by `scripts/vit_experiment.py` from the runs' results files ({out['generated_at']}); "
         "nothing here is typed by hand.",
@@ -225,7 +380,7 @@ def markdown(out, args, kept) -> str:
         f"**{p['test_images']:,} test images**.",
         f"- Budget: **{p['epochs']} epochs = {p['steps']} steps** of batch {p['batch_size']}, Adam at a constant "
         f"learning rate {p['lr']:g}; seeds {', '.join(map(str, p['seeds']))}.",
-        "- Fairness: for a seed, all three models start from the same weights (identical parameters), see the same "
+        "- Fairness: for a seed, all the models start from the same weights (identical parameters), see the same "
         "images in the same order and differ only in the final layer's attention. The OT-ViT's training trick "
         f"(probability {p['trick_probability']}: the final-layer templates of another training image of the same "
         "class join the candidate set) costs it an extra forward of those images (and draws more dropout masks "
@@ -234,42 +389,50 @@ def markdown(out, args, kept) -> str:
         f"{p['model_config']['mlp_dim']}, {p['model_config']['heads']} heads of {p['model_config']['head_dim']}, "
         f"patch {p['model_config']['patch']}, dropout {p['model_config']['dropout']}: **{p['parameters']:,} "
         f"parameters**. OT layer: alpha = {p['ot_alpha']:g}, gamma = sqrt(head dim) = {p['ot_gamma']:.3f}; Sinkhorn "
-        f"layer: {p['model_config']['sinkhorn_iterations']} row normalisations.",
+        f"layer: {p['model_config']['sinkhorn_iterations']} row normalisations; exact layer: the KL problem's exact "
+        "posterior p* (`probe.exact`) with templates k / sqrt(head dim), evidence q, u uniform and alpha = 1, whose "
+        "closed-form approximation lambda = alpha z is the ViT's softmax layer.",
         f"- Machine: a 2-core CPU shared with other work, {p['parallel_runs']} runs at a time, 1 thread each.",
+        *_reuse_lines(out),
         "",
         "## Test accuracy (mean and 95% t-interval over seeds)",
         "",
         "| model | here: Fashion-MNIST, reduced protocol | seeds | mean wall time per run: training and evaluation (s per training step) | paper: Fashion-MNIST (full protocol) | paper: CIFAR-10 | paper: CIFAR-100 |",
         "|---|---|---|---|---|---|---|",
     ]
-    for attention, s in summary.items():
+    rows = [(NAMES[a], a, v) for a, v in summary.items()]
+    rows += [(f"{NAMES[a]}, rerun here", a, v) for a, v in out.get("reruns", {}).get("summary", {}).items()]
+    for name, attention, s in rows:
         lines.append(
-            f"| {NAMES[attention]} | {_fmt(s['mean'], s['ci95_half_width'])} | {len(s['seeds'])} | "
+            f"| {name} | {_fmt(s['mean'], s['ci95_half_width'])} | {len(s['seeds'])} | "
             f"{s['mean_wall_time_s'] / 60:.1f} min ({s['mean_train_s_per_step']:.1f} s) | {PAPER['fashion-mnist'][attention]} | "
             f"{PAPER['cifar10'][attention]}; not run here: no copy of CIFAR offline | "
             f"{PAPER['cifar100'][attention]}; not run here: no copy of CIFAR offline |"
         )
     lines += ["", "Per seed:", "", "| model | " + " | ".join(f"seed {s}" for s in p["seeds"]) + " |",
               "|---|" + "---|" * len(p["seeds"])]
-    for attention, s in summary.items():
+    for name, _, s in rows:
         by_seed = dict(zip(s["seeds"], s["test_accuracy"]))
-        lines.append(f"| {NAMES[attention]} | " + " | ".join(
+        lines.append(f"| {name} | " + " | ".join(
             f"{by_seed[seed]:.4f}" if seed in by_seed else "missing" for seed in p["seeds"]) + " |")
     lines += ["", "Mean test accuracy after each epoch (the learning curve):", "",
               "| model | " + " | ".join(f"epoch {e + 1}" for e in range(p["epochs"])) + " |",
               "|---|" + "---|" * p["epochs"]]
-    for attention, s in summary.items():
-        lines.append(f"| {NAMES[attention]} | " + " | ".join(f"{a:.4f}" for a in s["mean_test_accuracy_per_epoch"]) + " |")
+    for name, _, s in rows:
+        lines.append(f"| {name} | " + " | ".join(f"{a:.4f}" for a in s["mean_test_accuracy_per_epoch"]) + " |")
     lines += ["", "## Paired differences (same seed: same initial weights and data order)", "",
               "| difference | mean | 95% t-interval | per seed |", "|---|---|---|---|"]
     verdicts = []
-    for key, d in paired.items():
-        attention = key.split("-")[0]
+    differences = [(f"{NAMES[key.split('-')[0]]} − ViT" + (" (rerun here)" if d.get("baseline") == "rerun" else ""),
+                    key.split("-")[0], d) for key, d in paired.items()]
+    differences += [(f"{NAMES[key.split('-')[0]]} rerun here − {NAMES[key.split('-')[0]]}", None, d)
+                    for key, d in out.get("reruns", {}).get("paired_differences", {}).items() if d is not None]
+    for label, attention, d in differences:
         half = d["ci95_half_width"]
         interval = "n/a (one seed)" if half is None else f"[{d['mean'] - half:+.4f}, {d['mean'] + half:+.4f}]"
-        lines.append(f"| {NAMES[attention]} − ViT | {d['mean']:+.4f} | {interval} | "
+        lines.append(f"| {label} | {d['mean']:+.4f} | {interval} | "
                      + ", ".join(f"{x:+.4f}" for x in d["differences"]) + " |")
-        if half is not None:
+        if half is not None and attention is not None:
             if d["mean"] - half > 0:
                 verdicts.append(f"{NAMES[attention]} is better than the ViT in this reduced setting (interval above 0)")
             elif d["mean"] + half < 0:
@@ -282,9 +445,10 @@ def markdown(out, args, kept) -> str:
         "",
         "## What this run can and cannot show",
         "",
-        "- It shows that the three models train from the same command and code path, and how they compare "
+        "- It shows that the models train from the same command and code path, and how they compare "
         f"**at this small budget** ({p['steps']} steps on {p['train_images']:,} images), with the same data, "
         f"order and initial weights: " + ("; ".join(verdicts) if verdicts else "too few seeds for an interval") + ".",
+        *_exact_caveat(out),
         f"- It cannot confirm or refute the paper's Fashion-MNIST numbers ({PAPER['fashion-mnist']['softmax']} and "
         f"{PAPER['fashion-mnist']['ot']}, a difference of {_paper_gap():.3f}): "
         "the paper trains on all 60,000 images with a far larger budget, and a gap of that size is about the seed-to-seed "
@@ -300,6 +464,7 @@ def markdown(out, args, kept) -> str:
         "`probe vit train --device cuda --epochs E --seed S --attention A` for each run.",
         "",
     ]
+    lines += _exact_lines(out)
     if kept is not None:
         k = out["kept_model"]
         lines += [f"The model of run `{k['run']}` after {k['epochs']} epochs (test accuracy {k['test_accuracy']:.4f}) is "
@@ -308,6 +473,93 @@ def markdown(out, args, kept) -> str:
                   f"`{args.runs_dir.relative_to(ROOT) if args.runs_dir.is_relative_to(ROOT) else args.runs_dir}` "
                   "(not in git).", ""]
     return "\n".join(lines)
+
+
+def _differences(check: dict) -> str:
+    """How a rerun compares with its reference: bit for bit, or its largest differences."""
+    if check["identical"]:
+        return f"bit for bit the same ({', '.join(CHECKED_FIELDS)}, {check['epochs']} epoch(s))"
+    d = check["max_abs_difference"]
+    return (f"not bit for bit the same: over {check['epochs']} epoch(s) the largest differences are "
+            f"{d['train_loss']:.1e} in training loss and {d['test_accuracy']:.4f} in test accuracy")
+
+
+def _reuse_lines(out) -> list[str]:
+    """The protocol's lines on runs taken from an earlier report, the reruns of reused arms, and the checks."""
+    reused, reruns = out.get("reused_runs"), out.get("reruns")
+    if not reused:
+        return []
+    lines = [f"- Reused: {', '.join(f'`{r}`' for r in reused['runs'])} are the runs of `{reused['from']}` "
+             f"({reused['generated_at']}), not trained again."]
+    if reruns:
+        compared = reruns["against_reused"]
+        lines.append(
+            f"- Rerun here: {', '.join(f'`{r}`' for r in compared)}, trained again on this machine with this code. "
+            "Against the reused runs they are " + "; ".join(f"`{r}`: {_differences(c)}" for r, c in compared.items())
+            + ". New arms are paired with these reruns (the same machine, the same period of load).")
+    for check in out.get("checks", []):
+        lines.append(f"- Check: `{check['directory']}`, a run of `{check['run']}` made with {check['label']}, against "
+                     f"the {'rerun here' if check['against'] == 'rerun' else 'run in this report'}: "
+                     f"{_differences(check)}.")
+    return lines
+
+
+def _exact_caveat(out) -> list[str]:
+    """What the exact-ViT's comparison can show, given how close its final layer's p* is to softmax."""
+    gaps = out.get("exact_vs_softmax")
+    if not gaps:
+        return []
+    tv = max(g["tv_median"] for g in gaps.values())
+    entropy = min(g["entropy_exact_median"] for g in gaps.values())
+    uniform = next(iter(gaps.values()))["entropy_uniform"]
+    return [f"- The exact-ViT − ViT comparison is weak evidence either way: in the trained exact-ViTs' final layer the "
+            f"exact posterior is close to the softmax of the same queries and keys (median total variation at most "
+            f"{tv:.3f}), and both are close to uniform (median entropy at least {entropy:.2f} against {uniform:.2f} "
+            "for uniform weights). At this budget the final layer stays where softmax is already close to exact "
+            "inference, so the comparison says little about models whose attention is far from it."]
+
+
+def _exact_lines(out) -> list[str]:
+    """The exact-ViT's Newton iterations, certificates and cost per step against the ViT."""
+    certificates, summary = out.get("exact_certificates"), out["summary"]
+    if not certificates:
+        return []
+    lines = ["## The exact-ViT's solver during training", "",
+             "Every training step solves one problem per image and head (the class-token query); the evaluation "
+             "solves one per test image and head. Certified: the solver's bound on the error of lambda* is at most "
+             "1e-9 of its norm.", "",
+             "| run | problems in training | Newton iterations, mean (per epoch) | max | max bound / norm lambda | "
+             "not certified | test problems | not certified |", "|---|---|---|---|---|---|---|---|"]
+    for name, c in certificates.items():
+        t, e = c["train"], c["test"]
+        lines.append(
+            f"| {name} | {t['problems']:,} | {t['mean_iterations']:.2f} ("
+            + ", ".join(f"{x:.2f}" for x in c["train_mean_iterations_per_epoch"])
+            + f") | {t['max_iterations']} | {max(t['max_relative_error_bound'], e['max_relative_error_bound']):.1e} | "
+            f"{t['not_converged']} | {e['problems']:,} | {e['not_converged']} |"
+        )
+    gaps = out.get("exact_vs_softmax")
+    if gaps:
+        g = next(iter(gaps.values()))
+        lines += ["", f"How far exact inference is from softmax in the trained exact-ViTs' final layer (class-token query, "
+                  f"{g['images']} test images x {g['problems'] // g['images']} heads; p* against softmax(<q, k> / sqrt(d')), "
+                  "the approximation lambda = alpha z of the same problem, computed from the run's model.pt):", "",
+                  "| run | TV(p*, softmax): median | 90th percentile | max | median relative deviation of lambda* | "
+                  f"median entropy, p* / softmax (uniform over {g['keys']} keys: {g['entropy_uniform']:.3f}) |",
+                  "|---|---|---|---|---|---|"]
+        for name, g in gaps.items():
+            lines.append(f"| {name} | {g['tv_median']:.4f} | {g['tv_p90']:.4f} | {g['tv_max']:.4f} | "
+                         f"{g['rel_deviation_median']:.3f} | {g['entropy_exact_median']:.3f} / "
+                         f"{g['entropy_softmax_median']:.3f} |")
+    baseline = out.get("reruns", {}).get("summary", {}).get("softmax") or summary.get("softmax")
+    if baseline and "exact" in summary:
+        ratio = summary["exact"]["mean_train_s_per_step"] / baseline["mean_train_s_per_step"]
+        lines += ["", f"Training time per step (wall clock): {summary['exact']['mean_train_s_per_step']:.1f} s for the "
+                  f"exact-ViT against {baseline['mean_train_s_per_step']:.1f} s for the ViT"
+                  f"{' rerun here' if baseline is not summary.get('softmax') else ''} ({ratio:.2f}x), measured in "
+                  "separate processes under the shared machine's varying load; `bench/results_exact.md` measures the "
+                  "two side by side in CPU time."]
+    return lines + [""]
 
 
 def main():

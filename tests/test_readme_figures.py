@@ -142,11 +142,34 @@ def vit_table() -> list[str]:
         f"{len(protocol['seeds'])} seeds | test accuracy, 95% interval | paper (full protocol) |",
         "|---|---|---|",
     ]
-    for kind, name in (("softmax", "ViT (softmax)"), ("ot", "OT-ViT"), ("sinkhorn", "Sinkhorn-ViT")):
-        summary = results["summary"][kind]
+    rows = [(kind, name, results["summary"][kind]) for kind, name in (
+        ("softmax", "ViT (softmax)"), ("ot", "OT-ViT"), ("sinkhorn", "Sinkhorn-ViT"), ("exact", "exact-ViT"))]
+    rows.append(("softmax", "ViT (softmax), trained again beside the exact-ViT", results["reruns"]["summary"]["softmax"]))
+    for kind, name, summary in rows:
         lines.append(f"| {name} | {summary['mean']:.3f} ± {summary['ci95_half_width']:.3f} | "
                      f"{results['paper']['fashion-mnist'][kind]} |")
     return lines
+
+
+def exact_vit_sentence() -> str:
+    """The README's reading of the exact-ViT: its paired difference with the ViT trained beside it, its
+    certificates during training and its cost (reports/vit/results.json, bench/results_exact.json)."""
+    results = json.loads((ROOT / "reports" / "vit" / "results.json").read_text())
+    bench = json.loads((ROOT / "bench" / "results_exact.json").read_text())
+    d = results["paired_differences"]["exact-softmax"]
+    assert d["baseline"] == "rerun"
+    low, high = d["mean"] - d["ci95_half_width"], d["mean"] + d["ci95_half_width"]
+    train = [c["train"] for c in results["exact_certificates"].values()]
+    problems, uncertified = sum(t["problems"] for t in train), sum(t["not_converged"] for t in train)
+    layer = bench["layer"][0]
+    tv = max(g["tv_median"] for g in results["exact_vs_softmax"].values())
+    return (f"Paired with it seed by seed, the exact-ViT's test accuracy differs by {d['mean']:+.4f} (95% interval "
+            f"{low:+.4f} to {high:+.4f}). {problems - uncertified:,} of its {problems:,} training problems were "
+            f"certified, in at most {max(t['max_iterations'] for t in train)} Newton iterations, and the exact layer "
+            f"costs {layer['ratio']:.0f} times softmax attention's weights, "
+            f"{bench['step']['layer_extra_over_softmax_step']:.0%} of a training step. The trained final layer stays "
+            f"close to softmax: its exact posterior is within a median total variation of {tv:.3f} of the softmax "
+            "of the same queries and keys")
 
 
 def ot_quality_sentence() -> str:
@@ -170,6 +193,23 @@ def test_the_readme_vit_table_and_ot_reading_are_recomputed_from_the_committed_r
     readme = (ROOT / "README.md").read_text()
     assert table_after(readme, "## The theory's second half: OT attention") == vit_table()
     assert ot_quality_sentence() in " ".join(readme.split())
+    assert exact_vit_sentence() in " ".join(readme.split())
+    # "trained again beside it ... it reached the same accuracies, its losses differing from the eighth digit"
+    reruns = json.loads((ROOT / "reports" / "vit" / "results.json").read_text())["reruns"]
+    assert reruns["paired_differences"]["softmax-rerun-softmax"]["differences"] == [0.0, 0.0, 0.0]
+    loss = max(c["max_abs_difference"]["train_loss"] for c in reruns["against_reused"].values())
+    assert 1e-8 <= loss < 1e-7
+    assert "it reached the same accuracies, its losses differing from the eighth digit" in " ".join(readme.split())
+
+
+def test_the_exact_pages_figures_are_the_committed_results():
+    """docs/exact.md quotes the benchmark's ratios and the experiment's reading from the committed files."""
+    docs = " ".join((ROOT / "docs" / "exact.md").read_text().split())
+    bench = json.loads((ROOT / "bench" / "results_exact.json").read_text())
+    low, high = min(row["ratio"] for row in bench["layer"]), max(row["ratio"] for row in bench["layer"])
+    assert f"{low:.0f} to {high:.0f} times softmax attention's weights" in docs
+    assert f"{bench['step']['layer_extra_over_softmax_step']:.1%} of the ViT's training step" in docs
+    assert exact_vit_sentence() in docs
 
 
 def test_the_interventions_speed_figure_is_the_results_files():

@@ -1,8 +1,10 @@
-"""probe.vit: the OT attention layer, the Sinkhorn attention, the three ViTs, offline data, training and its CLI.
+"""probe.vit: the OT attention layer, the Sinkhorn and exact attentions, the four ViTs, offline data, training
+and its CLI.
 
 References are independent of the code under test: plain Python loops over eq. (22), the dense softmax,
-numpy Sinkhorn iterations, the parameter formula against the allocated model, files written here in the
-standard idx and CIFAR-pickle formats.  Everything uses tiny models and tiny data (seconds).
+numpy Sinkhorn iterations, CVXPY for the exact posterior, the parameter formula against the allocated model,
+files written here in the standard idx and CIFAR-pickle formats.  Everything uses tiny models and tiny data
+(seconds).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 import pickle
 import struct
 
@@ -22,6 +25,7 @@ from probe.errors import ProbeError
 from probe.ot import ot_attention
 from probe.vit import final_layer_problems, load_checkpoint
 from probe.vit.attention import (
+    ExactAttention,
     MultiHeadAttention,
     OTAttention,
     SinkhornAttention,
@@ -66,7 +70,7 @@ def write_mnist(directory, n_train=64, n_test=32, size=8, classes=4, seed=0, gz=
     return directory
 
 
-def write_cifar(directory, which="cifar10", n=6, seed=0):
+def write_cifar(directory, which="cifar10", n=6, seed=0, protocol=pickle.DEFAULT_PROTOCOL):
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True, exist_ok=True)
     key, names, classes = (b"labels", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"], 10) if which == "cifar10" \
@@ -76,7 +80,8 @@ def write_cifar(directory, which="cifar10", n=6, seed=0):
         data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
         labels = list(rng.integers(0, classes, size=n))
         with open(directory / name, "wb") as f:
-            pickle.dump({b"data": data, key: labels}, f)
+            pickle.dump({b"data": data, key: labels, b"batch_label": f"batch {name}".encode(),
+                         b"filenames": [f"image_{i}.png".encode() for i in range(n)]}, f, protocol=protocol)
         expected[name] = (data, labels)
     return expected
 
@@ -220,7 +225,7 @@ def test_parameter_count_of_the_paper_config():
     assert parameter_count(ViTConfig(dim=512, mlp_dim=2048, heads=8, head_dim=64)) > 18_000_000  # the other reading
 
 
-@pytest.mark.parametrize("attention", ["softmax", "ot", "sinkhorn"])
+@pytest.mark.parametrize("attention", ["softmax", "ot", "sinkhorn", "exact"])
 def test_forward_shapes_and_identical_initialisation(attention):
     config = ViTConfig(image_size=8, num_classes=4, attention=attention, **TINY)
     torch.manual_seed(0)
@@ -385,9 +390,10 @@ def test_cli_trains_one_tiny_epoch_end_to_end(tmp_path):
     assert again.exit_code == 0 and json.loads((out / "results.json").read_text()) == results
 
 
-def test_a_killed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
+@pytest.mark.parametrize("attention", ["softmax", "ot", "sinkhorn", "exact"])
+def test_a_killed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, attention):
     data_dir = write_mnist(tmp_path / "data")
-    whole = train(_settings(data_dir, tmp_path / "whole"))
+    whole = train(_settings(data_dir, tmp_path / "whole", attention=attention))
     steps_per_epoch = 4  # 64 images / 16
 
     calls = {"n": 0}
@@ -401,15 +407,16 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch)
 
     monkeypatch.setattr(torch.optim.Adam, "step", dying_step)
     with pytest.raises(KeyboardInterrupt):
-        train(_settings(data_dir, tmp_path / "killed"))
+        train(_settings(data_dir, tmp_path / "killed", attention=attention))
     monkeypatch.setattr(torch.optim.Adam, "step", original)
     assert not (tmp_path / "killed" / "results.json").exists()
-    assert torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["epoch"] == 1
-    resumed = train(_settings(data_dir, tmp_path / "killed"))
+    assert torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=True)["epoch"] == 1
+    resumed = train(_settings(data_dir, tmp_path / "killed", attention=attention))
     for key in ("test_accuracy", "test_loss"):
         assert resumed[key] == whole[key]
     for a, b in zip(resumed["learning_curve"], whole["learning_curve"]):
         assert (a["train_loss"], a["test_accuracy"]) == (b["train_loss"], b["test_accuracy"])
+        assert a.get("exact_train") == b.get("exact_train") and a.get("exact_test") == b.get("exact_test")
     m1, _ = load_checkpoint(tmp_path / "whole")
     m2, _ = load_checkpoint(tmp_path / "killed")
     for (name, a), (_, b) in zip(m1.state_dict().items(), m2.state_dict().items()):
@@ -429,19 +436,20 @@ def test_same_seed_gives_every_attention_the_same_data_order(tmp_path, monkeypat
 
     monkeypatch.setattr(vd.ImageData, "normalise", recording)
     current = {}
-    for attention in ("softmax", "sinkhorn", "ot"):
+    for attention in ("softmax", "sinkhorn", "exact", "ot"):
         current["attention"] = attention
         train(_settings(data_dir, tmp_path / attention, attention=attention, epochs=1))
-    # softmax/sinkhorn: [batch, ...] then test batches; ot: [batch, partners, ...]
+    # softmax/sinkhorn/exact: [batch, ...] then test batches; ot: [batch, partners, ...]
     soft, sink, ot = seen["softmax"], seen["sinkhorn"], seen["ot"]
-    assert len(soft) == len(sink)
-    assert all(torch.equal(a, b) for a, b in zip(soft, sink))
+    for other in (sink, seen["exact"]):
+        assert len(soft) == len(other)
+        assert all(torch.equal(a, b) for a, b in zip(soft, other))
     ot_batches = ot[0:8:2]
     assert all(torch.equal(a, b) for a, b in zip(soft[:4], ot_batches))
 
 
 BAD_OPTIONS = [
-    (["--attention", "bogus"], "--attention must be one of softmax, ot, sinkhorn"),
+    (["--attention", "bogus"], "--attention must be one of softmax, ot, sinkhorn, exact."),
     (["--data", "mnist2"], "--data must be one of fashion-mnist, cifar10, cifar100"),
     (["--epochs", "0"], "--epochs must be a positive integer"),
     (["--batch-size", "-3"], "--batch-size must be a positive integer"),
@@ -493,12 +501,26 @@ def test_cli_module_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
-def test_experiment_report_is_computed_from_the_runs(tmp_path):
-    """scripts/vit_experiment.py --report-only: means and t-intervals from the runs' results files."""
+def run_experiment_script(*argv):
+    """``scripts/vit_experiment.py ARGV`` in this process."""
     import importlib.util
     import sys
     from pathlib import Path
 
+    path = Path(__file__).resolve().parent.parent / "scripts" / "vit_experiment.py"
+    spec = importlib.util.spec_from_file_location("vit_experiment", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    saved = sys.argv
+    try:
+        sys.argv = ["vit_experiment.py", *argv]
+        module.main()
+    finally:
+        sys.argv = saved
+
+
+def test_experiment_report_is_computed_from_the_runs(tmp_path):
+    """scripts/vit_experiment.py --report-only: means and t-intervals from the runs' results files."""
     from scipy import stats
 
     data_dir = write_mnist(tmp_path / "data")
@@ -511,17 +533,8 @@ def test_experiment_report_is_computed_from_the_runs(tmp_path):
             r = json.loads(results_file.read_text())
             r["test_accuracy"] = r["learning_curve"][-1]["test_accuracy"] = 0.5 + 0.1 * seed + (attention == "ot") * 0.03 * seed**2
             results_file.write_text(json.dumps(r))
-    path = Path(__file__).resolve().parent.parent / "scripts" / "vit_experiment.py"
-    spec = importlib.util.spec_from_file_location("vit_experiment", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    argv = sys.argv
-    try:
-        sys.argv = ["vit_experiment.py", "--report-only", "--runs-dir", str(runs), "--report-dir",
-                    str(tmp_path / "report"), "--epochs", "1", "--attentions", "softmax", "ot"]
-        module.main()
-    finally:
-        sys.argv = argv
+    run_experiment_script("--report-only", "--runs-dir", str(runs), "--report-dir", str(tmp_path / "report"),
+                          "--epochs", "1", "--attentions", "softmax", "ot")
     out = json.loads((tmp_path / "report" / "results.json").read_text())
     for attention in ("softmax", "ot"):
         accs = [json.loads((runs / f"{attention}-seed{s}" / "results.json").read_text())["test_accuracy"] for s in range(3)]
@@ -553,3 +566,169 @@ def test_attention_classes_differ_only_in_their_weights():
         const = OTAttention(8, 2, 4, cost=lambda s, c: torch.zeros(s.shape[:-1] + (c.shape[-2],)))
         const.load_state_dict(layers["softmax"].state_dict())
         torch.testing.assert_close(const(x), layers["softmax"](x))
+
+
+# --------------------------------------------------------------------------- the exact attention
+def test_exact_layer_weights_are_the_exact_posterior_of_its_keys_and_queries():
+    """ExactAttention's weights, against CVXPY on each head's and query's problem: templates k / sqrt(dh),
+    evidence q, u uniform over the real tokens, alpha = 1 (padding keys get 0); softmax is its approximation."""
+    from probe.reference import cvxpy_primal
+
+    torch.manual_seed(0)
+    layer = ExactAttention(8, 2, 4).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    w, _ = layer.weights(x, mask)
+    q, k, _ = layer.split(x)
+    with torch.no_grad():
+        for b in range(2):
+            real = mask[b].numpy()
+            for h in range(2):
+                T = (k[b, h] / 2.0).numpy()  # sqrt(head_dim) = 2
+                log_u = np.where(real, 0.0, -np.inf)
+                for i in range(5):
+                    _, p_ref = cvxpy_primal(T, q[b, h, i].numpy(), log_u, 1.0)
+                    np.testing.assert_allclose(w[b, h, i].detach().numpy(), p_ref, rtol=0, atol=1e-8)
+    certificate = layer.last_certificate
+    assert certificate.error_bound.shape == (2, 2, 5) and certificate.not_converged == 0
+    softmax = MultiHeadAttention(8, 2, 4, kind="softmax").double()
+    softmax.load_state_dict(layer.state_dict())
+    approximation, _ = softmax.weights(x, mask)
+    assert float((approximation - w).abs().max().detach()) > 1e-3  # exact inference is not the softmax
+    # the class-token-only evaluation is the full evaluation's first row
+    torch.testing.assert_close(layer(x, mask, query_index=0), layer(x, mask)[:, :1])
+
+
+def test_exact_vit_trains_with_finite_gradients_and_a_falling_loss():
+    torch.manual_seed(0)
+    model = ViT(ViTConfig(image_size=8, num_classes=4, attention="exact", **dict(TINY, dropout=0.0)))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 1, 8, 8, generator=g)
+    y = torch.arange(16) % 4
+    x[y == 1, :, :4, :4] += 2.0  # a learnable signal
+    x[y == 2, :, 4:, 4:] += 2.0
+    x[y == 3, :, :4, 4:] += 2.0
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        final = model.blocks[-1].attn.qkv.weight.grad
+        assert float(final.abs().sum()) > 0  # the gradient reaches the final layer's queries and keys
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        assert model.blocks[-1].attn.last_certificate.not_converged == 0
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_exact_run_records_newton_iterations_and_certificates(tmp_path):
+    data_dir = write_mnist(tmp_path / "data")
+    results = train(_settings(data_dir, tmp_path / "run", attention="exact", epochs=1))
+    entry = results["learning_curve"][0]
+    heads = TINY["heads"]
+    assert entry["exact_train"]["problems"] == 64 * heads and entry["exact_test"]["problems"] == 32 * heads
+    for record in (entry["exact_train"], entry["exact_test"]):
+        assert record["not_converged"] == 0 and 0 < record["max_relative_error_bound"] <= 1e-9
+        assert 1 <= record["mean_iterations"] <= record["max_iterations"] <= 100
+
+
+# --------------------------------------------------------------------------- files that could run code
+class _RunsCode:
+    """Unpickling this runs ``os.system``: it writes the marker file (what a crafted file would do)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_cifar_batch_is_refused_and_runs_no_code(tmp_path):
+    write_cifar(tmp_path, "cifar10")
+    marker = tmp_path / "marker"
+    with open(tmp_path / "data_batch_3", "wb") as f:
+        pickle.dump({b"data": np.zeros((6, 3072), np.uint8), b"labels": [0] * 6, b"x": _RunsCode(marker)}, f)
+    with pytest.raises(ProbeError, match="refusing to read .*data_batch_3: it names the Python object (posix|os).system"):
+        load_data("cifar10", tmp_path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_genuine_cifar_batches_read_with_every_pickle_protocol(tmp_path, protocol):
+    expected = write_cifar(tmp_path, "cifar10", protocol=protocol)
+    data = load_data("cifar10", tmp_path)
+    assert np.array_equal(data.test_images.numpy().reshape(-1, 3072), expected["test_batch"][0])
+    assert data.test_labels.tolist() == list(map(int, expected["test_batch"][1]))
+
+
+def test_a_checkpoint_holding_an_arbitrary_object_is_refused_and_runs_no_code(tmp_path):
+    data_dir = write_mnist(tmp_path / "data")
+    settings = _settings(data_dir, tmp_path / "run", attention="softmax", epochs=1)
+    train(settings)
+    marker = tmp_path / "marker"
+    for name in ("checkpoint.pt", "model.pt"):
+        saved = torch.load(tmp_path / "run" / name, weights_only=True)
+        saved["note"] = _RunsCode(marker)
+        torch.save(saved, tmp_path / "run" / name)
+    with pytest.raises(ProbeError, match="refusing to read .*checkpoint.pt: it holds a Python object .*system"):
+        train(_settings(data_dir, tmp_path / "run", attention="softmax", epochs=2))
+    with pytest.raises(ProbeError, match="refusing to read .*model.pt: it holds a Python object"):
+        load_checkpoint(tmp_path / "run")
+    assert not marker.exists()
+    result = CliRunner().invoke(app, ["train", "--data-dir", str(data_dir), "--out", str(tmp_path / "run"),
+                                      "--no-progress", "--epochs", "2"])
+    assert result.exit_code == 2 and "refusing to read" in result.output and "Traceback" not in result.output
+    assert not marker.exists()
+
+
+def test_experiment_report_reuses_earlier_runs_checks_a_rerun_and_records_the_exact_arm(tmp_path):
+    """A new arm joins the runs of an earlier report: the reused runs are taken as they were, a rerun of one of
+    them on this machine is compared bit for bit and becomes the new arm's baseline, a further run is checked,
+    and the exact arm's certificates are tabulated from its history."""
+    data_dir = write_mnist(tmp_path / "data")
+    first, later = tmp_path / "first", tmp_path / "later"
+    for seed in (0, 1):
+        train(_settings(data_dir, first / f"softmax-seed{seed}", attention="softmax", seed=seed, epochs=2))
+        train(_settings(data_dir, later / f"exact-seed{seed}", attention="exact", seed=seed, epochs=2))
+    train(_settings(data_dir, later / "softmax-seed0", attention="softmax", seed=0, epochs=2))  # a rerun
+    changed = tmp_path / "changed" / "softmax-seed0"  # a "run with other code" that does not reproduce
+    train(_settings(data_dir, changed, attention="softmax", seed=0, epochs=1, lr=1e-3))
+    common = ["--report-only", "--epochs", "2", "--seeds", "0", "1"]
+    run_experiment_script(*common, "--runs-dir", str(first), "--report-dir", str(tmp_path / "r1"),
+                          "--attentions", "softmax")
+    run_experiment_script(*common, "--runs-dir", str(later), "--report-dir", str(tmp_path / "r2"),
+                          "--attentions", "softmax", "exact", "--reuse-runs-from", str(tmp_path / "r1" / "results.json"),
+                          "--rerun-check", f"other code={changed}")
+    earlier = json.loads((tmp_path / "r1" / "results.json").read_text())
+    out = json.loads((tmp_path / "r2" / "results.json").read_text())
+    assert out["runs"]["softmax-seed0"] == earlier["runs"]["softmax-seed0"]  # the reused arm, as it was
+    assert out["reused_runs"]["runs"] == ["softmax-seed0", "softmax-seed1"]
+    rerun = out["reruns"]["against_reused"]["softmax-seed0"]
+    assert rerun["identical"] and rerun["epochs"] == 2 and rerun["max_abs_difference"]["train_loss"] == 0
+    (check,) = out["checks"]
+    assert check["label"] == "other code" and check["against"] == "rerun" and not check["identical"]
+    # the exact arm is paired with the rerun (seed 0: the only seed rerun)
+    exact_acc = json.loads((later / "exact-seed0" / "results.json").read_text())["test_accuracy"]
+    rerun_acc = json.loads((later / "softmax-seed0" / "results.json").read_text())["test_accuracy"]
+    paired = out["paired_differences"]["exact-softmax"]
+    assert paired["baseline"] == "rerun" and paired["seeds"] == [0] and paired["differences"] == [exact_acc - rerun_acc]
+    certificates = out["exact_certificates"]["exact-seed1"]
+    history = json.loads((later / "exact-seed1" / "results.json").read_text())["learning_curve"]
+    assert certificates["train"]["problems"] == sum(e["exact_train"]["problems"] for e in history) == 2 * 64 * 2
+    assert certificates["train"]["max_iterations"] == max(e["exact_train"]["max_iterations"] for e in history)
+    gap = out["exact_vs_softmax"]["exact-seed0"]  # the trained layer's p* against its softmax, on the test images
+    assert gap["problems"] == 32 * TINY["heads"] and 0 < gap["tv_median"] <= gap["tv_p90"] <= gap["tv_max"] < 1
+    md = (tmp_path / "r2" / "results.md").read_text()
+    assert "bit for bit the same" in md and "made with other code" in md and "not bit for bit the same" in md
+    assert "exact-ViT − ViT (rerun here)" in md and "ViT (softmax), rerun here" in md
+    assert "## The exact-ViT's solver during training" in md
+    # the report can be made again from itself: the reused arm named, the new arm from the runs directory
+    run_experiment_script(*common, "--runs-dir", str(later), "--report-dir", str(tmp_path / "r3"),
+                          "--attentions", "softmax", "exact", "--reuse-runs-from", str(tmp_path / "r2" / "results.json"),
+                          "--reuse-arms", "softmax", "--rerun-check", f"other code={changed}")
+    again = json.loads((tmp_path / "r3" / "results.json").read_text())
+    for key in ("summary", "paired_differences", "runs", "reruns", "checks", "exact_certificates", "exact_vs_softmax"):
+        assert again[key] == out[key], key
+

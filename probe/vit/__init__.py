@@ -1,6 +1,8 @@
-"""The OT-ViT experiment: OT attention (eq. 22) as a layer, ViT / OT-ViT / Sinkhorn-ViT, offline data, training.
+"""The OT-ViT experiment: OT attention (eq. 22) as a layer, ViT / OT-ViT / Sinkhorn-ViT / exact-ViT, offline
+data, training.
 
-* :mod:`probe.vit.attention` -- softmax, OT (through :func:`probe.ot.ot_attention`) and Sinkhorn attention;
+* :mod:`probe.vit.attention` -- softmax, OT (through :func:`probe.ot.ot_attention`), Sinkhorn and exact
+  attention (through :func:`probe.exact.exact_attention`);
 * :mod:`probe.vit.model`     -- the ViT (``ViTConfig``, ``ViT``, ``parameter_count``);
 * :mod:`probe.vit.data`      -- Fashion-MNIST idx files, CIFAR-10/100 python batches;
 * :mod:`probe.vit.train`     -- one resumable training run (checkpoints, results file);
@@ -27,22 +29,22 @@ def load_checkpoint(path, map_location="cpu"):
     """Load a trained model: ``path`` is a run directory, its ``model.pt`` or its ``checkpoint.pt``.
 
     Returns ``(model, info)``: the :class:`probe.vit.model.ViT` in eval mode and a dict with ``config``,
-    ``settings`` and (from a checkpoint) ``epoch`` and ``history``.
+    ``settings`` and (from a checkpoint) ``epoch`` and ``history``.  The file is read with
+    ``torch.load(weights_only=True)`` (:func:`probe.vit.train.read_checkpoint`): one that holds any other Python
+    object is refused.
     """
-    import torch
-
     from probe.errors import ProbeError
 
     from .model import ViT, ViTConfig
-    from .train import CHECKPOINT, MODEL
+    from .train import CHECKPOINT, MODEL, read_checkpoint
 
     path = Path(path)
     if path.is_dir():
         path = path / MODEL if (path / MODEL).exists() else path / CHECKPOINT
     if not path.is_file():
         raise ProbeError(f"{path} does not exist: give a run directory of `probe vit train`, or its model.pt.")
+    saved = read_checkpoint(path, "Give the model.pt or checkpoint.pt of a `probe vit train` run.", map_location)
     try:
-        saved = torch.load(path, map_location=map_location, weights_only=True)
         config = ViTConfig(**saved["config"])
     except Exception as error:  # noqa: BLE001
         raise ProbeError(

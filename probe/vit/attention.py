@@ -1,4 +1,5 @@
-r"""Attention layers for the ViT experiment: softmax, the OT attention (eq. 22) and Sinkhorn attention.
+r"""Attention layers for the ViT experiment: softmax, the OT attention (eq. 22), Sinkhorn attention and
+exact attention (the KL problem's exact posterior, :mod:`probe.exact`).
 
 Which vectors play which role in the OT attention (one head; the paper's symbols, see :mod:`probe.ot`):
 
@@ -28,6 +29,17 @@ memory (here through :func:`probe.ot.ot_attention`, which materialises the ``(Q,
 OT-ViT only the final layer uses it, and only the class token's output of the final layer feeds the
 classifier, so the model evaluates the final layer for the class-token query alone (``Q = 1``): exact for the
 logits, and ``O(n N)`` per head, about the cost of one full softmax attention layer.
+
+The exact attention (:class:`ExactAttention`) solves, per head and query, the KL problem whose closed-form
+approximation :math:`\lambda \approx \alpha z` is the softmax layer, in probe's key space: templates
+:math:`t_i = k_i / \gamma` (:math:`\gamma = \sqrt{d'}`, the softmax layer's temperature), evidence
+:math:`z = q`, preference :math:`u` uniform over the real tokens, :math:`\alpha = 1`.  Then
+:math:`\mathrm{softmax}(\log u + \alpha T z) = \mathrm{softmax}(\langle q, k\rangle / \gamma)` is the
+softmax layer's weights, and the exact layer returns :math:`p^*` instead (:func:`probe.exact.exact_attention`,
+certified, with implicit gradients).  The parameters are the softmax layer's.  The paper's other reading,
+templates :math:`x_i / \sqrt{d'}` from the hidden states and evidence :math:`W_k^\top q`, is the rows'
+hidden space; the key space keeps each head's problem in its own :math:`d' = 32` dimensions, fewer than
+the 50 tokens, so the solver works on :math:`\lambda` itself.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from probe.exact import ExactCertificate, exact_attention
 from probe.ot import ot_attention
 
 __all__ = [
@@ -45,9 +58,11 @@ __all__ = [
     "ot_attention_weights",
     "softmax_attention_weights",
     "sinkhorn_attention_weights",
+    "exact_attention_weights",
     "MultiHeadAttention",
     "OTAttention",
     "SinkhornAttention",
+    "ExactAttention",
 ]
 
 Cost = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -105,6 +120,23 @@ def sinkhorn_attention_weights(q, k, mask=None, iterations: int = 3):
     return logits.exp()
 
 
+def exact_attention_weights(
+    q, k, key_mask=None, alpha: float = 1.0, gamma=None
+) -> tuple[torch.Tensor, ExactCertificate]:
+    r"""The exact posterior of every query over the keys (module docstring): templates ``k / gamma``, evidence
+    ``q``, ``u`` uniform over the real keys, ``gamma = sqrt(dh)`` by default.
+
+    ``q (B, H, Q, dh)``, ``k (B, H, N, dh)``, ``key_mask (B, N)`` bool (True = real token) ->
+    ``(p (B, H, Q, N), certificate)`` (:class:`probe.exact.ExactCertificate`, shaped ``(B, H, Q)``).
+    """
+    gamma = math.sqrt(q.shape[-1]) if gamma is None else gamma
+    B, _, _, N = *q.shape[:3], k.shape[2]
+    log_preference = torch.zeros(B, 1, 1, N, dtype=q.dtype, device=q.device)
+    if key_mask is not None:
+        log_preference = log_preference.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    return exact_attention((k / gamma).unsqueeze(2), q, log_preference, alpha, return_certificate=True)
+
+
 def ot_attention_weights(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -153,17 +185,19 @@ def ot_attention_weights(
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention whose weights are softmax, OT (eq. 22) or Sinkhorn: the same parameters
-    (one ``qkv`` projection to ``heads * head_dim`` and an output projection) for all three kinds.
+    """Multi-head attention whose weights are softmax, OT (eq. 22), Sinkhorn or exact: the same parameters
+    (one ``qkv`` projection to ``heads * head_dim`` and an output projection) for all four kinds.
 
     ``forward(x, mask=None, extra=None, extra_mask=None, query_index=None)``: ``x (B, n, dim)``,
     ``mask (B, n)`` bool, ``extra (B, m, dim)`` the extra candidates' hidden states (OT only: their keys
     and values are added to the candidate set), ``query_index`` an int to evaluate only that query's output
-    (``(B, 1, dim)``; exact, since a query's output does not depend on the other queries for softmax and OT;
-    for Sinkhorn all queries are coupled by the column normalisation, so all are computed and one is kept).
+    (``(B, 1, dim)``; exact, since a query's output does not depend on the other queries for softmax, OT and
+    exact; for Sinkhorn all queries are coupled by the column normalisation, so all are computed and one is
+    kept).  The exact kind keeps the certificate of its last forward in ``last_certificate``
+    (:class:`probe.exact.ExactCertificate`, ``(B, H, Q)``; None before the first).
     """
 
-    KINDS = ("softmax", "ot", "sinkhorn")
+    KINDS = ("softmax", "ot", "sinkhorn", "exact")
 
     def __init__(
         self,
@@ -188,6 +222,7 @@ class MultiHeadAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * heads * head_dim)
         self.proj = nn.Linear(heads * head_dim, dim)
         self.dropout = nn.Dropout(dropout)
+        self.last_certificate: Optional[ExactCertificate] = None
 
     def split(self, x: torch.Tensor):
         """``(B, n, dim)`` -> queries, keys, values, each ``(B, H, n, dh)``."""
@@ -209,6 +244,9 @@ class MultiHeadAttention(nn.Module):
             q = q[:, :, query_index : query_index + 1]
         if self.kind == "softmax":
             return softmax_attention_weights(q, k, mask, self.gamma), v
+        if self.kind == "exact":
+            w, self.last_certificate = exact_attention_weights(q, k, mask, self.alpha, self.gamma)
+            return w, v
         extra_k = None
         if extra is not None:
             _, extra_k, extra_v = self.split(extra)
@@ -240,3 +278,15 @@ class SinkhornAttention(MultiHeadAttention):
 
     def __init__(self, dim, heads, head_dim, dropout=0.0, iterations: int = 3):
         super().__init__(dim, heads, head_dim, "sinkhorn", dropout, sinkhorn_iterations=iterations)
+
+
+class ExactAttention(MultiHeadAttention):
+    """Multi-head exact attention: :class:`MultiHeadAttention` with ``kind="exact"`` (module docstring).
+
+    Each head and query solves the KL problem with templates ``k / gamma``, evidence ``q`` and ``u`` uniform over
+    the real tokens, and mixes the values with its exact posterior; ``alpha = 1`` and ``gamma = sqrt(head_dim)``
+    by default.  ``last_certificate`` holds the certificate of the last forward.
+    """
+
+    def __init__(self, dim, heads, head_dim, dropout=0.0, alpha=1.0, gamma=None):
+        super().__init__(dim, heads, head_dim, "exact", dropout, alpha, gamma)

@@ -1,4 +1,4 @@
-"""``probe vit``: the typer sub-app that trains the ViT, OT-ViT and Sinkhorn-ViT (mounted in cli.py).
+"""``probe vit``: the typer sub-app that trains the ViT, OT-ViT, Sinkhorn-ViT and exact-ViT (mounted in cli.py).
 
 Importing this module does not import torch: option errors are instant.  Every error a user can cause is
 printed as one paragraph and exits with status 2, before any training.
@@ -14,12 +14,12 @@ import typer
 from probe.errors import exit_with as _fail  # the one error paragraph and prefix of probe's commands
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="ViT / OT-ViT / Sinkhorn-ViT: train and compare (the OT attention, eq. 22).")
+                  help="ViT / OT-ViT / Sinkhorn-ViT / exact-ViT: train and compare (the OT attention, eq. 22).")
 
 
 @app.callback()
 def _callback():
-    """ViT / OT-ViT / Sinkhorn-ViT: train and compare (the OT attention, eq. 22)."""
+    """ViT / OT-ViT / Sinkhorn-ViT / exact-ViT: train and compare (the OT attention, eq. 22)."""
 
 
 @app.command()
@@ -28,7 +28,7 @@ def train(
     data_dir: Optional[Path] = typer.Option(
         None, metavar="DIR", help="Directory of the data set's files [default for fashion-mnist: /usr/share/datasets/fashion-mnist, "
                    "from `apt install dataset-fashion-mnist`]."),
-    attention: str = typer.Option("softmax", metavar="KIND", help="The final layer's attention: softmax, ot or sinkhorn."),
+    attention: str = typer.Option("softmax", metavar="KIND", help="The final layer's attention: softmax, ot, sinkhorn or exact."),
     seed: int = typer.Option(0, metavar="S", help="Seed of the initial weights, data order, dropout and training trick."),
     epochs: int = typer.Option(10, metavar="E", help="Epochs over the (subset of the) training set."),
     lr: float = typer.Option(3e-4, metavar="LR", help="Adam learning rate (the paper's 3e-4)."),

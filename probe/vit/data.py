@@ -10,6 +10,9 @@
 
 Every problem (missing directory or file, truncated or corrupt file, wrong magic number, counts that do not
 match, labels out of range) raises :class:`probe.errors.ProbeError` with a message that says what to do.
+CIFAR batches are read by a restricted unpickler that builds only the types the format uses (dicts,
+lists, strings, numbers, numpy arrays): a file that names any other Python object is refused, so a crafted
+file cannot run code.
 Images are kept as ``uint8 (N, C, H, W)``; :meth:`ImageData.normalise` maps a batch to floats with the
 training set's per-channel mean and standard deviation: the same for every attention, no augmentation.
 """
@@ -126,10 +129,41 @@ def _idx_split(directory: Path, prefix: str):
     return torch.from_numpy(images.copy()).unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
 
 
+#: the only globals a CIFAR python batch may name: numpy's array and scalar reconstructors under their
+#: numpy 1 and numpy 2 module names, ``numpy.ndarray``, ``numpy.dtype``, and ``_codecs.encode`` (the bytes
+#: of protocol-2 pickles written by Python 3).  None of them runs code of the file's choosing.
+_CIFAR_GLOBALS = frozenset(
+    [(module, name) for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+     for name in ("_reconstruct", "scalar")]
+    + [(module, "_frombuffer") for module in ("numpy.core.numeric", "numpy._core.numeric")]
+    + [("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")]
+)
+
+
+class _UnsafePickle(Exception):
+    """A pickle names a global outside :data:`_CIFAR_GLOBALS`."""
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """An unpickler that builds dicts, lists, strings, numbers and numpy arrays only: any other global (a
+    function such as ``os.system``, a class) is refused before it is looked up, so a crafted file runs no code."""
+
+    def find_class(self, module, name):
+        if (module, name) not in _CIFAR_GLOBALS:
+            raise _UnsafePickle(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
 def _load_pickle(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
-            return pickle.load(f, encoding="bytes")
+            return _CifarUnpickler(f, encoding="bytes").load()
+    except _UnsafePickle as error:
+        raise ProbeError(
+            f"refusing to read {path}: it names the Python object {error}, which a CIFAR python batch never "
+            "holds (only dicts, lists, strings, numbers and numpy arrays), and unpickling it could run code. "
+            "Replace it with a fresh copy of the python version of the data set from its official source."
+        ) from None
     except Exception as error:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise ProbeError(
             f"cannot read {path} as a CIFAR python batch ({type(error).__name__}: {error}). Replace it with a "

@@ -1,4 +1,4 @@
-"""ViT, OT-ViT and Sinkhorn-ViT in plain torch: identical except the final layer's attention.
+"""ViT, OT-ViT, Sinkhorn-ViT and exact-ViT in plain torch: identical except the final layer's attention.
 
 Patches by ``unfold`` (4x4, no overlap) and a linear embedding, a class token, a learned positional
 embedding, pre-norm blocks (``x + attn(LN(x))``, ``x + MLP(LN(x))``, GELU), dropout, a final LayerNorm and a
@@ -38,9 +38,9 @@ class ViTConfig:
     head_dim: int = 32
     mlp_dim: int = 512
     dropout: float = 0.2
-    attention: str = "softmax"  # the final layer's: softmax | ot | sinkhorn
-    alpha: float = 1.0  # OT
-    gamma: Optional[float] = None  # OT; None = sqrt(head_dim)
+    attention: str = "softmax"  # the final layer's: softmax | ot | sinkhorn | exact
+    alpha: float = 1.0  # OT and exact
+    gamma: Optional[float] = None  # OT (and exact's template scale k / gamma); None = sqrt(head_dim)
     sinkhorn_iterations: int = 3
 
     @property

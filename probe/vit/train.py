@@ -1,4 +1,4 @@
-"""Training the ViT / OT-ViT / Sinkhorn-ViT: one run = one directory, resumable, with a results file.
+"""Training the ViT / OT-ViT / Sinkhorn-ViT / exact-ViT: one run = one directory, resumable, with a results file.
 
 A run directory holds ``checkpoint.pt`` (rewritten atomically after every epoch: model, optimizer, the torch
 RNG state, the learning curve so far), and at the end ``model.pt`` (weights and config only; what
@@ -12,6 +12,12 @@ attention differs.  Optimiser: Adam, constant learning rate (the paper gives onl
 Training trick (OT only, the paper's): each training sample, with probability 1/2, has the final-layer
 templates of another training image of the same class (drawn uniformly among the training subset, not
 itself) added to its candidate set; at test time only the input's own.
+
+Checkpoints are read with ``torch.load(weights_only=True)`` (:func:`read_checkpoint`): they hold tensors and
+plain data only, and a file that names any other Python object is refused, so a crafted checkpoint runs no
+code.  The exact-ViT's history also records, per epoch, its final layer's Newton iterations and certificates
+over the training steps (``exact_train``) and the evaluation (``exact_test``): the summaries of
+:class:`probe.exact.ExactCertificate`, merged by :func:`probe.exact.merge_summaries`.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import platform
 import sys
 import time
@@ -32,12 +39,13 @@ import torch.nn.functional as F
 
 import probe
 from probe.errors import ProbeError
+from probe.exact import merge_summaries
 
 from .attention import MultiHeadAttention
 from .data import DATASETS, ImageData, load_data
 from .model import ViT, ViTConfig, parameter_count
 
-__all__ = ["TrainSettings", "train", "validate_settings", "CHECKPOINT", "RESULTS", "MODEL"]
+__all__ = ["TrainSettings", "train", "validate_settings", "read_checkpoint", "CHECKPOINT", "RESULTS", "MODEL"]
 
 CHECKPOINT, RESULTS, MODEL = "checkpoint.pt", "results.json", "model.pt"
 TRICK_PROBABILITY = 0.5
@@ -146,6 +154,27 @@ def _atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def read_checkpoint(path: Path, remedy: str, map_location="cpu") -> dict:
+    """A checkpoint or model file of this module, read with ``torch.load(weights_only=True)``: tensors and plain
+    data only.  A file that names another Python object (which unpickling could run) is refused, and so is a
+    damaged one, each with a :class:`ProbeError` that ends with ``remedy``."""
+    try:
+        saved = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        detail = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line), None)
+        if detail is None:
+            raise ProbeError(f"cannot read {path} (UnpicklingError: {error}): it is damaged. {remedy}") from None
+        raise ProbeError(
+            f"refusing to read {path}: it holds a Python object that is neither a tensor nor plain data ({detail}), "
+            f"and loading it could run code; `probe vit train` writes no such file. {remedy}"
+        ) from None
+    except Exception as error:  # noqa: BLE001
+        raise ProbeError(f"cannot read {path} ({type(error).__name__}: {error}): it is damaged. {remedy}") from None
+    if not isinstance(saved, dict):
+        raise ProbeError(f"{path} holds a {type(saved).__name__}, not a `probe vit train` checkpoint. {remedy}")
+    return saved
+
+
 def _atomic_json(obj, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
@@ -168,10 +197,17 @@ def _versions() -> dict:
             "probe": probe.__version__, "platform": platform.platform()}
 
 
+def _exact_layer(model: ViT):
+    """The final layer's attention if it is exact (its ``last_certificate`` is read after each forward), else None."""
+    attention = model.blocks[-1].attn
+    return attention if attention.kind == "exact" else None
+
+
 @torch.no_grad()
 def evaluate(model: ViT, data: ImageData, index: torch.Tensor, device, batch_size: int = 500) -> dict:
     model.eval()
     correct, loss = 0, 0.0
+    exact, certificates = _exact_layer(model), []
     for start in range(0, index.shape[0], batch_size):
         i = index[start : start + batch_size]
         x = data.normalise(data.test_images[i]).to(device)
@@ -179,7 +215,12 @@ def evaluate(model: ViT, data: ImageData, index: torch.Tensor, device, batch_siz
         logits = model(x)
         loss += float(F.cross_entropy(logits, y, reduction="sum"))
         correct += int((logits.argmax(-1) == y).sum())
-    return {"test_accuracy": correct / index.shape[0], "test_loss": loss / index.shape[0]}
+        if exact is not None:
+            certificates.append(exact.last_certificate.summary())
+    metrics = {"test_accuracy": correct / index.shape[0], "test_loss": loss / index.shape[0]}
+    if exact is not None:
+        metrics["exact_test"] = merge_summaries(certificates)
+    return metrics
 
 
 def prepare(s: TrainSettings):
@@ -202,13 +243,7 @@ def prepare(s: TrainSettings):
         raise ProbeError(f"cannot write the run directory {run_dir} ({error}): give a writable --out.") from None
     checkpoint = None
     if (run_dir / CHECKPOINT).exists():
-        try:
-            checkpoint = torch.load(run_dir / CHECKPOINT, map_location="cpu", weights_only=False)
-        except Exception as error:  # noqa: BLE001
-            raise ProbeError(
-                f"cannot read {run_dir / CHECKPOINT} ({type(error).__name__}): it is damaged. Delete it to start "
-                "the run afresh, or give another --out."
-            ) from None
+        checkpoint = read_checkpoint(run_dir / CHECKPOINT, "Delete it to start the run afresh, or give another --out.")
         if checkpoint.get("fingerprint") != s.fingerprint():
             theirs, ours = checkpoint.get("fingerprint", {}), s.fingerprint()
             diff = ", ".join(f"{k}: {theirs.get(k)!r} there, {ours.get(k)!r} now" for k in ours if theirs.get(k) != ours.get(k))
@@ -254,9 +289,11 @@ def train(s: TrainSettings, *, log=None) -> dict:
     started = time.perf_counter()
     from tqdm.auto import tqdm
 
+    exact = _exact_layer(model)
     for epoch in range(start_epoch, s.epochs):
         epoch_start = time.perf_counter()
         model.train()
+        certificates = []
         order = torch.randperm(n, generator=_generator(s.seed, epoch, 0))
         trick = _generator(s.seed, epoch, 1)
         total_loss, correct = 0.0, 0
@@ -272,6 +309,8 @@ def train(s: TrainSettings, *, log=None) -> dict:
                 logits = model(x, extra, use.to(device))
             else:
                 logits = model(x)
+            if exact is not None:
+                certificates.append(exact.last_certificate.summary())
             loss = F.cross_entropy(logits, y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -285,6 +324,7 @@ def train(s: TrainSettings, *, log=None) -> dict:
         history.append({
             "epoch": epoch + 1, "train_loss": total_loss / n, "train_accuracy": correct / n, **metrics,
             "train_s": train_s, "epoch_s": time.perf_counter() - epoch_start,
+            **({"exact_train": merge_summaries(certificates)} if exact is not None else {}),
         })
         wall = wall_before + time.perf_counter() - started
         _atomic_save({
