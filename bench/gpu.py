@@ -596,7 +596,8 @@ def part_vit(args, log: Log, workdir: Path, deadline: float) -> dict:
     report = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "vit_experiment.py"), "--report-only", "--runs-dir", str(runs),
          "--report-dir", str(report_dir), "--attentions", *attentions, "--seeds", *map(str, seeds),
-         "--epochs", str(common), "--keep-checkpoint", ""]
+         "--epochs", str(common), "--keep-checkpoint", "", "--jobs", str(len(attentions) * len(seeds)),
+         "--machine", f"{args.device_name} ({args.device}), every run a process of its own"]
         + (["--data-dir", str(args.data_dir)] if args.data_dir else []),
         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if report.returncode != 0:
@@ -722,7 +723,8 @@ def main(argv=None) -> int:
     results = {"environment": environment(args.device), "quick": args.quick, "budget_s": args.budget_s}
     path = args.out / "results_gpu.json"
     _write_json(path, results)
-    log(f"device: {results['environment']['device_name']}")
+    args.device_name = results["environment"]["device_name"]
+    log(f"device: {args.device_name}")
     start = time.monotonic()
 
     def deadline(share: float) -> float:

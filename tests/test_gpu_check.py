@@ -69,3 +69,17 @@ def test_the_comparison_flags_a_row_beyond_its_certificates(dry_run):
     result = gpu.compare_runs(copy, run_dir)
     assert result["rows_over_bound"] == 1 and result["max_difference_over_bound"] > 1
     assert abs(result["max_difference"] - 1e-6) < 1e-9
+
+
+@pytest.mark.parametrize("mean, half, verdict", [
+    (0.012, 0.004, "confirmed"),     # the interval lies above 0: OT-ViT better, as the paper reports
+    (0.003, 0.010, "not confirmed"),  # the interval contains 0
+    (-0.02, 0.005, "contradicted"),  # the interval lies below 0
+    (0.010, None, None),             # one seed: no interval, no verdict
+])
+def test_the_full_protocol_report_says_whether_the_papers_gap_is_confirmed(mean, half, verdict):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import vit_experiment
+
+    said = vit_experiment.paper_gap_verdict({"ot-softmax": {"mean": mean, "ci95_half_width": half}})
+    assert (said is None) if verdict is None else said.startswith(verdict + ":")
