@@ -124,3 +124,30 @@ def test_every_vit_attention_trains_a_step_on_device(device):
             assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
             losses[where] = loss.item()
         np.testing.assert_allclose(losses[device], losses["cpu"], rtol=1e-4, err_msg=kind)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_exact_attention_and_its_gradients_on_device_equal_the_cpus(device):
+    """probe.exact on the device: p* within both certificates of the CPU's, and the implicit gradients (one
+    Newton-system solve each) equal the CPU's to 1e-8 relative, masked keys included."""
+    from probe.exact import exact_attention
+
+    generator = torch.Generator().manual_seed(3)
+    templates = torch.randn(2, 3, 9, 5, generator=generator, dtype=torch.float64)
+    evidence = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64)
+    log_u = torch.randn(2, 3, 9, generator=generator, dtype=torch.float64)
+    log_u[0, 1, 4:] = -torch.inf
+    weights = torch.randn(2, 3, 9, generator=generator, dtype=torch.float64)
+    results = {}
+    for where in dict.fromkeys([device, "cpu"]):
+        inputs = [x.to(where).requires_grad_(True) for x in (templates, evidence, log_u)]
+        p, certificate = exact_attention(*inputs, alpha=1.5, return_certificate=True)
+        assert p.device.type == where and certificate.not_converged == 0
+        (p * weights.to(where)).sum().backward()
+        results[where] = (p.detach().cpu(), [x.grad.cpu() for x in inputs], certificate)
+    (p_here, grads_here, _), (p_cpu, grads_cpu, _) = results[device], results["cpu"]
+    torch.testing.assert_close(p_here, p_cpu, rtol=0, atol=1e-9)
+    assert float(p_here[0, 1, 4:].abs().max()) == 0.0
+    for here, cpu in zip(grads_here, grads_cpu):
+        here, cpu = torch.nan_to_num(here, posinf=0.0, neginf=0.0), torch.nan_to_num(cpu, posinf=0.0, neginf=0.0)
+        torch.testing.assert_close(here, cpu, rtol=1e-8, atol=1e-10)
