@@ -153,8 +153,10 @@ def exact_attention(
             key (its :math:`p^*` is 0).  Every problem needs at least one finite entry.
         alpha: the strength :math:`\alpha > 0`.
         return_certificate: also return an :class:`ExactCertificate`.
-        rtol, atol, max_iter: the solver's tolerance on :math:`\|\hat\lambda - \lambda^*\|` and its
-            iteration limit (:func:`probe.solver.solve_dual`).
+        rtol: the solver's relative tolerance on :math:`\|\hat\lambda - \lambda^*\|`
+            (:func:`probe.solver.solve_dual`).
+        atol: its absolute tolerance on the same distance.
+        max_iter: its iteration limit.
 
     The leading dimensions ``...`` of the three tensors broadcast against one another.  Returns ``p`` of
     shape ``(..., n)`` in the inputs' (promoted) dtype, or ``(p, certificate)``.  Problems that do not
