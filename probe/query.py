@@ -115,6 +115,7 @@ def connect(*, memory_limit: int | None = None, threads: int | None = None, temp
     spill = Path(temp_directory) if temp_directory is not None else Path(tempfile.gettempdir()) / "probe-duckdb"
     connection.execute(f"SET temp_directory = '{_sql_string(str(spill))}'")
     connection.execute("SET preserve_insertion_order = false")
+    connection.execute("SET parquet_metadata_cache = true")  # readers ask many questions of the same parts
     return connection
 
 
@@ -210,24 +211,42 @@ def _linear_bin(value: str, low: float, high: float) -> str:
     return f"least(greatest(floor(({value} - {literal(low)}) / {literal(width)}), 0), {REFINE_BINS - 1})"
 
 
-def edges_bin(value: str, edges: np.ndarray) -> str:
-    """The 0-based bin of ``value`` among equal-width ``edges`` as ``numpy.histogram`` counts it (the bin
-    ``i`` with ``edges[i] <= v < edges[i + 1]``, the last bin closed on the right), NULL outside them.
+def _uniform(edges: np.ndarray) -> tuple[float, float] | None:
+    """``(start, step)`` when ``edges[i] == i * step + start`` exactly for every edge but the last (the
+    edges of ``numpy.linspace`` and of ``numpy.arange(n + 1) * step``), else None."""
+    n = len(edges) - 1
+    for step in (edges[1] - edges[0], (edges[-1] - edges[0]) / n):
+        if step > 0 and np.array_equal(np.arange(n) * step + edges[0], edges[:-1]):
+            return float(edges[0]), float(step)
+    return None
 
-    The guess from the bin width is corrected by comparing with the exact edges, so float rounding cannot
-    put a value in its neighbour's bin."""
+
+def edges_guess(value: str, edges: np.ndarray) -> str:
+    """The bin of ``value`` among equal-width ``edges`` from the bin width alone (clamped to the bins); it
+    can be one off at an edge, which :func:`edges_bin` corrects."""
     edges = np.asarray(edges, dtype=float)
     n = len(edges) - 1
-    if n < 1:
-        raise ValueError("edges_bin needs at least two edges")
-    width = (edges[-1] - edges[0]) / n
-    listed = "CAST('[" + ", ".join(repr(float(e)) for e in edges) + "]' AS DOUBLE[])"
-    guess = (f"CAST(least(greatest(floor(({value} - {literal(edges[0])}) / {literal(width)}), 0), {n - 1}) AS BIGINT)"
-             if width > 0 else "0")
+    uniform = _uniform(edges) if n >= 1 else None
+    if uniform is None:
+        raise ValueError("edges_bin needs two or more equal-width edges (numpy.linspace or numpy.arange(n + 1) * step)")
+    start, step = (literal(x) for x in uniform)
+    return f"CAST(least(greatest(floor(({value} - {start}) / {step}), 0), {n - 1}) AS BIGINT)"
+
+
+def edges_bin(value: str, edges: np.ndarray, guess: str | None = None) -> str:
+    """The 0-based bin of ``value`` among increasing equal-width ``edges`` as ``numpy.histogram`` counts it
+    (the bin ``i`` with ``edges[i] <= v < edges[i + 1]``, the last bin closed on the right), NULL outside
+    them.  The guess from the bin width (:func:`edges_guess`; ``guess``: a column that holds it, computed
+    once) is corrected by comparing with the exact edges (``i * step + start``, as numpy computes them), so
+    float rounding cannot put a value in its neighbour's bin."""
+    edges = np.asarray(edges, dtype=float)
+    guess = guess or edges_guess(value, edges)
+    n = len(edges) - 1
+    start, step = (literal(x) for x in _uniform(edges))
     return (
         f"CASE WHEN {value} >= {literal(edges[0])} AND {value} <= {literal(edges[-1])} THEN "
-        f"(SELECT CASE WHEN {value} < e[g + 1] THEN g - 1 WHEN g < {n - 1} AND {value} >= e[g + 2] THEN g + 1 "
-        f"ELSE g END FROM (SELECT {listed} AS e, {guess} AS g)) END"
+        f"CASE WHEN {value} < {guess} * {step} + {start} THEN {guess} - 1 "
+        f"WHEN {guess} < {n - 1} AND {value} >= ({guess} + 1) * {step} + {start} THEN {guess} + 1 ELSE {guess} END END"
     )
 
 
@@ -360,30 +379,38 @@ class Table:
 
     def stats(self, value: str, by: Sequence[Sequence[str]], where: str = "TRUE", *,
               quantiles: Mapping[str, float] | None = None, ranks: Mapping[str, Rank] | None = None,
-              above: Mapping[str, float] | None = None, columns: Mapping[str, str] | None = None) -> list[pd.DataFrame]:
+              above: Mapping[str, float] | None = None, columns: Mapping[str, str] | None = None,
+              distinct: bool = False, needed=None) -> list[pd.DataFrame]:
         """Statistics of the non-null values of ``value`` (a column or SQL expression) for each grouping in
         ``by``: ``count``, ``mean``, ``min``, ``max``, the share above each threshold of ``above`` (name ->
         threshold), each linear quantile of ``quantiles`` (name -> q, exactly pandas' ``quantile(q)``) and
-        each order statistic of ``ranks`` (name -> :class:`Rank`).  Two passes over the table whatever the
+        each order statistic of ``ranks`` (name -> :class:`Rank`); with ``distinct``, ``intervals`` (pass 1's
+        value intervals: at most the number of distinct values) and ``distinct`` (the number of distinct
+        values where every interval holds one, else NaN).  ``needed(name, grouping, table)``, if given, says
+        which groups (a boolean mask over ``table``, the grouping's counts) need the quantile or rank
+        ``name``: the others get NaN, and pass 2 reads less.  Two passes over the table whatever the
         groupings (module docstring); groups without a value are absent.  One DataFrame per grouping, in key
         order."""
         groupings = [tuple(keys) for keys in by]
         union = list(dict.fromkeys(k for keys in groupings for k in keys))
         thresholds = dict(above or {})
         source = f"(SELECT *, ({value}) AS _v FROM {self._from(where, columns)} WHERE ({value}) IS NOT NULL)"
-        types = self._types(source, union)
-        passes = list(dict.fromkeys(groupings + [tuple(union)]))  # the finest grouping marks pass 2's cells
-        cells = self._histogram_pass(source, union, passes, thresholds)
-        gid = cells["_gid"].to_numpy()
+        finest = self._histogram_pass(source, union, thresholds)
         wanted = {**{n: (Rank("below", q), Rank("above", q)) for n, q in (quantiles or {}).items()},
                   **{n: (r,) for n, r in (ranks or {}).items()}}
         every_rank = list(dict.fromkeys(r for rs in wanted.values() for r in rs))
-        parts = [_Grouping(_restore(cells[gid == _grouping_id(union, keys)].copy(), types), keys, thresholds)
-                 for keys in groupings]
-        for part in parts:
-            part.locate(every_rank)
-        finest = _restore(cells[gid == _grouping_id(union, tuple(union))].copy(), types)
-        self._read_ranks(source, union, types, finest, parts)
+        cells = finest.to_pandas()
+        parts = [_Grouping(_roll_up(cells, keys, thresholds), keys, thresholds, distinct) for keys in groupings]
+        for j, part in enumerate(parts):
+            masks = np.ones((len(part.table), len(every_rank)), dtype=bool)
+            if needed is not None:
+                masks[:] = False
+                for statistic, rs in wanted.items():
+                    mask = np.asarray(needed(statistic, j, part.table), dtype=bool)
+                    for r in rs:
+                        masks[:, every_rank.index(r)] |= mask
+            part.locate(every_rank, masks)
+        self._read_ranks(source, union, finest, parts)
         out = []
         for part in parts:
             table = part.table
@@ -397,29 +424,24 @@ class Table:
             out.append(table)
         return out
 
-    def _types(self, source: str, columns: Sequence[str]) -> dict[str, str]:
-        """The SQL types of ``columns`` of ``source``."""
-        if not columns:
-            return {}
-        described = self.execute(f"DESCRIBE SELECT {', '.join(name(c) for c in columns)} FROM {source}").fetchall()
-        return {row[0]: row[1] for row in described}
-
-    def _histogram_pass(self, source: str, union: list[str], groupings, thresholds):
-        """Pass 1: per group and bin, count, sum, min, max and counts above thresholds."""
-        keys_sql = "".join(", " + name(k) for k in union)
-        sets = ", ".join("(" + ", ".join(["_all", *(name(k) for k in keys), "_b"]) + ")" for keys in groupings)
+    def _histogram_pass(self, source: str, union: list[str], thresholds):
+        """Pass 1: per group of the finest grouping (every key) and bin, count, sum, min, max and counts
+        above thresholds, as an Arrow table (coarser groupings add these up: :func:`_roll_up`)."""
+        keys_sql = "".join(name(k) + ", " for k in union)
         above = "".join(f", CAST(count_if(_v > {literal(t)}) AS BIGINT) AS {name('_above_' + n)}"
                         for n, t in thresholds.items())
-        return self.frame(
-            f"SELECT GROUPING(_all{keys_sql}) AS _gid{keys_sql}, _b, CAST(count(*) AS BIGINT) AS _n, fsum(_v) AS _s, "
-            f"min(_v) AS _lo, max(_v) AS _hi{above} FROM (SELECT 0 AS _all{keys_sql}, _v, {_log_bin('_v')} AS _b "
-            f"FROM {source}) GROUP BY GROUPING SETS ({sets})"
-        )
+        with self._guard():
+            return self.connection.sql(
+                f"SELECT {keys_sql}_b, CAST(count(*) AS BIGINT) AS _n, fsum(_v) AS _s, min(_v) AS _lo, max(_v) AS _hi"
+                f"{above} FROM (SELECT {keys_sql}_v, {_log_bin('_v')} AS _b FROM {source}) GROUP BY ALL"
+            ).to_arrow_table()
 
-    def _read_ranks(self, source, union, types, finest, parts) -> None:
+    def _read_ranks(self, source, union, finest, parts) -> None:
         """Pass 2: read the values of the pass-1 bins that hold a wanted rank (one scan for every grouping),
         sort each interval's and put the ranks into each part's ``values``; an interval too large to read
         is split first (:meth:`_split`)."""
+        import pyarrow as pa
+
         wanted = []
         for part in parts:
             intervals = np.unique(part.pending[:, 0]) if len(part.pending) else np.array([], dtype=np.int64)
@@ -432,35 +454,41 @@ class Table:
                 found = self._split(source, within, float(part.lo[interval]), float(part.hi[interval]),
                                     rows[:, 3].tolist())
                 part.values[rows[:, 1], rows[:, 2]] = [found[int(local)] for local in rows[:, 3]]
-            small = np.setdiff1d(intervals, large)
-            cells = part.cells[np.isin(part.interval_of_cell, small)]
-            wanted.append(cells.assign(_interval=part.interval_of_cell[np.isin(part.interval_of_cell, small)]))
+            small = np.isin(part.interval_of_cell, np.setdiff1d(intervals, large))
+            wanted.append(part.cells.loc[small, list(part.keys) + ["_b"]].assign(_interval=part.interval_of_cell[small]))
         if not any(len(w) for w in wanted):
             return
-        marked = pd.concat([finest[union + ["_b"]].merge(w[list(part.keys) + ["_b"]], on=list(part.keys) + ["_b"])
-                            for part, w in zip(parts, wanted) if len(w)], ignore_index=True).drop_duplicates()
-        import pyarrow as pa
-
+        cells = finest.select(union + ["_b"]).to_pandas()
+        interval_of = []  # per grouping: the interval each finest cell's values fall in, or -1
+        for part, w in zip(parts, wanted):
+            keys = list(part.keys) + ["_b"]
+            match = cells[keys].reset_index().merge(w[keys + ["_interval"]], on=keys)
+            of = np.full(len(cells), -1, dtype=np.int64)
+            of[match["index"].to_numpy()] = match["_interval"].to_numpy()
+            interval_of.append(of)
+        ids = np.flatnonzero(np.any(np.stack(interval_of) >= 0, axis=0))
+        chosen = finest.select(union + ["_b"]).take(pa.array(ids)).append_column("_cell", pa.array(ids))
+        nullable = {k for k in union if chosen.column(k).null_count}
         view = f"_marked_{next(_views)}"
-        self.connection.register(view, pa.Table.from_pandas(marked.reset_index(drop=True), preserve_index=False))
+        self.connection.register(view, chosen)
         try:
-            on = " AND ".join([f"s.{name(k)} IS NOT DISTINCT FROM CAST(m.{name(k)} AS {types[k]})" for k in union]
-                              + ["s._b = m._b"])
-            values = _restore(self.frame(
-                f"SELECT {''.join('s.' + name(k) + ', ' for k in union)}s._b, s._v FROM (SELECT *, {_log_bin('_v')} "
-                f"AS _b FROM {source}) s JOIN {view} m ON {on}"
-            ), types)
+            on = " AND ".join([f"s.{name(k)} IS NOT DISTINCT FROM m.{name(k)}" if k in nullable
+                               else f"s.{name(k)} = m.{name(k)}" for k in union] + ["s._b = m._b"])
+            bins = ", ".join(sorted({repr(float(b)) for b in chosen.column("_b").to_pylist()}))
+            with self._guard():
+                values = self.connection.sql(
+                    f"SELECT m._cell, s._v FROM (SELECT * FROM (SELECT {''.join(name(k) + ', ' for k in union)}_v, "
+                    f"{_log_bin('_v')} AS _b FROM {source}) WHERE _b IN ({bins})) s JOIN {view} m ON {on}"
+                ).fetchnumpy()
         finally:
             self.connection.unregister(view)
-        for part, w in zip(parts, wanted):
-            if not len(w):
-                continue
-            keys = list(part.keys) + ["_b"]
-            mine = values.merge(w[keys + ["_interval"]], on=keys)
-            order = np.lexsort((mine["_v"].to_numpy(dtype=float), mine["_interval"].to_numpy()))
-            interval = mine["_interval"].to_numpy()[order]
-            sorted_values = mine["_v"].to_numpy(dtype=float)[order]
-            read = part.pending[np.isin(part.pending[:, 0], w["_interval"].to_numpy())]
+        cell, value = np.asarray(values["_cell"], dtype=np.int64), np.asarray(values["_v"], dtype=float)
+        for part, of in zip(parts, interval_of):
+            interval = of[cell]
+            mine = interval >= 0
+            order = np.lexsort((value[mine], interval[mine]))
+            interval, sorted_values = interval[mine][order], value[mine][order]
+            read = part.pending[np.isin(part.pending[:, 0], interval)] if len(part.pending) else part.pending
             start = np.searchsorted(interval, read[:, 0], side="left")
             counted = np.searchsorted(interval, read[:, 0], side="right") - start
             if (counted != part.n[read[:, 0]]).any():
@@ -500,22 +528,23 @@ class Table:
         """Counts of ``value`` in the equal-width bins ``edges`` per group of ``by``, exactly as
         ``numpy.histogram(values, bins=edges)`` counts them: columns ``by``, ``bin`` (0-based), ``count``
         (empty bins absent)."""
-        keys = [name(k) for k in by]
+        keys = "".join(name(k) + ", " for k in by)
         return self.frame(
-            f"SELECT {''.join(k + ', ' for k in keys)}_bin AS bin, count(*) AS count FROM (SELECT *, "
-            f"{edges_bin(f'({value})', edges)} AS _bin FROM {self._from(where, columns)}) WHERE _bin IS NOT NULL "
-            f"GROUP BY ALL ORDER BY ALL"
+            f"SELECT {keys}_bin AS bin, count(*) AS count FROM (SELECT {keys}{edges_bin('_x', edges, '_g')} AS _bin "
+            f"FROM (SELECT {keys}_x, {edges_guess('_x', edges)} AS _g FROM (SELECT {keys}({value}) AS _x FROM "
+            f"{self._from(where, columns)}))) WHERE _bin IS NOT NULL GROUP BY ALL ORDER BY ALL"
         )
 
     def histogram2d(self, x: str, y: str, x_edges, y_edges, where: str = "TRUE") -> np.ndarray:
         """The counts of ``numpy.histogram2d(x, y, bins=[x_edges, y_edges])`` (equal-width edges), rows x."""
         counts = np.zeros((len(x_edges) - 1, len(y_edges) - 1), dtype=np.int64)
         cells = self.frame(
-            f"SELECT _x, _y, count(*) AS n FROM (SELECT {edges_bin(f'({x})', x_edges)} AS _x, "
-            f"{edges_bin(f'({y})', y_edges)} AS _y FROM {self._from(where)}) WHERE _x IS NOT NULL AND _y IS NOT NULL "
-            "GROUP BY ALL"
+            f"SELECT _bx, _by, count(*) AS n FROM (SELECT {edges_bin('_x', x_edges, '_gx')} AS _bx, "
+            f"{edges_bin('_y', y_edges, '_gy')} AS _by FROM (SELECT _x, _y, {edges_guess('_x', x_edges)} AS _gx, "
+            f"{edges_guess('_y', y_edges)} AS _gy FROM (SELECT ({x}) AS _x, ({y}) AS _y FROM {self._from(where)}))) "
+            "WHERE _bx IS NOT NULL AND _by IS NOT NULL GROUP BY ALL"
         )
-        counts[cells["_x"].to_numpy(dtype=np.int64), cells["_y"].to_numpy(dtype=np.int64)] = cells["n"].to_numpy()
+        counts[cells["_bx"].to_numpy(dtype=np.int64), cells["_by"].to_numpy(dtype=np.int64)] = cells["n"].to_numpy()
         return counts
 
     def top_rows(self, value: str, k: int, by: Sequence[str], where: str = "TRUE", *, columns: Sequence[str] = (),
@@ -559,14 +588,15 @@ def _equals(column: str, value) -> str:
 _views = itertools.count()
 
 
-def _restore(frame: pd.DataFrame, types: Mapping[str, str]) -> pd.DataFrame:
-    """Key columns back to their SQL type's pandas type (grouping sets leave them nullable: floats)."""
-    for column, sql_type in types.items():
-        if column in frame.columns and sql_type in ("INTEGER", "BIGINT", "SMALLINT", "TINYINT") \
-                and frame[column].dtype.kind == "f":
-            kind = "int32" if sql_type == "INTEGER" else "int64"
-            frame[column] = frame[column].astype(kind if frame[column].notna().all() else kind.capitalize())
-    return frame
+def _roll_up(cells: pd.DataFrame, keys: Sequence[str], thresholds: Mapping[str, float]) -> pd.DataFrame:
+    """Pass 1's cells of the finest grouping added up to the grouping ``keys`` (per group and bin)."""
+    keys = list(keys) + ["_b"]
+    measures = ["_n", "_s", "_lo", "_hi"] + [f"_above_{n}" for n in thresholds]
+    if set(keys) == set(cells.columns) - set(measures):  # the finest grouping itself
+        return cells
+    sums = {c: (c, "sum") for c in ["_n", "_s"] + [f"_above_{n}" for n in thresholds]}
+    return cells.groupby(keys, sort=False, dropna=False, observed=True).agg(
+        **sums, _lo=("_lo", "min"), _hi=("_hi", "max")).reset_index()
 
 
 class _Grouping:
@@ -579,7 +609,8 @@ class _Grouping:
     group, rank, rank within the interval) for pass 2.
     """
 
-    def __init__(self, cells: pd.DataFrame, keys: Sequence[str], thresholds: Mapping[str, float]):
+    def __init__(self, cells: pd.DataFrame, keys: Sequence[str], thresholds: Mapping[str, float],
+                 distinct: bool = False):
         self.keys = tuple(keys)
         cells = cells.sort_values(list(self.keys) + ["_lo"], kind="stable", na_position="last").reset_index(drop=True)
         self.cells = cells
@@ -605,13 +636,19 @@ class _Grouping:
         table["min"], table["max"] = reduce(np.minimum, lo, firsts), reduce(np.maximum, hi, firsts)
         for label in thresholds:
             table[label] = reduce(np.add, cells[f"_above_{label}"].to_numpy(dtype=np.int64), firsts) / table["count"]
+        if distinct:  # each interval of one value is one distinct value
+            first_interval = np.searchsorted(self.group, np.arange(len(table)))
+            table["intervals"] = np.diff(np.r_[first_interval, len(self.group)])
+            several = reduce(np.add, (self.lo < self.hi).astype(np.int64), first_interval)
+            table["distinct"] = np.where(several == 0, table["intervals"], np.nan)
         self.table = table
         self.values = np.full((len(table), 0), np.nan)
         self.pending = np.zeros((0, 4), dtype=np.int64)
 
-    def locate(self, ranks: Sequence["Rank"]) -> None:
-        """Place every group's order statistic of each rank: its value where pass 1 knows it (an interval
-        of one value, or the interval's first or last value), else a ``pending`` row for pass 2."""
+    def locate(self, ranks: Sequence["Rank"], masks: np.ndarray | None = None) -> None:
+        """Place every group's order statistic of each rank (where ``masks``, groups x ranks, asks for it):
+        its value where pass 1 knows it (an interval of one value, or the interval's first or last value),
+        else a ``pending`` row for pass 2."""
         n_groups = len(self.table)
         self.values = np.full((n_groups, len(ranks)), np.nan)
         if not n_groups or not ranks:
@@ -626,6 +663,9 @@ class _Grouping:
         last = inner == size - 1
         known = (low == high) | (inner == 0) | last
         self.values[known] = np.where(last, high, low)[known]
+        if masks is not None:
+            self.values[~masks] = np.nan
+            known |= ~masks
         group, rank = np.nonzero(~known)
         self.pending = np.stack([index[group, rank], group, rank, inner[group, rank]], axis=1).astype(np.int64)
 
@@ -813,11 +853,12 @@ class RunTable(Table):
                 f"e.g. {MEMORY_BUDGET_ENV}=8GB."
             )
 
-    def sample(self, columns: Sequence[str], where_sql: str, rows: int, key: Sequence[str]) -> tuple[pd.DataFrame, int]:
+    def sample(self, columns: Sequence[str], where_sql: str, rows: int, key: Sequence[str], *,
+               total: int | None = None) -> tuple[pd.DataFrame, int]:
         """Every row satisfying ``where_sql`` when at most ``rows`` do, else a deterministic sample of about
         ``rows`` of them (each row kept by the hash of its ``key``); returns the frame and the number of rows
-        sampled from."""
-        total = self.count(where_sql)
+        sampled from (``total``, if known, saves counting them)."""
+        total = self.count(where_sql) if total is None else total
         selected = ", ".join(name(c) for c in columns)
         if total <= rows:
             return self.frame(f"SELECT {selected} FROM {self.relation_name} WHERE {where_sql}"), total

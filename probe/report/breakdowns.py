@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import LogNorm
 
-from ..query import Table, both, cut_bin, edges_bin, literal, where
-from .data import Run, type_label
+from ..query import Table, both, cut_bin, edges_bin, edges_guess, literal, where
+from .data import DRIVER_QUANTILES, DRIVERS, QUANTILE_BINS, Run, type_label
 from .style import (
     CMAP, DEVIATION_LABEL, MEAN_COLOR, P95_COLOR, Drawn, Scale, file_stem, new_figure, suptitle,
 )
@@ -21,15 +21,9 @@ from .style import (
 #: A (layer, position) cell of the position heatmap needs this many rows, or it is left blank.
 MIN_POSITION_ROWS = 20
 ROLE_COLORS = {"special": "#d62728", "first": "#9467bd", "word": "#1f77b4"}
-#: The drivers against which the deviation is drawn: column -> axis label.
-DRIVERS = {
-    "n_keys": "number of keys n",
-    "attention_entropy": "attention entropy −Σ p log p (nats)",
-    "evidence_norm": "‖αz‖ (the approximation's λ)",
-}
-#: A driver with at most this many distinct integral values is binned by its values, else by 20 quantiles.
+#: A driver with at most this many distinct integral values is binned by its values, else by
+#: :data:`probe.report.data.QUANTILE_BINS` quantiles.
 DISCRETE_VALUES = 40
-QUANTILE_BINS = 20
 #: Spearman's ρ is computed over every row up to this many rows of an attention type, else over a
 #: deterministic sample of about this many (each row kept by the hash of its key); the title says which.
 SPEARMAN_ROWS = 1_000_000
@@ -60,8 +54,7 @@ def roles_figure(run: Run, scale: Scale) -> Drawn | None:
     if not run.has("token_role"):
         return None
     types = _measured_types(run)
-    by_layer, _ = run.table.stats("rel_deviation", [("attention_type", "token_role", "layer"), ("attention_type",)],
-                                  run.measured_where, quantiles={"p95": 0.95})
+    by_layer = run.main_deviation("role")
     roles = run.groups["token_role"]
     figure = new_figure(max(6.5, 3.6 * len(types) + 0.8), 4.3)
     axes = figure.subplots(1, len(types), squeeze=False, sharey=True)[0]
@@ -127,113 +120,120 @@ def density(ax, counts: np.ndarray, x_edges: np.ndarray, y_edges: np.ndarray) ->
     ax.set_ylim(y_edges[[0, -1]])
 
 
-def _drivers_source(run: Run, drivers: list[str], extra: str = "") -> Table:
+def _drivers_source(run: Run, drivers: list[str]) -> Table:
     """The main slice's non-trivial rows with a deviation, one row per driver value (``driver``, ``x``)."""
     columns = ", ".join(f"CAST({d} AS DOUBLE) AS {d}" for d in drivers)
     return Table(run.table.connection, (
-        f"(UNPIVOT (SELECT attention_type, layer, head, example, query, space, alpha, rel_deviation{extra}, {columns} "
-        f"FROM {run.table.relation_name} WHERE {both(run.measured_where, 'rel_deviation IS NOT NULL')}) "
-        f"ON {', '.join(drivers)} INTO NAME driver VALUE x)"
+        f"(UNPIVOT (SELECT attention_type, rel_deviation, {columns} FROM {run.table.relation_name} "
+        f"WHERE {both(run.measured_where, 'rel_deviation IS NOT NULL')}) ON {', '.join(drivers)} "
+        "INTO NAME driver VALUE x)"
     ), run.table.path)
 
 
+def _is_driver(key: tuple[str, str]) -> str:
+    return f"attention_type = {literal(key[0])} AND driver = {literal(key[1])}"
+
+
 def driver_bins(run: Run) -> dict:
-    """Per (attention type, driver): the figure's facts (``rows``: rows with both values, ``x`` and ``y``
-    ranges), its bins (``values``: the driver's own values when at most :data:`DISCRETE_VALUES`, all close
-    to integers; else ``edges``: :data:`QUANTILE_BINS` quantile bins as ``pandas.qcut`` makes them) and its
-    binned mean and 95th percentile, the 2-D histogram's counts and Spearman's ρ.  Cached on the run."""
+    """Per (attention type, driver) with more than one value: ``rows`` (rows with both values), the driver's
+    range ``min``, ``max``, its bins (``discrete``: its own values, when at most :data:`DISCRETE_VALUES`,
+    all close to integers; else ``edges``: :data:`QUANTILE_BINS` quantile bins as ``pandas.qcut`` makes
+    them) and the deviation's mean and 95th percentile per bin (``binned``, indexed by the bin's value or
+    interval midpoint).  Four passes over the rows, whatever the drivers.  Cached on the run."""
     if "drivers" in run.memo:
         return run.memo["drivers"]
     present = [d for d in DRIVERS if run.has(d)]
     found = {}
     if present:
         source = _drivers_source(run, present)
-        (facts,) = source.aggregate(
-            {"rows": "CAST(count(*) AS BIGINT)", "lo": "min(x)", "hi": "max(x)", "y_lo": "min(rel_deviation)",
-             "y_hi": "max(rel_deviation)", "distinct": "approx_count_distinct(x)"}, [("attention_type", "driver")])
-        facts = facts[facts["hi"] > facts["lo"]]
-        few = facts[facts["distinct"] <= 2 * DISCRETE_VALUES]
-        values = source.frame(
-            f"SELECT DISTINCT attention_type, driver, x FROM {source.relation_name} WHERE "
-            + (" OR ".join(f"({where(attention_type=t, driver=d)})" for t, d in zip(few["attention_type"], few["driver"]))
-               or "FALSE")
-        ) if len(few) else pd.DataFrame(columns=["attention_type", "driver", "x"])
-        for fact in facts.to_dict("records"):
-            key = (fact["attention_type"], fact["driver"])
-            own = np.sort(values.loc[(values["attention_type"] == key[0]) & (values["driver"] == key[1]), "x"]
-                          .to_numpy(dtype=float))
-            discrete = 0 < len(own) <= DISCRETE_VALUES and np.allclose(own, np.round(own))
-            found[key] = {**fact, "values": own if discrete else None}
-        continuous = [key for key, f in found.items() if f["values"] is None]
-        if continuous:
-            quantiles = {f"q{i}": q for i, q in enumerate(np.linspace(0, 1, QUANTILE_BINS + 1))}
-            (edges,) = source.stats("x", [("attention_type", "driver")], " OR ".join(
-                f"({where(attention_type=t, driver=d)})" for t, d in continuous), quantiles=quantiles)
-            for row in edges.to_dict("records"):
-                key = (row["attention_type"], row["driver"])
-                if key in found:
-                    found[key]["edges"] = np.unique([row[q] for q in quantiles])
-        bins = []
-        for (attention_type, driver), fact in found.items():
-            test = f"attention_type = {literal(attention_type)} AND driver = {literal(driver)}"
-            bins.append(f"WHEN {test} THEN " + ("x" if fact["values"] is not None else
-                                               f"CAST({cut_bin('x', fact['edges'])} AS DOUBLE)"))
-        if bins:
+        facts = run.quantities["type"]
+        for fact in facts[facts["quantity"].isin(present)].to_dict("records"):
+            if not (fact["count"] and fact["max"] > fact["min"]):
+                continue
+            key = (fact["attention_type"], fact["quantity"])
+            few = fact["distinct"] <= DISCRETE_VALUES if np.isfinite(fact["distinct"]) else (
+                fact["intervals"] <= DISCRETE_VALUES and len(run.table.frame(  # rare: count them
+                    f"SELECT DISTINCT x FROM {source.relation_name} WHERE {_is_driver(key)} "
+                    f"LIMIT {DISCRETE_VALUES + 1}")) <= DISCRETE_VALUES)
+            found[key] = {"rows": int(fact["count"]), "min": float(fact["min"]), "max": float(fact["max"]),
+                          "discrete": few, "edges": np.unique([fact[q] for q in DRIVER_QUANTILES])}
+        for attempt in range(2):  # a few values that are not all integers: binned by quantiles after all
+            bins = " ".join(f"WHEN {_is_driver(key)} THEN "
+                            + ("x" if fact["discrete"] else f"CAST({cut_bin('x', fact['edges'])} AS DOUBLE)")
+                            for key, fact in found.items())
+            if not bins:
+                break
             (binned,) = source.stats("rel_deviation", [("attention_type", "driver", "bin")],
-                                     columns={"bin": f"CASE {' '.join(bins)} END"}, quantiles={"p95": 0.95})
-            for (attention_type, driver), fact in found.items():
-                part = binned[(binned["attention_type"] == attention_type) & (binned["driver"] == driver)]
+                                     columns={"bin": f"CASE {bins} END"}, quantiles={"p95": 0.95})
+            redo = False
+            for key, fact in found.items():
+                part = binned[(binned["attention_type"] == key[0]) & (binned["driver"] == key[1])]
                 part = part[part["bin"].notna()]
-                if fact["values"] is None:
+                x = part["bin"].to_numpy(dtype=float)
+                if fact["discrete"] and not np.allclose(x, np.round(x)):
+                    fact["discrete"], redo = False, True
+                    continue
+                if not fact["discrete"]:
                     intervals = pd.cut(fact["edges"], fact["edges"], include_lowest=True).categories
-                    mids = np.asarray([interval.mid for interval in intervals], dtype=float)
-                    x = mids[part["bin"].to_numpy(dtype=np.int64)]
-                else:
-                    x = part["bin"].to_numpy(dtype=float)
+                    x = np.asarray([interval.mid for interval in intervals], dtype=float)[x.astype(np.int64)]
                 order = np.argsort(x, kind="stable")
-                fact["binned"] = pd.DataFrame({"mean": part["mean"].to_numpy()[order], "p95": part["p95"].to_numpy()[order]},
-                                              index=pd.Index(x[order], name="bin"))
+                fact["binned"] = pd.DataFrame({"mean": part["mean"].to_numpy()[order],
+                                               "p95": part["p95"].to_numpy()[order]}, index=pd.Index(x[order], name="bin"))
+            if not redo:
+                break
     run.memo["drivers"] = found
     return found
 
 
 def _densities(run: Run, found: dict, y_edges: np.ndarray) -> dict:
-    """The 2-D histogram counts (driver x deviation) of each (attention type, driver), in one pass."""
-    drawn = {key: np.linspace(f["lo"], f["hi"], DENSITY_BINS + 1) for key, f in found.items() if f["rows"]}
-    if not drawn:
+    """The 2-D histogram counts (driver x deviation) of each (attention type, driver): one pass, a grouping
+    set per driver."""
+    drivers = sorted({d for _, d in found})
+    if not drivers:
         return {}
-    source = _drivers_source(run, sorted({d for _, d in drawn}))
-    cases = " ".join(f"WHEN attention_type = {literal(t)} AND driver = {literal(d)} THEN {edges_bin('x', edges)}"
-                     for (t, d), edges in drawn.items())
-    cells = source.frame(
-        f"SELECT attention_type, driver, _x, _y, count(*) AS n FROM (SELECT attention_type, driver, CASE {cases} END "
-        f"AS _x, {edges_bin('rel_deviation', y_edges)} AS _y FROM {source.relation_name}) "
-        "WHERE _x IS NOT NULL AND _y IS NOT NULL GROUP BY ALL"
+    x_edges = {key: np.linspace(f["min"], f["max"], DENSITY_BINS + 1) for key, f in found.items()}
+    guesses, bins = [], []
+    for d in drivers:
+        keys = [key for key in found if key[1] == d]
+        guesses.append("CASE " + " ".join(f"WHEN attention_type = {literal(key[0])} THEN {edges_guess(d, x_edges[key])}"
+                                          for key in keys) + f" END AS _g_{d}")
+        bins.append("CASE " + " ".join(f"WHEN attention_type = {literal(key[0])} THEN "
+                                       f"{edges_bin(d, x_edges[key], f'_g_{d}')}" for key in keys) + f" END AS _x_{d}")
+    sets = ", ".join(f"(attention_type, _x_{d}, _y)" for d in drivers)
+    cells = run.table.frame(
+        f"SELECT {', '.join(f'GROUPING(_x_{d}) AS _in_{d}' for d in drivers)}, attention_type, "
+        f"{', '.join(f'_x_{d}' for d in drivers)}, _y, count(*) AS n FROM (SELECT attention_type, {', '.join(bins)}, "
+        f"{edges_bin('rel_deviation', y_edges, '_gy')} AS _y FROM (SELECT attention_type, rel_deviation, "
+        f"{', '.join(drivers)}, {', '.join(guesses)}, {edges_guess('rel_deviation', y_edges)} AS _gy "
+        f"FROM {run.table.relation_name} WHERE {both(run.measured_where, 'rel_deviation IS NOT NULL')})) "
+        f"GROUP BY GROUPING SETS ({sets})"
     )
     counts = {}
-    for key, edges in drawn.items():
+    for key, edges in x_edges.items():
         grid = np.zeros((DENSITY_BINS, len(y_edges) - 1))
-        part = cells[(cells["attention_type"] == key[0]) & (cells["driver"] == key[1])]
-        grid[part["_x"].to_numpy(dtype=np.int64), part["_y"].to_numpy(dtype=np.int64)] = part["n"].to_numpy()
+        part = cells[(cells[f"_in_{key[1]}"] == 0) & (cells["attention_type"] == key[0])]
+        part = part[part[f"_x_{key[1]}"].notna() & part["_y"].notna()]
+        grid[part[f"_x_{key[1]}"].to_numpy(dtype=np.int64), part["_y"].to_numpy(dtype=np.int64)] = part["n"].to_numpy()
         counts[key] = (edges, grid)
     return counts
 
 
-def spearman(run: Run, attention_type: str, drivers: list[str]) -> dict[str, tuple[float, int, int]]:
+def spearman(run: Run, attention_type: str, drivers: list[str]) -> dict[str, tuple[float, int]]:
     """Spearman's rank correlation of the deviation with each driver over the rows of one attention type that
-    have both: ``(rho, rows used, rows)``; over every row up to :data:`SPEARMAN_ROWS`, else over a
-    deterministic sample of about that many (a row is kept by the hash of its key)."""
-    sample, total = run.table.sample(
+    have both: ``(rho, rows used)``; over every row up to :data:`SPEARMAN_ROWS`, else over a deterministic
+    sample of about that many (a row is kept by the hash of its key)."""
+    sample, _ = run.table.sample(
         ["rel_deviation", *drivers], both(run.measured_where, where(attention_type=attention_type),
                                           "rel_deviation IS NOT NULL"), SPEARMAN_ROWS,
-        ("space", "alpha", "attention_type", "layer", "head", "example", "query"))
+        ("space", "alpha", "attention_type", "layer", "head", "example", "query"),
+        total=run.counts(attention_type)["measured"])
     out = {}
     for driver in drivers:
         ok = sample[driver].notna()
         x, y = sample.loc[ok, driver].astype(float), sample.loc[ok, "rel_deviation"].astype(float)
         rho = x.reset_index(drop=True).corr(y.reset_index(drop=True), method="spearman") \
             if len(x) > 2 and np.ptp(y.to_numpy()) > 0 else math.nan
-        out[driver] = (rho, int(ok.sum()), total)
+        out[driver] = (rho, int(ok.sum()))
     return out
 
 
@@ -260,7 +260,7 @@ def drivers_figure(run: Run, attention_type: str, scale: Scale) -> Drawn | None:
         binned = fact["binned"]
         ax.plot(binned["mean"], color=MEAN_COLOR, marker=".", label="mean")
         ax.plot(binned["p95"], color=P95_COLOR, marker=".", label="95th percentile")
-        rho, used, total = correlations[column]
+        rho, used = correlations[column]
         rows = f"{used:,} rows" if used == fact["rows"] else f"a sample of {used:,} of {fact['rows']:,} rows"
         ax.set_title(f"against {column}\nSpearman ρ = {rho:.2f} over {rows}")
         ax.set_xlabel(DRIVERS[column])

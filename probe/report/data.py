@@ -60,6 +60,15 @@ QUANTILES = {"median": 0.5, "p95": 0.95, "q1": 0.25, "q3": 0.75, "p1": 0.01, "p9
 WHISKERS = {"whislo": Rank("above", 0.05), "whishi": Rank("below", 0.95)}
 #: Quantities besides the relative deviation whose statistics the report shows, when a run has them.
 QUANTITIES = ("second_order_deviation", "attention_tv", "output_deviation")
+#: The drivers the deviation is drawn against (:mod:`probe.report.breakdowns`): column -> axis label.
+DRIVERS = {
+    "n_keys": "number of keys n",
+    "attention_entropy": "attention entropy −Σ p log p (nats)",
+    "evidence_norm": "‖αz‖ (the approximation's λ)",
+}
+#: A driver is binned by 20 quantile bins (``pandas.qcut``) unless it has few integral values.
+QUANTILE_BINS = 20
+DRIVER_QUANTILES = {f"qcut{i}": float(q) for i, q in enumerate(np.linspace(0, 1, QUANTILE_BINS + 1))}
 #: How the report's quantiles are computed, as the page and summary.json say it.
 QUANTILE_METHOD = ("exact: numpy's and pandas' linear interpolation between order statistics, each selected "
                    "exactly in two passes over the rows (no sketch, no rank error)")
@@ -94,8 +103,10 @@ class Run:
     where a run did not record it).  Trivial rows (``n_keys == 1``: ``lambda* = alpha z`` by construction)
     are left out of every statistic and histogram and only counted.  ``census`` counts the rows of every
     (space, alpha, attention type, layer, head): ``rows``, ``trivial``, ``non_converged``, ``measured``
-    (non-trivial rows with a deviation) and ``present_<column>`` (non-trivial rows where an optional
-    column has a value).  ``space`` and ``alpha`` name the main slice, the one the main figures and the
+    (non-trivial rows with a deviation), ``present_<column>`` (non-trivial rows where an optional column
+    has a value) and, for the second-order figure, ``pairs`` (non-trivial rows with both deviations),
+    ``pairs_better`` (those whose second-order deviation is the smaller) and ``pairs_max`` (the larger
+    maximum of the two).  ``space`` and ``alpha`` name the main slice, the one the main figures and the
     landing summary show.
     """
 
@@ -173,13 +184,16 @@ class Run:
     @cached_property
     def deviation(self) -> dict[str, pd.DataFrame]:
         """The relative deviation's statistics over the non-trivial rows of every slice, per level of
-        :data:`LEVEL_KEYS`: count, mean, min, max, the share above :data:`FAR`, :data:`QUANTILES`,
-        :data:`WHISKERS` and (per head) ``top``, the explorer's :data:`WORST_ROWS`-th largest value."""
+        :data:`LEVEL_KEYS` (and ``role``: per token role and layer, when the run has roles): count, mean,
+        min, max, the share above :data:`FAR`, :data:`QUANTILES`, :data:`WHISKERS` and ``top``, the
+        explorer's :data:`WORST_ROWS`-th largest value.  Two passes over the rows."""
         from .explorer import WORST_ROWS
 
-        levels = list(LEVEL_KEYS)
+        levels = dict(LEVEL_KEYS)
+        if any(self.has("token_role", t) for t in self.types):
+            levels["role"] = SLICE + ("attention_type", "token_role", "layer")
         frames = self.table.stats(
-            "rel_deviation", [LEVEL_KEYS[level] for level in levels], where(trivial=False),
+            "rel_deviation", list(levels.values()), where(trivial=False),
             quantiles=QUANTILES, ranks={**WHISKERS, "top": Rank("top", k=WORST_ROWS)},
             above={f"share_above_{FAR:g}": FAR},
         )
@@ -212,23 +226,6 @@ class Run:
         return {"layer": frames[0], "slice": frames[1]}
 
     @cached_property
-    def quantities(self) -> dict[str, pd.DataFrame]:
-        """Statistics of the other measured quantities (:data:`QUANTITIES` the run has) over the main slice's
-        non-trivial rows, per (quantity, attention type, layer) (``layer``) and (quantity, attention type)
-        (``type``); empty frames when the run has none."""
-        present = [column for column in QUANTITIES if self.has(column)]
-        if not present:
-            empty = pd.DataFrame(columns=["quantity", "attention_type", "layer", "count", "mean", "max", "p95"])
-            return {"layer": empty, "type": empty.drop(columns="layer")}
-        unpivoted = Table(self.table.connection, (
-            f"(UNPIVOT (SELECT attention_type, layer, {', '.join(present)} FROM {self.table.relation_name} "
-            f"WHERE {self.measured_where}) ON {', '.join(present)} INTO NAME quantity VALUE value)"
-        ), self.table.path)
-        layer, by_type = unpivoted.stats("value", [("quantity", "attention_type", "layer"), ("quantity", "attention_type")],
-                                         quantiles=QUANTILES, ranks=WHISKERS)
-        return {"layer": layer, "type": by_type}
-
-    @cached_property
     def groups(self) -> dict[str, pd.DataFrame]:
         """Sizes, value counts, sums and counts above the type's 95th percentile of the main slice's
         non-trivial rows, grouped by what findings and breakdowns ask about: ``token_role``, ``query``,
@@ -237,13 +234,45 @@ class Run:
         p95 = self.main_deviation("type")
         cases = " ".join(f"WHEN {literal(t)} THEN {literal(float(v))}" for t, v in zip(p95["attention_type"], p95["p95"]))
         threshold = f"CASE attention_type {cases} END" if cases else "NULL"
-        kinds = {"token_role": ("token_role",), "query": ("query",), "token": ("token",), "head": ("layer", "head"),
+        kinds = {"token_role": ("token_role",), "token": ("token",), "head": ("layer", "head"),
                  "position": ("layer", "query")}
-        frames = self.table.aggregate(
+        frames = dict(zip(kinds, self.table.aggregate(
             {"rows": "CAST(count(*) AS BIGINT)", "count": "CAST(count(rel_deviation) AS BIGINT)",
              "sum": "fsum(rel_deviation)", "above_p95": f"CAST(count_if(rel_deviation > {threshold}) AS BIGINT)"},
-            [("attention_type",) + keys for keys in kinds.values()], self.measured_where)
-        return dict(zip(kinds, frames))
+            [("attention_type",) + keys for keys in kinds.values()], self.measured_where)))
+        frames["query"] = frames["position"].groupby(["attention_type", "query"], as_index=False)[
+            ["rows", "count", "sum", "above_p95"]].sum()
+        return frames
+
+    @cached_property
+    def quantities(self) -> dict[str, pd.DataFrame]:
+        """Statistics of the other measured quantities (:data:`QUANTITIES`) and of the drivers the breakdowns
+        draw against (:data:`DRIVERS`) that the run has, over the main slice's non-trivial rows (a driver's
+        only where the row has a deviation), per (quantity, attention type, layer) (``layer``) and (quantity,
+        attention type) (``type``): count, mean, min, max, the number of distinct values (``distinct``, where
+        pass 1 sees it), and for quantities :data:`QUANTILES` and :data:`WHISKERS`, for drivers (per type)
+        the :data:`DRIVER_QUANTILES` that bin them.
+        Two passes over the rows for all of them."""
+        present = [column for column in QUANTITIES + tuple(DRIVERS) if self.has(column)]
+        if not present:
+            empty = pd.DataFrame(columns=["quantity", "attention_type", "layer", "count", "mean", "max", "p95"])
+            return {"layer": empty, "type": empty.drop(columns="layer")}
+        values = ", ".join(
+            f"CAST({c} AS DOUBLE) AS {c}" if c in QUANTITIES else
+            f"CASE WHEN rel_deviation IS NULL THEN NULL ELSE CAST({c} AS DOUBLE) END AS {c}" for c in present)
+        unpivoted = Table(self.table.connection, (
+            f"(UNPIVOT (SELECT attention_type, layer, {values} FROM {self.table.relation_name} "
+            f"WHERE {self.measured_where}) ON {', '.join(present)} INTO NAME quantity VALUE value)"
+        ), self.table.path)
+        def needed(statistic: str, grouping: int, table: pd.DataFrame) -> np.ndarray:
+            """Drivers: their quantile bins, per attention type; quantities: the box plots', per layer."""
+            driver = table["quantity"].isin(list(DRIVERS)).to_numpy()
+            return driver & (grouping == 1) if statistic in DRIVER_QUANTILES else ~driver
+
+        layer, by_type = unpivoted.stats("value", [("quantity", "attention_type", "layer"), ("quantity", "attention_type")],
+                                         quantiles={**QUANTILES, **DRIVER_QUANTILES}, ranks=WHISKERS, distinct=True,
+                                         needed=needed)
+        return {"layer": layer, "type": by_type}
 
     # ---- words
 
@@ -272,13 +301,19 @@ def main_slice(census: pd.DataFrame) -> tuple[str | None, float | None]:
 
 def census(table: RunTable) -> pd.DataFrame:
     """Row counts per (space, alpha, attention type, layer, head): see :class:`Run`.  One pass."""
+    paired = "NOT trivial AND rel_deviation IS NOT NULL AND second_order_deviation IS NOT NULL"
     counted = {
         "rows": "count(*)", "trivial": "count_if(trivial)", "non_converged": "count_if(NOT converged)",
         "measured": "count(rel_deviation) FILTER (WHERE NOT trivial)",
         **{f"present_{c}": f"count({c}) FILTER (WHERE NOT trivial)" for c in OPTIONAL_COLUMNS
            if c not in ("alpha", "space", "trivial")},
+        "pairs": f"count(*) FILTER (WHERE {paired})",
+        "pairs_better": f"count_if(second_order_deviation < rel_deviation) FILTER (WHERE {paired})",
     }
-    (frame,) = table.aggregate({k: f"CAST({v} AS BIGINT)" for k, v in counted.items()}, [LEVEL_KEYS["head"]])
+    (frame,) = table.aggregate(
+        {**{k: f"CAST({v} AS BIGINT)" for k, v in counted.items()},
+         "pairs_max": f"greatest(max(rel_deviation) FILTER (WHERE {paired}), "
+                      f"max(second_order_deviation) FILTER (WHERE {paired}))"}, [LEVEL_KEYS["head"]])
     return frame
 
 

@@ -100,17 +100,6 @@ def spaces_figure(run: Run, scale: Scale) -> Drawn | None:
     return Drawn("spaces", caption, figure)
 
 
-def _pairs(run: Run):
-    """Per attention type, the main slice's non-trivial rows with both deviations: their number, the larger
-    maximum and how many have the smaller second-order deviation."""
-    both_present = both(run.measured_where, "rel_deviation IS NOT NULL AND second_order_deviation IS NOT NULL")
-    (pairs,) = run.table.aggregate(
-        {"rows": "CAST(count(*) AS BIGINT)", "top": "greatest(max(rel_deviation), max(second_order_deviation))",
-         "better": "CAST(count_if(second_order_deviation < rel_deviation) AS BIGINT)"},
-        [("attention_type",)], both_present)
-    return pairs.set_index("attention_type"), both_present
-
-
 def second_order_figure(run: Run, scale: Scale) -> Drawn | None:
     """Per layer mean/p95 of the first- and second-order deviations, and the rows' joint density."""
     if not run.has("second_order_deviation"):
@@ -119,7 +108,9 @@ def second_order_figure(run: Run, scale: Scale) -> Drawn | None:
     second = quantities[quantities["quantity"] == "second_order_deviation"]
     first = run.main_deviation("layer")
     types = [t for t in run.types if run.counts(t)["rows"] > run.counts(t)["trivial"]]
-    pairs, both_present = _pairs(run)
+    pairs = run.main_census.groupby("attention_type")[["pairs", "pairs_better"]].sum().join(
+        run.main_census.groupby("attention_type")[["pairs_max"]].max())
+    both_present = both(run.measured_where, "rel_deviation IS NOT NULL AND second_order_deviation IS NOT NULL")
     figure = new_figure(10.0, 3.6 * len(types) + 1.3)
     axes = figure.subplots(len(types), 2, squeeze=False)
     for (left, right), attention_type in zip(axes, types):
@@ -133,15 +124,15 @@ def second_order_figure(run: Run, scale: Scale) -> Drawn | None:
         left.xaxis.get_major_locator().set_params(integer=True)
         left.set_title(type_label(attention_type))
         left.legend(fontsize="x-small", loc="upper left")
-        if attention_type in pairs.index and pairs.loc[attention_type, "rows"]:
-            n, top = int(pairs.loc[attention_type, "rows"]), float(pairs.loc[attention_type, "top"]) * 1.02 or 1.0
+        if attention_type in pairs.index and pairs.loc[attention_type, "pairs"]:
+            n, top = int(pairs.loc[attention_type, "pairs"]), float(pairs.loc[attention_type, "pairs_max"]) * 1.02 or 1.0
             edges = np.linspace(0, top, DENSITY_BINS + 1)
             counts = run.table.histogram2d("rel_deviation", "second_order_deviation", edges, edges,
                                            both(both_present, where(attention_type=attention_type)))
             density(right, counts, edges, edges)
             right.plot([0, top], [0, top], color=MEAN_COLOR, linewidth=1, label="equal")
             right.legend(fontsize="x-small", loc="upper left")
-            better = int(pairs.loc[attention_type, "better"]) / n
+            better = int(pairs.loc[attention_type, "pairs_better"]) / n
             right.set_title(f"per row: second order smaller in {better:.1%} of {n:,} rows")
         right.set_xlabel("first-order deviation ‖λ* − αz‖ / ‖λ*‖")
         right.set_ylabel("second-order deviation")

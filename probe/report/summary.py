@@ -80,10 +80,12 @@ def main_rows(summary: pd.DataFrame, run: Run, level: str) -> pd.DataFrame:
 def quantity_stats(run: Run) -> pd.DataFrame:
     """Mean, p95 and max per (type, layer) of the other measured quantities in the main slice."""
     columns = ["quantity", "attention_type", "layer", "count", "mean", "p95", "max"]
+    from .data import QUANTITIES
+
     table = run.quantities["layer"]
+    table = table[table["quantity"].isin(QUANTITIES)]
     if table.empty:
         return pd.DataFrame(columns=columns)
-    from .data import QUANTITIES
 
     order = {q: i for i, q in enumerate(QUANTITIES)}
     return table.sort_values(["quantity", "attention_type", "layer"], key=lambda c: c.map(order) if c.name == "quantity"
