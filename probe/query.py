@@ -32,10 +32,11 @@ and cannot spill (8 bytes a value: 0.8 GB for one 10^8-row slice), so :meth:`Tab
 statistics in two passes instead.  Pass 1 counts each group's values in fine logarithmic bins (128 per
 octave) together with each bin's minimum, maximum, sum and counts above thresholds, which also give the
 count, mean, min, max and shares; the cumulative counts name the one bin that holds each wanted rank.  Pass
-2 reads only the values of those bins (about 0.5% of a group each), sorts them and picks the ranks.  A bin
-that is still too large is split again, linearly between its minimum and maximum, until it fits.  Every
-quantile is then exactly numpy's and pandas' (the "linear" method: ``x[k] + (x[k+1] - x[k]) * f`` at
-``k + f = q (n - 1)``), and every order statistic the rank-th smallest value: no sketch, no rank error.
+2 reads only the values of those bins (about 0.5% of a group each), sorts them and picks the ranks.  When
+those values are more than :func:`read_limit` (a share of the budget), the largest bins are first split
+into :data:`SPLIT_BINS` equal sub-bins, all in one more pass, until they fit.  Every quantile is then
+exactly numpy's and pandas' (the "linear" method: ``x[k] + (x[k+1] - x[k]) * f`` at ``k + f = q (n - 1)``),
+and every order statistic the rank-th smallest value: no sketch, no rank error.
 
 The memory budget.  :func:`memory_budget` is what one reader may hold: ``PROBE_MEMORY_BUDGET`` (bytes, or
 with a unit: ``600MB``, ``1.5GiB``) or :data:`DEFAULT_MEMORY_BUDGET`.  DuckDB gets a share of it as its
@@ -189,10 +190,14 @@ def both(*predicates: str) -> str:
 
 #: pass 1 of the exact quantiles: logarithmic bins, this many per factor of two (a bin spans 0.54%)
 BINS_PER_OCTAVE = 128
-#: a pass-2 bin holding more values than this is split again instead of read
-REFINE_VALUES = 2_000_000
-#: the linear sub-bins of a split
-REFINE_BINS = 4096
+#: a split divides an interval's range into this many equal sub-bins
+SPLIT_BINS = 256
+
+
+def read_limit() -> int:
+    """The most values pass 2 of :meth:`Table.stats` reads at once (16 bytes each, sorted in numpy): a
+    128th of :func:`memory_budget`; beyond it, intervals are split first."""
+    return max(memory_budget() // 128, 1024)
 
 
 def _log_bin(value: str) -> str:
@@ -201,14 +206,6 @@ def _log_bin(value: str) -> str:
     offset = 1100 * BINS_PER_OCTAVE
     return (f"CASE WHEN {value} > 0 THEN {offset} + floor(log2({value}) * {BINS_PER_OCTAVE}) "
             f"WHEN {value} < 0 THEN -({offset} + floor(log2(-({value})) * {BINS_PER_OCTAVE})) ELSE 0 END")
-
-
-def _linear_bin(value: str, low: float, high: float) -> str:
-    """The bin of a split: ``REFINE_BINS`` equal bins from ``low`` to ``high``."""
-    width = (high - low) / REFINE_BINS
-    if not np.isfinite(width) or width <= 0:
-        return "0"
-    return f"least(greatest(floor(({value} - {literal(low)}) / {literal(width)}), 0), {REFINE_BINS - 1})"
 
 
 def _uniform(edges: np.ndarray) -> tuple[float, float] | None:
@@ -437,89 +434,127 @@ class Table:
             ).to_arrow_table()
 
     def _read_ranks(self, source, union, finest, parts) -> None:
-        """Pass 2: read the values of the pass-1 bins that hold a wanted rank (one scan for every grouping),
-        sort each interval's and put the ranks into each part's ``values``; an interval too large to read
-        is split first (:meth:`_split`)."""
+        """Pass 2: the order statistics pass 1 could not place, read from the values of the intervals that
+        hold them (one scan for every grouping), sorted, the ranks picked.  While those values are more than
+        :func:`read_limit`, the largest intervals are first split into :data:`SPLIT_BINS` equal sub-bins,
+        all in one more scan, and the sub-bins that hold the ranks replace them."""
         import pyarrow as pa
 
-        wanted = []
-        for part in parts:
-            intervals = np.unique(part.pending[:, 0]) if len(part.pending) else np.array([], dtype=np.int64)
-            large = intervals[(part.n[intervals] > REFINE_VALUES) & (part.lo[intervals] < part.hi[intervals])]
-            for interval in large:  # rare: an interval of millions of values, split linearly
-                group = int(part.group[interval])
-                within = both(*(_equals(k, part.table[k].iloc[group]) for k in part.keys),
-                              f"_v BETWEEN {literal(part.lo[interval])} AND {literal(part.hi[interval])}")
-                rows = part.pending[part.pending[:, 0] == interval]
-                found = self._split(source, within, float(part.lo[interval]), float(part.hi[interval]),
-                                    rows[:, 3].tolist())
-                part.values[rows[:, 1], rows[:, 2]] = [found[int(local)] for local in rows[:, 3]]
-            small = np.isin(part.interval_of_cell, np.setdiff1d(intervals, large))
-            wanted.append(part.cells.loc[small, list(part.keys) + ["_b"]].assign(_interval=part.interval_of_cell[small]))
-        if not any(len(w) for w in wanted):
+        if not any(len(part.pending) for part in parts):
             return
         cells = finest.select(union + ["_b"]).to_pandas()
-        interval_of = []  # per grouping: the interval each finest cell's values fall in, or -1
-        for part, w in zip(parts, wanted):
+        nodes, members, targets = [], [], []  # intervals to read; their finest cells; the ranks wanted in them
+        for j, part in enumerate(parts):
+            if not len(part.pending):
+                continue
+            wanted = np.unique(part.pending[:, 0])
             keys = list(part.keys) + ["_b"]
-            match = cells[keys].reset_index().merge(w[keys + ["_interval"]], on=keys)
-            of = np.full(len(cells), -1, dtype=np.int64)
-            of[match["index"].to_numpy()] = match["_interval"].to_numpy()
-            interval_of.append(of)
-        ids = np.flatnonzero(np.any(np.stack(interval_of) >= 0, axis=0))
-        chosen = finest.select(union + ["_b"]).take(pa.array(ids)).append_column("_cell", pa.array(ids))
-        nullable = {k for k in union if chosen.column(k).null_count}
-        view = f"_marked_{next(_views)}"
-        self.connection.register(view, chosen)
+            mine = part.cells[np.isin(part.interval_of_cell, wanted)][keys].assign(
+                _interval=part.interval_of_cell[np.isin(part.interval_of_cell, wanted)])
+            cell_of = cells[keys].reset_index(names="_cell").merge(mine, on=keys)
+            first = sum(len(n) for n in nodes)
+            node = {int(i): first + k for k, i in enumerate(wanted)}
+            nodes.append(pd.DataFrame({"_n": part.n[wanted], "_lo": part.lo[wanted], "_hi": part.hi[wanted]}))
+            members.append(pd.DataFrame({"_node": cell_of["_interval"].map(node).to_numpy(),
+                                         "_cell": cell_of["_cell"].to_numpy()}))
+            targets.append(pd.DataFrame({"_node": [node[int(i)] for i in part.pending[:, 0]], "_inner": part.pending[:, 3],
+                                         "_part": j, "_group": part.pending[:, 1], "_rank": part.pending[:, 2]}))
+        nodes = pd.concat(nodes, ignore_index=True)
+        members = pd.concat(members, ignore_index=True)
+        targets = pd.concat(targets, ignore_index=True)
+        limit = read_limit()
+        for _ in range(64):
+            targets = self._place(parts, nodes, targets)
+            active = nodes.loc[np.unique(targets["_node"])]
+            if active.empty or active["_n"].sum() <= limit:
+                break
+            big = active[(active["_n"] > max(limit // len(active), 1)) & (active["_lo"] < active["_hi"])]
+            if big.empty:
+                break
+            nodes, members, targets = self._split(source, union, finest, nodes, members, targets, big)
+        if targets.empty:
+            return
+        values = self._node_values(source, union, finest, nodes, members, np.unique(targets["_node"]),
+                                   "SELECT m._node, s._v", "")
+        node, value = np.asarray(values["_node"], dtype=np.int64), np.asarray(values["_v"], dtype=float)
+        order = np.lexsort((value, node))
+        node, value = node[order], value[order]
+        start = np.searchsorted(node, targets["_node"].to_numpy(), side="left")
+        counted = np.searchsorted(node, targets["_node"].to_numpy(), side="right") - start
+        if (counted != nodes["_n"].to_numpy()[targets["_node"].to_numpy()]).any():
+            raise RuntimeError("pass 2 read other values than pass 1 counted")
+        self._fill(parts, targets, value[start + targets["_inner"].to_numpy()])
+
+    @staticmethod
+    def _fill(parts, targets: pd.DataFrame, values: np.ndarray) -> None:
+        for j, rows in targets.assign(_value=values).groupby("_part"):
+            parts[j].values[rows["_group"].to_numpy(), rows["_rank"].to_numpy()] = rows["_value"].to_numpy()
+
+    def _place(self, parts, nodes: pd.DataFrame, targets: pd.DataFrame) -> pd.DataFrame:
+        """Fill in the targets whose value is known without reading (the node's first or last value, or a
+        node of one value); return the others."""
+        n = nodes["_n"].to_numpy()[targets["_node"].to_numpy()]
+        low = nodes["_lo"].to_numpy()[targets["_node"].to_numpy()]
+        high = nodes["_hi"].to_numpy()[targets["_node"].to_numpy()]
+        inner = targets["_inner"].to_numpy()
+        last = inner == n - 1
+        known = (low == high) | (inner == 0) | last
+        self._fill(parts, targets[known], np.where(last, high, low)[known])
+        return targets[~known].reset_index(drop=True)
+
+    def _node_values(self, source, union, finest, nodes, members, wanted, select: str, group: str):
+        """``select`` over the values of the nodes ``wanted``: the rows of their finest cells whose value lies
+        in the node's range, each row once per node it belongs to (``m._node``, ``m._lo``, ``m._hi``)."""
+        import pyarrow as pa
+
+        chosen = members[members["_node"].isin(wanted)]
+        table = finest.select(union + ["_b"]).take(pa.array(chosen["_cell"].to_numpy()))
+        table = table.append_column("_node", pa.array(chosen["_node"].to_numpy(), pa.int64()))
+        table = table.append_column("_lo", pa.array(nodes["_lo"].to_numpy()[chosen["_node"].to_numpy()]))
+        table = table.append_column("_hi", pa.array(nodes["_hi"].to_numpy()[chosen["_node"].to_numpy()]))
+        nullable = {k for k in union if table.column(k).null_count}
+        view = f"_nodes_{next(_views)}"
+        self.connection.register(view, table)
         try:
             on = " AND ".join([f"s.{name(k)} IS NOT DISTINCT FROM m.{name(k)}" if k in nullable
                                else f"s.{name(k)} = m.{name(k)}" for k in union] + ["s._b = m._b"])
-            bins = ", ".join(sorted({repr(float(b)) for b in chosen.column("_b").to_pylist()}))
+            bins = ", ".join(sorted({repr(float(b)) for b in table.column("_b").to_pylist()}))
             with self._guard():
-                values = self.connection.sql(
-                    f"SELECT m._cell, s._v FROM (SELECT * FROM (SELECT {''.join(name(k) + ', ' for k in union)}_v, "
-                    f"{_log_bin('_v')} AS _b FROM {source}) WHERE _b IN ({bins})) s JOIN {view} m ON {on}"
+                return self.connection.sql(
+                    f"{select} FROM (SELECT * FROM (SELECT {''.join(name(k) + ', ' for k in union)}_v, {_log_bin('_v')} "
+                    f"AS _b FROM {source}) WHERE _b IN ({bins})) s JOIN {view} m ON {on} "
+                    f"WHERE s._v BETWEEN m._lo AND m._hi {group}"
                 ).fetchnumpy()
         finally:
             self.connection.unregister(view)
-        cell, value = np.asarray(values["_cell"], dtype=np.int64), np.asarray(values["_v"], dtype=float)
-        for part, of in zip(parts, interval_of):
-            interval = of[cell]
-            mine = interval >= 0
-            order = np.lexsort((value[mine], interval[mine]))
-            interval, sorted_values = interval[mine][order], value[mine][order]
-            read = part.pending[np.isin(part.pending[:, 0], interval)] if len(part.pending) else part.pending
-            start = np.searchsorted(interval, read[:, 0], side="left")
-            counted = np.searchsorted(interval, read[:, 0], side="right") - start
-            if (counted != part.n[read[:, 0]]).any():
-                raise RuntimeError("pass 2 read other values than pass 1 counted")
-            part.values[read[:, 1], read[:, 2]] = sorted_values[start + read[:, 3]]
 
-    def _split(self, source: str, within: str, low: float, high: float, local_ranks: list[int], depth: int = 0) -> dict:
-        """The values at ``local_ranks`` (0-based) among the values of ``source`` that satisfy ``within``, all
-        between ``low`` and ``high``: counted in linear sub-bins, then read from the sub-bins that hold them."""
-        cells = self.frame(
-            f"SELECT _b, CAST(count(*) AS BIGINT) AS _n, 0.0 AS _s, min(_v) AS _lo, max(_v) AS _hi FROM (SELECT _v, "
-            f"{_linear_bin('_v', low, high)} AS _b FROM {source} WHERE {within}) GROUP BY _b"
-        )
-        part = _Grouping(cells, (), {})
-        ends = np.cumsum(part.n)
-        picked = {}
-        for local in dict.fromkeys(local_ranks):
-            i = int(np.searchsorted(ends, local, side="right"))
-            n, lo, hi = int(part.n[i]), float(part.lo[i]), float(part.hi[i])
-            inner = local - int(ends[i] - n)
-            inside = both(within, f"_v BETWEEN {literal(lo)} AND {literal(hi)}")
-            if lo == hi or inner == 0:
-                picked[local] = lo
-            elif inner == n - 1:
-                picked[local] = hi
-            elif n > REFINE_VALUES and depth < 64:
-                picked[local] = self._split(source, inside, lo, hi, [inner], depth + 1)[inner]
-            else:
-                values = self.frame(f"SELECT _v FROM {source} WHERE {inside}")["_v"].to_numpy(dtype=float)
-                picked[local] = float(np.sort(values)[inner])
-        return picked
+    def _split(self, source, union, finest, nodes, members, targets, big):
+        """One scan: each node of ``big`` counted in :data:`SPLIT_BINS` equal sub-bins of its range (a
+        non-decreasing function of the value, so the counts below a sub-bin are exact); the sub-bin that
+        holds each target becomes its node."""
+        sub = (f"CAST(least(floor((s._v - m._lo) / (m._hi - m._lo) * {SPLIT_BINS}), {SPLIT_BINS - 1}) AS BIGINT)")
+        counted = pd.DataFrame(self._node_values(
+            source, union, finest, nodes, members, big.index.to_numpy(),
+            f"SELECT m._node, {sub} AS _sub, count(*) AS _n, min(s._v) AS _lo, max(s._v) AS _hi", "GROUP BY ALL"))
+        counted = counted.sort_values(["_node", "_sub"], ignore_index=True)
+        counted["_new"] = len(nodes) + np.arange(len(counted))
+        ends = counted.groupby("_node")["_n"].cumsum().to_numpy()
+        moving = targets["_node"].isin(big.index).to_numpy()
+        moved = targets[moving]
+        first = np.searchsorted(counted["_node"].to_numpy(), moved["_node"].to_numpy(), side="left")
+        last = np.searchsorted(counted["_node"].to_numpy(), moved["_node"].to_numpy(), side="right")
+        # within each node's sub-bins, the one whose cumulative count passes the target's rank
+        at = np.array([f + int(np.searchsorted(ends[f:l], inner, side="right"))
+                       for f, l, inner in zip(first, last, moved["_inner"].to_numpy())], dtype=np.int64)
+        below = ends[at] - counted["_n"].to_numpy()[at]
+        targets = pd.concat([targets[~moving], moved.assign(_node=counted["_new"].to_numpy()[at],
+                                                             _inner=moved["_inner"].to_numpy() - below)],
+                            ignore_index=True)
+        new_nodes = counted[["_n", "_lo", "_hi"]]
+        nodes = pd.concat([nodes, new_nodes], ignore_index=True)
+        inherited = members.merge(counted[["_node", "_new"]], on="_node")[["_new", "_cell"]].rename(
+            columns={"_new": "_node"})
+        return nodes, pd.concat([members, inherited], ignore_index=True), targets
 
     # ---- bins and rows
 

@@ -110,10 +110,11 @@ def test_stats_are_exact_against_pandas(values, tmp_path):
 
 def test_stats_stay_exact_when_bins_overlap_and_when_a_bin_is_split(values, tmp_path, monkeypatch):
     """A binning that is not monotone (as a rounding of log2 at a bin's edge could be) has its bins
-    merged; an interval with more values than REFINE_VALUES is split linearly, recursively."""
+    merged; while the values to read are more than read_limit(), the largest intervals are split into
+    equal sub-bins, recursively."""
     table = frame_table(values, tmp_path)
     monkeypatch.setattr(query, "_log_bin", lambda v: f"(floor({v} * 1000) % 7)")  # overlapping bins everywhere
-    monkeypatch.setattr(query, "REFINE_VALUES", 50)  # most intervals are split, some twice
+    monkeypatch.setattr(query, "read_limit", lambda: 200)  # most intervals are split, some twice
     results = table.stats("v", [("g", "h"), ()], quantiles=QUANTILES, ranks=RANKS, above={"share": 0.1})
     for got, keys in zip(results, [["g", "h"], []]):
         check(got, expected(values, keys), keys)
