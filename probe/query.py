@@ -117,6 +117,7 @@ def connect(*, memory_limit: int | None = None, threads: int | None = None, temp
     connection.execute(f"SET temp_directory = '{_sql_string(str(spill))}'")
     connection.execute("SET preserve_insertion_order = false")
     connection.execute("SET parquet_metadata_cache = true")  # readers ask many questions of the same parts
+    connection.execute("SET enable_progress_bar = false")  # DuckDB's own bar would print into a command's output
     return connection
 
 
@@ -318,7 +319,9 @@ class Table:
     def execute(self, query: str, parameters=None):
         """Run ``query``; DuckDB's errors from unreadable data or a full memory become :class:`ProbeError`."""
         with self._guard():
-            return self.connection.execute(query, parameters) if parameters is not None else self.connection.execute(query)
+            if parameters is None:
+                return self.connection.execute(query)
+            return self.connection.execute(query, parameters)
 
     @contextmanager
     def _guard(self):
@@ -457,8 +460,9 @@ class Table:
             nodes.append(pd.DataFrame({"_n": part.n[wanted], "_lo": part.lo[wanted], "_hi": part.hi[wanted]}))
             members.append(pd.DataFrame({"_node": cell_of["_interval"].map(node).to_numpy(),
                                          "_cell": cell_of["_cell"].to_numpy()}))
-            targets.append(pd.DataFrame({"_node": [node[int(i)] for i in part.pending[:, 0]], "_inner": part.pending[:, 3],
-                                         "_part": j, "_group": part.pending[:, 1], "_rank": part.pending[:, 2]}))
+            targets.append(pd.DataFrame({"_node": [node[int(i)] for i in part.pending[:, 0]],
+                                         "_inner": part.pending[:, 3], "_part": j, "_group": part.pending[:, 1],
+                                         "_rank": part.pending[:, 2]}))
         nodes = pd.concat(nodes, ignore_index=True)
         members = pd.concat(members, ignore_index=True)
         targets = pd.concat(targets, ignore_index=True)
@@ -521,8 +525,8 @@ class Table:
             bins = ", ".join(sorted({repr(float(b)) for b in table.column("_b").to_pylist()}))
             with self._guard():
                 return self.connection.sql(
-                    f"{select} FROM (SELECT * FROM (SELECT {''.join(name(k) + ', ' for k in union)}_v, {_log_bin('_v')} "
-                    f"AS _b FROM {source}) WHERE _b IN ({bins})) s JOIN {view} m ON {on} "
+                    f"{select} FROM (SELECT * FROM (SELECT {''.join(name(k) + ', ' for k in union)}_v, "
+                    f"{_log_bin('_v')} AS _b FROM {source}) WHERE _b IN ({bins})) s JOIN {view} m ON {on} "
                     f"WHERE s._v BETWEEN m._lo AND m._hi {group}"
                 ).fetchnumpy()
         finally:
@@ -615,11 +619,6 @@ def _grouping_id(union: Sequence[str], keys: Sequence[str]) -> int:
     return int("".join(map(str, bits)), 2)
 
 
-def _equals(column: str, value) -> str:
-    return f"{name(column)} IS NULL" if value is None or (isinstance(value, float) and math.isnan(value)) \
-        or value is pd.NA else f"{name(column)} = {literal(value)}"
-
-
 _views = itertools.count()
 
 
@@ -662,7 +661,8 @@ class _Grouping:
             if len(cells) else np.array([], dtype=np.int64)
         n = cells["_n"].to_numpy(dtype=np.int64)
         reduce = lambda f, x, at: f.reduceat(x, at) if len(at) else x[:0]  # noqa: E731
-        self.n, self.lo, self.hi = reduce(np.add, n, starts), reduce(np.minimum, lo, starts), reduce(np.maximum, hi, starts)
+        self.n, self.lo = reduce(np.add, n, starts), reduce(np.minimum, lo, starts)
+        self.hi = reduce(np.maximum, hi, starts)
         self.group = group[starts] if len(starts) else group[:0]
         firsts = np.flatnonzero(new_group)
         table = cells.iloc[firsts][list(self.keys)].reset_index(drop=True)
@@ -808,7 +808,8 @@ class RunTable(Table):
             if field.name not in present:
                 expression = f"CAST(NULL AS {sql_type})"
             elif sql_type == "DOUBLE":
-                expression = f"CASE WHEN isnan({name(field.name)}) THEN NULL ELSE CAST({name(field.name)} AS DOUBLE) END"
+                column = name(field.name)
+                expression = f"CASE WHEN isnan({column}) THEN NULL ELSE CAST({column} AS DOUBLE) END"
             else:
                 expression = f"CAST({name(field.name)} AS {sql_type})"
             columns.append((field.name, expression))
@@ -963,7 +964,8 @@ def _checked_schema(path: Path, files: list[str]):
     wrong = [
         f"{c} is {schema.field(c).type}, expected {DEVIATION_SCHEMA.field(c).type}"
         for c in schema.names
-        if c in DEVIATION_SCHEMA.names and _kind(schema.field(c).type) not in (_kind(DEVIATION_SCHEMA.field(c).type), "null")
+        if c in DEVIATION_SCHEMA.names
+        and _kind(schema.field(c).type) not in (_kind(DEVIATION_SCHEMA.field(c).type), "null")
     ]
     if wrong:
         raise ProbeError(f"{path} has columns of the wrong type: {'; '.join(wrong)}. Re-run `probe run`.")

@@ -26,7 +26,7 @@ import pytest
 import probe
 from probe import query
 from probe.errors import ProbeError
-from probe.query import Rank, RunTable, Table, where
+from probe.query import Rank, Table, where
 from probe.report import build_report, compare_runs
 from probe.schema import DEVIATION_SCHEMA, ROW_KEY
 
@@ -167,7 +167,8 @@ def test_histograms_count_like_numpy(edges, tmp_path):
         part = counts[counts["k"] == k]
         got[part["bin"].to_numpy()] = part["count"].to_numpy()
         np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(table.histogram2d("x", "y", edges, edges), np.histogram2d(x, y, bins=[edges, edges])[0])
+    np.testing.assert_array_equal(table.histogram2d("x", "y", edges, edges),
+                                  np.histogram2d(x, y, bins=[edges, edges])[0])
 
 
 def test_top_rows_are_the_largest_per_group(values, tmp_path):
@@ -231,7 +232,8 @@ def test_slices_under_the_budget_equal_pandas(budget_run, low_budget):
     run = probe.load(run_dir)
     got = run.select(space="hidden", alpha=1.0, attention_type="self", layer=2, head=3,
                      columns=["example", "query", "rel_deviation", "trivial"])
-    want = rows[(rows["alpha"] == 1.0) & (rows["attention_type"] == "self") & (rows["layer"] == 2) & (rows["head"] == 3)]
+    want = rows[(rows["alpha"] == 1.0) & (rows["attention_type"] == "self") & (rows["layer"] == 2)
+                & (rows["head"] == 3)]
     want = want.sort_values(list(ROW_KEY))[["example", "query", "rel_deviation", "trivial"]].reset_index(drop=True)
     pd.testing.assert_frame_equal(got, want, check_dtype=False)
 

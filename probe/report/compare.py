@@ -208,8 +208,8 @@ def _compare(paths: list[Path], out_dir: Path, formats, names, allow_damaged: bo
     out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(out_dir / "compare.csv", index=False)
     with style():
-        saved = [save(drawn, out_dir, formats) for drawn in (
-            depth_figure(runs, labels, shared_types, x_max, title), ecdf_figure(runs, labels, shared_types, x_max, title))]
+        saved = [save(drawn, out_dir, formats) for drawn in (depth_figure(runs, labels, shared_types, x_max, title),
+                                                              ecdf_figure(runs, labels, shared_types, x_max, title))]
     esc = html.escape
     images = "".join(
         f'<figure><img alt="{esc(s.caption)}" width="{s.size_px[0]}" height="{s.size_px[1]}" '

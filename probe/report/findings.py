@@ -112,9 +112,9 @@ def findings(run: Run) -> list[dict]:
             if kind == "query_position" and run.has("token", attention_type):
                 common = run.table.frame(
                     f"SELECT token, count(*) AS n, sum(count(*)) OVER () AS total FROM {run.table.relation_name} "
-                    f"WHERE {both(run.measured_where, where(attention_type=attention_type, query=int(found['value'])))} "
-                    "AND rel_deviation IS NOT NULL AND token IS NOT NULL GROUP BY token ORDER BY n DESC, min(example), token "
-                    "LIMIT 1"  # ties: the token met first, as pandas' value_counts orders them
+                    f"WHERE {both(run.measured_where, where(attention_type=attention_type, query=int(found['value'])))}"
+                    " AND rel_deviation IS NOT NULL AND token IS NOT NULL GROUP BY token"
+                    " ORDER BY n DESC, min(example), token LIMIT 1"  # ties: the token met first, as value_counts
                 )
                 if len(common):
                     token, share = str(common["token"].iloc[0]), float(common["n"].iloc[0] / common["total"].iloc[0])

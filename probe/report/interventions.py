@@ -159,11 +159,11 @@ def section_html(table: pd.DataFrame, facts: dict, figure_html: str) -> str:
     esc = html.escape
     pooling = ", ".join(facts["pooling"])
     lm = facts["lm_heads"]
-    effects_shown = [e for e in ("hidden_change", "embedding_cosine", "lm_loss", "top1_agreement") if e in table.columns]
+    shown = [e for e in ("hidden_change", "embedding_cosine", "lm_loss", "top1_agreement") if e in table.columns]
     tables = "".join(
         f"<details{' open' if i == 0 else ''}><summary>{esc(effect)}: mean per site, substitutes side by side"
         f"</summary>{side_by_side(table, effect).to_html(index=False, border=0, na_rep='', float_format=lambda v: f'{v:.4g}', classes='stats')}</details>"
-        for i, effect in enumerate(effects_shown)
+        for i, effect in enumerate(shown)
     )
     return (
         '<section id="interventions"><h2>Interventions</h2>'

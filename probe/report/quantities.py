@@ -114,7 +114,8 @@ def second_order_figure(run: Run, scale: Scale) -> Drawn | None:
     figure = new_figure(10.0, 3.6 * len(types) + 1.3)
     axes = figure.subplots(len(types), 2, squeeze=False)
     for (left, right), attention_type in zip(axes, types):
-        for stats, color, name in ((first, HIST_COLOR, "first order (αz)"), (second, P95_COLOR, "second order (λ₂)")):
+        for stats, color, name in ((first, HIST_COLOR, "first order (αz)"),
+                                   (second, P95_COLOR, "second order (λ₂)")):
             by_layer = stats[stats["attention_type"] == attention_type].set_index("layer").sort_index()
             left.plot(by_layer["mean"], color=color, marker="o", label=f"{name}: mean")
             left.plot(by_layer["p95"], color=color, marker="o", linestyle="--", label=f"{name}: p95")
@@ -125,7 +126,8 @@ def second_order_figure(run: Run, scale: Scale) -> Drawn | None:
         left.set_title(type_label(attention_type))
         left.legend(fontsize="x-small", loc="upper left")
         if attention_type in pairs.index and pairs.loc[attention_type, "pairs"]:
-            n, top = int(pairs.loc[attention_type, "pairs"]), float(pairs.loc[attention_type, "pairs_max"]) * 1.02 or 1.0
+            n = int(pairs.loc[attention_type, "pairs"])
+            top = float(pairs.loc[attention_type, "pairs_max"]) * 1.02 or 1.0
             edges = np.linspace(0, top, DENSITY_BINS + 1)
             counts = run.table.histogram2d("rel_deviation", "second_order_deviation", edges, edges,
                                            both(both_present, where(attention_type=attention_type)))
