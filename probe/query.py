@@ -126,12 +126,15 @@ def _sql_string(text: str) -> str:
     return text.replace("'", "''")
 
 
-def parquet_source(files) -> str:
-    """The SQL table expression reading ``files`` (part files) as one table: ``read_parquet([...])``."""
+def parquet_source(files, *, union_by_name: bool = True) -> str:
+    """The SQL table expression reading ``files`` (part files) as one table: ``read_parquet([...])``.
+    ``union_by_name``: columns matched by name across files that differ (DuckDB then reads every file's
+    schema when the query is bound); False when every file has the same columns, which binds faster."""
     files = sorted(str(Path(f)) for f in files)
     if not files:
         raise ValueError("parquet_source needs at least one file")
-    return "read_parquet([" + ", ".join(f"'{_sql_string(f)}'" for f in files) + "], union_by_name = true)"
+    return ("read_parquet([" + ", ".join(f"'{_sql_string(f)}'" for f in files)
+            + f"], union_by_name = {'true' if union_by_name else 'false'})")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,9 +199,9 @@ SPLIT_BINS = 256
 
 
 def read_limit() -> int:
-    """The most values pass 2 of :meth:`Table.stats` reads at once (16 bytes each, sorted in numpy): a
-    128th of :func:`memory_budget`; beyond it, intervals are split first."""
-    return max(memory_budget() // 128, 1024)
+    """The most values pass 2 of :meth:`Table.stats` reads at once (16 bytes each, with their sorting about
+    64): a 256th of :func:`memory_budget`; beyond it, intervals are split first."""
+    return max(memory_budget() // 256, 1024)
 
 
 def _log_bin(value: str) -> str:
@@ -776,7 +779,7 @@ class RunTable(Table):
             else [str(path)])
         #: the check of the run's parts (:class:`probe.storage.PartsCheck`), when the table was opened from a run
         self.check = check
-        self.schema = _checked_schema(path, self.files)
+        self.schema, self._same_columns = _checked_schema(path, self.files)
         super().__init__(connection if connection is not None else connect(), name(view), path)
         self._owns_connection = connection is None
         self.view = view
@@ -822,7 +825,7 @@ class RunTable(Table):
         selected = ", ".join(f"{expression} AS {name(column)}" for column, expression in columns.items())
         if not self.files:
             return f"SELECT {selected} FROM (SELECT 1) WHERE FALSE"
-        return f"SELECT {selected} FROM {parquet_source(self.files)}"
+        return f"SELECT {selected} FROM {parquet_source(self.files, union_by_name=not self._same_columns)}"
 
     # ---- the lazy handle
 
@@ -849,7 +852,8 @@ class RunTable(Table):
         """Every row of the run, from the part files' footers (reads no rows)."""
         if not self.files:
             return 0
-        return int(self.execute(f"SELECT count(*) FROM {parquet_source(self.files)}").fetchall()[0][0])
+        source = parquet_source(self.files, union_by_name=not self._same_columns)
+        return int(self.execute(f"SELECT count(*) FROM {source}").fetchall()[0][0])
 
     def estimated_bytes(self, rows: int, columns: Sequence[str] | None = None) -> int:
         """What ``rows`` rows of ``columns`` (default: every stored column) take as a pandas DataFrame."""
@@ -943,16 +947,18 @@ def _size(n: int) -> str:
 def _checked_schema(path: Path, files: list[str]):
     """The Arrow schema of the part files (the first file's, as pyarrow's dataset reads it), checked: the
     needed columns exist and every column has the schema's kind; a clear :class:`ProbeError` otherwise.
-    None for a table without files."""
+    And whether every file has the same columns (read from each footer: a run's parts normally do, but a
+    run resumed by another version of probe may not).  ``(None, True)`` for a table without files."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from .schema import DEVIATION_SCHEMA
 
     if not files:
-        return None
+        return None, True
     try:
         schema = pq.read_schema(files[0])
+        same = all(pq.read_schema(f).names == schema.names for f in files[1:])
     except (pa.ArrowException, OSError) as error:
         raise ProbeError(f"Cannot read {path} as parquet ({error}). {RUN_HINT}") from None
     missing = [c for c in NEEDED_COLUMNS if c not in schema.names]
@@ -969,4 +975,4 @@ def _checked_schema(path: Path, files: list[str]):
     ]
     if wrong:
         raise ProbeError(f"{path} has columns of the wrong type: {'; '.join(wrong)}. Re-run `probe run`.")
-    return schema
+    return schema, same

@@ -224,8 +224,7 @@ def spearman(run: Run, attention_type: str, drivers: list[str]) -> dict[str, tup
     sample, _ = run.table.sample(
         ["rel_deviation", *drivers], both(run.measured_where, where(attention_type=attention_type),
                                           "rel_deviation IS NOT NULL"), SPEARMAN_ROWS,
-        ("space", "alpha", "attention_type", "layer", "head", "example", "query"),
-        total=run.counts(attention_type)["measured"])
+        ("layer", "head", "example", "query"), total=run.counts(attention_type)["measured"])
     out = {}
     for driver in drivers:
         ok = sample[driver].notna()

@@ -26,7 +26,6 @@ SUMMARY_COLUMNS = (
     "max", f"share_above_{FAR:g}", "non_converged",
 )
 LEVELS = ("layer", "layer_head_averaged", "head")
-SLICE_KEYS = ["space", "alpha"]
 STATISTICS = ["count", "mean", "median", "p95", "max", f"share_above_{FAR:g}"]
 
 
