@@ -99,20 +99,24 @@ def memory_budget() -> int:
 
 
 #: DuckDB's memory limit is never set below this (it needs a few buffers per thread to run at all)
-MIN_DUCKDB_MEMORY = 64 << 20
+MIN_DUCKDB_MEMORY = 128 << 20
+#: DuckDB runs at most one thread per this much of its memory limit (each thread's scans hold buffers)
+MEMORY_PER_THREAD = 48 << 20
 
 
 def connect(*, memory_limit: int | None = None, threads: int | None = None, temp_directory: str | Path | None = None):
     """A fresh in-memory DuckDB connection set up for probe's readers: ``memory_limit`` (default: a share of
-    :func:`memory_budget`), ``threads`` (default: DuckDB's own, the machine's cores), and a temporary
-    directory to spill to (default: a new one under the system's temporary directory)."""
+    :func:`memory_budget`), ``threads`` (default: the machine's cores, at most one per
+    :data:`MEMORY_PER_THREAD` of the limit), and a temporary directory to spill to (default: a new one
+    under the system's temporary directory)."""
     import duckdb
 
-    limit = memory_limit if memory_limit is not None else int(memory_budget() * DUCKDB_SHARE)
+    limit = max(memory_limit if memory_limit is not None else int(memory_budget() * DUCKDB_SHARE), MIN_DUCKDB_MEMORY)
+    if threads is None:
+        threads = max(1, min(os.cpu_count() or 1, limit // MEMORY_PER_THREAD))
     connection = duckdb.connect(":memory:")
-    connection.execute(f"SET memory_limit = '{max(limit, MIN_DUCKDB_MEMORY)}B'")
-    if threads is not None:
-        connection.execute(f"SET threads = {int(threads)}")
+    connection.execute(f"SET memory_limit = '{limit}B'")
+    connection.execute(f"SET threads = {int(threads)}")
     spill = Path(temp_directory) if temp_directory is not None else Path(tempfile.gettempdir()) / "probe-duckdb"
     connection.execute(f"SET temp_directory = '{_sql_string(str(spill))}'")
     connection.execute("SET preserve_insertion_order = false")

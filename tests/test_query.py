@@ -5,7 +5,7 @@ Quantiles and order statistics are compared exactly (they are the same order sta
 numpy interpolates them); counts exactly, means to 1e-12, maxima exactly.  Each pass of the exact quantiles
 (the logarithmic bins, their merge when bins overlap, the split of a bin too large to read) is forced here
 on small data.  Memory is shown by what the old readers could not do: DuckDB's own ``quantile_cont`` runs
-out of a 64 MB limit where :meth:`probe.query.Table.stats` does not, ``.rows`` is refused before it would
+out of a 128 MB limit where :meth:`probe.query.Table.stats` does not, ``.rows`` is refused before it would
 exceed the budget, and a reader's peak RSS stays flat from 0.3M to 3M rows.
 """
 
@@ -132,13 +132,14 @@ def test_stats_of_an_empty_selection_and_needed_groups(values, tmp_path):
 
 def test_duckdb_quantiles_run_out_of_memory_where_stats_do_not(tmp_path):
     """DuckDB's quantile_cont keeps every value of a group in memory and cannot spill; the two-pass
-    selection of Table.stats gives the exact median of the same 9M values under the same 64 MB limit."""
+    selection of Table.stats gives the exact median of the same 18M values (144 MB) under the same 128 MB
+    limit."""
     directory = tmp_path / "big"
     directory.mkdir()
     rng = np.random.default_rng(3)
     for i in range(6):
-        pq.write_table(pa.table({"v": rng.gamma(2.0, 0.03, 1_500_000)}), directory / f"part-{i}.parquet")
-    connection = query.connect(memory_limit=64 << 20, threads=2)
+        pq.write_table(pa.table({"v": rng.gamma(2.0, 0.03, 3_000_000)}), directory / f"part-{i}.parquet")
+    connection = query.connect(memory_limit=128 << 20, threads=2)
     source = query.parquet_source(sorted(directory.iterdir()))
     import duckdb
 
@@ -201,8 +202,8 @@ def test_memory_budget_parses_sizes_and_refuses_nonsense(monkeypatch):
 
 @pytest.fixture(scope="module")
 def budget_run(tmp_path_factory):
-    """A run of 72,000 rows in 24 part files (two slices, two attention types), and its rows."""
-    rows = deviation_rows({"self": (4, 6), "cross": (2, 3)}, examples=60, queries=20, alphas=(0.5, 1.0),
+    """A run of 12,800 rows in 24 part files (two slices, two attention types), and its rows."""
+    rows = deviation_rows({"self": (2, 3), "cross": (2, 2)}, examples=40, queries=16, alphas=(0.5, 1.0),
                           non_converged=7, seed=11)
     run_dir = write_run(tmp_path_factory.mktemp("runs") / "budget-run", rows.drop(columns="model"), manifest_for(),
                         parts=24)
@@ -211,8 +212,8 @@ def budget_run(tmp_path_factory):
 
 @pytest.fixture
 def low_budget(monkeypatch):
-    """A memory budget far below what the run's rows take in pandas (72,000 rows x 600 bytes = 43 MB)."""
-    monkeypatch.setenv(query.MEMORY_BUDGET_ENV, "4MB")
+    """A memory budget far below what the run's rows take in pandas (12,800 rows x 600 bytes = 7.7 MB)."""
+    monkeypatch.setenv(query.MEMORY_BUDGET_ENV, "2MB")
 
 
 def test_rows_are_refused_over_the_budget_and_name_the_lazy_way(budget_run, low_budget):
@@ -230,10 +231,10 @@ def test_rows_are_refused_over_the_budget_and_name_the_lazy_way(budget_run, low_
 def test_slices_under_the_budget_equal_pandas(budget_run, low_budget):
     run_dir, rows = budget_run
     run = probe.load(run_dir)
-    got = run.select(space="hidden", alpha=1.0, attention_type="self", layer=2, head=3,
+    got = run.select(space="hidden", alpha=1.0, attention_type="self", layer=1, head=2,
                      columns=["example", "query", "rel_deviation", "trivial"])
-    want = rows[(rows["alpha"] == 1.0) & (rows["attention_type"] == "self") & (rows["layer"] == 2)
-                & (rows["head"] == 3)]
+    want = rows[(rows["alpha"] == 1.0) & (rows["attention_type"] == "self") & (rows["layer"] == 1)
+                & (rows["head"] == 2)]
     want = want.sort_values(list(ROW_KEY))[["example", "query", "rel_deviation", "trivial"]].reset_index(drop=True)
     pd.testing.assert_frame_equal(got, want, check_dtype=False)
 
@@ -296,7 +297,7 @@ def test_report_and_compare_under_the_budget_equal_pandas(budget_run, low_budget
     np.testing.assert_allclose(got["p95"], want.quantile(0.95), rtol=1e-14)
     assert json.loads((report / "summary.json").read_text())["quantiles"]["rank_error"] == 0
     assert "exact" in (report / "index.html").read_text(encoding="utf-8")
-    other = write_run(tmp_path / "other", deviation_rows({"self": (2, 6)}, examples=30, queries=20, seed=3)
+    other = write_run(tmp_path / "other", deviation_rows({"self": (3, 2)}, examples=20, queries=16, seed=3)
                       .drop(columns="model"), manifest_for(), parts=5)
     table = pd.read_csv(compare_runs([run_dir, other], tmp_path / "compare") / "compare.csv")
     first = table[(table["run_dir"] == run_dir.name) & (table["attention_type"] == "self")].iloc[0]
