@@ -48,7 +48,14 @@ def demo_model() -> str:
 
 
 class Run:
-    """A run directory written by :func:`run` (or ``probe run``): its rows, manifest and report."""
+    """A run directory written by :func:`run` (or ``probe run``): its rows, manifest and report.
+
+    Nothing is read when a run is loaded.  Ask for what you need, in memory that does not grow with the
+    rows: :meth:`headline`, :meth:`sql` and :attr:`query` (DuckDB over the part files, with exact quantiles
+    in :meth:`probe.query.Table.stats`), :meth:`select` for a filtered pandas slice.  :attr:`rows` loads
+    every row and is refused, naming these, when the run is larger than the memory budget
+    (``PROBE_MEMORY_BUDGET``, default 1 GiB; :func:`probe.query.memory_budget`).
+    """
 
     def __init__(self, run_dir: str | Path, *, allow_damaged: bool = False):
         self.run_dir = Path(run_dir)
@@ -73,16 +80,66 @@ class Run:
 
         return model_name(self.manifest)
 
+    def _open(self):
+        """A fresh query over the run's checked part files (a damaged run refused, or read with a warning)."""
+        from .query import RunTable
+
+        table = RunTable.open(self.run_dir, allow_damaged=self.allow_damaged)
+        if table.check is not None and table.check.damaged:
+            import warnings
+
+            from .storage import DamagedRunWarning
+
+            warnings.warn(table.check.banner(), DamagedRunWarning, stacklevel=3)
+        return table
+
+    @cached_property
+    def query(self):
+        """The lazy handle: the run's rows as the DuckDB view ``rows`` (:class:`probe.query.RunTable`), over
+        the part files present when first asked, read in place.  Any SQL (:meth:`sql`), exact grouped
+        statistics and quantiles in bounded memory (``run.query.stats``), histograms, the rows of largest
+        deviation.  A per-head median and p95 without loading the run:
+
+        >>> from probe.query import where
+        >>> run.query.stats("rel_deviation", [("layer", "head")], where(space="hidden", alpha=1, trivial=False),
+        ...                 quantiles={"median": 0.5, "p95": 0.95})[0]
+        """
+        return self._open()
+
+    def sql(self, query: str):
+        """``query`` over the view ``rows`` as a lazy DuckDB relation (``.df()`` for pandas, ``.pl()`` for
+        polars, ``.fetchall()``), e.g. ``run.sql("SELECT layer, head, avg(rel_deviation) AS mean FROM rows
+        WHERE NOT trivial GROUP BY ALL ORDER BY ALL").df()``.  DuckDB works out of core, but its own
+        ``median``/``quantile`` hold every value of a group in memory: for quantiles of large groups use
+        ``run.query.stats``."""
+        return self.query.sql(query)
+
+    def select(self, *, space: str | None = None, alpha: float | None = None, attention_type: str | None = None,
+               layer: int | None = None, head: int | None = None, example: int | Sequence[int] | None = None,
+               trivial: bool | None = None, columns: Sequence[str] | None = None) -> "pd.DataFrame":
+        """The rows of one slice as a pandas DataFrame, sorted by the row key: any of ``space``, ``alpha``
+        (within a relative 1e-12), ``attention_type``, ``layer``, ``head``, ``example`` (one or several),
+        ``trivial`` (False: leave out rows with one key); ``columns`` (default: every stored column).
+        Refused with a :class:`ProbeError` when the slice would exceed the memory budget."""
+        from .query import where
+
+        equal = {k: v for k, v in dict(attention_type=attention_type, layer=layer, head=head).items() if v is not None}
+        if example is not None:
+            equal["example"] = list(example) if isinstance(example, (list, tuple, set, range)) else int(example)
+        condition = where(space=space, alpha=alpha, trivial=trivial, **equal)
+        chosen = ", ".join(f"{k}={v!r}" for k, v in dict(space=space, alpha=alpha, **equal).items() if v is not None)
+        return self.query.select(condition, columns, what=f"the slice {chosen}" if chosen else "every row")
+
     @cached_property
     def rows(self) -> "pd.DataFrame":
         """Every finished batch's rows as a pandas DataFrame, sorted by the row key
         (:data:`probe.schema.ROW_KEY`: space, alpha, attention type, layer, head, example, query), with a
-        fresh index.  Columns: :data:`probe.schema.DEVIATION_SCHEMA` (the model is named in the manifest)."""
-        from .schema import ROW_KEY
-        from .storage import read_deviations
-
-        frame = read_deviations(self.run_dir, allow_damaged=self.allow_damaged).to_pandas()
-        return frame.sort_values(list(ROW_KEY), kind="stable", ignore_index=True)
+        fresh index.  Columns: :data:`probe.schema.DEVIATION_SCHEMA` (the model is named in the manifest).
+        A run whose rows would exceed the memory budget is refused with a :class:`ProbeError` that names
+        the lazy ways (:meth:`sql`, :attr:`query`, :meth:`select`) before anything is loaded."""
+        table = self.query
+        table.require_fits(table.row_count(), None, "every row of the run")
+        return table.select()
 
     @cached_property
     def interventions(self) -> "pd.DataFrame":
@@ -97,25 +154,25 @@ class Run:
 
     def headline(self) -> list[dict]:
         """The relative deviation per (space, alpha) slice: rows, mean, p95 and maximum over every
-        non-trivial row (``n_keys > 1``), as the report's landing table states them."""
-        from .storage import read_deviations
+        non-trivial row, as the report's landing table states them; read from the part files present now,
+        in memory that does not grow with the rows (exact p95: :meth:`probe.query.Table.stats`)."""
+        from .query import where
 
-        table = read_deviations(self.run_dir, columns=["space", "alpha", "rel_deviation", "trivial"],
-                                allow_damaged=self.allow_damaged).to_pandas()
-        table = table[~table["trivial"].fillna(False).astype(bool)]
-        lines = []
-        for (space, alpha), values in table.groupby(["space", "alpha"], sort=True)["rel_deviation"]:
-            lines.append({
-                "space": space, "alpha": float(alpha), "rows": int(values.count()), "mean": float(values.mean()),
-                "p95": float(values.quantile(0.95)), "max": float(values.max()),
-            })
-        return lines
+        with self._open() as table:
+            (stats,) = table.stats("rel_deviation", [("space", "alpha")], where(trivial=False),
+                                   quantiles={"p95": 0.95})
+        stats = stats.dropna(subset=["space", "alpha"]).sort_values(["space", "alpha"])
+        return [
+            {"space": str(row["space"]), "alpha": float(row["alpha"]), "rows": int(row["count"]),
+             "mean": float(row["mean"]), "p95": float(row["p95"]), "max": float(row["max"])}
+            for row in stats.to_dict("records")
+        ]
 
     def report(self, out: str | Path | None = None, formats: str | Sequence[str] = "png", *,
-               name: str | None = None) -> Path:
+               name: str | None = None, progress: bool = True) -> Path:
         """Build the run's report (:func:`probe.report.build_report`); return its directory
         (``out``, default ``RUN_DIR/report``), which holds ``index.html``."""
-        return report(self.run_dir, out, formats, name=name, allow_damaged=self.allow_damaged)
+        return report(self.run_dir, out, formats, name=name, allow_damaged=self.allow_damaged, progress=progress)
 
     def export(self, to: str | Path, table: str = "deviations") -> int:
         """Write the rows (``table="interventions"``: the intervention records) into one file, Parquet or
@@ -363,11 +420,13 @@ def _formats(formats: str | Sequence[str]) -> list[str]:
 
 
 def report(run_dir: str | Path | Run, out: str | Path | None = None, formats: str | Sequence[str] = "png", *,
-           name: str | None = None, allow_damaged: bool = False) -> Path:
-    """Build a run's report (figures, ``summary.csv``/``.json``, ``index.html``); return its directory."""
+           name: str | None = None, allow_damaged: bool = False, progress: bool = True) -> Path:
+    """Build a run's report (figures, ``summary.csv``/``.json``, ``index.html``); return its directory.
+    ``progress``: say each stage on stderr."""
     from .report import build_report
 
-    return build_report(_run_path(run_dir), out, _formats(formats), name=name, allow_damaged=allow_damaged)
+    return build_report(_run_path(run_dir), out, _formats(formats), name=name, allow_damaged=allow_damaged,
+                        progress=progress)
 
 
 def compare(runs: Sequence[str | Path | Run], out: str | Path = "compare", formats: str | Sequence[str] = "png", *,

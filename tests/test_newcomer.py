@@ -281,7 +281,7 @@ def test_each_statistic_is_labelled_where_it_is_shown(finished_run, tmp_path):
     landing = page[page.index('<div id="headline">'):page.index('<div id="findings">')]
     assert "over every row" in landing and "head-averaged" in landing
     run = read_run(run_dir)
-    drawn = layers_figure(run, "self", report_scale(run, main_rows(summarize(run.rows), run, "head")))
+    drawn = layers_figure(run, "self", report_scale(run, main_rows(summarize(run), run, "head")))
     titles = [ax.get_title() for ax in drawn.figure.axes if ax.get_title().startswith("layer ")]
     assert titles and all("head-averaged values" in title for title in titles)
 

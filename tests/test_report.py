@@ -26,7 +26,6 @@ from matplotlib.patches import StepPatch
 from probe.errors import ProbeError
 from probe.report import build_report, draw_figures, read_run
 from probe.report.data import dataset_text, model_name
-from probe.report.data import read_deviations
 from probe.report.figures import heads_figure, layers_figure, report_scale
 from probe.report.quantities import alpha_figure, spaces_figure
 from probe.report.findings import findings
@@ -164,7 +163,7 @@ def t5_figures(t5_run):
     """The drawn figures of the T5-like run, by file stem (not saved)."""
     _, run_dir, _ = t5_run
     run = read_run(run_dir)
-    summary = summarize(run.rows)
+    summary = summarize(run)
     scale = report_scale(run, main_rows(summary, run, "head"))
     with style():
         yield {drawn.stem: drawn.figure for drawn in draw_figures(run, summary, scale)}, scale
@@ -312,7 +311,7 @@ def test_head_grids_are_readable_at_any_head_count(tmp_path, heads):
     """Defect 5: no y scale or label, a linear shared y axis, a figure that did not grow with the grid."""
     rows = deviation_rows({"self": (3, heads)}, examples=3, queries=5)
     run = read_run(write_run(tmp_path / "run", rows, manifest_for()))
-    summary = summarize(run.rows)
+    summary = summarize(run)
     scale = report_scale(run, main_rows(summary, run, "head"))
     with style():
         figure = heads_figure(run, "self", scale).figure
@@ -396,7 +395,7 @@ def test_bins_resolve_a_narrow_layer(tmp_path):
     rows.loc[narrow, "rel_deviation"] = np.random.default_rng(1).normal(0.04, 0.008, narrow.sum()).clip(0.02, 0.06)
     rows.loc[~narrow & (rows["query"] == 0), "rel_deviation"] = 0.25
     run = read_run(write_run(tmp_path / "run", rows, manifest_for()))
-    summary = summarize(run.rows)
+    summary = summarize(run)
     scale = report_scale(run, main_rows(summary, run, "head"))
     averaged = rows[rows["layer"] == 0].groupby(["example", "query"])["rel_deviation"].mean()
     low, high = np.percentile(averaged, [1, 99])
@@ -509,7 +508,7 @@ def test_several_alphas_and_spaces(tmp_path):
     run = read_run(run_dir)
     assert (run.space, run.alpha) == ("hidden", 1.0)
     main = rows[(rows["space"] == "hidden") & (rows["alpha"] == 1.0)]
-    assert len(run.main) == len(main)
+    assert run.counts()["rows"] == len(main)
     page = (report / "index.html").read_text(encoding="utf-8")
     assert "Main figures and numbers: α = 1, hidden space" in page and "α ∈ {0.5, 1, 4}" in page
     headline = json.loads((report / "summary.json").read_text())["headline"][0]
@@ -519,7 +518,7 @@ def test_several_alphas_and_spaces(tmp_path):
 def test_alpha_and_space_figures(tmp_path):
     rows = deviation_rows({"self": (2, 2)}, alphas=(0.25, 1.0, 4.0), spaces=("hidden", "key"), non_converged=0)
     run = read_run(write_run(tmp_path / "run", rows, manifest_for()))
-    summary = summarize(run.rows)
+    summary = summarize(run)
     scale = report_scale(run, main_rows(summary, run, "head"))
     with style():
         figure = alpha_figure(run).figure
@@ -542,11 +541,9 @@ def test_alpha_and_space_figures(tmp_path):
 
 def test_a_directory_of_part_files_reads_like_one_file(tmp_path):
     rows = deviation_rows({"self": (2, 3), "cross": (1, 2)}, non_converged=2)
-    single = read_deviations(write_run(tmp_path / "file", rows, manifest_for()) / "deviations.parquet")
-    parts = read_deviations(write_run(tmp_path / "parts", rows, manifest_for(), parts=3) / "deviations.parquet")
-    assert len(single) == len(rows)
-    for frame in (single, parts):
-        frame["attention_type"] = frame["attention_type"].astype(str)
+    single = read_run(write_run(tmp_path / "file", rows, manifest_for()))
+    parts = read_run(write_run(tmp_path / "parts", rows, manifest_for(), parts=3))
+    assert single.counts(main=False)["rows"] == len(rows)
     pd.testing.assert_frame_equal(summarize(single), summarize(parts))
 
 

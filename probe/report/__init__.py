@@ -18,6 +18,8 @@ One idea per module:
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -65,14 +67,30 @@ def _interventions_section(run: Run, out_dir: Path, formats, allow_damaged: bool
     from . import interventions
     from .page import figure_html
 
-    frame = interventions.read_interventions(run.run_dir, run.manifest, allow_damaged=allow_damaged)
-    if frame is None or frame.empty:
+    records = interventions.open_interventions(run.run_dir, run.manifest, allow_damaged=allow_damaged,
+                                               connection=run.table.connection)
+    if records is None:
         return ""
-    table = interventions.effects_table(frame)
+    table, facts = interventions.effects(records)
+    if table.empty:
+        return ""
     table.to_csv(out_dir / "interventions.csv", index=False)
     with style():
         drawn = save(interventions.figure(table, run.name), out_dir, formats)
-    return interventions.section_html(table, frame, figure_html(drawn))
+    return interventions.section_html(table, facts, figure_html(drawn))
+
+
+class Progress:
+    """``probe report: ...`` stage lines on stderr (silent unless ``enabled``), each with the seconds since
+    the report started."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if self.enabled:
+            print(f"probe report: {message} ({time.perf_counter() - self.start:.1f} s)", file=sys.stderr, flush=True)
 
 
 def build_report(
@@ -82,44 +100,56 @@ def build_report(
     *,
     name: str | None = None,
     allow_damaged: bool = False,
+    progress: bool = False,
 ) -> Path:
     """Build figures, ``summary.csv``, ``summary.json`` and ``index.html`` for a run; return the report directory.
 
     ``out_dir`` defaults to ``<run_dir>/report``; ``formats`` are figure formats (``png``, ``pdf``; the
-    page embeds PNG renderings whatever is written); ``name`` overrides the model's name in titles.
-    Raises :class:`ProbeError` for a missing run directory, a missing, unreadable or incomplete
-    deviations table and unknown formats.  A missing or invalid ``manifest.json`` only warns; a table
-    without rows gives a report that says there is no data.
+    page embeds PNG renderings whatever is written); ``name`` overrides the model's name in titles;
+    ``progress`` prints each stage on stderr.  Every number is asked of the rows through
+    :mod:`probe.query`, so memory does not grow with the rows.  Raises :class:`ProbeError` for a missing
+    run directory, a missing, unreadable or incomplete deviations table and unknown formats.  A missing or
+    invalid ``manifest.json`` only warns; a table without rows gives a report that says there is no data.
     """
     formats = check_formats(formats)
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
+    say = Progress(progress)
     run = read_run(run_dir, name=name, allow_damaged=allow_damaged)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ProbeError(f"Report directory {out_dir} exists and is not a directory. Choose another --out.")
-
-    summary = summarize(run.rows)
-    found = compute_findings(run)
-    quantities = quantity_stats(run)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    summary.to_csv(out_dir / "summary.csv", index=False)
-    (out_dir / "summary.json").write_text(json.dumps(summary_json(run, summary, found), indent=1, allow_nan=False),
-                                          encoding="utf-8")
-    saved, explorer_html, explorer_data = [], "<p>No data.</p>", None
-    if len(run.measured):
-        head_stats = main_rows(summary, run, "head")
-        scale = report_scale(run, head_stats)
-        with style():
-            for drawn in draw_figures(run, summary, scale):
-                saved.append(save(drawn, out_dir, formats))
-        explorer_data = explorer.payload(run, head_stats, scale, explorer.recover_texts(run.manifest))
-        explorer_html = (
-            explorer.filters(run)
-            + '<div class="explorer"><div>' + explorer.heatmap_tables(run, head_stats, scale) + "</div>"
-            + explorer.HEAD_PANEL + "</div>"
-        )
-    section = _interventions_section(run, out_dir, formats, allow_damaged)
-    html_text = page(run, summary, found, saved, explorer_html, explorer_data, quantities, section)
-    (out_dir / "index.html").write_text(html_text, encoding="utf-8")
+    try:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ProbeError(f"Report directory {out_dir} exists and is not a directory. Choose another --out.")
+        counts = run.counts(main=False)
+        say(f"read {run_dir} ({counts['rows']:,} rows in {len(run.table.files):,} part file(s), "
+            f"{len(run.types)} attention type(s))")
+        summary = summarize(run)
+        say("statistics: summary.csv (exact quantiles at every level)")
+        found = compute_findings(run)
+        quantities = quantity_stats(run)
+        say("findings and the other measured quantities")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        summary.to_csv(out_dir / "summary.csv", index=False)
+        (out_dir / "summary.json").write_text(json.dumps(summary_json(run, summary, found), indent=1,
+                                                         allow_nan=False), encoding="utf-8")
+        saved, explorer_html, explorer_data = [], "<p>No data.</p>", None
+        if run.counts()["rows"] > run.counts()["trivial"]:
+            head_stats = main_rows(summary, run, "head")
+            scale = report_scale(run, head_stats)
+            with style():
+                for drawn in draw_figures(run, summary, scale):
+                    saved.append(save(drawn, out_dir, formats))
+                    say(f"figure {len(saved)}: {drawn.stem}")
+            explorer_data = explorer.payload(run, head_stats, scale, explorer.recover_texts(run.manifest))
+            explorer_html = (
+                explorer.filters(run)
+                + '<div class="explorer"><div>' + explorer.heatmap_tables(run, head_stats, scale) + "</div>"
+                + explorer.HEAD_PANEL + "</div>"
+            )
+            say("explorer: worst rows and per-head histograms")
+        section = _interventions_section(run, out_dir, formats, allow_damaged)
+        html_text = page(run, summary, found, saved, explorer_html, explorer_data, quantities, section)
+        (out_dir / "index.html").write_text(html_text, encoding="utf-8")
+        say(f"wrote {out_dir / 'index.html'}")
+    finally:
+        run.table.close()
     return out_dir
-

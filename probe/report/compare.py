@@ -25,28 +25,29 @@ import numpy as np
 import pandas as pd
 
 from ..errors import ProbeError
-from .data import Run, read_run, type_label
+from ..query import connect
+from .data import FAR, Run, read_run, type_label
 from .style import (
-    DEVIATION_LABEL, Drawn, check_formats, ecdf, new_figure, save, style, suptitle,
+    DEVIATION_LABEL, ECDF_BINS, Drawn, check_formats, ecdf, new_figure, save, style, suptitle,
 )
-from .summary import FAR
 
 COMPARE_COLUMNS = ("run", "model", "run_dir", "attention_type", "layers", "rows", "trivial", "count", "mean", "median",
                    "p95", "max", f"share_above_{FAR:g}")
 RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 
 
+def _slices(run: Run) -> set:
+    keys = run.census[["space", "alpha"]].astype({"space": object}).drop_duplicates()
+    return {(None if pd.isna(s) else str(s), None if pd.isna(a) else round(float(a), 12))
+            for s, a in keys.itertuples(index=False)}
+
+
 def common_slice(runs: list[Run]) -> tuple[str | None, float | None]:
     """The (space, alpha) every run has: alpha 1 / hidden space preferred; ProbeError when there is none."""
-    def slices(run: Run) -> set:
-        keys = run.rows[["space", "alpha"]].astype({"space": object}).drop_duplicates()
-        return {(None if pd.isna(s) else str(s), None if pd.isna(a) else round(float(a), 12))
-                for s, a in keys.itertuples(index=False)}
-
-    shared = set.intersection(*(slices(run) for run in runs))
+    shared = set.intersection(*(_slices(run) for run in runs))
     if not shared:
         listing = "; ".join(f"{run.name}: " + ", ".join(f"{s or '?'} space α = {a}" for s, a in sorted(
-            slices(run), key=str)) for run in runs)
+            _slices(run), key=str)) for run in runs)
         raise ProbeError(f"The runs share no (space, alpha) slice, so there is nothing to compare ({listing}). "
                          "Compare runs made with a common --alpha.")
 
@@ -74,14 +75,17 @@ def comparison_table(runs: list[Run], labels: list[str], types: list[str]) -> pd
     """Per run and attention type: layers, rows, trivial rows, and statistics of the non-trivial rows."""
     records = []
     for run, label in zip(runs, labels):
+        stats = run.main_deviation("type").set_index("attention_type")
         for attention_type in types:
-            rows = run.main[run.main["attention_type"] == attention_type]
-            values = rows.loc[~rows["trivial"], "rel_deviation"].dropna()
+            counts = run.counts(attention_type)
+            known = attention_type in stats.index and stats.loc[attention_type, "count"] > 0
+            value = (lambda c: float(stats.loc[attention_type, c])) if known else (lambda c: math.nan)
             records.append({
                 "run": label, "model": run.name, "run_dir": run.run_dir.name, "attention_type": attention_type,
-                "layers": int(rows["layer"].nunique()), "rows": len(rows), "trivial": int(rows["trivial"].sum()),
-                "count": len(values), "mean": values.mean(), "median": values.median(), "p95": values.quantile(0.95),
-                "max": values.max(), f"share_above_{FAR:g}": float((values > FAR).mean()) if len(values) else math.nan,
+                "layers": len(run.layers(attention_type)), "rows": counts["rows"], "trivial": counts["trivial"],
+                "count": int(stats.loc[attention_type, "count"]) if known else 0, "mean": value("mean"),
+                "median": value("median"), "p95": value("p95"), "max": value("max"),
+                f"share_above_{FAR:g}": value(f"share_above_{FAR:g}"),
             })
     return pd.DataFrame.from_records(records, columns=list(COMPARE_COLUMNS))
 
@@ -96,13 +100,12 @@ def depth_figure(runs: list[Run], labels: list[str], types: list[str], x_max: fl
     axes = figure.subplots(1, len(types), squeeze=False, sharey=True)[0]
     for ax, attention_type in zip(axes, types):
         for (run, label), color in zip(zip(runs, labels), RUN_COLORS * 4):
-            rows = run.measured[run.measured["attention_type"] == attention_type]
-            n_layers = int(run.main.loc[run.main["attention_type"] == attention_type, "layer"].max()) + 1
-            by_layer = rows.groupby("layer")["rel_deviation"]
-            mean, p95 = by_layer.mean(), by_layer.quantile(0.95)
-            ax.plot(relative_depth(mean.index, n_layers), mean.to_numpy(), color=color, marker="o", label=f"{label}: mean")
-            ax.plot(relative_depth(p95.index, n_layers), p95.to_numpy(), color=color, marker="o", linestyle="--",
-                    label=f"{label}: p95")
+            by_layer = run.main_deviation("layer", attention_type).set_index("layer").sort_index()
+            n_layers = max(run.layers(attention_type)) + 1
+            ax.plot(relative_depth(by_layer.index, n_layers), by_layer["mean"].to_numpy(), color=color, marker="o",
+                    label=f"{label}: mean")
+            ax.plot(relative_depth(by_layer.index, n_layers), by_layer["p95"].to_numpy(), color=color, marker="o",
+                    linestyle="--", label=f"{label}: p95")
         ax.set_title(type_label(attention_type))
         ax.set_xlabel("relative depth (layer + 1) / layers")
         ax.set_xlim(0, 1.05)
@@ -119,10 +122,14 @@ def depth_figure(runs: list[Run], labels: list[str], types: list[str], x_max: fl
 def ecdf_figure(runs: list[Run], labels: list[str], types: list[str], x_max: float, title: str) -> Drawn:
     figure = new_figure(max(6.5, 4.4 * len(types) + 1.0), 4.4)
     axes = figure.subplots(1, len(types), squeeze=False, sharex=True, sharey=True)[0]
+    edges = np.linspace(0.0, x_max * 1.02, ECDF_BINS + 1)
+    counted = [run.table.histogram("rel_deviation", edges, ("attention_type",), run.measured_where) for run in runs]
     for ax, attention_type in zip(axes, types):
-        for (run, label), color in zip(zip(runs, labels), RUN_COLORS * 4):
-            values = run.measured.loc[run.measured["attention_type"] == attention_type, "rel_deviation"]
-            ecdf(ax, values.to_numpy(dtype=float), color=color, label=label, linewidth=1.3)
+        for (counts, label), color in zip(zip(counted, labels), RUN_COLORS * 4):
+            part = counts[counts["attention_type"] == attention_type]
+            binned = np.zeros(ECDF_BINS, dtype=np.int64)
+            binned[part["bin"].to_numpy(dtype=np.int64)] = part["count"].to_numpy()
+            ecdf(ax, binned, edges, color=color, label=label, linewidth=1.3)
         ax.set_title(type_label(attention_type))
         ax.set_xlabel(DEVIATION_LABEL)
         ax.legend(fontsize="x-small", loc="lower right")
@@ -137,14 +144,18 @@ def ecdf_figure(runs: list[Run], labels: list[str], types: list[str], x_max: flo
 def _interventions_html(runs: list[Run], labels: list[str], out_dir: Path, allow_damaged: bool) -> str:
     """Runs with ``--intervene``: their mean effects per (site, substitute) side by side, written to
     ``compare_interventions.csv`` too; "" unless at least two of the runs have interventions."""
-    from .interventions import compare_table, read_interventions
+    from .interventions import compare_effects, effects, open_interventions
 
-    frames = [(read_interventions(run.run_dir, run.manifest, allow_damaged=allow_damaged), label)
-              for run, label in zip(runs, labels)]
-    frames = [(frame, label) for frame, label in frames if frame is not None and not frame.empty]
-    if len(frames) < 2:
+    tables = []
+    for run, label in zip(runs, labels):
+        records = open_interventions(run.run_dir, run.manifest, allow_damaged=allow_damaged,
+                                     connection=run.table.connection)
+        table = effects(records)[0] if records is not None else None
+        if table is not None and not table.empty:
+            tables.append((table, label))
+    if len(tables) < 2:
         return ""
-    table = compare_table([frame for frame, _ in frames], [label for _, label in frames])
+    table = compare_effects([t for t, _ in tables], [label for _, label in tables])
     table.to_csv(out_dir / "compare_interventions.csv", index=False)
     return ("<h2>Interventions</h2><p>Mean effect of each substitute per attention site and for the whole model "
             "(whole), run by run (compare_interventions.csv).</p>"
@@ -167,8 +178,17 @@ def compare_runs(
     resolved = [p.resolve() for p in paths]
     if len(set(resolved)) < len(resolved):
         raise ProbeError("A run directory is given twice; give each run once.")
-    runs = [read_run(path, allow_damaged=allow_damaged) for path in paths]
-    empty = [str(run.run_dir) for run in runs if run.rows.empty]
+    connection = connect()  # one DuckDB, one memory budget, for every run
+    try:
+        return _compare(paths, Path(out_dir), formats, names, allow_damaged, connection)
+    finally:
+        connection.close()
+
+
+def _compare(paths: list[Path], out_dir: Path, formats, names, allow_damaged: bool, connection) -> Path:
+    runs = [read_run(path, allow_damaged=allow_damaged, connection=connection, view=f"rows_{i}")
+            for i, path in enumerate(paths)]
+    empty = [str(run.run_dir) for run in runs if not run.counts(main=False)["rows"]]
     if empty:
         raise ProbeError(f"These runs have no rows, so there is nothing to compare: {', '.join(empty)}.")
     shared_types = [t for t in runs[0].types if all(t in run.types for run in runs[1:])]
@@ -176,21 +196,20 @@ def compare_runs(
         listing = "; ".join(f"{run.name}: {', '.join(run.types)}" for run in runs)
         raise ProbeError(f"The runs share no attention type, so there is nothing to compare ({listing}).")
     space, alpha = common_slice(runs)
-    runs = [replace(run, space=space, alpha=alpha) for run in runs]
+    runs = [replace(run, space=space, alpha=alpha, memo={}) for run in runs]
     labels = _labels(runs, names)
     table = comparison_table(runs, labels, shared_types)
     x_max = float(np.nanmax(table["max"].to_numpy(dtype=float))) if table["max"].notna().any() else 1.0
     x_max = x_max if x_max > 0 else 1.0
     title = f"{' vs '.join(labels)} · {runs[0].slice_text}"
 
-    out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ProbeError(f"{out_dir} exists and is not a directory. Choose another --out.")
     out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(out_dir / "compare.csv", index=False)
     with style():
-        saved = [save(drawn, out_dir, formats) for drawn in (
-            depth_figure(runs, labels, shared_types, x_max, title), ecdf_figure(runs, labels, shared_types, x_max, title))]
+        saved = [save(drawn, out_dir, formats) for drawn in (depth_figure(runs, labels, shared_types, x_max, title),
+                                                              ecdf_figure(runs, labels, shared_types, x_max, title))]
     esc = html.escape
     images = "".join(
         f'<figure><img alt="{esc(s.caption)}" width="{s.size_px[0]}" height="{s.size_px[1]}" '

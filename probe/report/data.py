@@ -1,5 +1,11 @@
-"""Reading a run directory: the deviations table (a parquet file or a directory of part files), the
-manifest, what to call the model and the data, and which slice (space, alpha) the main figures show.
+"""Reading a run directory: the deviations table (a parquet file or a directory of part files) as a query,
+the manifest, what to call the model and the data, and which slice (space, alpha) the main figures show.
+
+A :class:`Run` holds a query over the rows (:class:`probe.query.RunTable`), never the rows: every number
+the report shows is asked of DuckDB (:mod:`probe.query`), so the report's memory grows with what it shows
+(layers x heads x types, the explorer's worst rows, figure bins), not with the rows.  The questions several
+parts of the report share (the census of rows, the relative deviation's statistics at every level, the
+head-averaged values, the other measured quantities) are asked once, here, and cached on the run.
 
 Everything the report says about provenance comes from here: the model by its hub id or its
 directory's name (never a temporary path), the dataset with its text and target columns.
@@ -15,24 +21,15 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 
 from ..errors import ProbeError
-from ..schema import DEVIATION_SCHEMA
-from ..storage import MANIFEST, DamagedRunWarning, deviations_dataset, require_intact, with_liveness
-
-#: Columns the report cannot do without.
-NEEDED_COLUMNS = ("attention_type", "layer", "head", "example", "query", "rel_deviation", "converged")
-#: Columns read when present (old runs lack some; new columns may be all null until the pipeline fills them).
-OPTIONAL_COLUMNS = (
-    "alpha", "space", "n_keys", "trivial", "token", "token_role", "second_order_deviation",
-    "attention_tv", "output_deviation", "evidence_norm", "attention_entropy",
+from ..query import (
+    LEGACY_COLUMNS, NEEDED_COLUMNS, OPTIONAL_COLUMNS, RUN_HINT, Rank, RunTable, Table, both, literal, where,
 )
-#: Columns of runs written by older versions, read when present: ``model`` (the model on every row;
-#: runs now name it once, in the manifest).
-LEGACY_COLUMNS = ("model",)
-#: String columns read dictionary-encoded (small in memory however many rows).
-DICTIONARY_COLUMNS = ("attention_type", "space", "token", "token_role", "model")
+from ..storage import MANIFEST, DamagedRunWarning, require_intact, with_liveness
+
+__all__ = ["NEEDED_COLUMNS", "OPTIONAL_COLUMNS", "LEGACY_COLUMNS", "RUN_HINT", "Run", "read_run"]
+
 #: Known attention types, in the order figures and tables show them; unknown ones follow, sorted.
 TYPE_ORDER = ("self", "causal_self", "encoder_self", "decoder_self", "cross")
 TYPE_LABELS = {
@@ -44,7 +41,36 @@ TYPE_LABELS = {
 }
 #: Attention types whose queries are decoder (target) tokens.
 TARGET_QUERY_TYPES = ("decoder_self", "cross")
-RUN_HINT = "Re-run `probe run`; a run killed before it finished can leave a parquet file without its footer."
+#: A row deviates "far" above this relative deviation (the share is a headline number).
+FAR = 0.1
+#: The keys of a (space, alpha) slice, and of the levels statistics are grouped by within one.
+SLICE = ("space", "alpha")
+LEVEL_KEYS = {
+    "slice": SLICE,
+    "type": SLICE + ("attention_type",),
+    "layer": SLICE + ("attention_type", "layer"),
+    "head": SLICE + ("attention_type", "layer", "head"),
+}
+#: The quantiles the report shows (median, p95), draws (box quartiles) and bins by (Freedman-Diaconis
+#: on the quartiles, every panel's 1st to 99th percentile), all exact (:meth:`probe.query.Table.stats`).
+QUANTILES = {"median": 0.5, "p95": 0.95, "q1": 0.25, "q3": 0.75, "p1": 0.01, "p99": 0.99}
+#: The box plots' whiskers as matplotlib draws them for ``whis=(5, 95)``: the smallest value at or above
+#: the 5th percentile and the largest at or below the 95th.
+WHISKERS = {"whislo": Rank("above", 0.05), "whishi": Rank("below", 0.95)}
+#: Quantities besides the relative deviation whose statistics the report shows, when a run has them.
+QUANTITIES = ("second_order_deviation", "attention_tv", "output_deviation")
+#: The drivers the deviation is drawn against (:mod:`probe.report.breakdowns`): column -> axis label.
+DRIVERS = {
+    "n_keys": "number of keys n",
+    "attention_entropy": "attention entropy −Σ p log p (nats)",
+    "evidence_norm": "‖αz‖ (the approximation's λ)",
+}
+#: A driver is binned by 20 quantile bins (``pandas.qcut``) unless it has few integral values.
+QUANTILE_BINS = 20
+DRIVER_QUANTILES = {f"qcut{i}": float(q) for i, q in enumerate(np.linspace(0, 1, QUANTILE_BINS + 1))}
+#: How the report's quantiles are computed, as the page and summary.json say it.
+QUANTILE_METHOD = ("exact: numpy's and pandas' linear interpolation between order statistics, each selected "
+                   "exactly in two passes over the rows (no sketch, no rank error)")
 
 
 def type_label(attention_type: str) -> str:
@@ -57,51 +83,195 @@ def ordered_types(types) -> list[str]:
     return [t for t in TYPE_ORDER if t in types] + sorted(types - set(TYPE_ORDER))
 
 
+def in_slice(frame: pd.DataFrame, space: str | None, alpha: float | None) -> pd.DataFrame:
+    """The rows of a statistics frame (with ``space`` and ``alpha`` columns) in one slice; a ``None`` key
+    matches every row (old runs have one slice), alpha within a relative 1e-12 as :func:`probe.query.where`."""
+    keep = np.ones(len(frame), dtype=bool)
+    if space is not None:
+        keep &= (frame["space"] == space).fillna(False).to_numpy(dtype=bool)
+    if alpha is not None:
+        keep &= np.isclose(frame["alpha"].to_numpy(dtype=float), alpha, rtol=1e-12, atol=0)
+    return frame[keep]
+
+
 @dataclass
 class Run:
-    """A run directory as the report sees it.
+    """A run directory as the report sees it: a query over its rows, and the small answers it needs.
 
-    ``rows`` holds every row read (all spaces and alphas), with ``trivial`` filled in (``n_keys == 1``
-    where the column is missing or null: ``lambda* = alpha z`` by construction, so these rows are left
-    out of every statistic and histogram and only counted).  ``space`` and ``alpha`` name the main slice,
-    the one the main figures and the landing summary show.
+    ``table`` is the rows (:class:`probe.query.RunTable`: every slice, ``trivial`` filled in from ``n_keys``
+    where a run did not record it).  Trivial rows (``n_keys == 1``: ``lambda* = alpha z`` by construction)
+    are left out of every statistic and histogram and only counted.  ``census`` counts the rows of every
+    (space, alpha, attention type, layer, head): ``rows``, ``trivial``, ``non_converged``, ``measured``
+    (non-trivial rows with a deviation), ``present_<column>`` (non-trivial rows where an optional column
+    has a value) and, for the second-order figure, ``pairs`` (non-trivial rows with both deviations),
+    ``pairs_better`` (those whose second-order deviation is the smaller) and ``pairs_max`` (the larger
+    maximum of the two).  ``space`` and ``alpha`` name the main slice, the one the main figures and the
+    landing summary show.
     """
 
     run_dir: Path
     manifest: dict
     name: str  # the model, as titles show it
     dataset: str  # the data, as titles show it
-    rows: pd.DataFrame
+    table: RunTable
+    census: pd.DataFrame
     space: str | None
     alpha: float | None
     notes: list[str] = field(default_factory=list)  # problems to show prominently on the page
+    memo: dict = field(default_factory=dict, repr=False, compare=False)  # answers of figure-level questions
+
+    # ---- what the run holds
+
+    @property
+    def main_where(self) -> str:
+        """SQL: the rows of the main slice (trivial ones included)."""
+        return where(space=self.space, alpha=self.alpha)
+
+    @property
+    def measured_where(self) -> str:
+        """SQL: the main slice without its trivial rows: what statistics and histograms are over."""
+        return where(space=self.space, alpha=self.alpha, trivial=False)
 
     @cached_property
-    def main(self) -> pd.DataFrame:
-        """The rows of the main slice (trivial ones included; see :attr:`measured`)."""
-        return select_slice(self.rows, self.space, self.alpha)
-
-    @cached_property
-    def measured(self) -> pd.DataFrame:
-        """The main slice without its trivial rows: what statistics and histograms are over."""
-        return self.main[~self.main["trivial"]]
+    def main_census(self) -> pd.DataFrame:
+        """The census of the main slice."""
+        return in_slice(self.census, self.space, self.alpha)
 
     @cached_property
     def types(self) -> list[str]:
-        return ordered_types(self.rows["attention_type"].unique()) if len(self.rows) else []
+        return ordered_types(self.census["attention_type"].dropna().unique()) if len(self.census) else []
 
     @property
     def spaces(self) -> list[str]:
-        return sorted(str(s) for s in self.rows["space"].dropna().unique())
+        return sorted(str(s) for s in self.census["space"].dropna().unique())
 
     @property
     def alphas(self) -> list[float]:
-        return sorted(float(a) for a in self.rows["alpha"].dropna().unique())
+        return sorted(float(a) for a in self.census["alpha"].dropna().unique())
 
-    def has(self, column: str, frame: pd.DataFrame | None = None) -> bool:
-        """Whether ``column`` exists with at least one non-null value (in the main slice by default)."""
-        frame = self.main if frame is None else frame
-        return column in frame.columns and bool(frame[column].notna().any())
+    def counts(self, attention_type: str | None = None, *, main: bool = True) -> dict[str, int]:
+        """``rows``, ``trivial``, ``non_converged`` and ``measured`` of the main slice (``main=False``: of
+        every slice), of one attention type or all."""
+        census = self.main_census if main else self.census
+        if attention_type is not None:
+            census = census[census["attention_type"] == attention_type]
+        return {k: int(census[k].sum()) for k in ("rows", "trivial", "non_converged", "measured")}
+
+    def layers(self, attention_type: str, *, measured: bool = False) -> list[int]:
+        """The layers of one attention type in the main slice (trivial rows included; ``measured``: only
+        layers with non-trivial rows)."""
+        census = self.main_census
+        census = census[census["attention_type"] == attention_type]
+        if measured:
+            census = census[census["rows"] > census["trivial"]]
+        return sorted(int(v) for v in census["layer"].unique())
+
+    def heads(self, attention_type: str) -> list[int]:
+        census = self.main_census
+        return sorted(int(v) for v in census.loc[census["attention_type"] == attention_type, "head"].unique())
+
+    def has(self, column: str, attention_type: str | None = None) -> bool:
+        """Whether the main slice's non-trivial rows (of one attention type) have a value of ``column``."""
+        census = self.main_census
+        if attention_type is not None:
+            census = census[census["attention_type"] == attention_type]
+        present = f"present_{column}"
+        return present in census.columns and bool(census[present].sum() > 0)
+
+    # ---- the questions several parts of the report ask
+
+    @cached_property
+    def deviation(self) -> dict[str, pd.DataFrame]:
+        """The relative deviation's statistics over the non-trivial rows of every slice, per level of
+        :data:`LEVEL_KEYS` (and ``role``: per token role and layer, when the run has roles): count, mean,
+        min, max, the share above :data:`FAR`, :data:`QUANTILES`, :data:`WHISKERS` and ``top``, the
+        explorer's :data:`probe.report.explorer.WORST_ROWS`-th largest value.  Two passes over the rows."""
+        from .explorer import WORST_ROWS
+
+        levels = dict(LEVEL_KEYS)
+        if any(self.has("token_role", t) for t in self.types):
+            levels["role"] = SLICE + ("attention_type", "token_role", "layer")
+        frames = self.table.stats(
+            "rel_deviation", list(levels.values()), where(trivial=False),
+            quantiles=QUANTILES, ranks={**WHISKERS, "top": Rank("top", k=WORST_ROWS)},
+            above={f"share_above_{FAR:g}": FAR},
+        )
+        return dict(zip(levels, frames))
+
+    def main_deviation(self, level: str, attention_type: str | None = None) -> pd.DataFrame:
+        """:attr:`deviation` at one level in the main slice (of one attention type)."""
+        frame = in_slice(self.deviation[level], self.space, self.alpha)
+        return frame if attention_type is None else frame[frame["attention_type"] == attention_type]
+
+    @cached_property
+    def averaged_table(self) -> Table:
+        """The head-averaged values: per (space, alpha, attention type, layer, example, query), the mean
+        deviation over the layer's heads of the non-trivial rows (``value``, null where every row is
+        trivial) and whether a trivial row is among them (``trivial``); written once to a scratch file."""
+        return self.table.derive("averaged", (
+            "SELECT space, alpha, attention_type, layer, example, query, "
+            "avg(rel_deviation) FILTER (WHERE NOT trivial) AS value, bool_or(trivial) AS trivial "
+            f"FROM {self.table.relation_name} GROUP BY ALL"
+        ))
+
+    @cached_property
+    def averaged(self) -> dict[str, pd.DataFrame]:
+        """Statistics of the head-averaged values per layer (``layer``) and pooled per slice (``slice``),
+        every slice, as :attr:`deviation` has them."""
+        frames = self.averaged_table.stats(
+            "value", [LEVEL_KEYS["layer"], LEVEL_KEYS["slice"]], quantiles=QUANTILES,
+            above={f"share_above_{FAR:g}": FAR},
+        )
+        return {"layer": frames[0], "slice": frames[1]}
+
+    @cached_property
+    def groups(self) -> dict[str, pd.DataFrame]:
+        """Sizes, value counts, sums and counts above the type's 95th percentile of the main slice's
+        non-trivial rows, grouped by what findings and breakdowns ask about: ``token_role``, ``query``,
+        ``token``, ``head`` (layer, head) and ``position`` (layer, query), each within its attention type.
+        Columns: the keys, ``rows``, ``count`` (rows with a deviation), ``sum``, ``above_p95``.  One pass."""
+        p95 = self.main_deviation("type")
+        cases = " ".join(f"WHEN {literal(t)} THEN {literal(float(v))}"
+                         for t, v in zip(p95["attention_type"], p95["p95"]))
+        threshold = f"CASE attention_type {cases} END" if cases else "NULL"
+        kinds = {"token_role": ("token_role",), "token": ("token",), "head": ("layer", "head"),
+                 "position": ("layer", "query")}
+        frames = dict(zip(kinds, self.table.aggregate(
+            {"rows": "CAST(count(*) AS BIGINT)", "count": "CAST(count(rel_deviation) AS BIGINT)",
+             "sum": "fsum(rel_deviation)", "above_p95": f"CAST(count_if(rel_deviation > {threshold}) AS BIGINT)"},
+            [("attention_type",) + keys for keys in kinds.values()], self.measured_where)))
+        frames["query"] = frames["position"].groupby(["attention_type", "query"], as_index=False)[
+            ["rows", "count", "sum", "above_p95"]].sum()
+        return frames
+
+    @cached_property
+    def quantities(self) -> dict[str, pd.DataFrame]:
+        """Statistics of the other measured quantities (:data:`QUANTITIES`) and of the drivers the breakdowns
+        draw against (:data:`DRIVERS`) that the run has, over the main slice's non-trivial rows (a driver's
+        only where the row has a deviation), per (quantity, attention type, layer) (``layer``) and (quantity,
+        attention type) (``type``): count, mean, min, max, the number of distinct values (``distinct``, where
+        pass 1 sees it), and for quantities :data:`QUANTILES` and :data:`WHISKERS`, for drivers (per type)
+        the :data:`DRIVER_QUANTILES` that bin them.
+        Two passes over the rows for all of them."""
+        present = [column for column in QUANTITIES + tuple(DRIVERS) if self.has(column)]
+        if not present:
+            empty = pd.DataFrame(columns=["quantity", "attention_type", "layer", "count", "mean", "max", "p95"])
+            return {"layer": empty, "type": empty.drop(columns="layer")}
+        stacked = Table(self.table.connection, "(" + " UNION ALL ".join(  # one scan each: cheaper than UNPIVOT
+            f"SELECT attention_type, layer, {literal(c)} AS quantity, CAST({c} AS DOUBLE) AS value "
+            f"FROM {self.table.relation_name} WHERE {self.measured_where} AND {c} IS NOT NULL"
+            + ("" if c in QUANTITIES else " AND rel_deviation IS NOT NULL") for c in present) + ")", self.table.path)
+        def needed(statistic: str, grouping: int, table: pd.DataFrame) -> np.ndarray:
+            """Drivers: their quantile bins, per attention type; quantities: the box plots', per layer."""
+            driver = table["quantity"].isin(list(DRIVERS)).to_numpy()
+            return driver & (grouping == 1) if statistic in DRIVER_QUANTILES else ~driver
+
+        layer, by_type = stacked.stats(
+            "value", [("quantity", "attention_type", "layer"), ("quantity", "attention_type")],
+            quantiles={**QUANTILES, **DRIVER_QUANTILES}, ranks=WHISKERS, distinct=True, needed=needed)
+        return {"layer": layer, "type": by_type}
+
+    # ---- words
 
     @property
     def slice_text(self) -> str:
@@ -116,102 +286,32 @@ class Run:
         return f"{self.name} · {shorten(self.dataset, 40)} · {self.slice_text}"
 
 
-def select_slice(rows: pd.DataFrame, space: str | None, alpha: float | None) -> pd.DataFrame:
-    """Rows of one (space, alpha) slice; a ``None`` key matches every row (old runs have one slice)."""
-    keep = np.ones(len(rows), dtype=bool)
-    if space is not None:
-        keep &= (rows["space"] == space).to_numpy()
-    if alpha is not None:
-        keep &= np.isclose(rows["alpha"].to_numpy(dtype=float), alpha, rtol=1e-12, atol=0)
-    return rows[keep]
-
-
-def main_slice(rows: pd.DataFrame) -> tuple[str | None, float | None]:
+def main_slice(census: pd.DataFrame) -> tuple[str | None, float | None]:
     """The slice the main figures show: alpha = 1 if present (else the smallest alpha), space "hidden"
     if present (else the first in sorted order)."""
-    spaces = sorted(str(s) for s in rows["space"].dropna().unique())
-    alphas = sorted(float(a) for a in rows["alpha"].dropna().unique())
+    spaces = sorted(str(s) for s in census["space"].dropna().unique())
+    alphas = sorted(float(a) for a in census["alpha"].dropna().unique())
     space = "hidden" if "hidden" in spaces else (spaces[0] if spaces else None)
     alpha = 1.0 if any(np.isclose(a, 1.0) for a in alphas) else (alphas[0] if alphas else None)
     return space, alpha
 
 
-# --------------------------------------------------------------------------------------------------
-# the table
-
-
-def _type_kind(arrow_type: pa.DataType) -> str:
-    """Coarse kind of an Arrow type (dictionary-encoded columns count as their values)."""
-    if pa.types.is_dictionary(arrow_type):
-        arrow_type = arrow_type.value_type
-    for kind, test in (
-        ("boolean", pa.types.is_boolean),
-        ("integer", pa.types.is_integer),
-        ("floating", pa.types.is_floating),
-        ("string", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
-        ("null", pa.types.is_null),
-    ):
-        if test(arrow_type):
-            return kind
-    return str(arrow_type)
-
-
-def _schema(path: Path, files=None) -> pa.Schema:
-    """The Arrow schema of a run's part files (or of one exported parquet file)."""
-    dataset = deviations_dataset(path, files)
-    if path.is_dir() and not dataset.files:
-        raise ProbeError(f"{path} holds no parquet part files. {RUN_HINT}")
-    return dataset.schema
-
-
-def read_deviations(path: Path, files=None) -> pd.DataFrame:
-    """The columns the report uses, from a parquet file or a directory of part files (``files``: the
-    part files to read, as :func:`probe.storage.require_intact` passed them; default: all).
-
-    Checks that the needed columns exist with the right types; optional columns are read when present
-    (all-null columns, as written before the pipeline computes them, come back as NaN / None).
-    """
-    try:
-        schema = _schema(path, files)
-    except (pa.ArrowException, OSError) as error:
-        raise ProbeError(f"Cannot read {path} as parquet ({error}). {RUN_HINT}") from None
-    missing = [name for name in NEEDED_COLUMNS if name not in schema.names]
-    if missing:
-        raise ProbeError(
-            f"{path} lacks the column(s) {', '.join(missing)} (it has: {', '.join(schema.names) or 'none'}). "
-            "The report needs the deviations table written by `probe run`; re-run it with this version of probe."
-        )
-    columns = list(NEEDED_COLUMNS) + [name for name in OPTIONAL_COLUMNS + LEGACY_COLUMNS if name in schema.names]
-    wrong = [
-        f"{name} is {schema.field(name).type}, expected {DEVIATION_SCHEMA.field(name).type}"
-        for name in columns
-        if name not in LEGACY_COLUMNS and _type_kind(schema.field(name).type) not in (_type_kind(DEVIATION_SCHEMA.field(name).type), "null")
-    ]
-    if wrong:
-        raise ProbeError(f"{path} has columns of the wrong type: {'; '.join(wrong)}. Re-run `probe run`.")
-    dictionary = [name for name in DICTIONARY_COLUMNS if name in columns]
-    try:
-        table = deviations_dataset(path, files).to_table(columns=columns)
-        for name in dictionary:  # strings repeated on every row: categoricals, small however many rows
-            table = table.set_column(table.schema.get_field_index(name), name, table[name].dictionary_encode())
-    except (pa.ArrowException, OSError) as error:
-        raise ProbeError(f"Cannot read the data in {path} ({error}). {RUN_HINT}") from None
-    return _normalise(table.to_pandas())
-
-
-def _normalise(rows: pd.DataFrame) -> pd.DataFrame:
-    """Fill what old runs lack: ``trivial`` from ``n_keys``, and null ``space`` / ``alpha`` columns."""
-    for name in ("space", "alpha", "token", "token_role", "n_keys"):
-        if name not in rows.columns:
-            rows[name] = None if name in ("space", "token", "token_role") else np.nan
-    trivial = rows["trivial"] if "trivial" in rows.columns else pd.Series(pd.NA, index=rows.index, dtype="boolean")
-    from_keys = pd.Series(pd.to_numeric(rows["n_keys"], errors="coerce") == 1, index=rows.index)
-    rows["trivial"] = trivial.astype("boolean").fillna(from_keys).astype(bool)
-    rows["converged"] = rows["converged"].astype(bool)
-    for name in ("space", "token", "token_role", "attention_type"):
-        if isinstance(rows[name].dtype, pd.CategoricalDtype):
-            rows[name] = rows[name].cat.remove_unused_categories()
-    return rows
+def census(table: RunTable) -> pd.DataFrame:
+    """Row counts per (space, alpha, attention type, layer, head): see :class:`Run`.  One pass."""
+    paired = "NOT trivial AND rel_deviation IS NOT NULL AND second_order_deviation IS NOT NULL"
+    counted = {
+        "rows": "count(*)", "trivial": "count_if(trivial)", "non_converged": "count_if(NOT converged)",
+        "measured": "count(rel_deviation) FILTER (WHERE NOT trivial)",
+        **{f"present_{c}": f"count({c}) FILTER (WHERE NOT trivial)" for c in OPTIONAL_COLUMNS
+           if c not in ("alpha", "space", "trivial")},
+        "pairs": f"count(*) FILTER (WHERE {paired})",
+        "pairs_better": f"count_if(second_order_deviation < rel_deviation) FILTER (WHERE {paired})",
+    }
+    (frame,) = table.aggregate(
+        {**{k: f"CAST({v} AS BIGINT)" for k, v in counted.items()},
+         "pairs_max": f"greatest(max(rel_deviation) FILTER (WHERE {paired}), "
+                      f"max(second_order_deviation) FILTER (WHERE {paired}))"}, [LEVEL_KEYS["head"]])
+    return frame
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,8 +349,8 @@ def model_name(manifest: dict, rows: pd.DataFrame | None = None) -> str:
     """The run as a reader knows it: the name given with ``probe run --name``; else the model's real
     name as the run recorded it (``model.name``, read from its files by :mod:`probe.naming`), its hub id,
     or the name of its directory for a local model (runs written before names were recorded); for the
-    oldest runs, the ``model`` column of ``rows``.  A random-initialisation control (``init`` in the
-    manifest) is marked as such."""
+    oldest runs, the ``model`` column of ``rows`` (a frame with at least one of its values).  A
+    random-initialisation control (``init`` in the manifest) is marked as such."""
     given = lookup(manifest, "config", "name")
     if isinstance(given, str) and given.strip():
         return given
@@ -312,29 +412,52 @@ def shorten(text: str, limit: int = 32) -> str:
 
 def note_data_problems(run: Run) -> None:
     """Page warnings for an empty or interrupted run, non-converged solves and a failed fidelity check."""
-    rows = run.rows
-    if rows.empty:
+    counts = run.counts(main=False)
+    if not counts["rows"]:
         run.notes.append("No data: the deviations table has no rows, so there are no figures or statistics.")
     status = lookup(run.manifest, "status")
     if isinstance(status, str) and status != "complete":
         run.notes.append(f"The run's status is '{status}': the statistics cover only the batches it finished.")
-    non_converged = int((~rows["converged"]).sum())
-    if non_converged:
+    if counts["non_converged"]:
         run.notes.append(
-            f"{non_converged:,} of {len(rows):,} rows did not meet the solver's certificate; "
+            f"{counts['non_converged']:,} of {counts['rows']:,} rows did not meet the solver's certificate; "
             "they are included in every figure and statistic."
         )
     if lookup(run.manifest, "fidelity", "passed") is False:
         run.notes.append("The fidelity check failed: reconstructed attention differs from the model's.")
 
 
-def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: bool = False) -> Run:
-    """Read a run directory (``deviations.parquet`` file or directory, and ``manifest.json``).
+def open_table(run_dir: Path, manifest: dict, problem: str | None, *, allow_damaged: bool = False,
+               connection=None, view: str = "rows") -> tuple[RunTable, list[str]]:
+    """A run directory's rows as a query, and the notes to show for them.  A directory of part files with a
+    manifest is checked first (:func:`probe.storage.require_intact`): a damaged one is refused, or with
+    ``allow_damaged`` read without its damaged parts under a banner; without a usable manifest every part
+    file is read."""
+    table_path = run_dir / "deviations.parquet"
+    notes, files, check = [], None, None
+    if table_path.is_dir():
+        if not problem:
+            check = require_intact(run_dir, manifest, allow_damaged=allow_damaged)
+            files = list(check.readable.values())
+            if check.damaged:
+                warnings.warn(check.banner(), DamagedRunWarning, stacklevel=3)
+                notes.append(check.banner())
+        table = RunTable(table_path, files, connection=connection, view=view, check=check)
+        if not table.files:
+            raise ProbeError(f"{table_path} holds no parquet part files. {RUN_HINT}")
+        return table, notes
+    return RunTable(table_path, connection=connection, view=view), notes
+
+
+def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: bool = False, connection=None,
+             view: str = "rows") -> Run:
+    """Read a run directory (``deviations.parquet`` file or directory, and ``manifest.json``) as a query.
 
     Raises :class:`ProbeError` when the directory or its table is missing or unreadable; a missing or
     invalid manifest only warns (on the page and through :mod:`warnings`).  A run of part files with a
     manifest is checked first (:func:`probe.storage.require_intact`): a damaged one is refused, or with
-    ``allow_damaged`` read without its damaged parts under a banner on the page.
+    ``allow_damaged`` read without its damaged parts under a banner on the page.  Reads one pass of the
+    rows (the census); ``connection`` and ``view``: a DuckDB connection and view name to share (compare).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -350,24 +473,23 @@ def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: boo
         )
     manifest, problem = load_manifest(run_dir / MANIFEST)
     manifest = with_liveness(manifest)  # a "running" run whose process is gone was interrupted
-    notes, files = [], None
-    if table_path.is_dir() and not problem:
-        check = require_intact(run_dir, manifest, allow_damaged=allow_damaged)
-        files = list(check.readable.values())
-        if check.damaged:
-            warnings.warn(check.banner(), DamagedRunWarning, stacklevel=3)
-            notes.append(check.banner())
-    rows = read_deviations(table_path, files)
+    table, notes = open_table(run_dir, manifest, problem, allow_damaged=allow_damaged, connection=connection,
+                              view=view)
     if problem:
-        warnings.warn(problem, stacklevel=3)
+        warnings.warn(problem, stacklevel=2)
         notes.append(problem)
-    space, alpha = main_slice(rows)
+    counted = census(table)
+    space, alpha = main_slice(counted)
+    legacy = None
+    if "model" in (table.schema.names if table.schema is not None else []):
+        legacy = table.frame(f"SELECT model FROM {table.relation_name} WHERE model IS NOT NULL LIMIT 1")
     run = Run(
         run_dir=run_dir,
         manifest=manifest,
-        name=name.strip() if name and name.strip() else model_name(manifest, rows),
+        name=name.strip() if name and name.strip() else model_name(manifest, legacy),
         dataset=dataset_text(manifest),
-        rows=rows,
+        table=table,
+        census=counted,
         space=space,
         alpha=alpha,
         notes=notes,
@@ -380,23 +502,27 @@ def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: boo
 # the query tokens' context
 
 
-def token_sequences(main: pd.DataFrame, keys: set[tuple[str, int]]) -> dict[tuple[str, int], list[str]]:
+def token_sequences(run: Run, keys: set[tuple[str, int]]) -> dict[tuple[str, int], list[str]]:
     """The query tokens of each wanted (attention type, example), in query order.
 
-    Every real token of a sequence is a query of every head, so one head's rows spell the sequence out;
-    the run directory need not hold the texts.  Empty when the table has no ``token`` column values.
+    Every real token of a sequence is a query of every head, so one head's rows spell the sequence out
+    (read from the main slice's first layer and head of the type); the run directory need not hold the
+    texts.  Empty when the table has no ``token`` values.
     """
-    if not keys or "token" not in main.columns or main["token"].isna().all():
+    if not keys or not any(run.has("token", t) for t in run.types):
         return {}
-    pairs = pd.MultiIndex.from_arrays([main["attention_type"].astype(str), main["example"]])
-    subset = main.loc[pairs.isin(list(keys)), ["attention_type", "example", "query", "token"]]
-    subset = subset.assign(attention_type=subset["attention_type"].astype(str)).drop_duplicates(
-        ["attention_type", "example", "query"]
-    )
     sequences = {}
-    for (attention_type, example), group in subset.sort_values("query").groupby(["attention_type", "example"]):
-        tokens = [None] * (int(group["query"].max()) + 1)
-        for query, token in zip(group["query"], group["token"]):
-            tokens[int(query)] = None if pd.isna(token) else str(token)
-        sequences[(str(attention_type), int(example))] = ["" if t is None else t for t in tokens]
+    for attention_type in sorted({t for t, _ in keys}):
+        examples = sorted({e for t, e in keys if t == attention_type})
+        layer, head = run.layers(attention_type)[0], run.heads(attention_type)[0]
+        rows = run.table.frame(
+            f"SELECT example, query, min(token) AS token FROM {run.table.relation_name} WHERE "
+            f"{both(run.main_where, where(attention_type=attention_type, layer=layer, head=head, example=examples))} "
+            "GROUP BY ALL ORDER BY example, query"
+        )
+        for example, group in rows.groupby("example", sort=True):
+            tokens = [""] * (int(group["query"].max()) + 1)
+            for query, token in zip(group["query"], group["token"]):
+                tokens[int(query)] = "" if pd.isna(token) else str(token)
+            sequences[(attention_type, int(example))] = tokens
     return sequences

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from .data import TARGET_QUERY_TYPES, Run, lookup, token_sequences, type_label
-from .style import CMAP, Scale
+from .style import CMAP, Scale, counts_on
 
 #: Rows listed per head, worst first.
 WORST_ROWS = 8
@@ -57,36 +57,41 @@ def recover_texts(manifest: dict) -> dict[int, str]:
     return dict(zip(texts.indices, texts.texts))
 
 
+def worst_rows(run: Run) -> pd.DataFrame:
+    """The :data:`WORST_ROWS` rows of largest deviation of each head in the main slice (ties: the earlier
+    example and query first), with their token, role and number of keys: one pass, given each head's
+    threshold (:attr:`Run.deviation`'s ``top``)."""
+    thresholds = run.main_deviation("head").rename(columns={"top": "threshold"})
+    return run.table.top_rows("rel_deviation", WORST_ROWS, ("attention_type", "layer", "head"), run.measured_where,
+                              columns=("example", "query", "token", "token_role", "n_keys"),
+                              order=("example", "query"), thresholds=thresholds)
+
+
 def payload(run: Run, head_stats: pd.DataFrame, scale: Scale, texts: dict[int, str] | None = None) -> dict:
     """The explorer's data: per attention type and head, statistics, histogram counts and worst rows."""
-    measured, main = run.measured, run.main
+    from .figures import head_histograms
+
     edges = scale.head_edges
-    worst = (
-        measured.sort_values("rel_deviation", ascending=False, kind="stable")
-        .groupby(["attention_type", "layer", "head"], observed=True, sort=False)
-        .head(WORST_ROWS)
-    )
+    worst = worst_rows(run)
     needed = {(str(t), int(e)) for t, e in zip(worst["attention_type"], worst["example"])}
-    contexts = token_sequences(main, needed)
+    contexts = token_sequences(run, needed)
     texts = texts or {}
+    counted = head_histograms(run, edges)
+    trivial = run.main_census.groupby(["attention_type", "layer", "head"])["trivial"].sum()
     types = {}
     for attention_type in run.types:
         stats = head_stats[head_stats["attention_type"] == attention_type].set_index(["layer", "head"])
-        rows = measured[measured["attention_type"] == attention_type]
-        trivial = main[(main["attention_type"] == attention_type) & main["trivial"]].groupby(["layer", "head"]).size()
-        counts = {key: np.histogram(group.dropna().to_numpy(dtype=float), bins=edges)[0]
-                  for key, group in rows.groupby(["layer", "head"])["rel_deviation"]}
         type_worst = worst[worst["attention_type"] == attention_type]
         cells = {}
         for (layer, head), stat in stats.iterrows():
             head_worst = type_worst[(type_worst["layer"] == layer) & (type_worst["head"] == head)]
             cells[f"{layer}/{head}"] = {
                 "count": int(stat["count"]),
-                "trivial": int(trivial.get((layer, head), 0)),
+                "trivial": int(trivial.get((attention_type, layer, head), 0)),
                 "mean": _round(stat["mean"]),
                 "p95": _round(stat["p95"]),
                 "max": _round(stat["max"]),
-                "counts": counts.get((layer, head), np.zeros(len(edges) - 1, dtype=int)).tolist(),
+                "counts": counts_on(edges, counted, attention_type, layer, head).tolist(),
                 "worst": [
                     [int(r.example), int(r.query), None if pd.isna(r.token) else str(r.token),
                      None if pd.isna(r.token_role) else str(r.token_role),
@@ -168,7 +173,7 @@ def _legend(scale: Scale) -> str:
 
 def filters(run: Run) -> str:
     """Buttons that filter the page by attention type and by layer."""
-    layers = sorted({int(v) for v in run.main["layer"].unique()}) if len(run.main) else []
+    layers = sorted({int(v) for v in run.main_census["layer"].unique()})
     type_buttons = "".join(
         f'<button type="button" class="filter" data-filter="type" data-value="{html.escape(t)}">'
         f"{html.escape(type_label(t))}</button>"

@@ -22,10 +22,10 @@ import seaborn as sns
 from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator, NullFormatter
 
 from .breakdowns import position_grid
-from .data import Run, type_label
+from .data import Run, in_slice, type_label
 from .style import (
-    CMAP, DEVIATION_LABEL, Drawn, Scale, draw_counts, ecdf, file_stem, histogram,
-    layer_boxes, layer_colors, mark_mean_max, new_figure, shared_edges, stats_line, suptitle, wrap,
+    CMAP, DEVIATION_LABEL, ECDF_BINS, Drawn, Scale, counts_on, draw_counts, ecdf, file_stem, layer_boxes,
+    layer_colors, mark_mean_max, new_figure, shared_edges, stats_line, suptitle, wrap,
 )
 
 #: Heatmaps get a number in every cell up to this many heads and cells.
@@ -33,59 +33,80 @@ ANNOTATE_MAX_HEADS = 16
 ANNOTATE_MAX_CELLS = 400
 
 
-def head_averaged(rows: pd.DataFrame) -> pd.Series:
-    """Each (layer, example, query) value averaged over the layer's heads (non-trivial rows)."""
-    return rows.groupby(["layer", "example", "query"])["rel_deviation"].mean()
-
-
 def report_scale(run: Run, head_stats: pd.DataFrame) -> Scale:
     """The report's shared x range, bins and colour range, from the main slice's non-trivial rows.
 
     ``head_stats`` is the summary's head level in the main slice (its means and p95s are heatmap cells).
+    The bins come from exact quantiles (:attr:`Run.deviation`, :attr:`Run.averaged`), never from the rows.
     """
-    measured = run.measured
-    values = measured["rel_deviation"].to_numpy(dtype=float)
-    finite = values[np.isfinite(values)]
-    x_max = float(finite.max()) if finite.size else 1.0
+    pooled = run.main_deviation("slice")
+    finite_max = pooled["max"].to_numpy(dtype=float)
+    finite_max = finite_max[np.isfinite(finite_max)]
+    x_max = float(finite_max.max()) if finite_max.size else 1.0
     x_max = x_max if x_max > 0 else 1.0
-    averaged_panels, head_panels, color_values = [], [], [head_stats["mean"], head_stats["p95"]]
+    averaged = in_slice(run.averaged["layer"], run.space, run.alpha)
+    averaged = averaged[averaged["attention_type"].isin(run.types)]
+    heads = run.main_deviation("head")
+    pooled_averaged = in_slice(run.averaged["slice"], run.space, run.alpha)
+    first = lambda frame: frame.iloc[0].to_dict() if len(frame) else {"count": 0}  # noqa: E731
+    averaged_panels = averaged.to_dict("records")
+    head_panels = heads.to_dict("records")
+    edges = shared_edges(first(pooled_averaged) if averaged_panels else first(pooled), averaged_panels, x_max,
+                         n=int(np.median([p["count"] for p in averaged_panels] or [1])))
+    head_edges = shared_edges(first(pooled), head_panels, x_max,
+                              n=int(np.median([p["count"] for p in head_panels] or [1])))
+    color_values = [head_stats["mean"], head_stats["p95"]]
     for attention_type in run.types:
-        rows = measured[measured["attention_type"] == attention_type]
-        averaged = head_averaged(rows)
-        averaged_panels += [group.to_numpy() for _, group in averaged.groupby(level="layer")]
-        head_panels += [group.to_numpy(dtype=float) for _, group in rows.groupby(["layer", "head"])["rel_deviation"]]
-        color_values.append(position_grid(rows).stack())
-    pooled = np.concatenate(averaged_panels) if averaged_panels else finite
-    edges = shared_edges(pooled, averaged_panels, x_max, n=int(np.median([p.size for p in averaged_panels] or [1])))
-    head_edges = shared_edges(finite, head_panels, x_max, n=int(np.median([p.size for p in head_panels] or [1])))
+        color_values.append(position_grid(run, attention_type).stack())
     colors = pd.concat([pd.Series(v, dtype=float) for v in color_values]).dropna()
     color_max = float(colors.max()) if len(colors) and colors.max() > 0 else x_max
     return Scale(x_max=x_max, edges=edges, head_edges=head_edges, color_max=color_max)
 
 
-def _counts_line(rows: pd.DataFrame, main: pd.DataFrame) -> str:
+def _counts_line(counts: dict) -> str:
     """``N rows, T trivial left out, C not converged`` for one attention type."""
     return (
-        f"{len(main):,} rows, {int(main['trivial'].sum()):,} trivial (one key) left out, "
-        f"{int((~main['converged']).sum()):,} not converged"
+        f"{counts['rows']:,} rows, {counts['trivial']:,} trivial (one key) left out, "
+        f"{counts['non_converged']:,} not converged"
     )
+
+
+def layer_histograms(run: Run, edges: np.ndarray) -> pd.DataFrame:
+    """Counts of the head-averaged values of the main slice per (attention type, layer) on ``edges``."""
+    key = ("layer_histograms", edges.tobytes())
+    if key not in run.memo:
+        run.memo[key] = run.averaged_table.histogram(
+            "value", edges, ("attention_type", "layer"), f"({run.main_where}) AND value IS NOT NULL")
+    return run.memo[key]
+
+
+def head_histograms(run: Run, edges: np.ndarray) -> pd.DataFrame:
+    """Counts of the main slice's non-trivial deviations per (attention type, layer, head) on ``edges``."""
+    key = ("head_histograms", edges.tobytes())
+    if key not in run.memo:
+        run.memo[key] = run.table.histogram("rel_deviation", edges, ("attention_type", "layer", "head"),
+                                            run.measured_where)
+    return run.memo[key]
+
+
+def ecdf_edges(x_end: float) -> np.ndarray:
+    """The fine bins an ECDF over 0 to ``x_end`` is drawn from."""
+    return np.linspace(0.0, x_end if x_end > 0 else 1.0, ECDF_BINS + 1)
 
 
 def overview_figure(run: Run, scale: Scale) -> Drawn:
     """Box plots per layer over every non-trivial row, one panel per attention type, y axis from 0 shared."""
     types = run.types
-    measured, main = run.measured, run.main
-    layers = {t: sorted(main.loc[main["attention_type"] == t, "layer"].unique()) for t in types}
+    layers = {t: run.layers(t) for t in types}
     widths = [max(len(layers[t]), 4) for t in types]
     figure = new_figure(min(24.0, max(6.5, 0.55 * sum(widths) + 1.0 * len(types) + 1.0)), 5.0)
     axes = figure.subplots(1, len(types), sharey=True, squeeze=False, width_ratios=widths)[0]
     for ax, attention_type in zip(axes, types, strict=True):
-        rows = measured[measured["attention_type"] == attention_type]
-        layer_boxes(ax, rows, "rel_deviation", layers[attention_type])
-        type_rows = main[main["attention_type"] == attention_type]
+        layer_boxes(ax, run.main_deviation("layer", attention_type), layers[attention_type])
+        counts = run.counts(attention_type)
         ax.set_title(
-            f"{type_label(attention_type)}\n{len(type_rows):,} rows\n{int(type_rows['trivial'].sum()):,} trivial left out"
-            f"\n{int((~type_rows['converged']).sum()):,} not converged"
+            f"{type_label(attention_type)}\n{counts['rows']:,} rows\n{counts['trivial']:,} trivial left out"
+            f"\n{counts['non_converged']:,} not converged"
         )
         ax.set_xlabel("layer")
     axes[0].set_ylim(0, scale.x_max * 1.06)
@@ -103,33 +124,36 @@ def overview_figure(run: Run, scale: Scale) -> Drawn:
 
 def layers_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
     """Per-layer histograms of the head-averaged deviation, then all layers on log y, then their ECDFs."""
-    main = run.main[run.main["attention_type"] == attention_type]
-    rows = run.measured[run.measured["attention_type"] == attention_type]
-    averaged = head_averaged(rows)
-    layers = sorted(averaged.index.get_level_values("layer").unique())
-    per_layer = {layer: averaged.xs(layer, level="layer").to_numpy() for layer in layers}
+    stats = in_slice(run.averaged["layer"], run.space, run.alpha)
+    stats = stats[stats["attention_type"] == attention_type].set_index("layer")
+    layers = sorted(int(layer) for layer in stats.index)
+    edges = scale.edges
+    counted = layer_histograms(run, edges)
+    counts = {layer: counts_on(edges, counted, attention_type, layer) for layer in layers}
+    fine = ecdf_edges(scale.x_end)
+    fine_counts = layer_histograms(run, fine)
     ncols = 3 if len(layers) + 2 <= 12 else 4
     nrows = math.ceil((len(layers) + 2) / ncols)
     figure = new_figure(3.1 * ncols + 0.9, 2.45 * nrows + 1.4)
     axes = figure.subplots(nrows, ncols, squeeze=False).ravel()
     for ax in axes[len(layers) + 2 :]:
         ax.remove()
-    edges = scale.edges
-    top = max([np.histogram(v, bins=edges)[0].max() for v in per_layer.values()] or [1]) * 1.05
+    top = max([c.max() for c in counts.values()] or [1]) * 1.05
     colors = dict(zip(layers, layer_colors(len(layers))))
     for ax, layer in zip(axes, layers):
-        values = per_layer[layer]
-        histogram(ax, values, edges)
-        mark_mean_max(ax, values)
+        row = stats.loc[layer]
+        draw_counts(ax, counts[layer], edges)
+        mark_mean_max(ax, row["mean"], row["max"])
         ax.set_xlim(0, scale.x_end)
         ax.set_ylim(0, top)
-        ax.set_title(f"layer {layer} · {values.size:,} head-averaged values\n{stats_line(values)}", fontsize="small")
+        ax.set_title(f"layer {layer} · {int(row['count']):,} head-averaged values\n"
+                     f"{stats_line(int(row['count']), row['mean'], row['p95'], row['max'])}", fontsize="small")
     if layers:
         log_ax, ecdf_ax = axes[len(layers)], axes[len(layers) + 1]
         for layer in layers:
-            counts, _ = np.histogram(per_layer[layer], bins=edges)
-            log_ax.stairs(np.where(counts > 0, counts, np.nan), edges, color=colors[layer], linewidth=1.1)
-            ecdf(ecdf_ax, per_layer[layer], color=colors[layer], linewidth=1.1, label=f"layer {layer}")
+            log_ax.stairs(np.where(counts[layer] > 0, counts[layer], np.nan), edges, color=colors[layer], linewidth=1.1)
+            ecdf(ecdf_ax, counts_on(fine, fine_counts, attention_type, layer), fine, color=colors[layer],
+                 linewidth=1.1, label=f"layer {layer}")
         log_ax.set_yscale("log")
         log_ax.set_xlim(0, scale.x_end)
         log_ax.set_title("every layer, log y (tails)", fontsize="small")
@@ -143,7 +167,7 @@ def layers_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
     figure.supxlabel(f"{DEVIATION_LABEL}, per query token averaged over the layer's heads")
     figure.supylabel("(example, query) values per bin")
     suptitle(
-        figure, f"{run.title} · {type_label(attention_type)}", _counts_line(rows, main),
+        figure, f"{run.title} · {type_label(attention_type)}", _counts_line(run.counts(attention_type)),
         f"red line: mean · ▲ maximum · {len(edges) - 1} bins (Freedman–Diaconis) · {scale.x_text}",
     )
     caption = (
@@ -160,18 +184,18 @@ def heads_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
     The panels get the same limits set by hand rather than shared axes, and a fixed grid rather than
     constrained layout: both cost time quadratic in the number of panels (144 for a 12 x 12 model).
     """
-    main = run.main[run.main["attention_type"] == attention_type]
-    rows = run.measured[run.measured["attention_type"] == attention_type]
-    layers = sorted(main["layer"].unique())
-    head_ids = sorted(main["head"].unique())
+    layers, head_ids = run.layers(attention_type), run.heads(attention_type)
     edges = scale.head_edges
-    groups = {key: group.to_numpy(dtype=float) for key, group in rows.groupby(["layer", "head"])["rel_deviation"]}
-    counts = {key: np.histogram(values[np.isfinite(values)], bins=edges)[0] for key, values in groups.items()}
+    stats = run.main_deviation("head", attention_type).set_index(["layer", "head"])
+    counted = head_histograms(run, edges)
+    counted = counted[counted["attention_type"] == attention_type]
+    counts = {key: counts_on(edges, counted, attention_type, *key) for key in stats.index}
     top = max([int(c.max()) for c in counts.values()] or [1])
     panel_w, panel_h = 1.75, 1.3
     width = max(7.0, panel_w * len(head_ids) + 1.6)
     title = "\n".join(
-        [wrap(f"{run.title} · {type_label(attention_type)}", width), wrap(_counts_line(rows, main), width),
+        [wrap(f"{run.title} · {type_label(attention_type)}", width),
+         wrap(_counts_line(run.counts(attention_type)), width),
          wrap(f"per head, log y shared by every panel · red line: mean · ▲ maximum · {scale.x_text}", width)]
     )
     title_h = 0.24 * (title.count("\n") + 1) + 0.55  # the title, then the "head k" panel titles
@@ -190,7 +214,7 @@ def heads_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
             ax = axes[row, col]
             if (layer, head) in counts:
                 draw_counts(ax, counts[(layer, head)], edges, log=True)
-                mark_mean_max(ax, groups[(layer, head)])
+                mark_mean_max(ax, stats.loc[(layer, head), "mean"], stats.loc[(layer, head), "max"])
             ax.set_yscale("log")
             ax.set_xlim(0, scale.x_end)
             ax.set_ylim(0.7, top * 1.8)

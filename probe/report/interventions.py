@@ -9,12 +9,14 @@ Every number is a mean over the examples of the run's ``interventions.parquet/``
 from __future__ import annotations
 
 import html
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from ..schema import INTERVENTION_KEY
+from ..query import Table, connect, name, parquet_source
+from ..schema import INTERVENTION_KEY, INTERVENTION_SCHEMA
 from .style import Drawn
 
 #: the effects shown, with how the table names their means
@@ -29,36 +31,78 @@ EFFECTS = {
 ORDER = ("exact", "second-order", "null", "model")
 
 
-def read_interventions(run_dir: Path, manifest: dict, *, allow_damaged: bool = False) -> pd.DataFrame | None:
-    """The run's intervention records (None for a run without ``--intervene``), checked like every table."""
-    from ..storage import INTERVENTIONS, read_interventions as read, run_tables
+def _records(source: str) -> str:
+    """The intervention records of ``source`` with NaN read as null (as pandas skips it)."""
+    columns = []
+    for field in INTERVENTION_SCHEMA:
+        column = name(field.name)
+        columns.append(f"CASE WHEN isnan({column}) THEN NULL ELSE {column} END AS {column}"
+                       if str(field.type) == "double" else column)
+    return f"(SELECT {', '.join(columns)} FROM {source})"
+
+
+def open_interventions(run_dir: Path, manifest: dict, *, allow_damaged: bool = False, connection=None) -> Table | None:
+    """The run's intervention records as a query (None for a run without ``--intervene`` or without records
+    yet), checked like every table (:func:`probe.storage.require_intact`)."""
+    from ..storage import INTERVENTIONS, DamagedRunWarning, require_intact, run_tables
 
     if INTERVENTIONS not in run_tables(manifest):
         return None
-    return read(run_dir, allow_damaged=allow_damaged).to_pandas()
+    check = require_intact(run_dir, manifest, allow_damaged=allow_damaged, table=INTERVENTIONS)
+    if check.damaged:
+        warnings.warn(check.banner(), DamagedRunWarning, stacklevel=2)
+    files = sorted(check.readable.values())
+    if not files:
+        return None
+    return Table(connection if connection is not None else connect(), _records(parquet_source(files)),
+                 Path(run_dir) / INTERVENTIONS)
 
 
-def _site_order(frame: pd.DataFrame) -> list[str]:
-    """Sites in forward order (attention type as the model meets it, then layer), the whole model last."""
-    per_site = frame[frame["site"] != "whole"].drop_duplicates("site")
-    per_site = per_site.sort_values(["attention_type", "layer"], kind="stable")
-    return list(per_site["site"]) + (["whole"] if (frame["site"] == "whole").any() else [])
-
-
-def effects_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """Mean effect per ``(space, alpha, site, substitute)`` over the examples: ``examples`` and the mean of
-    each effect (LM columns only where the model has an LM head); sites in forward order, whole last."""
-    columns = [c for c in EFFECTS if frame[c].notna().any()]
-    grouped = frame.groupby(["space", "alpha", "site", "substitute"], sort=False)
-    table = grouped[columns].mean().reset_index()
-    table.insert(4, "examples", grouped.size().to_numpy())
-    sites = {site: i for i, site in enumerate(_site_order(frame))}
+def effects(records: Table) -> tuple[pd.DataFrame, dict]:
+    """Mean effect per ``(space, alpha, site, substitute)`` over the examples of the intervention
+    ``records``: ``examples`` and the mean of each effect (LM columns only where the model has an LM head);
+    sites in forward order (attention type as the model meets it, then layer), the whole model last.  And
+    the facts the section states: ``pooling`` and ``lm_heads`` (the distinct values), ``examples``,
+    ``records``."""
+    source = records.relation_name
+    present = records.frame(f"SELECT {', '.join(f'count({name(c)}) AS {name(c)}' for c in EFFECTS)} FROM {source}")
+    columns = [c for c in EFFECTS if int(present[c].iloc[0]) > 0]
+    means = "".join(f", avg({name(c)}) AS {name(c)}" for c in columns)
+    table = records.frame(
+        f"SELECT space, alpha, site, substitute, CAST(count(*) AS BIGINT) AS examples{means} FROM {source} GROUP BY ALL"
+    )
+    sites = records.frame(
+        f"SELECT site FROM {source} WHERE site <> 'whole' GROUP BY site ORDER BY min(attention_type), min(layer), site"
+    )["site"].tolist() + ["whole"]
+    order = {site: i for i, site in enumerate(sites)}
     substitutes = {s: i for i, s in enumerate(ORDER)}
     table = table.sort_values(
         ["space", "alpha", "site", "substitute"], kind="stable",
-        key=lambda c: c.map(sites) if c.name == "site" else c.map(substitutes) if c.name == "substitute" else c,
-    )
-    return table.reset_index(drop=True)
+        key=lambda c: c.map(order) if c.name == "site" else c.map(substitutes) if c.name == "substitute" else c,
+    ).reset_index(drop=True)
+    facts = records.frame(
+        f"SELECT list(DISTINCT pooling ORDER BY pooling) FILTER (WHERE pooling IS NOT NULL) AS pooling, "
+        f"list(DISTINCT lm_head ORDER BY lm_head) FILTER (WHERE lm_head IS NOT NULL) AS lm_heads, "
+        f"CAST(count(DISTINCT example) AS BIGINT) AS examples, CAST(count(*) AS BIGINT) AS records FROM {source}"
+    ).iloc[0].to_dict()
+    facts = {"pooling": list(facts["pooling"] if facts["pooling"] is not None else []),
+             "lm_heads": list(facts["lm_heads"] if facts["lm_heads"] is not None else []),
+             "examples": int(facts["examples"]), "records": int(facts["records"])}
+    return table, facts
+
+
+def effects_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """:func:`effects` of intervention records given as a DataFrame (``Run.interventions``)."""
+    import pyarrow as pa
+
+    connection = connect()
+    try:
+        records = pa.Table.from_pandas(frame[list(INTERVENTION_SCHEMA.names)], schema=INTERVENTION_SCHEMA,
+                                       preserve_index=False)
+        connection.register("_interventions", records)
+        return effects(Table(connection, _records("_interventions")))[0]
+    finally:
+        connection.close()
 
 
 def side_by_side(table: pd.DataFrame, effect: str) -> pd.DataFrame:
@@ -109,16 +153,17 @@ def figure(table: pd.DataFrame, title: str) -> Drawn:
                  "exact posterior's total variation).", fig, wide=True)
 
 
-def section_html(table: pd.DataFrame, frame: pd.DataFrame, figure_html: str) -> str:
-    """The page's section: what was substituted, the figure, the side-by-side tables."""
+def section_html(table: pd.DataFrame, facts: dict, figure_html: str) -> str:
+    """The page's section: what was substituted, the figure, the side-by-side tables (``facts``: as
+    :func:`effects` returns them)."""
     esc = html.escape
-    pooling = ", ".join(sorted(frame["pooling"].dropna().unique()))
-    lm = frame["lm_head"].dropna().unique()
-    effects = [e for e in ("hidden_change", "embedding_cosine", "lm_loss", "top1_agreement") if e in table.columns]
+    pooling = ", ".join(facts["pooling"])
+    lm = facts["lm_heads"]
+    shown = [e for e in ("hidden_change", "embedding_cosine", "lm_loss", "top1_agreement") if e in table.columns]
     tables = "".join(
         f"<details{' open' if i == 0 else ''}><summary>{esc(effect)}: mean per site, substitutes side by side"
         f"</summary>{side_by_side(table, effect).to_html(index=False, border=0, na_rep='', float_format=lambda v: f'{v:.4g}', classes='stats')}</details>"
-        for i, effect in enumerate(effects)
+        for i, effect in enumerate(shown)
     )
     return (
         '<section id="interventions"><h2>Interventions</h2>'
@@ -127,23 +172,27 @@ def section_html(table: pd.DataFrame, frame: pd.DataFrame, figure_html: str) -> 
         f"model run on; <code>whole</code>: every site substituted at once, solved in order. Effects on the final "
         f"hidden states (hidden_change), the pooled embedding ({esc(pooling)} pooling; embedding_cosine)"
         f"{', and the ' + esc(lm[0]) + ' LM head (lm_loss, top1_agreement)' if len(lm) else ''}; means over "
-        f"{frame['example'].nunique()} examples, {len(frame):,} records in interventions.parquet (interventions.csv "
+        f"{facts['examples']} examples, {facts['records']:,} records in interventions.parquet (interventions.csv "
         f"holds this table).</p>{figure_html}{tables}</section>"
     )
 
 
-def compare_table(frames: list[pd.DataFrame], labels: list[str]) -> pd.DataFrame:
-    """The runs' :func:`effects_table` side by side: one row per (space, alpha, site, substitute) they share,
+def compare_effects(tables: list[pd.DataFrame], labels: list[str]) -> pd.DataFrame:
+    """Effects tables (:func:`effects`) side by side: one row per (space, alpha, site, substitute) they share,
     each effect's mean per run (columns ``effect [label]``)."""
-    tables = [effects_table(frame) for frame in frames]
     key = ["space", "alpha", "site", "substitute"]
     merged = None
     for table, label in zip(tables, labels):
-        effects = [c for c in EFFECTS if c in table.columns]
-        renamed = table[key + effects].rename(columns={e: f"{e} [{label}]" for e in effects})
+        shown = [c for c in EFFECTS if c in table.columns]
+        renamed = table[key + shown].rename(columns={e: f"{e} [{label}]" for e in shown})
         merged = renamed if merged is None else merged.merge(renamed, on=key, how="inner", sort=False)
     return merged
 
 
-__all__ = ["INTERVENTION_KEY", "effects_table", "side_by_side", "figure", "section_html", "compare_table",
-           "read_interventions"]
+def compare_table(frames: list[pd.DataFrame], labels: list[str]) -> pd.DataFrame:
+    """The runs' :func:`effects_table` side by side (records given as DataFrames; :func:`compare_effects`)."""
+    return compare_effects([effects_table(frame) for frame in frames], labels)
+
+
+__all__ = ["INTERVENTION_KEY", "effects", "effects_table", "side_by_side", "figure", "section_html",
+           "compare_effects", "compare_table", "open_interventions"]

@@ -18,7 +18,7 @@ import pandas as pd
 from .. import __version__
 from ..tokens import describe as describe_unknown
 from . import explorer
-from .data import Run, lookup, type_label
+from .data import QUANTILE_METHOD, Run, lookup, type_label
 from .style import Saved
 from .summary import FAR, headline, main_rows
 
@@ -79,10 +79,9 @@ def _format_value(value) -> str:
 
 def one_line(run: Run) -> str:
     """Model · data · rows · certification · fidelity, from the data and the manifest."""
-    rows = run.rows
-    main = run.main
-    trivial = int(main["trivial"].sum())
-    non_converged = int((~rows["converged"]).sum())
+    main = run.counts()
+    trivial = main["trivial"]
+    non_converged = run.counts(main=False)["non_converged"]
     certified = "every solve certified" if non_converged == 0 else f"{non_converged:,} solves not certified"
     bound = lookup(run.manifest, "solver", "max_relative_error_bound")
     if isinstance(bound, (int, float)) and not isinstance(bound, bool):
@@ -97,7 +96,7 @@ def one_line(run: Run) -> str:
     revision = lookup(run.manifest, "model", "revision")
     model = run.name + (f" @ {str(revision)[:12]}" if isinstance(revision, str) and revision else "")
     return (
-        f"<b>{html.escape(model)}</b> · {html.escape(run.dataset)} · {len(main):,} rows "
+        f"<b>{html.escape(model)}</b> · {html.escape(run.dataset)} · {main['rows']:,} rows "
         f"({trivial:,} trivial left out) · {html.escape(certified)} · {html.escape(fidelity_text)}"
     )
 
@@ -155,6 +154,7 @@ def layer_table(run: Run, summary: pd.DataFrame) -> str:
 
 def _facts(run: Run) -> list[tuple[str, str]]:
     manifest = run.manifest
+    every = run.counts(main=False)
     facts = [
         ("model", run.name),
         ("model type", lookup(manifest, "model", "model_type")),
@@ -165,8 +165,8 @@ def _facts(run: Run) -> list[tuple[str, str]]:
         ("alpha", run.alphas or lookup(manifest, "alpha")),
         ("spaces", run.spaces or None),
         ("attention types", ", ".join(type_label(t) for t in run.types) or "none"),
-        ("rows (every slice)", f"{len(run.rows):,} ({int((~run.rows['converged']).sum()):,} not converged, "
-                               f"{int(run.rows['trivial'].sum()):,} trivial)"),
+        ("rows (every slice)", f"{every['rows']:,} ({every['non_converged']:,} not converged, "
+                               f"{every['trivial']:,} trivial)"),
         ("attention implementation", lookup(manifest, "attention_implementation")),
         ("device", lookup(manifest, "device")),
         ("dtype", lookup(manifest, "dtype")),
@@ -253,8 +253,9 @@ def page(run: Run, summary: pd.DataFrame, findings: list[dict], figures: list[Sa
 <section id="tables"><h2>Tables</h2>
 <p>The same numbers are in summary.csv (column <code>level</code>: layer, layer_head_averaged, head; every
 slice) and summary.json. p95: 95th percentile; trivial: rows left out (one key); non_converged: rows whose
-solve did not meet the certificate (included).</p>
-{"".join(tables) if len(run.main) else "<p>No data.</p>"}
+solve did not meet the certificate (included). Quantiles (median, p95, the box plots' quartiles and
+whiskers) are {esc(QUANTILE_METHOD)}.</p>
+{"".join(tables) if run.counts()["rows"] else "<p>No data.</p>"}
 </section>
 <section id="run"><h2>Run</h2>
 <table class="facts">

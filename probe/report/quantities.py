@@ -14,11 +14,11 @@ not compute it yet).  Trivial rows are left out throughout.
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
-from matplotlib.colors import LogNorm
 from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
-from .data import Run, select_slice, type_label
+from ..query import both, where
+from .breakdowns import DENSITY_BINS, density
+from .data import Run, in_slice, type_label
 from .style import (
     DEVIATION_LABEL, HIST_COLOR, MEAN_COLOR, P95_COLOR, Drawn, Scale, layer_boxes, layer_colors, new_figure,
     suptitle,
@@ -31,15 +31,15 @@ QUANTITY_LABELS = {
 }
 
 
-def _present_types(run: Run, rows: pd.DataFrame) -> list[str]:
-    return [t for t in run.types if (rows["attention_type"] == t).any()]
+def _present_types(run: Run, stats) -> list[str]:
+    return [t for t in run.types if (stats["attention_type"] == t).any()]
 
 
 def alpha_figure(run: Run) -> Drawn | None:
     """Mean (solid) and p95 (dashed) against alpha, one line per layer; rows: spaces, columns: types."""
     if len(run.alphas) < 2:
         return None
-    measured = run.rows[~run.rows["trivial"]]
+    measured = run.deviation["layer"]
     spaces = run.spaces or [None]
     types = _present_types(run, measured)
     figure = new_figure(max(6.5, 4.2 * len(types) + 1.0), 3.5 * len(spaces) + 1.3)
@@ -51,9 +51,9 @@ def alpha_figure(run: Run) -> Drawn | None:
             rows = in_space[in_space["attention_type"] == attention_type]
             layers = sorted(rows["layer"].unique())
             for layer, color in zip(layers, layer_colors(len(layers))):
-                by_alpha = rows[rows["layer"] == layer].groupby("alpha")["rel_deviation"]
-                ax.plot(by_alpha.mean(), color=color, marker=".", label=f"layer {layer}")
-                ax.plot(by_alpha.quantile(0.95), color=color, linestyle="--", alpha=0.8)
+                by_alpha = rows[rows["layer"] == layer].set_index("alpha").sort_index()
+                ax.plot(by_alpha["mean"], color=color, marker=".", label=f"layer {layer}")
+                ax.plot(by_alpha["p95"], color=color, linestyle="--", alpha=0.8)
             ax.set_xscale("log")
             ax.xaxis.set_major_locator(FixedLocator(run.alphas))
             ax.xaxis.set_major_formatter(FixedFormatter([f"{a:g}" for a in run.alphas]))
@@ -78,17 +78,16 @@ def spaces_figure(run: Run, scale: Scale) -> Drawn | None:
     """Mean and p95 per layer in each space (at the main alpha), one panel per attention type."""
     if len(run.spaces) < 2:
         return None
-    rows = select_slice(run.rows, None, run.alpha)
-    rows = rows[~rows["trivial"]]
+    rows = in_slice(run.deviation["layer"], None, run.alpha)
     types = _present_types(run, rows)
     figure = new_figure(max(6.5, 4.0 * len(types) + 1.0), 4.2)
     axes = figure.subplots(1, len(types), squeeze=False, sharey=True)[0]
     for ax, attention_type in zip(axes, types):
         subset = rows[rows["attention_type"] == attention_type]
         for space, color in zip(run.spaces, ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")):
-            by_layer = subset[subset["space"] == space].groupby("layer")["rel_deviation"]
-            ax.plot(by_layer.mean(), color=color, marker="o", label=f"{space}: mean")
-            ax.plot(by_layer.quantile(0.95), color=color, marker="o", linestyle="--", label=f"{space}: p95")
+            by_layer = subset[subset["space"] == space].set_index("layer").sort_index()
+            ax.plot(by_layer["mean"], color=color, marker="o", label=f"{space}: mean")
+            ax.plot(by_layer["p95"], color=color, marker="o", linestyle="--", label=f"{space}: p95")
         ax.set_title(type_label(attention_type))
         ax.set_xlabel("layer")
         ax.xaxis.get_major_locator().set_params(integer=True)
@@ -103,35 +102,40 @@ def spaces_figure(run: Run, scale: Scale) -> Drawn | None:
 
 def second_order_figure(run: Run, scale: Scale) -> Drawn | None:
     """Per layer mean/p95 of the first- and second-order deviations, and the rows' joint density."""
-    measured = run.measured
-    if not run.has("second_order_deviation", measured):
+    if not run.has("second_order_deviation"):
         return None
-    types = _present_types(run, measured)
+    quantities = run.quantities["layer"]
+    second = quantities[quantities["quantity"] == "second_order_deviation"]
+    first = run.main_deviation("layer")
+    types = [t for t in run.types if run.counts(t)["rows"] > run.counts(t)["trivial"]]
+    pairs = run.main_census.groupby("attention_type")[["pairs", "pairs_better"]].sum().join(
+        run.main_census.groupby("attention_type")[["pairs_max"]].max())
+    both_present = both(run.measured_where, "rel_deviation IS NOT NULL AND second_order_deviation IS NOT NULL")
     figure = new_figure(10.0, 3.6 * len(types) + 1.3)
     axes = figure.subplots(len(types), 2, squeeze=False)
     for (left, right), attention_type in zip(axes, types):
-        rows = measured[measured["attention_type"] == attention_type]
-        for column, color, name in (("rel_deviation", HIST_COLOR, "first order (αz)"),
-                                    ("second_order_deviation", P95_COLOR, "second order (λ₂)")):
-            by_layer = rows.groupby("layer")[column]
-            left.plot(by_layer.mean(), color=color, marker="o", label=f"{name}: mean")
-            left.plot(by_layer.quantile(0.95), color=color, marker="o", linestyle="--", label=f"{name}: p95")
+        for stats, color, name in ((first, HIST_COLOR, "first order (αz)"),
+                                   (second, P95_COLOR, "second order (λ₂)")):
+            by_layer = stats[stats["attention_type"] == attention_type].set_index("layer").sort_index()
+            left.plot(by_layer["mean"], color=color, marker="o", label=f"{name}: mean")
+            left.plot(by_layer["p95"], color=color, marker="o", linestyle="--", label=f"{name}: p95")
         left.set_ylim(0, scale.x_max * 1.05)
         left.set_xlabel("layer")
         left.set_ylabel("relative deviation")
         left.xaxis.get_major_locator().set_params(integer=True)
         left.set_title(type_label(attention_type))
         left.legend(fontsize="x-small", loc="upper left")
-        ok = rows["second_order_deviation"].notna() & rows["rel_deviation"].notna()
-        x = rows.loc[ok, "rel_deviation"].to_numpy(dtype=float)
-        y = rows.loc[ok, "second_order_deviation"].to_numpy(dtype=float)
-        if x.size:
-            top = float(max(x.max(), y.max())) * 1.02 or 1.0
-            right.hist2d(x, y, bins=60, range=[[0, top], [0, top]], cmap="Greys", norm=LogNorm(), rasterized=True)
+        if attention_type in pairs.index and pairs.loc[attention_type, "pairs"]:
+            n = int(pairs.loc[attention_type, "pairs"])
+            top = float(pairs.loc[attention_type, "pairs_max"]) * 1.02 or 1.0
+            edges = np.linspace(0, top, DENSITY_BINS + 1)
+            counts = run.table.histogram2d("rel_deviation", "second_order_deviation", edges, edges,
+                                           both(both_present, where(attention_type=attention_type)))
+            density(right, counts, edges, edges)
             right.plot([0, top], [0, top], color=MEAN_COLOR, linewidth=1, label="equal")
             right.legend(fontsize="x-small", loc="upper left")
-            better = float((y < x).mean())
-            right.set_title(f"per row: second order smaller in {better:.1%} of {x.size:,} rows")
+            better = int(pairs.loc[attention_type, "pairs_better"]) / n
+            right.set_title(f"per row: second order smaller in {better:.1%} of {n:,} rows")
         right.set_xlabel("first-order deviation ‖λ* − αz‖ / ‖λ*‖")
         right.set_ylabel("second-order deviation")
     suptitle(figure, run.title, "the paper's second-order correction λ₂ against the first-order αz · "
@@ -143,20 +147,22 @@ def second_order_figure(run: Run, scale: Scale) -> Drawn | None:
 
 def quantity_figure(run: Run, column: str) -> Drawn | None:
     """Box plots per layer of ``column`` (``attention_tv`` or ``output_deviation``), one panel per type."""
-    measured = run.measured
-    if not run.has(column, measured):
+    if not run.has(column):
         return None
-    types = _present_types(run, measured)
-    layers = {t: sorted(measured.loc[measured["attention_type"] == t, "layer"].unique()) for t in types}
+    stats = run.quantities["layer"]
+    stats = stats[stats["quantity"] == column]
+    counts = run.quantities["type"]
+    counts = counts[counts["quantity"] == column].set_index("attention_type")["count"]
+    types = [t for t in run.types if run.counts(t)["rows"] > run.counts(t)["trivial"]]
+    layers = {t: run.layers(t, measured=True) for t in types}
     widths = [max(len(layers[t]), 4) for t in types]
     figure = new_figure(min(24.0, max(6.5, 0.55 * sum(widths) + 1.0 * len(types) + 1.0)), 4.6)
     axes = figure.subplots(1, len(types), sharey=True, squeeze=False, width_ratios=widths)[0]
     top = 0.0
     for ax, attention_type in zip(axes, types):
-        rows = measured[measured["attention_type"] == attention_type]
-        maxima = layer_boxes(ax, rows, column, layers[attention_type])
+        maxima = np.asarray(layer_boxes(ax, stats[stats["attention_type"] == attention_type], layers[attention_type]))
         top = max(top, np.nanmax(maxima) if np.isfinite(maxima).any() else 0.0)
-        ax.set_title(f"{type_label(attention_type)}\n{int(rows[column].notna().sum()):,} rows")
+        ax.set_title(f"{type_label(attention_type)}\n{int(counts.get(attention_type, 0)):,} rows")
         ax.set_xlabel("layer")
     axes[0].set_ylim(0, (top or 1.0) * 1.06)
     axes[0].set_ylabel(QUANTITY_LABELS.get(column, column))

@@ -72,32 +72,30 @@ def suptitle(figure: Figure, first: str, *more: str) -> None:
 # shared bins and scales
 
 
-def freedman_diaconis_width(values: np.ndarray, n: int | None = None) -> float:
-    """Freedman-Diaconis bin width ``2 IQR / n^(1/3)`` (``n`` defaults to the number of values)."""
-    values = values[np.isfinite(values)]
-    if values.size < 2:
+def freedman_diaconis_width(q1: float, q3: float, n: int) -> float:
+    """Freedman-Diaconis bin width ``2 IQR / n^(1/3)`` from the quartiles ``q1``, ``q3`` of ``n`` values."""
+    if not n or n < 2 or not np.isfinite(q1) or not np.isfinite(q3):
         return math.nan
-    q25, q75 = np.percentile(values, [25, 75])
-    return 2.0 * float(q75 - q25) / (n or values.size) ** (1 / 3)
+    return 2.0 * float(q3 - q1) / n ** (1 / 3)
 
 
-def shared_edges(pooled: np.ndarray, panels: list[np.ndarray], x_max: float, *, n: int | None = None) -> np.ndarray:
+def shared_edges(pooled: dict, panels, x_max: float, *, n: int | None = None) -> np.ndarray:
     """Bin edges from 0 to ``x_max`` for histograms that share one x axis.
 
-    The width is Freedman-Diaconis on the pooled values (with ``n`` the typical panel size), narrowed
-    so that every panel's central 98% spans at least :data:`MIN_BINS_PER_PANEL` bins, and never so
-    narrow that the range holds more than :data:`MAX_BINS` bins.
+    The width is Freedman-Diaconis on the pooled values (``pooled``: their ``count`` and quartiles ``q1``,
+    ``q3``; with ``n`` the typical panel size), narrowed so that every panel's central 98% (``panels``:
+    each with ``count``, 1st and 99th percentiles ``p1``, ``p99``) spans at least
+    :data:`MIN_BINS_PER_PANEL` bins, and never so narrow that the range holds more than :data:`MAX_BINS` bins.
     """
     x_max = float(x_max) if np.isfinite(x_max) and x_max > 0 else 1.0
-    width = freedman_diaconis_width(pooled, n)
+    count = int(pooled.get("count", 0) or 0)
+    width = freedman_diaconis_width(pooled.get("q1", math.nan), pooled.get("q3", math.nan), n or count) \
+        if count >= 2 else math.nan
     if not np.isfinite(width) or width <= 0:
         width = x_max / 40
-    for values in panels:
-        values = values[np.isfinite(values)]
-        if values.size >= 2:
-            low, high = np.percentile(values, [1, 99])
-            if high > low:
-                width = min(width, (high - low) / MIN_BINS_PER_PANEL)
+    for panel in panels:
+        if panel["count"] >= 2 and panel["p99"] > panel["p1"]:
+            width = min(width, (panel["p99"] - panel["p1"]) / MIN_BINS_PER_PANEL)
     width = max(width, x_max / MAX_BINS)
     n_bins = max(1, math.ceil(x_max / width * (1 + 1e-12)))
     return np.arange(n_bins + 1) * width
@@ -131,14 +129,8 @@ class Scale:
 # panels
 
 
-def histogram(ax, values: np.ndarray, edges: np.ndarray, *, log: bool = False, color: str = HIST_COLOR) -> np.ndarray:
-    """A filled histogram of ``values`` on ``edges`` (log y: empty bins stay empty); returns the counts."""
-    counts, _ = np.histogram(values[np.isfinite(values)], bins=edges)
-    draw_counts(ax, counts, edges, log=log, color=color)
-    return counts
-
-
 def draw_counts(ax, counts: np.ndarray, edges: np.ndarray, *, log: bool = False, color: str = HIST_COLOR) -> None:
+    """A filled histogram of bin ``counts`` on ``edges`` (log y: empty bins stay empty)."""
     if log:
         ax.stairs(np.where(counts > 0, counts, np.nan), edges, fill=True, color=color, alpha=0.85, baseline=0.7)
         ax.set_yscale("log")
@@ -146,52 +138,75 @@ def draw_counts(ax, counts: np.ndarray, edges: np.ndarray, *, log: bool = False,
         ax.stairs(counts, edges, fill=True, color=color, alpha=0.85)
 
 
-def layer_boxes(ax, rows, column: str, layers) -> list[float]:
-    """One box per layer of ``rows[column]`` (whiskers at the 5th and 95th percentiles, the mean as a
-    diamond) and each layer's maximum as a triangle; a layer without rows gets an empty box.  Returns
-    the maxima (NaN for an empty layer)."""
-    groups = rows.groupby("layer")[column]
-    data = [groups.get_group(layer).dropna().to_numpy() if layer in groups.groups else np.array([])
-            for layer in layers]
-    positions = np.arange(1, len(data) + 1)
-    ax.boxplot(
-        data, positions=positions, tick_labels=[str(layer) for layer in layers],
-        whis=(5, 95), showfliers=False, showmeans=True, patch_artist=True,
+def counts_on(edges: np.ndarray, histogram, *keys) -> np.ndarray:
+    """The counts of one group from a :meth:`probe.query.Table.histogram` frame (its ``by`` columns first,
+    then ``bin`` and ``count``), as an array over ``edges``' bins (zeros where the group has none)."""
+    counts = np.zeros(len(edges) - 1, dtype=np.int64)
+    part = histogram
+    for column, key in zip(histogram.columns, keys):
+        part = part[part[column] == key]
+    counts[part["bin"].to_numpy(dtype=np.int64)] = part["count"].to_numpy()
+    return counts
+
+
+def layer_boxes(ax, stats, layers) -> list[float]:
+    """One box per layer from its statistics (``stats``: a frame with ``layer``, ``q1``, ``median``, ``q3``,
+    ``whislo``, ``whishi``, ``mean``, ``max``, as :class:`probe.report.data.Run` computes them exactly): the
+    box the quartiles, whiskers at the smallest value at or above the 5th percentile and the largest at or
+    below the 95th (``boxplot(whis=(5, 95))``), the mean as a diamond, and each layer's maximum as a
+    triangle; a layer without values gets an empty box.  Returns the maxima (NaN for an empty layer)."""
+    by_layer = stats.set_index("layer") if len(stats) else stats
+    boxes, maxima = [], []
+    for layer in layers:
+        if layer in getattr(by_layer, "index", ()) and by_layer.loc[layer, "count"] > 0:
+            row = by_layer.loc[layer]
+            boxes.append({"label": str(layer), "med": row["median"], "q1": row["q1"], "q3": row["q3"],
+                          "whislo": row["whislo"], "whishi": row["whishi"], "mean": row["mean"], "fliers": []})
+            maxima.append(float(row["max"]))
+        else:
+            boxes.append({"label": str(layer), "med": np.nan, "q1": np.nan, "q3": np.nan, "whislo": np.nan,
+                          "whishi": np.nan, "mean": np.nan, "fliers": []})
+            maxima.append(np.nan)
+    positions = np.arange(1, len(boxes) + 1)
+    ax.bxp(
+        boxes, positions=positions, showfliers=False, showmeans=True, patch_artist=True,
         boxprops={"facecolor": HIST_COLOR, "alpha": 0.6}, medianprops={"color": "black"},
         meanprops={"marker": "D", "markersize": 4, "markerfacecolor": MEAN_COLOR, "markeredgecolor": MEAN_COLOR},
     )
-    maxima = [values.max() if values.size else np.nan for values in data]
     ax.scatter(positions, maxima, marker="^", color=MAX_COLOR, s=22, zorder=5)
     return maxima
 
 
-def mark_mean_max(ax, values: np.ndarray) -> None:
+def mark_mean_max(ax, mean: float, maximum: float) -> None:
     """The mean as a red vertical line and the maximum as a dark red triangle on the x axis.
 
     Their values belong in the panel's title (see :func:`stats_line`), never inside the axes, so no
     label covers a bar.
     """
-    values = values[np.isfinite(values)]
-    if not values.size:
+    if not np.isfinite(mean):
         return
-    ax.axvline(float(values.mean()), color=MEAN_COLOR, linewidth=1.2)
-    ax.plot([float(values.max())], [0], marker="^", color=MAX_COLOR, markersize=6, clip_on=False,
+    ax.axvline(float(mean), color=MEAN_COLOR, linewidth=1.2)
+    ax.plot([float(maximum)], [0], marker="^", color=MAX_COLOR, markersize=6, clip_on=False,
             transform=ax.get_xaxis_transform(), zorder=5)
 
 
-def stats_line(values: np.ndarray) -> str:
-    """``mean … · p95 … · max …`` of the finite values (for panel titles)."""
-    values = values[np.isfinite(values)]
-    if not values.size:
+def stats_line(count: int, mean: float, p95: float, maximum: float) -> str:
+    """``mean … · p95 … · max …`` (for panel titles)."""
+    if not count:
         return "no values"
-    return f"mean {values.mean():.3g} · p95 {np.percentile(values, 95):.3g} · max {values.max():.3g}"
+    return f"mean {mean:.3g} · p95 {p95:.3g} · max {maximum:.3g}"
 
 
-def ecdf(ax, values: np.ndarray, **style) -> None:
-    """Empirical CDF as a step line."""
-    values = np.sort(values[np.isfinite(values)])
-    if values.size:
-        ax.step(np.concatenate([[0.0], values]), np.arange(values.size + 1) / values.size, where="post", **style)
+#: an ECDF is drawn from the cumulative counts in this many equal bins over its x range
+ECDF_BINS = 2048
+
+
+def ecdf(ax, counts: np.ndarray, edges: np.ndarray, **style) -> None:
+    """Empirical CDF as a step line from bin ``counts`` on ``edges`` (the exact fraction of values at or below
+    each edge: a fine binning, :data:`ECDF_BINS`, draws it as the sorted values would)."""
+    total = counts.sum()
+    if total:
+        ax.step(edges, np.concatenate([[0.0], np.cumsum(counts) / total]), where="post", **style)
 
 
 def file_stem(attention_type: str) -> str:

@@ -19,67 +19,46 @@ import math
 import numpy as np
 import pandas as pd
 
-from .data import Run, lookup, ordered_types
+from .data import FAR, LEVEL_KEYS, QUANTILE_METHOD, Run, in_slice, lookup, ordered_types
 
-#: A row deviates "far" above this relative deviation (the share is a headline number).
-FAR = 0.1
 SUMMARY_COLUMNS = (
     "level", "space", "alpha", "attention_type", "layer", "head", "count", "trivial", "mean", "median", "p95",
     "max", f"share_above_{FAR:g}", "non_converged",
 )
 LEVELS = ("layer", "layer_head_averaged", "head")
-SLICE_KEYS = ["space", "alpha"]
+STATISTICS = ["count", "mean", "median", "p95", "max", f"share_above_{FAR:g}"]
 
 
-def _keyed(rows: pd.DataFrame) -> pd.DataFrame:
-    """The columns statistics group by, with null space/alpha made groupable."""
-    return rows.assign(
-        space=rows["space"].astype(object).fillna("").astype(str),
-        alpha=rows["alpha"].astype(float).fillna(-1.0),
-        attention_type=rows["attention_type"].astype(str),
-        non_converged=~rows["converged"],
-    )
+def _level(census: pd.DataFrame, stats: pd.DataFrame, keys: list[str], trivial: pd.Series) -> pd.DataFrame:
+    """One level of the summary: every group of the census (rows of any kind), its statistics where it
+    has non-trivial values (count 0 otherwise), its trivial count and its non-converged rows."""
+    groups = census.groupby(keys, dropna=False, sort=False)[["non_converged"]].sum().reset_index()
+    table = groups.merge(stats[keys + STATISTICS], on=keys, how="left")
+    table = table.merge(trivial.rename("trivial").reset_index(), on=keys, how="left")
+    table["count"] = table["count"].fillna(0).astype(int)
+    table["trivial"] = table["trivial"].fillna(0).astype(int)
+    table["non_converged"] = table["non_converged"].astype(int)
+    return table
 
 
-def _stats(values) -> pd.DataFrame:
-    """count, mean, median, p95, max and the share above FAR of a grouped series."""
-    return pd.DataFrame(
-        {
-            "count": values.count(),
-            "mean": values.mean(),
-            "median": values.median(),
-            "p95": values.quantile(0.95),
-            "max": values.max(),
-            f"share_above_{FAR:g}": values.apply(lambda v: float((v.dropna() > FAR).mean()) if v.count() else math.nan),
-        }
-    )
-
-
-def summarize(rows: pd.DataFrame) -> pd.DataFrame:
-    """The summary table over every slice of ``rows`` (see the module docstring for the levels)."""
-    if rows.empty:
+def summarize(run: Run) -> pd.DataFrame:
+    """The summary table over every slice of the run (see the module docstring for the levels)."""
+    census = run.census
+    if not len(census) or not census["rows"].sum():
         return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
-    rows = _keyed(rows)
-    measured = rows[~rows["trivial"]]
     levels = []
     for level in LEVELS:
-        keys = SLICE_KEYS + ["attention_type", "layer"] + (["head"] if level == "head" else [])
+        keys = list(LEVEL_KEYS["head" if level == "head" else "layer"])
         if level == "layer_head_averaged":
-            averaged = measured.groupby(keys + ["example", "query"], sort=False)["rel_deviation"].mean()
-            stats = _stats(averaged.groupby(level=keys))
-            trivial = rows[rows["trivial"]].drop_duplicates(keys + ["example", "query"]).groupby(keys).size()
+            stats = run.averaged["layer"]
+            (trivial,) = run.averaged_table.aggregate({"trivial": "CAST(count_if(trivial) AS BIGINT)"}, [tuple(keys)])
+            trivial = trivial.set_index(keys)["trivial"]
         else:
-            stats = _stats(measured.groupby(keys)["rel_deviation"])
-            trivial = rows[rows["trivial"]].groupby(keys).size()
-        everything = rows.groupby(keys)
-        stats = stats.reindex(everything.size().index)
-        stats["count"] = stats["count"].fillna(0).astype(int)
-        stats["trivial"] = trivial.reindex(stats.index, fill_value=0).astype(int)
-        stats["non_converged"] = everything["non_converged"].sum().astype(int)
-        levels.append(stats.reset_index().assign(level=level))
+            stats = run.deviation[level]
+            trivial = census.groupby(keys, dropna=False)["trivial"].sum()
+        levels.append(_level(census, stats, keys, trivial).assign(level=level))
     summary = pd.concat(levels, ignore_index=True)
-    summary["space"] = summary["space"].replace("", None)
-    summary["alpha"] = summary["alpha"].where(summary["alpha"] >= 0)
+    summary["space"] = summary["space"].astype(object).where(summary["space"].notna(), None)
     if "head" not in summary.columns:
         summary["head"] = np.nan
     summary["head"] = summary["head"].astype("Int64")
@@ -94,48 +73,42 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
 
 def main_rows(summary: pd.DataFrame, run: Run, level: str) -> pd.DataFrame:
     """The summary rows of one level in the run's main slice."""
-    keep = summary["level"] == level
-    if run.space is not None:
-        keep &= summary["space"] == run.space
-    if run.alpha is not None:
-        keep &= np.isclose(summary["alpha"].astype(float), run.alpha)
-    return summary[keep]
+    return in_slice(summary[summary["level"] == level], run.space, run.alpha)
 
 
-def quantity_stats(run: Run, columns=("second_order_deviation", "attention_tv", "output_deviation")) -> pd.DataFrame:
+def quantity_stats(run: Run) -> pd.DataFrame:
     """Mean, p95 and max per (type, layer) of the other measured quantities in the main slice."""
-    frames = []
-    measured = run.measured.assign(attention_type=run.measured["attention_type"].astype(str))
-    for column in columns:
-        if not run.has(column, measured):
-            continue
-        values = measured.groupby(["attention_type", "layer"])[column]
-        frames.append(
-            pd.DataFrame({"count": values.count(), "mean": values.mean(), "p95": values.quantile(0.95),
-                          "max": values.max()}).reset_index().assign(quantity=column)
-        )
-    if not frames:
-        return pd.DataFrame(columns=["quantity", "attention_type", "layer", "count", "mean", "p95", "max"])
-    return pd.concat(frames, ignore_index=True)[["quantity", "attention_type", "layer", "count", "mean", "p95", "max"]]
+    columns = ["quantity", "attention_type", "layer", "count", "mean", "p95", "max"]
+    from .data import QUANTITIES
+
+    table = run.quantities["layer"]
+    table = table[table["quantity"].isin(QUANTITIES)]
+    if table.empty:
+        return pd.DataFrame(columns=columns)
+
+    order = {q: i for i, q in enumerate(QUANTITIES)}
+    return table.sort_values(["quantity", "attention_type", "layer"], key=lambda c: c.map(order) if c.name == "quantity"
+                             else c)[columns].reset_index(drop=True)
 
 
 def headline(run: Run) -> list[dict]:
     """Per attention type in the main slice: rows, trivial rows, mean, p95, max and the share above FAR."""
     out = []
-    main = run.main
+    stats = run.main_deviation("type").set_index("attention_type")
     for attention_type in run.types:
-        subset = main[main["attention_type"] == attention_type]
-        values = subset.loc[~subset["trivial"], "rel_deviation"].dropna()
+        counts = run.counts(attention_type)
+        known = attention_type in stats.index and stats.loc[attention_type, "count"] > 0
+        value = (lambda column: float(stats.loc[attention_type, column])) if known else (lambda column: math.nan)
         out.append(
             {
                 "attention_type": attention_type,
-                "rows": int(len(subset)),
-                "trivial": int(subset["trivial"].sum()),
-                "non_converged": int((~subset["converged"]).sum()),
-                "mean": float(values.mean()) if len(values) else math.nan,
-                "p95": float(values.quantile(0.95)) if len(values) else math.nan,
-                "max": float(values.max()) if len(values) else math.nan,
-                f"share_above_{FAR:g}": float((values > FAR).mean()) if len(values) else math.nan,
+                "rows": counts["rows"],
+                "trivial": counts["trivial"],
+                "non_converged": counts["non_converged"],
+                "mean": value("mean"),
+                "p95": value("p95"),
+                "max": value("max"),
+                f"share_above_{FAR:g}": value(f"share_above_{FAR:g}"),
             }
         )
     return out
@@ -170,6 +143,7 @@ def summary_json(run: Run, summary: pd.DataFrame, findings: list[dict]) -> dict:
         "columns": list(SUMMARY_COLUMNS),
         "rows": records(summary),
         "headline": [{k: _json_value(v) for k, v in item.items()} for item in headline(run)],
+        "quantiles": {"method": QUANTILE_METHOD, "rank_error": 0},
         "findings": findings,
         "quantities": records(quantity_stats(run)),
     }
