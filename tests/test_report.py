@@ -441,7 +441,7 @@ def test_findings_are_on_the_landing_page(t5_run):
     page = (report / "index.html").read_text(encoding="utf-8")
     landing = page[: page.index('id="explorer"')]
     assert "encoder self-attention: query position 0 deviates most" in landing
-    assert "Also described as token role &#x27;special&#x27;" in landing
+    assert "Also described as query token &#x27;[CLS]&#x27; (the same rows) and token role &#x27;special&#x27;" in landing
     data = json.loads((report / "summary.json").read_text())
     assert [f["text"] for f in data["findings"]] == [
         html.unescape(text) for text in re.findall(r"<li>(.*?)</li>", landing.split('id="findings"')[1])

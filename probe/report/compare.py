@@ -117,11 +117,15 @@ def numbers_html(table: pd.DataFrame, labels: list[str], controls: list[bool]) -
     """The compare page's numbers: per attention type one row per run (named once, by its label), and, where
     one of the runs is a control, the control's mean beside each run's."""
     control = labels[controls.index(True)] if any(controls) and not all(controls) else None
-    header = ["attention type", "run", *NUMBERS] + (["control's mean", "mean / control's"] if control else [])
+    names = {"count": "rows measured", f"share_above_{FAR:g}": f"share above {FAR:g}"}
+    header = ["attention type", "run", *(names.get(c, c) for c in NUMBERS)] + (
+        ["control's mean", "mean / control's"] if control else [])
     rows = []
     for record in table.to_dict("records"):
         cells = [type_label(record["attention_type"]), record["run"], *(rounded(record[c]) for c in NUMBERS)]
-        if control:
+        if control and record["run"] == control:
+            cells += ["", ""]
+        elif control:
             reference = table[(table["run"] == control) & (table["attention_type"] == record["attention_type"])]
             mean = float(reference["mean"].iloc[0]) if len(reference) else math.nan
             cells += [rounded(mean), rounded(record["mean"] / mean) if mean > 0 else ""]
@@ -289,7 +293,7 @@ def _compare(paths: list[Path], out_dir: Path, formats, names, allow_damaged: bo
     table_html += _interventions_html(runs, labels, out_dir, allow_damaged)
     (out_dir / "index.html").write_text(
         f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>probe compare: {esc(title)}</title>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1"><title>probe compare: {esc(title)}</title>
 <style>body {{ font-family: system-ui, sans-serif; max-width: 1280px; margin: 0 auto; padding: 0.6em 1.2em; }}
 table {{ border-collapse: collapse; font-size: 0.85em; }} th, td {{ padding: 0.15em 0.6em;
 border-bottom: 1px solid #e5e5e5; text-align: right; }} table.runs td, table.runs th {{ text-align: left; }}

@@ -199,12 +199,15 @@ def _text(found: dict) -> str:
     token = found.get("most_common_token")
     if token is not None and not any(d["kind"] == "token" and d["value"] == token for d in same):
         name += f" (token '{token}' in {found['most_common_token_share']:.0%} of its rows)"
+    if np.isfinite(found["ci_low"]):
+        noise = (f"per-example difference {found['difference']:.3g}, 95% CI {found['ci_low']:.3g} to "
+                 f"{found['ci_high']:.3g} over {found['examples']:,} examples")
+    else:
+        noise = f"{found['examples']:,} example(s) with rows in it and in the rest: too few for a confidence interval"
     text = (
         f"{type_label(found['attention_type'])}: {name} deviates most, mean {found['mean']:.3g} against "
-        f"{found['rest_mean']:.3g} for the rest ({found['ratio']:.2f}x; per-example difference "
-        f"{found['difference']:.3g}, 95% CI {found['ci_low']:.3g} to {found['ci_high']:.3g} over "
-        f"{found['examples']:,} examples); {found['share_of_rows']:.1%} of the rows, "
-        f"{found['share_above_p95']:.0%} of those above the 95th percentile."
+        f"{found['rest_mean']:.3g} for the rest ({found['ratio']:.2f}x; {noise}); "
+        f"{found['share_of_rows']:.1%} of the rows, {found['share_above_p95']:.0%} of those above the 95th percentile."
     )
     if same:
         names = [d["name"] + (" (the same rows)" if d["of_these"] >= 0.995 and d["of_its_own"] >= 0.995 else

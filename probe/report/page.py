@@ -47,11 +47,16 @@ nav { margin: 0.8em 0; font-size: 0.9em; } nav a { margin-right: 1em; }
 button.filter { border: 1px solid #bbb; background: #f7f7f7; border-radius: 3px; margin: 0 0.1em; cursor: pointer; }
 button.filter.active { background: #4c72b0; color: #fff; border-color: #4c72b0; }
 .explorer { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 1em; align-items: start; }
+.explorer > div:first-child { overflow-x: auto; }
+@media (max-width: 1000px) { .explorer { grid-template-columns: minmax(0, 1fr); } }
+@media (max-width: 720px) { .landing { grid-template-columns: minmax(0, 1fr); } }
 table.heat td.cell { cursor: pointer; min-width: 2.6em; height: 1.5em; text-align: center; font-size: 0.85em;
                      border: 1px solid #fff; }
 table.heat td.cell.selected { outline: 3px solid #d62728; outline-offset: -3px; }
 .legend .ramp { display: inline-block; width: 160px; height: 0.8em; vertical-align: middle; }
-#head-panel { border: 1px solid #ddd; padding: 0.5em 0.8em; position: sticky; top: 2.6em; }
+#head-panel { border: 1px solid #ddd; padding: 0.5em 0.8em; position: sticky; top: 2.6em; min-width: 0;
+              overflow-x: auto; }
+#head-panel svg.hist { max-width: 100%; height: auto; }
 #head-worst td.ctx { text-align: left; max-width: 420px; } #head-worst mark { background: #ffd54f; }
 #head-worst .text { color: #666; font-size: 0.9em; margin-top: 0.2em; }
 .hint { color: #666; font-size: 0.85em; }
