@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from probe.cli import app
 from probe.errors import ProbeError
 from probe.report import build_report, compare_runs, read_run
-from probe.report.findings import MIN_EXAMPLES, MIN_RATIO, RULE, Z95, analyse
+from probe.report.findings import MIN_EXAMPLES, MIN_RATIO, RULE, analyse, z_value
 from probe.report.quantities import quantity_figure
 from probe.report.style import style
 
@@ -35,11 +35,14 @@ def measured(rows: pd.DataFrame) -> pd.DataFrame:
     return rows[rows["n_keys"] > 1]
 
 
-def per_example_ci(rows: pd.DataFrame, in_group: pd.Series) -> tuple[float, float]:
-    """The normal 95% interval of the mean over examples of (the group's mean - the rest's mean), by pandas."""
+def per_example_ci(rows: pd.DataFrame, in_group: pd.Series, groups: int) -> tuple[float, float]:
+    """The normal interval of the mean over examples of (the group's mean - the rest's mean), by pandas and
+    scipy: 95% for ``groups`` intervals at once (Bonferroni)."""
+    from scipy.stats import norm
+
     means = rows.assign(group=in_group).groupby(["example", "group"])["rel_deviation"].mean().unstack("group")
     difference = (means[True] - means[False]).dropna()
-    half = 1.959963984540054 * difference.std(ddof=1) / math.sqrt(len(difference))
+    half = norm.ppf(1 - 0.025 / groups) * difference.std(ddof=1) / math.sqrt(len(difference))
     return difference.mean() - half, difference.mean() + half
 
 
@@ -74,7 +77,7 @@ def test_a_planted_effect_is_shown_and_a_noise_size_effect_is_not(tmp_path):
     for found in shown:  # what is shown clears the rule, recomputed by pandas over examples
         rows = measured(noise_rows)
         group = (rows["layer"] == found["value"][0]) & (rows["head"] == found["value"][1])
-        low, high = per_example_ci(rows, group)
+        low, high = per_example_ci(rows, group, 6)  # the largest of 6 heads
         assert (found["ci_low"], found["ci_high"]) == pytest.approx((low, high), rel=1e-9)
         assert low > 0 and found["ratio"] >= MIN_RATIO and found["examples"] >= MIN_EXAMPLES
     for found in below:  # and what is not shown fails it
@@ -86,10 +89,10 @@ def test_the_confidence_interval_is_over_examples(tmp_path):
     shown, below = analyse(read_run(write_run(tmp_path / "run", rows, manifest_for())))
     (position,) = [f for f in shown + below if f["kind"] == "query_position"]
     rows = measured(rows)
-    low, high = per_example_ci(rows, rows["query"] == position["value"])
+    low, high = per_example_ci(rows, rows["query"] == position["value"], 8)  # the largest of 8 positions
     assert (position["ci_low"], position["ci_high"]) == pytest.approx((low, high), rel=1e-9)
-    assert position["examples"] == 15
-    assert Z95 == pytest.approx(1.959963984540054)
+    assert position["examples"] == 15 and position["compared_groups"] == 8
+    assert z_value(1) == pytest.approx(1.959963984540054) and z_value(144) == pytest.approx(3.5772543873)  # docs
 
 
 def test_findings_that_select_the_same_rows_are_one_finding(planted):

@@ -9,8 +9,9 @@ smaller than :func:`min_rows` are not eligible, so a rare position cannot win by
 
 The noise rule (:data:`RULE`) works over examples, because the rows of one example (its heads, layers and
 query tokens) are not independent: per example, the group's mean minus the rest's mean; the candidate is
-shown when the normal 95% confidence interval of the mean of those differences excludes 0 and the group's
-mean is at least :data:`MIN_RATIO` times the rest's.  Candidates whose groups share most of their rows
+shown when the normal confidence interval of the mean of those differences excludes 0 and the group's
+mean is at least :data:`MIN_RATIO` times the rest's.  The candidate is the largest of ``k`` groups, so the
+interval is Bonferroni's: :data:`CONFIDENCE` for all ``k`` at once (each at ``1 - 0.05 / k``).  Candidates whose groups share most of their rows
 (:data:`SAME_ROWS` of the smaller group's, counted over the rows' keys) are one finding that names each
 description: ``token role 'special'``, ``query position 0`` and ``query token '[CLS]'`` select nearly the same rows.
 """
@@ -18,6 +19,7 @@ description: ``token role 'special'``, ``query position 0`` and ``query token '[
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import numpy as np
 import pandas as pd
@@ -28,8 +30,8 @@ from .data import Run, type_label
 #: the groupings a finding can name, by kind: the :attr:`Run.groups` frame and its keys
 KINDS = {"token_role": ("token_role",), "query_position": ("query",), "token": ("token",), "head": ("layer", "head")}
 GROUPS = {"token_role": "token_role", "query_position": "query", "token": "token", "head": "head"}
-#: the two-sided 95% quantile of the normal distribution
-Z95 = 1.959963984540054
+#: the confidence level of a finding's interval, over all the groups it was chosen from
+CONFIDENCE = 0.95
 #: a finding's group mean is at least this many times the rest's
 MIN_RATIO = 1.1
 #: the fewest examples (with rows in the group and in the rest) a confidence interval is computed over
@@ -38,10 +40,10 @@ MIN_EXAMPLES = 10
 SAME_ROWS = 0.9
 RULE = (
     "A finding is shown only when its effect clears the noise: over the examples (the rows of one example are "
-    "not independent), the normal 95% confidence interval of the mean per-example difference between the "
-    f"group's mean and the rest's excludes 0 (at least {MIN_EXAMPLES} examples), and the group's mean is at least "
-    f"{MIN_RATIO:g}x the rest's. Descriptions whose groups share at least {SAME_ROWS:.0%} of the smaller group's "
-    "rows are one finding."
+    "not independent), the normal confidence interval of the mean per-example difference between the group's "
+    f"mean and the rest's excludes 0 (at least {MIN_EXAMPLES} examples; {CONFIDENCE:.0%} over all the groups the "
+    f"finding was chosen from, Bonferroni), and the group's mean is at least {MIN_RATIO:g}x the rest's. "
+    f"Descriptions whose groups share at least {SAME_ROWS:.0%} of the smaller group's rows are one finding."
 )
 
 
@@ -75,6 +77,7 @@ def _top_group(groups: pd.DataFrame, keys, minimum: int, above_total: int) -> di
         "ratio": float(means[best]) / rest_mean if rest_mean > 0 else math.inf,
         "share_of_rows": count / total_n,
         "share_above_p95": int(groups.loc[best, "above_p95"]) / above_total if above_total else math.nan,
+        "compared_groups": int(len(eligible)),
     }
 
 
@@ -133,22 +136,31 @@ def per_example(run: Run, attention_type: str, candidates: list[dict]) -> tuple[
     return frame, shared
 
 
-def noise_test(n: np.ndarray, total: np.ndarray, n_group: np.ndarray, group_sum: np.ndarray) -> dict:
+def z_value(groups: int) -> float:
+    """The normal quantile of a two-sided interval at :data:`CONFIDENCE` for ``groups`` intervals at once
+    (Bonferroni): 1.96 for one group, 2.87 for the largest of 12."""
+    return NormalDist().inv_cdf(1 - (1 - CONFIDENCE) / (2 * max(1, groups)))
+
+
+def noise_test(n: np.ndarray, total: np.ndarray, n_group: np.ndarray, group_sum: np.ndarray,
+               groups: int = 1) -> dict:
     """The noise rule's numbers for one group, from per-example counts and sums (of every row: ``n``,
     ``total``; of the group's rows: ``n_group``, ``group_sum``): over the examples with rows in the group and
-    in the rest, the mean difference of the group's mean and the rest's, its normal 95% confidence interval
-    (``ci_low``, ``ci_high``; NaN with fewer than two such examples) and how many examples it is over."""
+    in the rest, the mean difference of the group's mean and the rest's, its normal confidence interval at
+    :data:`CONFIDENCE` for the largest of ``groups`` groups (``ci_low``, ``ci_high``; NaN with fewer than two
+    such examples; ``z``: the quantile used) and how many examples it is over."""
     n, total = np.asarray(n, dtype=float), np.asarray(total, dtype=float)
     n_group, group_sum = np.asarray(n_group, dtype=float), np.asarray(group_sum, dtype=float)
     both_sides = (n_group > 0) & (n - n_group > 0)
     difference = (group_sum[both_sides] / n_group[both_sides]
                   - (total - group_sum)[both_sides] / (n - n_group)[both_sides])
     examples = int(both_sides.sum())
+    z = z_value(groups)
     if examples < 2:
-        return {"examples": examples, "difference": math.nan, "ci_low": math.nan, "ci_high": math.nan}
+        return {"examples": examples, "difference": math.nan, "ci_low": math.nan, "ci_high": math.nan, "z": z}
     mean = float(difference.mean())
-    half = Z95 * float(difference.std(ddof=1)) / math.sqrt(examples)
-    return {"examples": examples, "difference": mean, "ci_low": mean - half, "ci_high": mean + half}
+    half = z * float(difference.std(ddof=1)) / math.sqrt(examples)
+    return {"examples": examples, "difference": mean, "ci_low": mean - half, "ci_high": mean + half, "z": z}
 
 
 def clears_noise(found: dict) -> bool:
@@ -200,8 +212,8 @@ def _text(found: dict) -> str:
     if token is not None and not any(d["kind"] == "token" and d["value"] == token for d in same):
         name += f" (token '{token}' in {found['most_common_token_share']:.0%} of its rows)"
     if np.isfinite(found["ci_low"]):
-        noise = (f"per-example difference {found['difference']:.3g}, 95% CI {found['ci_low']:.3g} to "
-                 f"{found['ci_high']:.3g} over {found['examples']:,} examples")
+        noise = (f"per-example difference {found['difference']:.3g}, {CONFIDENCE:.0%} CI {found['ci_low']:.3g} to "
+                 f"{found['ci_high']:.3g} over {found['examples']:,} examples and {found['compared_groups']} groups")
     else:
         noise = f"{found['examples']:,} example(s) with rows in it and in the rest: too few for a confidence interval"
     text = (
@@ -259,7 +271,8 @@ def analyse(run: Run) -> tuple[list[dict], list[dict]]:
             continue
         frame, shared = per_example(run, attention_type, candidates)
         for i, found in enumerate(candidates):
-            found.update(noise_test(frame["n"], frame["sum"], frame[f"n_{i}"], frame[f"sum_{i}"]))
+            found.update(noise_test(frame["n"], frame["sum"], frame[f"n_{i}"], frame[f"sum_{i}"],
+                                    found["compared_groups"]))
             found["clears_noise"] = clears_noise(found)
         keep = [i for i, c in enumerate(candidates) if c["clears_noise"]]
         shown += _merge([candidates[i] for i in keep], shared[np.ix_(keep, keep)])
