@@ -133,7 +133,8 @@ def test_the_first_screen_says_what_the_mean_means_and_shows_the_control(planted
     assert f"lies {mean:.1%} of its length away from αz (mean {mean:.3f})" in headline
     assert f"more than {p95:.1%} away" in headline
     assert f"control {control_mean:.3f}" in headline  # beside the run's number
-    assert f"the control run: {control_mean:.1%} on average" in headline
+    assert f"in the control run {control_mean:.1%} on average (mean {control_mean:.3f}), so this run&#x27;s mean is " \
+           f"{mean / control_mean:.2f}x the control&#x27;s" in headline
     data = json.loads((report / "summary.json").read_text())
     assert data["control"]["by_type"]["self"]["mean"] == pytest.approx(control_mean, rel=1e-12)
     assert data["control"]["run_dir"] == control_dir.name

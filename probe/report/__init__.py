@@ -130,8 +130,8 @@ def build_report(
     page embeds PNG renderings whatever is written); ``name`` overrides the model's name in titles;
     ``progress`` prints each stage on stderr; ``control``: a control run's directory (a random-initialisation
     run of the same model, say), whose headline numbers the first screen shows beside the run's (default:
-    the run directory the manifest's ``control`` names, relative to the run directory).  Every number is asked of the rows through
-    :mod:`probe.query`, so memory does not grow with the rows.  Raises :class:`ProbeError` for a missing
+    the run directory the manifest's ``control`` names, relative to the run directory).  Every number is
+    asked of the rows through :mod:`probe.query`, so memory does not grow with the rows.  Raises :class:`ProbeError` for a missing
     run directory, a missing, unreadable or incomplete deviations table and unknown formats.  A missing or
     invalid ``manifest.json`` only warns; a table without rows gives a report that says there is no data.
     """
@@ -139,6 +139,9 @@ def build_report(
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
     say = Progress(progress)
+    if control is not None and not Path(control).is_dir():  # said before the run is read
+        raise ProbeError(f"The control run {control} ({option('control')}) does not exist or is not a directory. "
+                         "Pass the run directory printed by `probe run --init random`, or leave it out.")
     run = read_run(run_dir, name=name, allow_damaged=allow_damaged)
     try:
         if out_dir.exists() and not out_dir.is_dir():
@@ -155,8 +158,8 @@ def build_report(
         say("findings and the other measured quantities")
         out_dir.mkdir(parents=True, exist_ok=True)
         summary.to_csv(out_dir / "summary.csv", index=False)
-        (out_dir / "summary.json").write_text(json.dumps(summary_json(run, summary, found, below_noise, control_numbers), indent=1,
-                                                         allow_nan=False), encoding="utf-8")
+        summary_data = summary_json(run, summary, found, below_noise, control_numbers)
+        (out_dir / "summary.json").write_text(json.dumps(summary_data, indent=1, allow_nan=False), encoding="utf-8")
         saved, explorer_html, explorer_data = [], "<p>No data.</p>", None
         if run.counts()["rows"] > run.counts()["trivial"]:
             head_stats = main_rows(summary, run, "head")

@@ -11,9 +11,11 @@ The noise rule (:data:`RULE`) works over examples, because the rows of one examp
 query tokens) are not independent: per example, the group's mean minus the rest's mean; the candidate is
 shown when the normal confidence interval of the mean of those differences excludes 0 and the group's
 mean is at least :data:`MIN_RATIO` times the rest's.  The candidate is the largest of ``k`` groups, so the
-interval is Bonferroni's: :data:`CONFIDENCE` for all ``k`` at once (each at ``1 - 0.05 / k``).  Candidates whose groups share most of their rows
-(:data:`SAME_ROWS` of the smaller group's, counted over the rows' keys) are one finding that names each
-description: ``token role 'special'``, ``query position 0`` and ``query token '[CLS]'`` select nearly the same rows.
+interval is Bonferroni's: :data:`CONFIDENCE` for all ``k`` at once (each at ``1 - 0.05 / k``).
+
+Candidates whose groups share most of their rows (:data:`SAME_ROWS` of the smaller group's, counted over the
+rows' keys) are one finding that names each description: ``token role 'special'``, ``query position 0`` and
+``query token '[CLS]'`` select nearly the same rows.
 """
 
 from __future__ import annotations
@@ -233,7 +235,8 @@ def _text(found: dict) -> str:
 def _merge(candidates: list[dict], shared: np.ndarray) -> list[dict]:
     """Candidates that clear the noise, merged where their groups share :data:`SAME_ROWS` of the smaller
     group's rows: the candidate with the largest ratio (ties: the first kind) names the finding, the others
-    are its ``same_rows`` (each with the shares of rows in common; the most alike first).  Each candidate joins the first finding whose lead it overlaps."""
+    are its ``same_rows`` (each with the shares of rows in common; the most alike first).  Each candidate
+    joins the first finding whose lead it overlaps."""
     # equal ratios (the same rows summed in another order differ in the last bits): the kinds' order decides
     order = sorted(range(len(candidates)), key=lambda i: (-float(f"{candidates[i]['ratio']:.12g}"), i))
     leads: list[int] = []

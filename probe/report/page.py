@@ -38,7 +38,8 @@ ul.scale { margin: 0.2em 0 0.6em; padding-left: 1.2em; font-size: 0.9em; }
 p.note { font-size: 0.82em; color: #555; margin: 0.2em 0 0.6em; }
 table { border-collapse: collapse; font-size: 0.85em; margin: 0.3em 0; }
 th, td { padding: 0.15em 0.55em; border-bottom: 1px solid #e5e5e5; text-align: right; vertical-align: top; }
-th { background: #f3f3f3; } .wide-table { overflow-x: auto; max-width: 100%; } table.facts th, table.facts td { text-align: left; }
+th { background: #f3f3f3; } table.facts th, table.facts td { text-align: left; }
+.wide-table { overflow-x: auto; max-width: 100%; }
 ul.findings { margin: 0.2em 0; padding-left: 1.2em; font-size: 0.92em; } ul.findings li { margin: 0.15em 0; }
 .notes { background: #fff4e5; border-left: 4px solid #e69500; padding: 0.4em 1em 0.4em 2em; margin: 0.4em 0; }
 nav { margin: 0.8em 0; font-size: 0.9em; } nav a { margin-right: 1em; }

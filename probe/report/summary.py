@@ -125,9 +125,9 @@ def scale_words(item: dict, control: dict | None = None) -> str:
     text = (f"{type_label(item['attention_type'])}: on average the exact λ* lies {mean:.1%} of its length away "
             f"from αz (mean {mean:.3f}); one row in twenty lies more than {p95:.1%} away (p95 {p95:.3f})")
     if control is not None and np.isfinite(control.get("mean", math.nan)):
-        text += (f"; the control run: {control['mean']:.1%} on average (mean {control['mean']:.3f}, "
-                 f"{mean / control['mean']:.2f}x of it here)" if control["mean"] > 0 else
-                 f"; the control run: mean {control['mean']:.3g}")
+        text += f"; in the control run {control['mean']:.1%} on average (mean {control['mean']:.3f})"
+        if control["mean"] > 0:
+            text += f", so this run's mean is {mean / control['mean']:.2f}x the control's"
     return text + "."
 
 
