@@ -169,10 +169,12 @@ class Run:
         ]
 
     def report(self, out: str | Path | None = None, formats: str | Sequence[str] = "png", *,
-               name: str | None = None, progress: bool = True) -> Path:
+               name: str | None = None, progress: bool = True, control: "str | Path | Run | None" = None) -> Path:
         """Build the run's report (:func:`probe.report.build_report`); return its directory
-        (``out``, default ``RUN_DIR/report``), which holds ``index.html``."""
-        return report(self.run_dir, out, formats, name=name, allow_damaged=self.allow_damaged, progress=progress)
+        (``out``, default ``RUN_DIR/report``), which holds ``index.html``; ``control``: a control run whose
+        headline numbers the first screen shows beside this run's."""
+        return report(self.run_dir, out, formats, name=name, allow_damaged=self.allow_damaged, progress=progress,
+                      control=control)
 
     def export(self, to: str | Path, table: str = "deviations") -> int:
         """Write the rows (``table="interventions"``: the intervention records) into one file, Parquet or
@@ -420,13 +422,15 @@ def _formats(formats: str | Sequence[str]) -> list[str]:
 
 
 def report(run_dir: str | Path | Run, out: str | Path | None = None, formats: str | Sequence[str] = "png", *,
-           name: str | None = None, allow_damaged: bool = False, progress: bool = True) -> Path:
+           name: str | None = None, allow_damaged: bool = False, progress: bool = True,
+           control: str | Path | Run | None = None) -> Path:
     """Build a run's report (figures, ``summary.csv``/``.json``, ``index.html``); return its directory.
-    ``progress``: say each stage on stderr."""
+    ``progress``: say each stage on stderr; ``control``: a control run (e.g. ``init="random"``) whose headline
+    numbers the first screen shows beside the run's."""
     from .report import build_report
 
     return build_report(_run_path(run_dir), out, _formats(formats), name=name, allow_damaged=allow_damaged,
-                        progress=progress)
+                        progress=progress, control=None if control is None else _run_path(control))
 
 
 def compare(runs: Sequence[str | Path | Run], out: str | Path = "compare", formats: str | Sequence[str] = "png", *,

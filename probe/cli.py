@@ -506,13 +506,17 @@ def report_command(
         None, metavar="NAME", help="The name in titles [default: the run's name: --name of probe run, or the model's real name]."
     ),
     allow_damaged: bool = typer.Option(False, "--allow-damaged", help=ALLOW_DAMAGED_HELP),
+    control: Optional[Path] = typer.Option(
+        None, metavar="RUN_DIR", help="A control run (e.g. --init random) whose headline numbers the first screen "
+        "shows beside the run's (DIR/NAME: the newest run named NAME in DIR)."),
 ):
     """A landing summary with computed findings, figures on shared scales, summary.csv/json and an HTML page."""
     from probe.errors import ProbeError
 
     if len(run_dirs) > 1:  # a shell pattern such as runs/NAME-* that matched several runs
         _fail(ProbeError(_one_run_only(run_dirs)))
-    _build_report(_run_dir(run_dirs[0]), out, report_format, name, allow_damaged)
+    _build_report(_run_dir(run_dirs[0]), out, report_format, name, allow_damaged,
+                  None if control is None else _run_dir(control))
 
 
 def _one_run_only(run_dirs: list[Path]) -> str:
@@ -532,13 +536,13 @@ def _one_run_only(run_dirs: list[Path]) -> str:
 
 
 def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Optional[str] = None,
-                  allow_damaged: bool = False) -> None:
+                  allow_damaged: bool = False, control: Optional[Path] = None) -> None:
     from probe import api
     from probe.errors import ProbeError
 
     try:
         with _banner_not_warnings():
-            where = api.report(run_dir, out, formats, name=name, allow_damaged=allow_damaged)
+            where = api.report(run_dir, out, formats, name=name, allow_damaged=allow_damaged, control=control)
     except ProbeError as error:
         _fail(error)
     if (Path(run_dir) / "manifest.json").is_file():

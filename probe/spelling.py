@@ -16,7 +16,7 @@ from contextlib import contextmanager
 _COMMAND_LINE = contextvars.ContextVar("probe_command_line", default=False)
 
 #: Python parameters whose command-line spelling is not ``--`` and the name with dashes
-_FLAGS = {"model": "MODEL"}
+_FLAGS = {"model": "MODEL", "names": "--name"}
 
 
 def option(name: str, value=None) -> str:

@@ -11,6 +11,7 @@ and 4, NUL-terminated JSON messages), so no driver package is needed.  The page 
 
 * the screenshot is larger than ``--min-kb`` and has more than ``--min-ink`` of its pixels not near white;
 * the landing summary (headline numbers and findings) starts on the first screen (1400 x 900);
+* at 800 px wide the page does not scroll sideways (``document.scrollWidth`` at most 800);
 * unless ``--no-click``: a real mouse click on a heatmap cell reveals that head's panel (its title names
   the layer and head, it holds a histogram and the head's worst rows), and a click on a layer filter
   hides the other layers' heatmap rows.
@@ -33,6 +34,8 @@ from pathlib import Path
 
 CHROMIUM = "/usr/bin/chromium"
 VIEWPORT = (1400, 900)
+#: the narrowest window the page must fit without scrolling sideways
+NARROW = 800
 
 
 class Browser:
@@ -128,6 +131,11 @@ class Browser:
             self.send("Input.dispatchMouseEvent",
                       {"type": kind, "x": x, "y": y, "button": "left", "clickCount": 1}, session=True)
 
+    def resize(self, width: int, height: int) -> None:
+        """Lay the page out for a window of ``width`` x ``height`` CSS pixels."""
+        self.send("Emulation.setDeviceMetricsOverride",
+                  {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}, session=True)
+
     def screenshot(self, png: Path, *, full_height: int | None = None) -> Path:
         """Write a PNG of the page (the viewport, or the first ``full_height`` pixels)."""
         params = {"format": "png"}
@@ -181,6 +189,17 @@ def ink_problems(png: Path, *, min_kb: float = 20, min_ink: float = 0.02) -> lis
     if ink < min_ink:
         found.append(f"only {ink:.1%} of the pixels are not near white (need {min_ink:.0%})")
     return found
+
+
+def width_problems(browser: Browser, width: int = NARROW) -> list[str]:
+    """Check that the loaded page, laid out ``width`` pixels wide, does not scroll sideways; the window is
+    restored to :data:`VIEWPORT` afterwards."""
+    browser.resize(width, VIEWPORT[1])
+    try:
+        scroll = browser.evaluate("document.documentElement.scrollWidth")
+    finally:
+        browser.resize(*VIEWPORT)
+    return [f"at {width} px wide the page scrolls sideways (scrollWidth {scroll} px)"] if scroll > width else []
 
 
 def page_problems(browser: Browser, *, click: bool = True) -> list[str]:
@@ -240,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         with Browser(args.chromium) as browser:
             browser.open(args.html)
             browser.screenshot(png, full_height=3000)
-            found = page_problems(browser, click=not args.no_click)
+            found = page_problems(browser, click=not args.no_click) + width_problems(browser)
             found += [f"the page requested {url}" for url in browser.external_requests()]
     except (OSError, RuntimeError, TimeoutError) as error:
         print(f"FAIL: {error}", file=sys.stderr)

@@ -73,7 +73,7 @@ def test_depth_lines_up_models_of_different_depth_on_shared_axes(runs):
         ("no common type", "share no attention type"),
         ("no common alpha", "share no (space, alpha) slice"),
         ("missing", "does not exist"),
-        ("names", "one --name per run"),
+        ("names", "one label per run (names=)"),
     ],
 )
 def test_runs_with_nothing_in_common_are_refused(runs, tmp_path, case, message):

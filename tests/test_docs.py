@@ -245,7 +245,15 @@ def test_the_tutorial_numbers_are_the_committed_reports():
         f"the mean is {headline['mean']:.3f} and the 95th percentile is {headline['p95']:.3f}",
         f"The maximum is {headline['max']:.3f}. {headline['share_above_0.1']:.1%} of the rows are above 0.1",
         f"{summary['dataset'].split(', ')[-1].split()[0]} English sentences",
+        f"A mean of {headline['mean']:.3f} says the exact $\\lambda^*$ lies {headline['mean']:.1%} of its length away",
     ]
+    (cls,) = [f for f in summary["findings"] if f["kind"] == "query_position"]  # the [CLS] finding, merged
+    assert cls["value"] == 0 and {d["name"] for d in cls["same_rows"]} == {"query token '[CLS]'", "token role 'special'"}
+    expected.append(f"Its mean is {cls['mean']:.3f} against {cls['rest_mean']:.3f} for the rest ({cls['ratio']:.2f}x)")
+    from probe.report.findings import MIN_RATIO
+
+    assert f"{MIN_RATIO:g}x the rest's" in summary["findings_rule"]
+    assert f"the group's mean is at least {MIN_RATIO:g} times the rest's" in tutorial
     layers = pd.read_csv(report / "summary.csv")
     layers = layers[(layers["level"] == "layer") & (layers["space"] == "hidden") & (layers["alpha"] == 1.0)]
     means = layers.set_index("layer")["mean"]

@@ -24,16 +24,17 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import ProbeError
+from ..spelling import option
 from . import explorer
 from .compare import compare_runs
 from .breakdowns import drivers_figure, positions_figure, roles_figure
 from .data import Run, read_run
 from .figures import heads_figure, heatmap_figure, layers_figure, overview_figure, report_scale
-from .findings import findings as compute_findings
+from .findings import analyse as compute_findings
 from .page import page
 from .quantities import alpha_figure, quantity_figure, second_order_figure, spaces_figure
 from .style import FORMATS, Drawn, Scale, check_formats, save, style
-from .summary import main_rows, quantity_stats, summarize, summary_json
+from .summary import control_headline, main_rows, quantity_stats, summarize, summary_json
 
 __all__ = ["FORMATS", "Drawn", "build_report", "compare_runs", "draw_figures", "read_run"]
 
@@ -80,6 +81,26 @@ def _interventions_section(run: Run, out_dir: Path, formats, allow_damaged: bool
     return interventions.section_html(table, facts, figure_html(drawn))
 
 
+def _control(run: Run, control: str | Path | None) -> dict | None:
+    """The control run's headline numbers (:func:`probe.report.summary.control_headline`): the one given, else
+    the one the manifest's ``control`` names (relative to the run directory; a note on the page when it is
+    gone); None without either."""
+    if control is None:
+        named = run.manifest.get("control") if isinstance(run.manifest, dict) else None
+        if not isinstance(named, str) or not named.strip():
+            return None
+        path = run.run_dir / named
+        if not path.is_dir():
+            run.notes.append(f"The manifest names the control run {named}, which is not there "
+                             f"({path}); the page shows no control numbers.")
+            return None
+        control = path
+    try:
+        return control_headline(run, control)
+    except ProbeError as error:
+        raise ProbeError(f"The control run ({option('control')}) cannot be read: {error}") from None
+
+
 class Progress:
     """``probe report: ...`` stage lines on stderr (silent unless ``enabled``), each with the seconds since
     the report started."""
@@ -101,13 +122,16 @@ def build_report(
     name: str | None = None,
     allow_damaged: bool = False,
     progress: bool = False,
+    control: str | Path | None = None,
 ) -> Path:
     """Build figures, ``summary.csv``, ``summary.json`` and ``index.html`` for a run; return the report directory.
 
     ``out_dir`` defaults to ``<run_dir>/report``; ``formats`` are figure formats (``png``, ``pdf``; the
     page embeds PNG renderings whatever is written); ``name`` overrides the model's name in titles;
-    ``progress`` prints each stage on stderr.  Every number is asked of the rows through
-    :mod:`probe.query`, so memory does not grow with the rows.  Raises :class:`ProbeError` for a missing
+    ``progress`` prints each stage on stderr; ``control``: a control run's directory (a random-initialisation
+    run of the same model, say), whose headline numbers the first screen shows beside the run's (default:
+    the run directory the manifest's ``control`` names, relative to the run directory).  Every number is
+    asked of the rows through :mod:`probe.query`, so memory does not grow with the rows.  Raises :class:`ProbeError` for a missing
     run directory, a missing, unreadable or incomplete deviations table and unknown formats.  A missing or
     invalid ``manifest.json`` only warns; a table without rows gives a report that says there is no data.
     """
@@ -115,22 +139,27 @@ def build_report(
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
     say = Progress(progress)
+    if control is not None and not Path(control).is_dir():  # said before the run is read
+        raise ProbeError(f"The control run {control} ({option('control')}) does not exist or is not a directory. "
+                         "Pass the run directory printed by `probe run --init random`, or leave it out.")
     run = read_run(run_dir, name=name, allow_damaged=allow_damaged)
     try:
         if out_dir.exists() and not out_dir.is_dir():
-            raise ProbeError(f"Report directory {out_dir} exists and is not a directory. Choose another --out.")
+            raise ProbeError(f"Report directory {out_dir} exists and is not a directory. "
+                             f"Choose another {option('out')}.")
         counts = run.counts(main=False)
         say(f"read {run_dir} ({counts['rows']:,} rows in {len(run.table.files):,} part file(s), "
             f"{len(run.types)} attention type(s))")
+        control_numbers = _control(run, control)
         summary = summarize(run)
         say("statistics: summary.csv (exact quantiles at every level)")
-        found = compute_findings(run)
+        found, below_noise = compute_findings(run)
         quantities = quantity_stats(run)
         say("findings and the other measured quantities")
         out_dir.mkdir(parents=True, exist_ok=True)
         summary.to_csv(out_dir / "summary.csv", index=False)
-        (out_dir / "summary.json").write_text(json.dumps(summary_json(run, summary, found), indent=1,
-                                                         allow_nan=False), encoding="utf-8")
+        summary_data = summary_json(run, summary, found, below_noise, control_numbers)
+        (out_dir / "summary.json").write_text(json.dumps(summary_data, indent=1, allow_nan=False), encoding="utf-8")
         saved, explorer_html, explorer_data = [], "<p>No data.</p>", None
         if run.counts()["rows"] > run.counts()["trivial"]:
             head_stats = main_rows(summary, run, "head")
@@ -147,7 +176,8 @@ def build_report(
             )
             say("explorer: worst rows and per-head histograms")
         section = _interventions_section(run, out_dir, formats, allow_damaged)
-        html_text = page(run, summary, found, saved, explorer_html, explorer_data, quantities, section)
+        html_text = page(run, summary, found, saved, explorer_html, explorer_data, quantities, section,
+                         control_numbers)
         (out_dir / "index.html").write_text(html_text, encoding="utf-8")
         say(f"wrote {out_dir / 'index.html'}")
     finally:

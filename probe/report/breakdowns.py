@@ -74,11 +74,11 @@ def roles_figure(run: Run, scale: Scale) -> Drawn | None:
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(0, -0.18), ncol=2, frameon=False)
     axes[0].set_ylabel(DEVIATION_LABEL)
-    suptitle(figure, f"{run.title} · by the query token's role",
-             "solid: mean · dashed: 95th percentile · trivial rows left out · y axis from 0, shared")
+    details = suptitle(figure, f"{run.name} · by the query token's role", "trivial rows left out",
+                       "y axis from 0, shared")
     caption = (
         "Relative deviation per layer for each query token role (special: the tokenizer's special tokens; first: "
-        "the first decoder position; word: every other token); solid lines mean, dashed 95th percentile."
+        "the first decoder position; word: every other token); solid lines mean, dashed 95th percentile. " + details
     )
     return Drawn("roles", caption, figure)
 
@@ -102,13 +102,10 @@ def positions_figure(run: Run, attention_type: str, scale: Scale) -> Drawn | Non
     ax.set_ylabel("layer")
     ax.yaxis.get_major_locator().set_params(integer=True)
     figure.colorbar(image, ax=ax, label="mean relative deviation", shrink=0.9)
-    suptitle(
-        figure, f"{run.title} · {type_label(attention_type)} · by query position",
-        f"mean per layer and query position · grey: fewer than {MIN_POSITION_ROWS} rows · {scale.color_text}",
-    )
+    details = suptitle(figure, f"{run.name} · {type_label(attention_type)} · by query position", scale.color_text)
     caption = (
         f"{type_label(attention_type)}: mean relative deviation per layer and query position (trivial rows left "
-        f"out; cells with fewer than {MIN_POSITION_ROWS} rows blank); colour scale shared with the head heatmaps."
+        f"out; grey: cells with fewer than {MIN_POSITION_ROWS} rows). {details}"
     )
     return Drawn(f"positions_{file_stem(attention_type)}", caption, figure, attention_type, wide=n_positions > 60)
 
@@ -265,10 +262,11 @@ def drivers_figure(run: Run, attention_type: str, scale: Scale) -> Drawn | None:
         ax.set_ylim(0, scale.x_max * 1.05)
         ax.legend(fontsize="x-small", loc="upper right")
     axes[0].set_ylabel(DEVIATION_LABEL)
-    suptitle(figure, f"{run.title} · {type_label(attention_type)} · against likely drivers",
-             "grey: rows (log density) · red: binned mean · orange: binned p95 · y axis from 0, shared")
+    details = suptitle(figure, f"{run.name} · {type_label(attention_type)} · against likely drivers",
+                       "y axis from 0, shared")
     caption = (
         f"{type_label(attention_type)}: relative deviation against the number of keys, the attention entropy of "
-        "the row and ‖αz‖ (where present): density of rows, binned mean and 95th percentile, Spearman's ρ."
+        "the row and ‖αz‖ (where present): density of rows (grey, log), binned mean (red) and 95th percentile "
+        f"(orange), Spearman's ρ. {details}"
     )
     return Drawn(f"drivers_{file_stem(attention_type)}", caption, figure, attention_type)

@@ -26,7 +26,8 @@ import pandas as pd
 
 from ..errors import ProbeError
 from ..query import connect
-from .data import FAR, Run, read_run, type_label
+from ..spelling import option
+from .data import FAR, Run, lookup, read_run, type_label
 from .style import (
     DEVIATION_LABEL, ECDF_BINS, Drawn, check_formats, ecdf, new_figure, save, style, suptitle,
 )
@@ -49,7 +50,7 @@ def common_slice(runs: list[Run]) -> tuple[str | None, float | None]:
         listing = "; ".join(f"{run.name}: " + ", ".join(f"{s or '?'} space α = {a}" for s, a in sorted(
             _slices(run), key=str)) for run in runs)
         raise ProbeError(f"The runs share no (space, alpha) slice, so there is nothing to compare ({listing}). "
-                         "Compare runs made with a common --alpha.")
+                         f"Compare runs made with a common {option('alpha')}.")
 
     def preference(key):
         space, alpha = key
@@ -62,7 +63,7 @@ def _labels(runs: list[Run], names: Sequence[str] | None) -> list[str]:
     """One label per run: given names, else model names made unique with the run directory's name."""
     if names:
         if len(names) != len(runs):
-            raise ProbeError(f"Give one --name per run: {len(names)} names for {len(runs)} runs.")
+            raise ProbeError(f"Give one label per run ({option('names')}): {len(names)} names for {len(runs)} runs.")
         return list(names)
     labels = [run.name for run in runs]
     for i, label in enumerate(labels):
@@ -90,6 +91,70 @@ def comparison_table(runs: list[Run], labels: list[str], types: list[str]) -> pd
     return pd.DataFrame.from_records(records, columns=list(COMPARE_COLUMNS))
 
 
+#: the compare page's numbers: this many significant figures, every column
+SIGNIFICANT = 3
+#: the statistics the compare page shows per run and attention type
+NUMBERS = ("layers", "rows", "trivial", "count", "mean", "median", "p95", "max", f"share_above_{FAR:g}")
+
+
+def rounded(value) -> str:
+    """One rounding rule for the compare page: counts in full (with thousands separators), every other number
+    to :data:`SIGNIFICANT` significant figures."""
+    if value is None or (isinstance(value, float) and not np.isfinite(value)):
+        return ""
+    if isinstance(value, (int, np.integer)) or (isinstance(value, float) and value.is_integer() and abs(value) >= 1):
+        return f"{int(value):,}"
+    return f"{float(value):.{SIGNIFICANT}g}"
+
+
+def is_control(run: Run) -> bool:
+    """Whether a run is a control: its weights are a random initialisation (``probe run --init random``)."""
+    init = lookup(run.manifest, "model", "init") or lookup(run.manifest, "init")
+    return isinstance(init, str) and init not in ("", "pretrained")
+
+
+def numbers_html(table: pd.DataFrame, labels: list[str], controls: list[bool]) -> str:
+    """The compare page's numbers: per attention type one row per run (named once, by its label), and, where
+    one of the runs is a control, the control's mean beside each run's."""
+    control = labels[controls.index(True)] if any(controls) and not all(controls) else None
+    names = {"count": "rows measured", f"share_above_{FAR:g}": f"share above {FAR:g}"}
+    header = ["attention type", "run", *(names.get(c, c) for c in NUMBERS)] + (
+        ["control's mean", "mean / control's"] if control else [])
+    rows = []
+    for record in table.to_dict("records"):
+        cells = [type_label(record["attention_type"]), record["run"], *(rounded(record[c]) for c in NUMBERS)]
+        if control and record["run"] == control:
+            cells += ["", ""]
+        elif control:
+            reference = table[(table["run"] == control) & (table["attention_type"] == record["attention_type"])]
+            mean = float(reference["mean"].iloc[0]) if len(reference) else math.nan
+            cells += [rounded(mean), rounded(record["mean"] / mean) if mean > 0 else ""]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(cell))}</td>" for cell in cells) + "</tr>")
+    return ('<table class="numbers"><tr>' + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"
+            + "".join(rows) + "</table>")
+
+
+def difference_sentences(table: pd.DataFrame, labels: list[str], controls: list[bool]) -> list[str]:
+    """Per attention type, the difference between the runs in one sentence: each run's mean relative deviation
+    as a multiple of the reference run's (the control, when one run is; else the first run)."""
+    reference = controls.index(True) if any(controls) and not all(controls) else 0
+    out = []
+    for attention_type in dict.fromkeys(table["attention_type"]):
+        part = table[table["attention_type"] == attention_type].set_index("run")
+        base = float(part.loc[labels[reference], "mean"])
+        others = []
+        for label in labels:
+            if label == labels[reference]:
+                continue
+            mean = float(part.loc[label, "mean"])
+            if np.isfinite(mean) and np.isfinite(base) and base > 0:
+                others.append(f"{label}'s mean relative deviation is {rounded(mean / base)}x "
+                              f"{labels[reference]}'s ({rounded(mean)} vs {rounded(base)})")
+        if others:
+            out.append(f"{type_label(attention_type)}: " + "; ".join(others) + ".")
+    return out
+
+
 def relative_depth(layers: pd.Series | np.ndarray, n_layers: int) -> np.ndarray:
     """``(layer + 1) / n_layers``: 1 is the last layer whatever the model's depth."""
     return (np.asarray(layers, dtype=float) + 1) / n_layers
@@ -112,10 +177,9 @@ def depth_figure(runs: list[Run], labels: list[str], types: list[str], x_max: fl
         ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(0, -0.2), ncol=2, frameon=False)
     axes[0].set_ylim(0, x_max * 1.05)
     axes[0].set_ylabel(DEVIATION_LABEL)
-    suptitle(figure, title, "solid: mean · dashed: 95th percentile per layer · trivial rows left out · "
-             "y axis from 0, shared by every panel and run")
+    details = suptitle(figure, title, "trivial rows left out", "y axis from 0, shared by every panel and run")
     caption = ("Per-layer mean (solid) and 95th percentile (dashed) against relative depth, every run on the "
-               "same axes.")
+               f"same axes. {details}")
     return Drawn("depth", caption, figure)
 
 
@@ -136,8 +200,8 @@ def ecdf_figure(runs: list[Run], labels: list[str], types: list[str], x_max: flo
     axes[0].set_xlim(0, x_max * 1.02)
     axes[0].set_ylim(0, 1)
     axes[0].set_ylabel("fraction of rows ≤ x")
-    suptitle(figure, title, "ECDF over every non-trivial row · x axis shared by every panel and run")
-    caption = "ECDF of the relative deviation of every run, per attention type, on one x axis."
+    details = suptitle(figure, title, "over every non-trivial row", "x axis shared by every panel and run")
+    caption = f"ECDF of the relative deviation of every run, per attention type, on one x axis. {details}"
     return Drawn("ecdf", caption, figure)
 
 
@@ -174,7 +238,8 @@ def compare_runs(
     formats = check_formats(formats)
     paths = [Path(p) for p in run_dirs]
     if len(paths) < 2:
-        raise ProbeError("Give at least two run directories to compare (e.g. a model and its --init random control).")
+        raise ProbeError("Give at least two run directories to compare (e.g. a model and its "
+                         f"{option('init', 'random')} control).")
     resolved = [p.resolve() for p in paths]
     if len(set(resolved)) < len(resolved):
         raise ProbeError("A run directory is given twice; give each run once.")
@@ -204,7 +269,7 @@ def _compare(paths: list[Path], out_dir: Path, formats, names, allow_damaged: bo
     title = f"{' vs '.join(labels)} · {runs[0].slice_text}"
 
     if out_dir.exists() and not out_dir.is_dir():
-        raise ProbeError(f"{out_dir} exists and is not a directory. Choose another --out.")
+        raise ProbeError(f"{out_dir} exists and is not a directory. Choose another {option('out')}.")
     out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(out_dir / "compare.csv", index=False)
     with style():
@@ -216,18 +281,28 @@ def _compare(paths: list[Path], out_dir: Path, formats, names, allow_damaged: bo
         f'src="data:image/png;base64,{base64.b64encode(s.png).decode("ascii")}"><figcaption>{esc(s.caption)}'
         f"</figcaption></figure>" for s in saved
     )
-    datasets = "".join(f"<li>{esc(label)}: {esc(run.dataset)} ({esc(run.run_dir.name)})</li>"
-                       for run, label in zip(runs, labels))
-    table_html = table.to_html(index=False, border=0, na_rep="", float_format=lambda v: f"{v:.4g}")
+    controls = [is_control(run) for run in runs]
+    run_rows = "".join(
+        f"<tr><th>{esc(label)}</th><td>{esc(run.name)}</td><td>{esc(run.dataset)}</td><td>{esc(run.run_dir.name)}</td>"
+        f"<td>{'control (random initialisation)' if control else 'pretrained'}</td></tr>"
+        for run, label, control in zip(runs, labels, controls))
+    runs_html = ("<table class=\"runs\"><tr><th>run</th><th>model</th><th>data</th><th>run directory</th><th>weights</th>"
+                 f"</tr>{run_rows}</table>")
+    differences = "".join(f"<li>{esc(sentence)}</li>" for sentence in difference_sentences(table, labels, controls))
+    table_html = numbers_html(table, labels, controls)
     table_html += _interventions_html(runs, labels, out_dir, allow_damaged)
     (out_dir / "index.html").write_text(
         f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>probe compare: {esc(title)}</title>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1"><title>probe compare: {esc(title)}</title>
 <style>body {{ font-family: system-ui, sans-serif; max-width: 1280px; margin: 0 auto; padding: 0.6em 1.2em; }}
 table {{ border-collapse: collapse; font-size: 0.85em; }} th, td {{ padding: 0.15em 0.6em;
-border-bottom: 1px solid #e5e5e5; text-align: right; }} figure img {{ max-width: 100%; height: auto; }}</style></head>
+border-bottom: 1px solid #e5e5e5; text-align: right; }} table.runs td, table.runs th {{ text-align: left; }}
+.wide {{ overflow-x: auto; max-width: 100%; margin: 0.5em 0; }} .note {{ font-size: 0.85em; color: #555; }}
+figure {{ margin: 1em 0; }} figure img {{ max-width: 100%; height: auto; }}</style></head>
 <body><h1>probe compare</h1><p>{esc(title)}. Trivial rows (one key) are left out of every statistic.</p>
-<ul>{datasets}</ul>{table_html}{images}</body></html>
+<ul class="differences">{differences}</ul>
+<div class="wide">{runs_html}</div><div class="wide">{table_html}</div>
+<p class="note">Numbers to {SIGNIFICANT} significant figures (compare.csv: in full); counts in full.</p>{images}</body></html>
 """,
         encoding="utf-8",
     )

@@ -166,7 +166,7 @@ def _legend(scale: Scale) -> str:
     stops = ", ".join(_color(scale.color_max * i / 8, scale.color_max)[0] + f" {100 * i / 8:.0f}%" for i in range(9))
     return (
         f'<p class="legend"><span class="ramp" style="background:linear-gradient(to right, {stops})"></span> '
-        f"0 to {scale.color_max:.3g}: {html.escape(scale.color_text)} (and with the figures' heatmaps). "
+        f"{html.escape(scale.color_text[0].upper() + scale.color_text[1:])} (and with the figures' heatmaps). "
         "Click a cell for the head's histogram and worst rows.</p>"
     )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import matplotlib as mpl
 import numpy as np
 import pandas as pd
 import seaborn as sns
@@ -25,7 +26,7 @@ from .breakdowns import position_grid
 from .data import Run, in_slice, type_label
 from .style import (
     CMAP, DEVIATION_LABEL, ECDF_BINS, Drawn, Scale, counts_on, draw_counts, ecdf, file_stem, layer_boxes,
-    layer_colors, mark_mean_max, new_figure, shared_edges, stats_line, suptitle, wrap,
+    caption_sentence, layer_colors, mark_mean_max, new_figure, shared_edges, stats_line, suptitle, wrap,
 )
 
 #: Heatmaps get a number in every cell up to this many heads and cells.
@@ -101,23 +102,20 @@ def overview_figure(run: Run, scale: Scale) -> Drawn:
     widths = [max(len(layers[t]), 4) for t in types]
     figure = new_figure(min(24.0, max(6.5, 0.55 * sum(widths) + 1.0 * len(types) + 1.0)), 5.0)
     axes = figure.subplots(1, len(types), sharey=True, squeeze=False, width_ratios=widths)[0]
+    notes = []
     for ax, attention_type in zip(axes, types, strict=True):
         layer_boxes(ax, run.main_deviation("layer", attention_type), layers[attention_type])
         counts = run.counts(attention_type)
-        ax.set_title(
-            f"{type_label(attention_type)}\n{counts['rows']:,} rows\n{counts['trivial']:,} trivial left out"
-            f"\n{counts['non_converged']:,} not converged"
-        )
+        ax.set_title(f"{type_label(attention_type)}\n{counts['rows'] - counts['trivial']:,} rows", fontsize="medium")
+        notes.append(f"{type_label(attention_type)}: {_counts_line(counts)}")
         ax.set_xlabel("layer")
     axes[0].set_ylim(0, scale.x_max * 1.06)
     axes[0].set_ylabel(DEVIATION_LABEL)
-    suptitle(
-        figure, run.title,
-        "box: quartiles · whiskers: 5th–95th percentile · ◆ mean · ▲ maximum · y axis from 0, shared",
-    )
+    details = suptitle(figure, run.name, "y axis from 0, shared by every panel", *notes)
     caption = (
         "All attention types side by side: the relative deviation per layer over every non-trivial query token "
-        "and head (box: quartiles; whiskers: 5th–95th percentile; red diamond: mean; dark red triangle: maximum)."
+        "and head (box: quartiles; whiskers: 5th–95th percentile; red diamond: mean; dark red triangle: maximum). "
+        + details
     )
     return Drawn("overview", caption, figure)
 
@@ -166,14 +164,12 @@ def layers_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
         ax.xaxis.set_major_locator(MaxNLocator(4))
     figure.supxlabel(f"{DEVIATION_LABEL}, per query token averaged over the layer's heads")
     figure.supylabel("(example, query) values per bin")
-    suptitle(
-        figure, f"{run.title} · {type_label(attention_type)}", _counts_line(run.counts(attention_type)),
-        f"red line: mean · ▲ maximum · {len(edges) - 1} bins (Freedman–Diaconis) · {scale.x_text}",
-    )
+    details = suptitle(figure, f"{run.name} · {type_label(attention_type)}", _counts_line(run.counts(attention_type)),
+                       f"{len(edges) - 1} bins (Freedman–Diaconis)", scale.x_text)
     caption = (
         f"{type_label(attention_type)}: histogram per layer of the deviation of each (example, query token), "
         "averaged over the layer's heads (shared bins and axes; red line: mean; triangle: maximum), every layer "
-        "again on a log y axis, and every layer's ECDF."
+        "again on a log y axis, and every layer's ECDF. " + details
     )
     return Drawn(f"layers_{file_stem(attention_type)}", caption, figure, attention_type)
 
@@ -193,11 +189,7 @@ def heads_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
     top = max([int(c.max()) for c in counts.values()] or [1])
     panel_w, panel_h = 1.75, 1.3
     width = max(7.0, panel_w * len(head_ids) + 1.6)
-    title = "\n".join(
-        [wrap(f"{run.title} · {type_label(attention_type)}", width),
-         wrap(_counts_line(run.counts(attention_type)), width),
-         wrap(f"per head, log y shared by every panel · red line: mean · ▲ maximum · {scale.x_text}", width)]
-    )
+    title = wrap(f"{run.name} · {type_label(attention_type)}", width)
     title_h = 0.24 * (title.count("\n") + 1) + 0.55  # the title, then the "head k" panel titles
     left, bottom, right = 1.25, 0.95, 0.25
     height = panel_h * len(layers) + title_h + bottom
@@ -228,11 +220,12 @@ def heads_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
                 ax.set_ylabel(f"layer {layer}", fontsize="medium")
     figure.supxlabel(f"{DEVIATION_LABEL} (every non-trivial query token)", y=0.12 / height, va="bottom")
     figure.supylabel("rows per bin (log)", x=0.08 / width, ha="left")
-    figure.suptitle(title, y=1 - 0.08 / height, va="top")
+    figure.suptitle(title, y=1 - 0.08 / height, va="top", fontsize=mpl.rcParams["axes.labelsize"])
     caption = (
         f"{type_label(attention_type)}: histogram per head (rows: layers, columns: heads) over every non-trivial "
         "query token, on one log y axis with shared bins; red line: the head's mean; triangle: its maximum. "
-        "Click the image to open it at full size."
+        + caption_sentence(_counts_line(run.counts(attention_type)), scale.x_text)
+        + " Click the image to open it at full size."
     )
     return Drawn(f"heads_{file_stem(attention_type)}", caption, figure, attention_type, wide=len(head_ids) > 4)
 
@@ -254,12 +247,7 @@ def heatmap_figure(run: Run, head_stats: pd.DataFrame, statistic: str, attention
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.tick_params(axis="y", rotation=0)
-    suptitle(
-        figure, f"{run.title} · {type_label(attention_type)}",
-        f"{name} per layer and head over {int(stats['count'].sum()):,} non-trivial rows · {scale.color_text}",
-    )
-    caption = (
-        f"{type_label(attention_type)}: {name} of the relative deviation per layer and head; every heatmap of "
-        "the report shares one colour scale."
-    )
+    details = suptitle(figure, f"{run.name} · {type_label(attention_type)}",
+                       f"over {int(stats['count'].sum()):,} non-trivial rows", scale.color_text)
+    caption = f"{type_label(attention_type)}: {name} of the relative deviation per layer and head. {details}"
     return Drawn(f"heatmap_{statistic}_{file_stem(attention_type)}", caption, figure, attention_type)

@@ -19,8 +19,9 @@ from .. import __version__
 from ..tokens import describe as describe_unknown
 from . import explorer
 from .data import QUANTILE_METHOD, Run, lookup, type_label
+from .findings import RULE
 from .style import Saved
-from .summary import FAR, headline, main_rows
+from .summary import FAR, headline, main_rows, scale_words
 
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; max-width: 1280px;
@@ -32,10 +33,13 @@ h3 { font-size: 1em; margin: 0.8em 0 0.3em; }
            align-items: start; }
 .numbers { display: flex; flex-wrap: wrap; gap: 0.4em 1.2em; margin: 0.3em 0; }
 .number { font-size: 0.85em; color: #555; } .number b { display: block; font-size: 1.5em; color: #111; }
+.number .control { display: block; font-size: 0.9em; color: #777; }
+ul.scale { margin: 0.2em 0 0.6em; padding-left: 1.2em; font-size: 0.9em; }
 p.note { font-size: 0.82em; color: #555; margin: 0.2em 0 0.6em; }
 table { border-collapse: collapse; font-size: 0.85em; margin: 0.3em 0; }
 th, td { padding: 0.15em 0.55em; border-bottom: 1px solid #e5e5e5; text-align: right; vertical-align: top; }
 th { background: #f3f3f3; } table.facts th, table.facts td { text-align: left; }
+.wide-table { overflow-x: auto; max-width: 100%; }
 ul.findings { margin: 0.2em 0; padding-left: 1.2em; font-size: 0.92em; } ul.findings li { margin: 0.15em 0; }
 .notes { background: #fff4e5; border-left: 4px solid #e69500; padding: 0.4em 1em 0.4em 2em; margin: 0.4em 0; }
 nav { margin: 0.8em 0; font-size: 0.9em; } nav a { margin-right: 1em; }
@@ -44,11 +48,16 @@ nav { margin: 0.8em 0; font-size: 0.9em; } nav a { margin-right: 1em; }
 button.filter { border: 1px solid #bbb; background: #f7f7f7; border-radius: 3px; margin: 0 0.1em; cursor: pointer; }
 button.filter.active { background: #4c72b0; color: #fff; border-color: #4c72b0; }
 .explorer { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 1em; align-items: start; }
+.explorer > div:first-child { overflow-x: auto; }
+@media (max-width: 1000px) { .explorer { grid-template-columns: minmax(0, 1fr); } }
+@media (max-width: 720px) { .landing { grid-template-columns: minmax(0, 1fr); } }
 table.heat td.cell { cursor: pointer; min-width: 2.6em; height: 1.5em; text-align: center; font-size: 0.85em;
                      border: 1px solid #fff; }
 table.heat td.cell.selected { outline: 3px solid #d62728; outline-offset: -3px; }
 .legend .ramp { display: inline-block; width: 160px; height: 0.8em; vertical-align: middle; }
-#head-panel { border: 1px solid #ddd; padding: 0.5em 0.8em; position: sticky; top: 2.6em; }
+#head-panel { border: 1px solid #ddd; padding: 0.5em 0.8em; position: sticky; top: 2.6em; min-width: 0;
+              overflow-x: auto; }
+#head-panel svg.hist { max-width: 100%; height: auto; }
 #head-worst td.ctx { text-align: left; max-width: 420px; } #head-worst mark { background: #ffd54f; }
 #head-worst .text { color: #666; font-size: 0.9em; margin-top: 0.2em; }
 .hint { color: #666; font-size: 0.85em; }
@@ -114,16 +123,31 @@ def slice_line(run: Run) -> str:
     return html.escape(text + ". Trivial rows (one key, λ* = αz exactly) are left out of every statistic.")
 
 
-def headline_numbers(run: Run) -> str:
-    parts = []
+def headline_numbers(run: Run, control: dict | None = None) -> str:
+    """The headline numbers per attention type (with the control run's beside them), then what they mean in
+    words (:func:`probe.report.summary.scale_words`)."""
+    by_type = (control or {}).get("by_type", {})
+    parts, words = [], []
     for item in headline(run):
         label = html.escape(type_label(item["attention_type"]))
+        other = by_type.get(item["attention_type"])
         for name, key, fmt in (("mean", "mean", ".3f"), ("p95", "p95", ".3f"), ("max", "max", ".3f"),
                                (f"rows above {FAR:g}", f"share_above_{FAR:g}", ".1%")):
-            value = item[key]
-            text = "–" if value is None or not np.isfinite(value) else format(value, fmt)
-            parts.append(f'<div class="number">{label} {name}<b>{text}</b></div>')
-    return f'<div class="numbers">{"".join(parts)}</div>'
+            text = _number(item[key], fmt)
+            beside = f'<span class="control">control {_number(other[key], fmt)}</span>' if other else ""
+            parts.append(f'<div class="number">{label} {name}<b>{text}</b>{beside}</div>')
+        words.append(f"<li>{html.escape(scale_words(item, other))}</li>")
+    meaning = ("0 means attention is exactly the closed form of the posterior: the exact solution λ* of the dual "
+               "is αz, the λ that gives softmax attention.")
+    if control:
+        meaning += (f" Control: {control['model']} ({control['run_dir']}), the same numbers over its rows."
+                    + (f" {control['note']}" if control.get("note") else ""))
+    return (f'<div class="numbers">{"".join(parts)}</div>'
+            f'<p class="note scale">{html.escape(meaning)}</p><ul class="scale">{"".join(words)}</ul>')
+
+
+def _number(value, fmt: str) -> str:
+    return "–" if value is None or not np.isfinite(value) else format(value, fmt)
 
 
 def layer_table(run: Run, summary: pd.DataFrame) -> str:
@@ -181,7 +205,8 @@ def _facts(run: Run) -> list[tuple[str, str]]:
 
 def _table(frame: pd.DataFrame) -> str:
     """A statistics table as HTML (escaped by pandas), numbers to 4 significant digits."""
-    return frame.to_html(index=False, border=0, na_rep="", float_format=lambda v: f"{v:.4g}", classes="stats")
+    return ('<div class="wide-table">' + frame.to_html(index=False, border=0, na_rep="", float_format=lambda v: f"{v:.4g}",
+                                                       classes="stats") + "</div>")
 
 
 def figure_html(figure: Saved) -> str:
@@ -197,12 +222,19 @@ def figure_html(figure: Saved) -> str:
 
 
 def page(run: Run, summary: pd.DataFrame, findings: list[dict], figures: list[Saved], explorer_html: str,
-         explorer_data: dict | None, quantities: pd.DataFrame, interventions_html: str = "") -> str:
+         explorer_data: dict | None, quantities: pd.DataFrame, interventions_html: str = "",
+         control: dict | None = None) -> str:
     """The whole page (``interventions_html``: the section of a run with ``--intervene``,
-    :func:`probe.report.interventions.section_html`)."""
+    :func:`probe.report.interventions.section_html`; ``control``: the control run's headline numbers,
+    :func:`probe.report.summary.control_headline`)."""
     esc = html.escape
     notes = "".join(f"<li>{esc(note)}</li>" for note in run.notes)
-    finding_items = "".join(f"<li>{esc(f['text'])}</li>" for f in findings) or "<li>No findings: no data.</li>"
+    if findings:
+        finding_items = "".join(f"<li>{esc(f['text'])}</li>" for f in findings)
+    elif run.counts()["measured"]:
+        finding_items = "<li>No group of rows deviates more than the rest beyond the noise.</li>"
+    else:
+        finding_items = "<li>No findings: no data.</li>"
     facts = "\n".join(f"<tr><th>{esc(label)}</th><td>{esc(text)}</td></tr>" for label, text in _facts(run))
     tables = []
     for level, title in (("layer", "per layer, over every row (tokens × heads)"),
@@ -238,8 +270,9 @@ def page(run: Run, summary: pd.DataFrame, findings: list[dict], figures: list[Sa
 <p class="slice">{slice_line(run)}</p>
 {f'<ul class="notes">{notes}</ul>' if notes else ""}
 <div class="landing">
-<div id="headline"><h2>Relative deviation ‖λ* − αz‖ / ‖λ*‖ over every row (example × query token × head)</h2>{headline_numbers(run)}{layer_table(run, summary)}</div>
-<div id="findings"><h2>Findings (computed from the rows)</h2><ul class="findings">{finding_items}</ul></div>
+<div id="headline"><h2>Relative deviation ‖λ* − αz‖ / ‖λ*‖ over every row (example × query token × head)</h2>{headline_numbers(run, control)}{layer_table(run, summary)}</div>
+<div id="findings"><h2>Findings (computed from the rows)</h2><ul class="findings">{finding_items}</ul>
+<p class="note rule">{esc(RULE)}</p></div>
 </div>
 </header>
 <nav><a href="#explorer">Explorer</a><a href="#figures">Figures</a>{'<a href="#interventions">Interventions</a>' if interventions_html else ''}<a href="#tables">Tables</a><a href="#run">Run</a></nav>
@@ -258,9 +291,9 @@ whiskers) are {esc(QUANTILE_METHOD)}.</p>
 {"".join(tables) if run.counts()["rows"] else "<p>No data.</p>"}
 </section>
 <section id="run"><h2>Run</h2>
-<table class="facts">
+<div class="wide-table"><table class="facts">
 {facts}
-</table>
+</table></div>
 </section>
 <div id="lightbox" hidden><img alt="figure at full size"></div>
 <footer>Generated by probe {esc(__version__)} on {generated}.</footer>

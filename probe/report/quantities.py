@@ -14,13 +14,14 @@ not compute it yet).  Trivial rows are left out throughout.
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
 from ..query import both, where
 from .breakdowns import DENSITY_BINS, density
 from .data import Run, in_slice, type_label
 from .style import (
-    DEVIATION_LABEL, HIST_COLOR, MEAN_COLOR, P95_COLOR, Drawn, Scale, layer_boxes, layer_colors, new_figure,
+    DEVIATION_LABEL, HIST_COLOR, MAX_COLOR, MEAN_COLOR, P95_COLOR, Drawn, Scale, layer_boxes, layer_colors, new_figure,
     suptitle,
 )
 
@@ -68,9 +69,9 @@ def alpha_figure(run: Run) -> Drawn | None:
     if handles:
         figure.legend(handles, labels, loc="outside lower center", fontsize="small", ncol=min(len(labels), 6),
                       frameon=False)
-    suptitle(figure, f"{run.name} · {run.dataset}", "relative deviation against α · solid: mean · dashed: 95th "
-             "percentile · trivial rows left out · y axis from 0, shared")
-    caption = "Mean (solid) and 95th percentile (dashed) of the relative deviation against α, per layer (log x)."
+    details = suptitle(figure, f"{run.name} · against α", "trivial rows left out", "y axis from 0, shared")
+    caption = ("Mean (solid) and 95th percentile (dashed) of the relative deviation against α, per layer (log x). "
+               + details)
     return Drawn("alpha", caption, figure)
 
 
@@ -95,8 +96,9 @@ def spaces_figure(run: Run, scale: Scale) -> Drawn | None:
     axes[0].set_ylim(0, scale.x_max * 1.05)
     axes[0].set_ylabel(DEVIATION_LABEL)
     alpha = "" if run.alpha is None else f" · α = {run.alpha:g}"
-    suptitle(figure, f"{run.name} · {run.dataset}{alpha}", "hidden space against key space · y axis from 0, shared")
-    caption = "Mean (solid) and 95th percentile (dashed) per layer in each parameterisation (hidden and key space)."
+    details = suptitle(figure, f"{run.name}{alpha} · hidden space against key space", "y axis from 0, shared")
+    caption = ("Mean (solid) and 95th percentile (dashed) per layer in each parameterisation (hidden and key space). "
+               + details)
     return Drawn("spaces", caption, figure)
 
 
@@ -138,10 +140,10 @@ def second_order_figure(run: Run, scale: Scale) -> Drawn | None:
             right.set_title(f"per row: second order smaller in {better:.1%} of {n:,} rows")
         right.set_xlabel("first-order deviation ‖λ* − αz‖ / ‖λ*‖")
         right.set_ylabel("second-order deviation")
-    suptitle(figure, run.title, "the paper's second-order correction λ₂ against the first-order αz · "
-             "trivial rows left out")
-    caption = ("Second-order deviation ‖λ* − λ₂‖/‖λ*‖ against the first-order deviation: mean and 95th percentile "
-               "per layer, and the joint density of the rows (log colour) with the diagonal.")
+    details = suptitle(figure, f"{run.name} · second order against first order", "trivial rows left out")
+    caption = ("Second-order deviation ‖λ* − λ₂‖/‖λ*‖ (the paper's second-order correction λ₂) against the "
+               "first-order deviation (αz): mean and 95th percentile per layer, and the joint density of the rows "
+               f"(log colour) with the diagonal. {details}")
     return Drawn("second_order", caption, figure)
 
 
@@ -158,15 +160,70 @@ def quantity_figure(run: Run, column: str) -> Drawn | None:
     widths = [max(len(layers[t]), 4) for t in types]
     figure = new_figure(min(24.0, max(6.5, 0.55 * sum(widths) + 1.0 * len(types) + 1.0)), 4.6)
     axes = figure.subplots(1, len(types), sharey=True, squeeze=False, width_ratios=widths)[0]
-    top = 0.0
+    maxima = {}
     for ax, attention_type in zip(axes, types):
-        maxima = np.asarray(layer_boxes(ax, stats[stats["attention_type"] == attention_type], layers[attention_type]))
-        top = max(top, np.nanmax(maxima) if np.isfinite(maxima).any() else 0.0)
-        ax.set_title(f"{type_label(attention_type)}\n{int(counts.get(attention_type, 0)):,} rows")
+        maxima[ax] = np.asarray(layer_boxes(ax, stats[stats["attention_type"] == attention_type],
+                                            layers[attention_type]), dtype=float)
+        ax.set_title(f"{type_label(attention_type)}\n{int(counts.get(attention_type, 0)):,} rows", fontsize="medium")
         ax.set_xlabel("layer")
-    axes[0].set_ylim(0, (top or 1.0) * 1.06)
+    every = np.concatenate(list(maxima.values())) if maxima else np.zeros(0)
+    top = float(np.nanmax(every)) if np.isfinite(every).any() else 0.0
+    shown = stats[stats["attention_type"].isin(types)]
+    bottom = log_scale(top, shown)
+    limit, clipped = (top, 0) if bottom else clipped_scale(top, shown)
     axes[0].set_ylabel(QUANTITY_LABELS.get(column, column))
-    suptitle(figure, run.title, "box: quartiles · whiskers: 5th–95th percentile · ◆ mean · ▲ maximum · "
-             "y axis from 0, shared · trivial rows left out")
-    caption = f"{QUANTITY_LABELS.get(column, column)} per layer (box: quartiles, whiskers 5th–95th percentile)."
+    scale_text = "y axis from 0, shared"
+    if bottom:
+        axes[0].set_yscale("log")
+        axes[0].set_ylim(bottom / 1.5, top * 1.5)
+        scale_text = (f"log y axis, shared: the largest maximum ({top:.3g}) is more than {CLIP_FACTOR:g} times every "
+                      "upper quartile")
+    else:
+        axes[0].set_ylim(0, (limit or 1.0) * 1.06)
+    if clipped:
+        for ax, values in maxima.items():  # the maxima above the axis: a triangle on its top edge
+            above = np.flatnonzero(values > limit * 1.06)
+            ax.scatter(above + 1, np.full(len(above), limit * 1.06), marker="^", color=MAX_COLOR, s=22, zorder=5,
+                       clip_on=False)
+        scale_text = (f"y axis from 0, shared, clipped at {limit * 1.06:.3g}: the maxima of {clipped} layer(s) lie "
+                      f"above it (on the top edge; the largest {top:.3g})")
+    details = suptitle(figure, f"{run.name} · {QUANTITY_LABELS.get(column, column)}", scale_text,
+                       "trivial rows left out")
+    caption = (f"{QUANTITY_LABELS.get(column, column)} per layer (box: quartiles; whiskers: 5th–95th percentile; "
+               f"diamond: mean; triangle: maximum). {details}")
     return Drawn(column, caption, figure)
+
+
+#: a box plot's y axis is logarithmic (or clipped) when the largest maximum exceeds the largest upper
+#: quartile this many times: a linear axis would squash every box under one extreme row
+CLIP_FACTOR = 4.0
+
+
+def _squashed(top: float, stats: pd.DataFrame) -> bool:
+    quartiles = stats["q3"].to_numpy(dtype=float) if len(stats) else np.zeros(0)
+    quartiles = quartiles[np.isfinite(quartiles)]
+    return bool(quartiles.size and quartiles.max() > 0 and top > CLIP_FACTOR * quartiles.max())
+
+
+def log_scale(top: float, stats: pd.DataFrame) -> float | None:
+    """The bottom of a logarithmic y axis for box plots (``stats``: each box's statistics; ``top``: the largest
+    maximum) that a linear axis would squash (:data:`CLIP_FACTOR`): the smallest lower whisker; None when the
+    linear axis is fine, or when a lower whisker is 0 (a log axis cannot show it)."""
+    if not _squashed(top, stats):
+        return None
+    low = stats["whislo"].to_numpy(dtype=float)
+    low = low[np.isfinite(low)]
+    return float(low.min()) if low.size and low.min() > 0 else None
+
+
+def clipped_scale(top: float, stats: pd.DataFrame) -> tuple[float, int]:
+    """The top of a box plot's linear y axis and how many boxes' maxima lie above it: ``top`` (the largest
+    maximum), unless a linear axis would squash the boxes (:data:`CLIP_FACTOR`); then twice the largest upper
+    whisker (the 95th percentile side)."""
+    whiskers = stats["whishi"].to_numpy(dtype=float) if len(stats) else np.zeros(0)
+    whiskers = whiskers[np.isfinite(whiskers)]
+    if not whiskers.size or whiskers.max() <= 0 or not _squashed(top, stats):
+        return top, 0
+    limit = 2.0 * float(whiskers.max())
+    maxima = stats["max"].to_numpy(dtype=float)
+    return limit, int((maxima > limit * 1.06).sum())

@@ -62,10 +62,18 @@ def wrap(text: str, width_inches: float) -> str:
     return "\n".join(textwrap.wrap(text, width=max(30, int(width_inches * 11)), break_on_hyphens=False))
 
 
-def suptitle(figure: Figure, first: str, *more: str) -> None:
-    """A figure title: ``first`` wrapped to the figure's width, then each further line as given."""
-    lines = [wrap(first, figure.get_figwidth())] + [wrap(line, figure.get_figwidth()) for line in more if line]
-    figure.suptitle("\n".join(lines))
+def suptitle(figure: Figure, short: str, *details: str) -> str:
+    """A figure's own title, ``short`` (wrapped to the figure's width, no larger than its axis labels), and
+    what used to be the lines under it (``details``: counts, legend, shared scales) as one sentence for the
+    figure's caption on the page, which is returned."""
+    figure.suptitle(wrap(short, figure.get_figwidth()), fontsize=mpl.rcParams["axes.labelsize"])
+    return caption_sentence(*details)
+
+
+def caption_sentence(*details: str) -> str:
+    """Caption parts as one sentence: ``a; b; c.`` (empty parts left out, the first letter capitalised)."""
+    text = "; ".join(part.strip().rstrip(".") for part in details if part and part.strip())
+    return (text[0].upper() + text[1:] + ".") if text else ""
 
 
 # --------------------------------------------------------------------------------------------------

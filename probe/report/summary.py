@@ -19,7 +19,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from .data import FAR, LEVEL_KEYS, QUANTILE_METHOD, Run, in_slice, lookup, ordered_types
+from .data import FAR, LEVEL_KEYS, QUANTILE_METHOD, Run, in_slice, lookup, ordered_types, type_label
 
 SUMMARY_COLUMNS = (
     "level", "space", "alpha", "attention_type", "layer", "head", "count", "trivial", "mean", "median", "p95",
@@ -114,6 +114,49 @@ def headline(run: Run) -> list[dict]:
     return out
 
 
+def scale_words(item: dict, control: dict | None = None) -> str:
+    """What one attention type's numbers mean, in words (``item``: one entry of :func:`headline`; ``control``:
+    the control run's entry for the same type).  The relative deviation ``||lambda* - alpha z|| / ||lambda*||``
+    is 0 exactly when attention is the closed form of the posterior (``lambda* = alpha z``); a value ``r`` says
+    that the exact ``lambda*`` lies ``100 r`` percent of its own length away from ``alpha z``."""
+    mean, p95 = item["mean"], item["p95"]
+    if not (np.isfinite(mean) and np.isfinite(p95)):
+        return f"{type_label(item['attention_type'])}: no non-trivial rows."
+    text = (f"{type_label(item['attention_type'])}: on average the exact λ* lies {mean:.1%} of its length away "
+            f"from αz (mean {mean:.3f}); one row in twenty lies more than {p95:.1%} away (p95 {p95:.3f})")
+    if control is not None and np.isfinite(control.get("mean", math.nan)):
+        text += f"; in the control run {control['mean']:.1%} on average (mean {control['mean']:.3f})"
+        if control["mean"] > 0:
+            text += f", so this run's mean is {mean / control['mean']:.2f}x the control's"
+    return text + "."
+
+
+def control_headline(run: Run, control_dir) -> dict:
+    """The control run's headline numbers (a random-initialisation run of the same model, say) in ``run``'s
+    main slice: ``run_dir``, ``model``, ``by_type`` (attention type -> :func:`headline` entry) and ``note``
+    (why some numbers are missing, or None).  ``control_dir``: the control's run directory."""
+    from dataclasses import replace
+
+    from .data import read_run
+
+    control = read_run(control_dir)
+    try:
+        note = None
+        slices = control.census[["space", "alpha"]].drop_duplicates()
+        if len(in_slice(slices, run.space, run.alpha)):
+            control = replace(control, space=run.space, alpha=run.alpha, memo={})
+        else:
+            note = (f"The control run has no rows in this run's slice ({run.slice_text}); its numbers are from its "
+                    f"own main slice ({control.slice_text}).")
+        by_type = {item["attention_type"]: item for item in headline(control) if item["attention_type"] in run.types}
+        missing = [type_label(t) for t in run.types if t not in by_type]
+        if missing:
+            note = (note + " " if note else "") + f"The control run has no {', '.join(missing)} rows."
+        return {"run_dir": control.run_dir.name, "model": control.name, "by_type": by_type, "note": note}
+    finally:
+        control.table.close()
+
+
 def _json_value(value):
     if value is None or value is pd.NA:
         return None
@@ -131,8 +174,22 @@ def records(frame: pd.DataFrame) -> list[dict]:
     return [{key: _json_value(value) for key, value in row.items()} for row in frame.to_dict("records")]
 
 
-def summary_json(run: Run, summary: pd.DataFrame, findings: list[dict]) -> dict:
-    """What ``summary.json`` holds: the same rows as ``summary.csv``, plus headline numbers and findings."""
+def _json_ready(value):
+    """Findings as JSON: NaN and infinities become null, numpy scalars Python numbers, at any depth."""
+    if isinstance(value, dict):
+        return {key: _json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(item) for item in value]
+    return _json_value(value)
+
+
+def summary_json(run: Run, summary: pd.DataFrame, findings: list[dict], below_noise: list[dict] = (),
+                 control: dict | None = None) -> dict:
+    """What ``summary.json`` holds: the same rows as ``summary.csv``, plus headline numbers with their meaning
+    in words (and the control run's, :func:`control_headline`), the findings, the rule that decides which are
+    shown and the candidates that did not clear it."""
+    from .findings import RULE
+
     return {
         "model": run.name,
         "dataset": run.dataset,
@@ -142,8 +199,13 @@ def summary_json(run: Run, summary: pd.DataFrame, findings: list[dict]) -> dict:
         "fidelity_passed": lookup(run.manifest, "fidelity", "passed"),
         "columns": list(SUMMARY_COLUMNS),
         "rows": records(summary),
-        "headline": [{k: _json_value(v) for k, v in item.items()} for item in headline(run)],
+        "headline": [{**{k: _json_value(v) for k, v in item.items()},
+                      "in_words": scale_words(item, (control or {}).get("by_type", {}).get(item["attention_type"]))}
+                     for item in headline(run)],
+        "control": _json_ready(control),
         "quantiles": {"method": QUANTILE_METHOD, "rank_error": 0},
-        "findings": findings,
+        "findings": _json_ready(findings),
+        "findings_rule": RULE,
+        "findings_below_noise": _json_ready(list(below_noise)),
         "quantities": records(quantity_stats(run)),
     }
