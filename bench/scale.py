@@ -68,6 +68,10 @@ TEXTS_SEED = 34
 REPORT_TARGET = {"peak_rss_gb": 1.5, "wall_s": 15 * 60}
 #: what it asks of ``probe run`` from the fewest to the most texts of --run-texts
 RUN_GROWTH_TARGET = 1.15
+#: what it asks of the readers over a tenfold step in rows (its 300 to 3,000 texts, 0.9M to 9.3M rows):
+#: the peak resident set of each named command grows at most ``peak_ratio``x, the report's time at most
+#: ``report_time_ratio``x (checked between the two smallest sizes of --sizes, 10^6 and 10^7 rows)
+READER_GROWTH_TARGET = {"commands": ("report", "export", "headline"), "peak_ratio": 1.25, "report_time_ratio": 2.5}
 COMMANDS = ("end of run", "report", "compare", "export", "verify", "verify sample", "status", "headline")
 FIGURE = ROOT / "docs" / "images" / "large-runs-scale.png"
 DOCS = ROOT / "docs" / "large-runs.md"
@@ -388,6 +392,19 @@ def verdicts(results: dict) -> dict:
             "met": (largest["peak_rss_mb"] <= REPORT_TARGET["peak_rss_gb"] * 1000
                     and largest["wall_s"] <= REPORT_TARGET["wall_s"]),
         }
+    if len(sizes) >= 2:
+        small, large = sorted(sizes, key=lambda size: size["rows"])[:2]
+        names = [name for name in READER_GROWTH_TARGET["commands"]
+                 if name in small["commands"] and name in large["commands"]]
+        peaks = {name: round(large["commands"][name]["peak_rss_mb"] / small["commands"][name]["peak_rss_mb"], 3)
+                 for name in names}
+        growth = {"rows": [small["rows"], large["rows"]], "peak_ratios": peaks, "target": READER_GROWTH_TARGET}
+        met = all(ratio <= READER_GROWTH_TARGET["peak_ratio"] for ratio in peaks.values())
+        if "report" in names:
+            growth["report_time_ratio"] = round(large["commands"]["report"]["wall_s"]
+                                                / small["commands"]["report"]["wall_s"], 3)
+            met = met and growth["report_time_ratio"] <= READER_GROWTH_TARGET["report_time_ratio"]
+        out["reader_growth"] = {**growth, "met": met}
     return out
 
 
@@ -442,6 +459,16 @@ def command_lines(results: dict) -> list[str]:
         lines += ["", against_target(
             f"The report at {report['rows']:,} rows: {report['peak_rss_mb']:,.0f} MB, {report['wall_s']:,.0f} s",
             f"at most {target['peak_rss_gb']} GB and {target['wall_s'] // 60} minutes", report["met"])]
+    growth = verdicts(results).get("reader_growth")
+    if growth:
+        target = growth["target"]
+        ratios = ", ".join(f"{name} {ratio:.2f}x" for name, ratio in growth["peak_ratios"].items())
+        time_ratio = (f", and the report's time grows {growth['report_time_ratio']:.2f}x"
+                      if "report_time_ratio" in growth else "")
+        lines += ["", against_target(
+            f"From {growth['rows'][0]:,} to {growth['rows'][1]:,} rows the peak resident set grows: {ratios}"
+            f"{time_ratio}", f"at most {target['peak_ratio']}x for the memory and {target['report_time_ratio']}x "
+            "for the time", growth["met"])]
     return lines
 
 

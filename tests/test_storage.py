@@ -315,3 +315,45 @@ def test_another_host_is_judged_by_its_heartbeat():
 
 def test_finished_runs_are_left_alone():
     assert storage.with_liveness({"status": "complete", "process": {"pid": -5}})["status"] == "complete"
+
+
+def test_export_sorts_again_under_the_budget_when_a_group_needs_more(tmp_path, monkeypatch):
+    """Each (space, alpha, type, layer) group is sorted under a small limit first; a group that runs out of
+    it is sorted again under the readers' share of the budget, and the file is still in the key's order.
+    Where the whole budget is too small, the error says how to raise it (no DuckDB traceback)."""
+    from probe import query
+
+    run_dir = storage.create_run_directory(tmp_path, "model")
+    parts = [scrambled_rows(range(i * 40, i * 40 + 40), seed=i, layers=2, heads=3, queries=30) for i in range(3)]
+    for batch, rows in enumerate(parts):
+        storage.write_part(run_dir, batch, rows, {})
+    expected = key_sorted(pa.concat_tables(parts))
+    tried = []
+    connect = query.connect
+
+    def recording_connect(**kwargs):
+        connection = connect(**kwargs)
+        original_sql = connection.sql
+
+        class Recording:  # DuckDB's connection cannot be given attributes: wrap the one call that matters
+            def __getattr__(self, attribute):
+                return getattr(connection, attribute)
+
+            def sql(self, text):
+                tried.append(connection.execute("SELECT current_setting('memory_limit')").fetchall()[0][0])
+                return original_sql(text)
+
+        return Recording()
+
+    monkeypatch.setattr(query, "connect", recording_connect)
+    monkeypatch.setattr(query, "MIN_DUCKDB_MEMORY", 1 << 18)
+    monkeypatch.setattr(storage, "SORT_MEMORY", 1 << 18)  # 256 KiB: too little to sort a group of 21,600 rows
+    to = tmp_path / "all.parquet"
+    assert storage.export(run_dir, to) == expected.num_rows
+    assert_bitwise_equal(pq.read_table(to), expected)
+    assert len(set(tried)) == 2, f"every group's sort should have been tried under both limits: {tried}"
+
+    monkeypatch.setenv(query.MEMORY_BUDGET_ENV, "512KB")
+    with pytest.raises(ProbeError, match=f"{query.MEMORY_BUDGET_ENV}=4GB") as error:
+        storage.export(run_dir, tmp_path / "again.parquet")
+    assert "Traceback" not in str(error.value)
