@@ -129,7 +129,7 @@ def passed(report: dict) -> bool:
     return all(r["groups_missing_on_one_side"] == 0 and r["count_unequal"] == 0 and r["max_unequal"] == 0
                and r.get("trivial_unequal", 0) == 0 and r.get("non_converged_unequal", 0) == 0
                and r["mean_max_relative_difference"] <= MEAN_RTOL and r["share_above_0.1_max_difference"] <= 1e-15
-               and r["quantile_max_rank_error"] <= 1e-3
+               and r["median_unequal"] == 0 and r["p95_unequal"] == 0 and r["quantile_max_rank_error"] <= 1e-3
                for r in report.values())
 
 
@@ -149,7 +149,8 @@ def markdown(results: dict) -> str:
                      f"{r['quantile_max_rank_error']:g} |")
     lines += ["", f"At the head-averaged level, max, median and p95 are compared to a relative {AVERAGED_RTOL:g} "
               "(the averages are sums in different orders on the two sides).",
-              "", f"Targets: counts and maxima exact, means to {MEAN_RTOL:g}, quantiles within 0.001 rank: "
+              "", f"Targets: counts, maxima and quantiles exact (the issue asks quantiles within 0.001 rank), means to "
+              f"{MEAN_RTOL:g}: "
               f"**{'met' if results['passed'] else 'not met'}**.", ""]
     return "\n".join(lines)
 

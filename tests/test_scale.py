@@ -271,3 +271,31 @@ def test_the_docs_numbers_are_the_results_files():
     if scale_results.exists():  # written by the benchmark's full run
         block = re.search(r"<!-- scale:table -->\n(.*?)\n<!-- /scale:table -->", text, flags=re.S).group(1)
         assert block == bench_module("scale").docs_block(json.loads(scale_results.read_text()))
+
+
+def test_the_summary_check_agrees_with_the_report_and_flags_a_changed_number(tmp_path):
+    """bench/summary_exact.py (the big run's summary.csv against pandas) passes a report of a small run with
+    non-converged and trivial rows and two slices, and fails where one number of its summary is changed."""
+    import pandas as pd
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import summary_exact
+
+    from probe.report import build_report
+    from tests.test_report import deviation_rows, manifest_for, write_run
+
+    rows = deviation_rows({"self": (2, 3), "causal": (1, 2)}, examples=10, queries=6, alphas=(0.5, 1.0), seed=5)
+    run_dir = write_run(tmp_path / "run", rows.drop(columns="model"), manifest_for(), parts=3)
+    report = build_report(run_dir, tmp_path / "report", ("png",))
+    summary = pd.read_csv(report / "summary.csv")
+    read = summary_exact.read_rows(run_dir)
+    reference = summary_exact.pandas_summary(read)
+    checked = summary_exact.compare(summary, reference, read)
+    assert summary_exact.passed(checked), checked
+    assert checked["head"]["groups"] == 2 * (2 * 3 + 1 * 2)  # two alphas, every head of both types
+    for column, level in (("p95", "head"), ("count", "layer"), ("mean", "layer_head_averaged")):
+        changed = summary.copy()
+        row = changed.index[(changed["level"] == level) & (changed["count"] > 0)][0]
+        changed.loc[row, column] = (changed.loc[row, column] + 1 if column == "count"
+                                    else changed.loc[row, column] * (1 + 1e-6))
+        assert not summary_exact.passed(summary_exact.compare(changed, reference, read)), (column, level)
