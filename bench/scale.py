@@ -40,6 +40,7 @@ sort spills about as much again) and are deleted at the end unless ``--keep``.
 
     python bench/scale.py                                   # 10^6, 10^7, 10^8 rows; 300 and 3,000 texts
     python bench/scale.py --sizes 1e6,1e7 --run-texts ''    # the two smaller sizes only (the run's memory kept)
+    python bench/scale.py --sizes 1e6,1e7 --run-texts '' --keep-sizes   # measure those again, keep 10^8
     python bench/scale.py --figure                          # redraw the figure from the results file
 """
 
@@ -289,6 +290,8 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the runs")
     parser.add_argument("--out", type=Path, default=HERE / "results_scale.json")
     parser.add_argument("--figure", action="store_true", help="only redraw the figure from --out's results")
+    parser.add_argument("--keep-sizes", action="store_true",
+                        help="keep the sizes of --out's results that --sizes does not name (each size is dated)")
     args = parser.parse_args(argv)
     if args.figure:
         publish(json.loads(args.out.read_text()))
@@ -352,11 +355,21 @@ def main(argv=None) -> int:
                 copies = max(1, round(size / scale["real_run"]["rows"]))
                 run_dir = source if copies == 1 else replicate(source, copies, work / f"scale-x{copies}")
                 print(f"{copies} cop{'y' if copies == 1 else 'ies'} of the real run", flush=True)
+                dated = section({})
                 measured = measure_size(run_dir, work, commands, env, real=copies == 1)
-                scale["sizes"].append({"target_rows": size, "copies": copies, **measured})
+                scale["sizes"].append({"target_rows": size, "copies": copies, "measured_at": dated["measured_at"],
+                                       "load_average_before": dated["load_average_before"],
+                                       "load_average_after": load_average(), **measured})
                 if run_dir != source and not args.keep:
                     shutil.rmtree(run_dir)
             scale["load_average_after"] = load_average()
+            if args.keep_sizes and earlier.get("scale"):  # the sizes not measured now, as they were measured
+                kept = [dict(size, measured_at=size.get("measured_at", earlier["scale"]["measured_at"]),
+                             load_average_before=size.get("load_average_before",
+                                                          earlier["scale"]["load_average_before"]),
+                             load_average_after=size.get("load_average_after", earlier["scale"]["load_average_after"]))
+                        for size in earlier["scale"]["sizes"] if size["target_rows"] not in sizes]
+                scale["sizes"] = sorted(scale["sizes"] + kept, key=lambda size: size["target_rows"])
             results["scale"] = scale
     finally:
         if not args.keep:
@@ -408,9 +421,13 @@ def verdicts(results: dict) -> dict:
     return out
 
 
-def when(section: dict) -> str:
-    """When and under what load a section of the results was measured."""
+def when(section: dict, minutes: bool = False) -> str:
+    """When (the day, or with ``minutes`` the UTC time its measurement began) and under what load a section
+    (or one size) was measured."""
     before, after = section.get("load_average_before"), section.get("load_average_after")
+    if minutes:
+        return (f"measured from {section['measured_at'][:16].replace('T', ' ')} UTC, 1-minute load average "
+                f"{before[0] if before else '?'} before and {after[0] if after else '?'} after")
     return (f"measured on {section['measured_at'][:10]}, 1-minute load average {before[0] if before else '?'} before "
             f"and {after[0] if after else '?'} after")
 
@@ -443,7 +460,10 @@ def command_lines(results: dict) -> list[str]:
     scale = results["scale"]
     sizes = scale["sizes"]
     commands = list(dict.fromkeys(name for size in sizes for name in size["commands"]))
-    lines = [f"Readers' memory budget: {scale['settings']['memory_budget']}; {when(scale)}.", "",
+    dates = {size.get("measured_at", scale["measured_at"])[:16] for size in sizes}
+    measured = (when(scale) if len(dates) == 1 else "; ".join(
+        f"{size['rows']:,} rows {when({**scale, **size}, minutes=True)}" for size in sizes))
+    lines = [f"Readers' memory budget: {scale['settings']['memory_budget']}; {measured}.", "",
              "| command | " + " | ".join(f"{size['rows']:,} rows" for size in sizes) + " |",
              "|---|" + "---|" * len(sizes),
              "| bytes per row on disk | " + " | ".join(f"{size['bytes_per_row']:.1f}" for size in sizes) + " |"]
