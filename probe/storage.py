@@ -729,6 +729,13 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
     return rows
 
 
+def _equal(column: str, value) -> str:
+    """SQL: ``column`` holds ``value`` (NULL included, which ``=`` never matches: an old run's space)."""
+    from .query import literal
+
+    return f"{column} IS NULL" if value is None else f"{column} = {literal(value)}"
+
+
 #: the leading columns of a key that ``sorted_batches`` sorts within: a (space, alpha, attention type, layer)
 #: slice of the rows (each part file has one row group per such slice), or the interventions'
 #: (space, alpha, substitute, site)
@@ -753,8 +760,7 @@ def sorted_batches(files, schema: pa.Schema, key):
         return
     import duckdb
 
-    from .query import (DUCKDB_SHARE, MEMORY_BUDGET_ENV, MIN_DUCKDB_MEMORY, connect, literal, memory_budget, name,
-                        parquet_source)
+    from .query import DUCKDB_SHARE, MEMORY_BUDGET_ENV, MIN_DUCKDB_MEMORY, connect, memory_budget, name, parquet_source
 
     source = parquet_source(files)
     columns = ", ".join(map(name, schema.names))
@@ -766,9 +772,10 @@ def sorted_batches(files, schema: pa.Schema, key):
     try:
         groups = connection.sql(f"SELECT DISTINCT {', '.join(map(name, group))} FROM {source} "
                                 f"ORDER BY {', '.join(map(name, group))}").fetchall()
+        ((total,),) = connection.sql(f"SELECT count(*) FROM {source}").fetchall()
+        written = 0
         for values in groups:
-            predicate = " AND ".join(f"{name(column)} IS NULL" if value is None else f"{name(column)} = {literal(value)}"
-                                     for column, value in zip(group, values))
+            predicate = " AND ".join(_equal(name(column), value) for column, value in zip(group, values))
             for attempt, limit in enumerate(limits):
                 connection.execute(f"SET memory_limit = '{limit}B'")
                 yielded = False
@@ -781,11 +788,15 @@ def sorted_batches(files, schema: pa.Schema, key):
                         if not batch.schema.equals(schema):  # DuckDB's own types where Arrow has several
                             batch = pa.Table.from_batches([batch]).cast(schema).combine_chunks().to_batches()[0]
                         yielded = True
+                        written += batch.num_rows
                         yield batch
                     break
                 except duckdb.OutOfMemoryException:
                     if yielded or attempt == len(limits) - 1:  # rows of this group are out already, or no more room
                         raise
+        if written != total:  # every row in exactly one group: a key value no predicate matches would be lost
+            raise ProbeError(f"The export's sort gave {written:,} of the run's {total:,} rows, so nothing was written. "
+                             "This is a bug in probe: please report it with the run's manifest.json.")
     except duckdb.OutOfMemoryException as error:
         raise ProbeError(
             f"Sorting the rows ran out of the memory budget ({str(error).splitlines()[0]}). Raise it with "

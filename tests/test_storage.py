@@ -357,3 +357,21 @@ def test_export_sorts_again_under_the_budget_when_a_group_needs_more(tmp_path, m
     with pytest.raises(ProbeError, match=f"{query.MEMORY_BUDGET_ENV}=4GB") as error:
         storage.export(run_dir, tmp_path / "again.parquet")
     assert "Traceback" not in str(error.value)
+
+
+def test_export_keeps_rows_whose_slice_key_is_null(tmp_path):
+    """The sort runs per (space, alpha, type, layer) slice, selected by equality, which SQL's NULL never
+    satisfies: rows without a space or an alpha (old runs) are exported all the same, in the order one
+    sort of every row gives them (pandas' sort, nulls last)."""
+    run_dir = storage.create_run_directory(tmp_path, "model")
+    rows = scrambled_rows((3, 1), seed=9).to_pandas()
+    rows.loc[rows.index[::3], "space"] = None
+    rows.loc[rows.index[1::3], "alpha"] = None
+    table = pa.Table.from_pandas(rows, schema=DEVIATION_SCHEMA, preserve_index=False)
+    assert table["space"].null_count > 0 and table["alpha"].null_count > 0
+    storage.write_part(run_dir, 0, table, {})
+    to = tmp_path / "all.parquet"
+    assert storage.export(run_dir, to) == len(rows)
+    got = pq.read_table(to).to_pandas()
+    want = rows.sort_values(list(ROW_KEY), na_position="last", kind="stable").reset_index(drop=True)
+    pd.testing.assert_frame_equal(got[list(ROW_KEY)], want[list(ROW_KEY)])
