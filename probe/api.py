@@ -155,7 +155,8 @@ class Run:
     def headline(self) -> list[dict]:
         """The relative deviation per (space, alpha) slice: rows, mean, p95 and maximum over every
         non-trivial row, as the report's landing table states them; read from the part files present now,
-        in memory that does not grow with the rows (exact p95: :meth:`probe.query.Table.stats`)."""
+        in memory bounded by the readers' budget whatever the rows (exact p95:
+        :meth:`probe.query.Table.stats`)."""
         from .query import where
 
         with self._open() as table:

@@ -668,7 +668,7 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
     The rows are in their key's order, as ``Run.rows`` has them (:data:`probe.schema.ROW_KEY`; the
     interventions' :data:`probe.schema.INTERVENTION_KEY`), sorted out of core: DuckDB sorts the part files
     under the readers' memory budget, spilling to disk (:func:`probe.query.connect`), and the sorted rows
-    stream into the file batch by batch, so memory does not grow with the rows.
+    stream into the file batch by batch, so memory stays within the readers' budget whatever the rows.
 
     The parts are checked first (:func:`require_intact`): a damaged run is refused unless
     ``allow_damaged``, and then a Parquet file's metadata carries the banner under ``probe.damaged``."""

@@ -131,9 +131,10 @@ def build_report(
     ``progress`` prints each stage on stderr; ``control``: a control run's directory (a random-initialisation
     run of the same model, say), whose headline numbers the first screen shows beside the run's (default:
     the run directory the manifest's ``control`` names, relative to the run directory).  Every number is
-    asked of the rows through :mod:`probe.query`, so memory does not grow with the rows.  Raises :class:`ProbeError` for a missing
-    run directory, a missing, unreadable or incomplete deviations table and unknown formats.  A missing or
-    invalid ``manifest.json`` only warns; a table without rows gives a report that says there is no data.
+    asked of the rows through :mod:`probe.query`, so memory stays within the readers' budget
+    (``PROBE_MEMORY_BUDGET``) whatever the rows.  Raises :class:`ProbeError` for a missing run directory, a
+    missing, unreadable or incomplete deviations table and unknown formats.  A missing or invalid
+    ``manifest.json`` only warns; a table without rows gives a report that says there is no data.
     """
     formats = check_formats(formats)
     run_dir = Path(run_dir)
