@@ -183,11 +183,21 @@ def where(*, space=..., alpha=..., trivial: bool | None = None, **equal) -> str:
     for column, value in equal.items():
         if isinstance(value, (list, tuple, set, frozenset)):
             parts.append(f"{name(column)} IN ({', '.join(literal(v) for v in value)})" if value else "FALSE")
-        elif value is None:
-            parts.append(f"{name(column)} IS NULL")
         else:
-            parts.append(f"{name(column)} = {literal(value)}")
+            parts.append(equals(column, value))
     return " AND ".join(f"({p})" for p in parts) or "TRUE"
+
+
+def equals(column: str, value) -> str:
+    """SQL: ``column`` holds exactly ``value``; ``None`` is ``IS NULL`` (which ``=`` never matches)."""
+    return f"{name(column)} IS NULL" if value is None else f"{name(column)} = {literal(value)}"
+
+
+def over_budget(error, what: str, then: str) -> ProbeError:
+    """The :class:`ProbeError` for DuckDB's out-of-memory ``error`` in ``what`` (a query, the export's sort):
+    how to raise :data:`MEMORY_BUDGET_ENV`, ``then`` what else to do."""
+    return ProbeError(f"{what} ran out of the memory budget ({str(error).splitlines()[0]}). Raise it with "
+                      f"{MEMORY_BUDGET_ENV}=4GB (or more), {then}.")
 
 
 def both(*predicates: str) -> str:
@@ -337,10 +347,7 @@ class Table:
         try:
             yield
         except duckdb.OutOfMemoryException as error:
-            raise ProbeError(
-                f"The query ran out of its memory budget ({str(error).splitlines()[0]}). Raise the budget with "
-                f"{MEMORY_BUDGET_ENV}=4GB (or more), or ask for fewer groups."
-            ) from None
+            raise over_budget(error, "The query", "or ask for fewer groups") from None
         except (duckdb.IOException, duckdb.InvalidInputException) as error:
             where_text = f" in {self.path}" if self.path is not None else ""
             raise ProbeError(

@@ -729,13 +729,6 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
     return rows
 
 
-def _equal(column: str, value) -> str:
-    """SQL: ``column`` holds ``value`` (NULL included, which ``=`` never matches: an old run's space)."""
-    from .query import literal
-
-    return f"{column} IS NULL" if value is None else f"{column} = {literal(value)}"
-
-
 #: the leading columns of a key that ``sorted_batches`` sorts within: a (space, alpha, attention type, layer)
 #: slice of the rows (each part file has one row group per such slice), or the interventions'
 #: (space, alpha, substitute, site)
@@ -760,7 +753,8 @@ def sorted_batches(files, schema: pa.Schema, key):
         return
     import duckdb
 
-    from .query import DUCKDB_SHARE, MEMORY_BUDGET_ENV, MIN_DUCKDB_MEMORY, connect, memory_budget, name, parquet_source
+    from .query import (DUCKDB_SHARE, MIN_DUCKDB_MEMORY, connect, equals, memory_budget, name, over_budget,
+                        parquet_source)
 
     source = parquet_source(files)
     columns = ", ".join(map(name, schema.names))
@@ -768,14 +762,14 @@ def sorted_batches(files, schema: pa.Schema, key):
     order = f" ORDER BY {', '.join(map(name, within))}" if within else ""
     share = max(int(memory_budget() * DUCKDB_SHARE), MIN_DUCKDB_MEMORY)
     limits = sorted({min(SORT_MEMORY, share), share})
-    connection = connect(memory_limit=share, threads=1)  # the groups' DISTINCT under the share, each sort below
+    connection = connect(memory_limit=share, threads=1)  # the groups and their row counts under the share
     try:
-        groups = connection.sql(f"SELECT DISTINCT {', '.join(map(name, group))} FROM {source} "
-                                f"ORDER BY {', '.join(map(name, group))}").fetchall()
-        ((total,),) = connection.sql(f"SELECT count(*) FROM {source}").fetchall()
-        written = 0
-        for values in groups:
-            predicate = " AND ".join(_equal(name(column), value) for column, value in zip(group, values))
+        listed = ", ".join(map(name, group))
+        groups = connection.sql(f"SELECT {listed}, count(*) FROM {source} GROUP BY {listed} ORDER BY {listed}") \
+            .fetchall()
+        total, written = sum(values[-1] for values in groups), 0
+        for *values, _ in groups:
+            predicate = " AND ".join(equals(column, value) for column, value in zip(group, values))
             for attempt, limit in enumerate(limits):
                 connection.execute(f"SET memory_limit = '{limit}B'")
                 yielded = False
@@ -798,9 +792,6 @@ def sorted_batches(files, schema: pa.Schema, key):
             raise ProbeError(f"The export's sort gave {written:,} of the run's {total:,} rows, so nothing was written. "
                              "This is a bug in probe: please report it with the run's manifest.json.")
     except duckdb.OutOfMemoryException as error:
-        raise ProbeError(
-            f"Sorting the rows ran out of the memory budget ({str(error).splitlines()[0]}). Raise it with "
-            f"{MEMORY_BUDGET_ENV}=4GB (or more) and export again."
-        ) from None
+        raise over_budget(error, "Sorting the rows", "and export again") from None
     finally:
         connection.close()
