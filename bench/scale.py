@@ -73,6 +73,8 @@ RUN_GROWTH_TARGET = 1.15
 #: the peak resident set of each named command grows at most ``peak_ratio``x, the report's time at most
 #: ``report_time_ratio``x (checked between the two smallest sizes of --sizes, 10^6 and 10^7 rows)
 READER_GROWTH_TARGET = {"commands": ("report", "export", "headline"), "peak_ratio": 1.25, "report_time_ratio": 2.5}
+#: when and under what load a section of the results, or one size of it, was measured
+DATED = ("measured_at", "load_average_before", "load_average_after")
 COMMANDS = ("end of run", "report", "compare", "export", "verify", "verify sample", "status", "headline")
 FIGURE = ROOT / "docs" / "images" / "large-runs-scale.png"
 DOCS = ROOT / "docs" / "large-runs.md"
@@ -355,19 +357,15 @@ def main(argv=None) -> int:
                 copies = max(1, round(size / scale["real_run"]["rows"]))
                 run_dir = source if copies == 1 else replicate(source, copies, work / f"scale-x{copies}")
                 print(f"{copies} cop{'y' if copies == 1 else 'ies'} of the real run", flush=True)
-                dated = section({})
+                dated = {name: value for name, value in section({}).items() if name in DATED}
                 measured = measure_size(run_dir, work, commands, env, real=copies == 1)
-                scale["sizes"].append({"target_rows": size, "copies": copies, "measured_at": dated["measured_at"],
-                                       "load_average_before": dated["load_average_before"],
+                scale["sizes"].append({"target_rows": size, "copies": copies, **dated,
                                        "load_average_after": load_average(), **measured})
                 if run_dir != source and not args.keep:
                     shutil.rmtree(run_dir)
             scale["load_average_after"] = load_average()
             if args.keep_sizes and earlier.get("scale"):  # the sizes not measured now, as they were measured
-                kept = [dict(size, measured_at=size.get("measured_at", earlier["scale"]["measured_at"]),
-                             load_average_before=size.get("load_average_before",
-                                                          earlier["scale"]["load_average_before"]),
-                             load_average_after=size.get("load_average_after", earlier["scale"]["load_average_after"]))
+                kept = [{**{name: earlier["scale"][name] for name in DATED}, **size}  # undated: the call's dates
                         for size in earlier["scale"]["sizes"] if size["target_rows"] not in sizes]
                 scale["sizes"] = sorted(scale["sizes"] + kept, key=lambda size: size["target_rows"])
             results["scale"] = scale

@@ -135,8 +135,8 @@ def passed(report: dict) -> bool:
 
 def markdown(results: dict) -> str:
     lines = ["# A big run's summary.csv against pandas on its part files", "",
-             f"Written by `bench/summary_exact.py` on {results['measured_at']} ({results['run']}, {results['rows']:,} rows; "
-             f"the report in {results['report_s']:.0f} s under the default memory budget; pandas read every row "
+             f"Written by `bench/summary_exact.py` on {results['measured_at']} ({results['run']}, "
+             f"{results['rows']:,} rows; the report in {results['report_s']:.0f} s under the default memory budget; pandas read every row "
              f"in {results['pandas_s']:.0f} s).", "",
              "| level | groups | count, trivial, non-converged unequal | max unequal | mean: max relative difference "
              "| share above 0.1: max difference | median unequal | p95 unequal | quantiles: max rank error |",
