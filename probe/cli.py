@@ -178,7 +178,7 @@ def run(
         "hidden space].",
     ),
     init: str = typer.Option(
-        "pretrained", metavar="INIT", help="pretrained, or random: the same architecture with fresh weights "
+        "pretrained", "--init", metavar="INIT", help="pretrained, or random: the same architecture with fresh weights "
         "(seeded by --seed), the control for what training did; its run is named MODEL-random.",
     ),
     tokenizer: Optional[str] = typer.Option(
@@ -194,12 +194,12 @@ def run(
     ),
     out: Path = typer.Option(Path("runs"), metavar="DIR", help="Parent directory of the run directory."),
     name: Optional[str] = typer.Option(
-        None, metavar="NAME", help="The run's name: its directory is NAME-<time> and its report's title NAME "
+        None, "--name", metavar="NAME", help="The run's name: its directory is NAME-<time> and its report's title NAME "
         "[default: the model's real name, from its files; MODEL-random for --init random].",
     ),
-    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps."),
+    device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option(
-        "float32", metavar="DTYPE", help="Model dtype: float32, bfloat16, float16 or float64 (the solver always "
+        "float32", "--dtype", metavar="DTYPE", help="Model dtype: float32, bfloat16, float16 or float64 (the solver always "
         "works in float64).",
     ),
     revision: Optional[str] = typer.Option(None, metavar="REV", help="Model revision (hub branch, tag or commit)."),
@@ -503,7 +503,7 @@ def report_command(
     out: Optional[Path] = typer.Option(None, metavar="DIR", help="Where to write the report [default: RUN_DIR/report]."),
     report_format: str = typer.Option("png", "--format", metavar="FMT[,FMT]", help="Figure formats, comma separated (png,pdf)."),
     name: Optional[str] = typer.Option(
-        None, metavar="NAME", help="The name in titles [default: the run's name: --name of probe run, or the model's real name]."
+        None, "--name", metavar="NAME", help="The name in titles [default: the run's name: --name of probe run, or the model's real name]."
     ),
     allow_damaged: bool = typer.Option(False, "--allow-damaged", help=ALLOW_DAMAGED_HELP),
     control: Optional[Path] = typer.Option(

@@ -178,3 +178,56 @@ def test_threads_option_and_passive_wait_policy(tiny_bert_dir, texts_file, tmp_p
     from probe import native  # the manifest says which code ran the Newton iterations
 
     assert rank["newton_iterations"] == native.describe("cpu")
+
+
+def _options_named_by_their_metavar(path: Path):
+    """(function, parameter) of every ``typer.Option`` in ``path`` whose metavar is the parameter's name in
+    capitals and that does not spell its flag out."""
+    import ast
+
+    found = []
+    for function in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(function, ast.FunctionDef):
+            continue
+        arguments = function.args.args + function.args.kwonlyargs
+        defaults = [None] * (len(function.args.args) - len(function.args.defaults)) + function.args.defaults
+        defaults += function.args.kw_defaults
+        for argument, default in zip(arguments, defaults):
+            if not (isinstance(default, ast.Call) and getattr(default.func, "attr", None) == "Option"):
+                continue
+            metavar = next((k.value.value for k in default.keywords if k.arg == "metavar"), None)
+            flags = [a.value for a in default.args[1:] if isinstance(a, ast.Constant)]
+            if metavar == argument.arg.upper() and not flags:
+                found.append((function.name, argument.arg))
+    return found
+
+
+def test_an_option_whose_metavar_is_its_name_spells_its_flag_out():
+    """With typer 0.27 and click 8.5 (the GPU machine's image), an option declared without its flag and with
+    its own name in capitals as the metavar became ``--DEVICE`` (``probe run --device cuda``: "No such option";
+    seen on the lent H100).  Every such option names its flag."""
+    import probe
+
+    root = Path(probe.__file__).parent
+    assert _options_named_by_their_metavar(root / "cli.py") == []
+    assert _options_named_by_their_metavar(root / "vit" / "cli.py") == []
+
+
+def test_every_option_answers_to_its_lowercase_flag():
+    """The commands as click sees them (with whatever typer and click are installed): each option of ``probe
+    run`` and ``probe vit train`` answers to ``--`` and its name with dashes."""
+    import click
+    import typer
+
+    from probe.cli import app
+
+    group = typer.main.get_command(app)
+    commands = [group.get_command(click.Context(group), "run")]
+    vit = group.get_command(click.Context(group), "vit")
+    commands.append(vit.get_command(click.Context(vit), "train"))
+    for command in commands:
+        for param in command.params:
+            if isinstance(param, click.Option) and not param.hidden:
+                flag = "--" + param.name.replace("_", "-")
+                assert flag in param.opts or any(flag in o for o in param.secondary_opts + param.opts), \
+                    (command.name, param.name, param.opts)

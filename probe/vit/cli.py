@@ -31,11 +31,11 @@ def train(
     attention: str = typer.Option("softmax", metavar="KIND", help="The final layer's attention: softmax, ot, sinkhorn or exact."),
     seed: int = typer.Option(0, metavar="S", help="Seed of the initial weights, data order, dropout and training trick."),
     epochs: int = typer.Option(10, metavar="E", help="Epochs over the (subset of the) training set."),
-    lr: float = typer.Option(3e-4, metavar="LR", help="Adam learning rate (the paper's 3e-4)."),
+    lr: float = typer.Option(3e-4, "--lr", metavar="LR", help="Adam learning rate (the paper's 3e-4)."),
     batch_size: int = typer.Option(128, metavar="N", help="Images per step."),
     train_subset: Optional[int] = typer.Option(None, metavar="N", help="Train on a fixed subset of N training images."),
     test_subset: Optional[int] = typer.Option(None, metavar="N", help="Evaluate on a fixed subset of N test images."),
-    device: str = typer.Option("cpu", metavar="DEVICE", help="cpu, cuda or cuda:N."),
+    device: str = typer.Option("cpu", "--device", metavar="DEVICE", help="cpu, cuda or cuda:N."),
     out: Optional[Path] = typer.Option(
         None, metavar="DIR", help="Run directory (checkpoints, model.pt, results.json) [default: runs/vit-DATA-ATTENTION-seedS]."),
     threads: Optional[int] = typer.Option(None, metavar="N", help="torch CPU threads [default: torch's]."),
