@@ -524,10 +524,17 @@ def _train_command(args, attention: str, seed: int, epochs: int, runs: Path) -> 
     return command
 
 
-def _launch_all(args, runs: Path, epochs: int, seeds, attentions, log: Log, deadline: float) -> dict:
+#: the arms of the paper's comparison: the others (sinkhorn, exact) may not hold them up (_launch_all's gate)
+MAIN_ARMS = ("softmax", "ot")
+
+
+def _launch_all(args, runs: Path, epochs: int, seeds, attentions, log: Log, deadline: float,
+                gate: tuple[str, ...] = ()) -> dict:
     """Every (attention, seed) as a concurrent process, trained (or resumed) to ``epochs``; processes still
-    running at ``deadline`` are stopped (their finished epochs are kept in their checkpoints)."""
-    processes = {}
+    running at ``deadline`` are stopped (their finished epochs are kept in their checkpoints).  With a
+    ``gate``: once every run of those arms has finished, the others get at most as long again, so that a much
+    slower arm cannot take the paper's comparison's time.  Returns each run's exit code and its seconds."""
+    processes, start, seconds = {}, time.monotonic(), {}
     for attention in attentions:
         for seed in seeds:
             log_file = open(runs / f"{attention}-seed{seed}.log", "a", encoding="utf-8")
@@ -540,9 +547,16 @@ def _launch_all(args, runs: Path, epochs: int, seeds, attentions, log: Log, dead
         for key, (process, log_file) in list(processes.items()):
             code = process.poll()
             if code is not None:
-                codes[key] = code
+                codes[key], seconds[key] = code, time.monotonic() - start
                 log_file.close()
                 del processes[key]
+        if gate and not any(a in gate for a, _ in processes) and any(a in gate for a in attentions):
+            gated = start + 2 * (time.monotonic() - start)
+            if gated < deadline:
+                log(f"vit: {', '.join(gate)} finished in {time.monotonic() - start:.0f} s; the other runs get "
+                    f"until {gated - start:.0f} s")
+                deadline = gated
+            gate = ()
         if processes and time.monotonic() > deadline:
             log(f"vit: stopping {len(processes)} run(s) at the deadline")
             for process, _ in processes.values():
@@ -554,9 +568,10 @@ def _launch_all(args, runs: Path, epochs: int, seeds, attentions, log: Log, dead
                     os.killpg(process.pid, signal.SIGKILL)
                     codes[key] = process.wait()
                 log_file.close()
+                seconds[key] = time.monotonic() - start
             processes = {}
         time.sleep(0.5)
-    return codes
+    return codes, seconds
 
 
 def _epochs_done(runs: Path, attention: str, seed: int) -> int:
@@ -573,11 +588,17 @@ def part_vit(args, log: Log, workdir: Path, deadline: float) -> dict:
     runs.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     log(f"vit: {len(attentions)} attentions ({', '.join(attentions)}) x {len(seeds)} seeds, epoch 1")
-    codes = _launch_all(args, runs, 1, seeds, attentions, log, deadline)
-    first = time.monotonic() - start
+    codes, seconds = _launch_all(args, runs, 1, seeds, attentions, log, deadline,
+                                 gate=() if args.quick else MAIN_ARMS)
     failed = {f"{a}-seed{s}": c for (a, s), c in codes.items() if c != 0}
+    # an arm goes on (and into the table) only when every one of its seeds finished the first epoch
+    finished = tuple(a for a in attentions if all(codes.get((a, s)) == 0 for s in seeds))
+    first = max((seconds[(a, s)] for a in finished for s in seeds), default=time.monotonic() - start)
+    left_out = [a for a in attentions if a not in finished]
+    if left_out:
+        log(f"vit: left out of the comparison (a run did not finish epoch 1): {', '.join(left_out)}")
     epochs = 1
-    if not failed and not args.quick:
+    if finished and not args.quick:
         left = deadline - time.monotonic()
         # every later epoch costs about the first one less the processes' start-up (a few seconds); keep a
         # margin so that every run finishes (a run stopped at the deadline counts with its first epoch only)
@@ -586,25 +607,29 @@ def part_vit(args, log: Log, workdir: Path, deadline: float) -> dict:
         if more >= 1:
             epochs = 1 + more
             log(f"vit: epoch 1 took {first:.0f} s with every run at once; training on to {epochs} epochs")
-            codes = _launch_all(args, runs, epochs, seeds, attentions, log, deadline)
-            failed = {f"{a}-seed{s}": c for (a, s), c in codes.items() if c != 0}
+            codes, _ = _launch_all(args, runs, epochs, seeds, finished, log, deadline)
+            failed.update({f"{a}-seed{s}": c for (a, s), c in codes.items() if c != 0})
     done = {f"{a}-seed{s}": _epochs_done(runs, a, s) for a in attentions for s in seeds}
-    common = min(done.values()) if done else 0
+    common = min((done[f"{a}-seed{s}"] for a in finished for s in seeds), default=0)
     log(f"vit: epochs finished per run {done}; compared at {common}")
+    result = {"attentions": list(attentions), "compared": list(finished), "left_out": left_out,
+              "seeds": list(seeds), "epochs_planned": epochs, "epochs_done": done, "epochs_compared": common,
+              "first_epoch_s": first, "first_epoch_s_per_run": {f"{a}-seed{s}": t for (a, s), t in seconds.items()},
+              "failed": failed}
+    if not common:
+        return {**result, "report_exit_code": None}
     report_dir = Path(args.out) / "vit"
     report_dir.mkdir(parents=True, exist_ok=True)
     report = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "vit_experiment.py"), "--report-only", "--runs-dir", str(runs),
-         "--report-dir", str(report_dir), "--attentions", *attentions, "--seeds", *map(str, seeds),
-         "--epochs", str(common), "--keep-checkpoint", "", "--jobs", str(len(attentions) * len(seeds)),
+         "--report-dir", str(report_dir), "--attentions", *finished, "--seeds", *map(str, seeds),
+         "--epochs", str(common), "--keep-checkpoint", "", "--jobs", str(len(finished) * len(seeds)),
          "--machine", f"{args.device_name} ({args.device}), every run a process of its own"]
         + (["--data-dir", str(args.data_dir)] if args.data_dir else []),
         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if report.returncode != 0:
         log(f"vit: the report failed: {report.stderr[-1500:]}")
-    return {"attentions": list(attentions), "seeds": list(seeds), "epochs_planned": epochs,
-            "epochs_done": done, "epochs_compared": common, "first_epoch_s": first, "failed": failed,
-            "report_exit_code": report.returncode}
+    return {**result, "report_exit_code": report.returncode}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -625,6 +650,15 @@ def markdown(results: dict) -> str:
     if results.get("quick"):
         lines += ["**A dry run** (`--quick`): tiny models, a few texts and images, one epoch. It shows that the "
                   "script works; its numbers say nothing about a GPU.", ""]
+    calls = results.get("calls") or []
+    if len(calls) > 1:
+        lines += [f"Merged from {len(calls)} calls of the machine (a part a later call ran replaces the earlier "
+                  "call's): " + "; ".join(f"call {c['call']} ({c['date']}) ran {', '.join(c['parts'])} in "
+                                          f"{c['seconds']:.0f} s" for c in calls) + ".", ""]
+    failed = {name: part["error"] for name, part in results.items() if isinstance(part, dict) and "error" in part}
+    if failed:
+        lines += ["**Parts that failed** (the traceback's end is in `results_gpu.json`):", ""]
+        lines += [f"- {name}: `{error}`" for name, error in failed.items()] + [""]
     tests = results.get("tests") or {}
     lines += ["## 1. Device tests", "", f"- {tests.get('skipped') or tests.get('summary', 'not run')}", ""]
     agreement = results.get("agreement") or {}
@@ -645,6 +679,17 @@ def markdown(results: dict) -> str:
         lines.append(f"| {r['model']} | {r['tokens']} | {r['rows']:,} | {r['max_difference']:.2e} | "
                      f"{r['max_difference_over_bound']:.3g} | {r['rows_over_bound']} | "
                      f"{r['max_relative_evidence_difference']:.1e} |")
+    differing = [r for r in agreement.get("runs", []) if r.get("rows_over_bound") and
+                 r.get("max_relative_evidence_difference", 0.0) > 1e-12]
+    if differing:
+        lines += ["", "Rows over the bound come with inputs that differ between the devices ("
+                  + ", ".join(f"{r['model']} at {r['tokens']} tokens: {r['max_relative_evidence_difference']:.1e}"
+                              for r in differing)
+                  + " in the evidence norm, which the forward alone computes): those runs solved different problems, "
+                  "and a certificate bounds a solve, not a change of its problem. For T5 the cause is transformers' "
+                  "`T5LayerNorm`, which takes its variance in float32 in a float64 model; "
+                  "`bench/results_gpu_t5_norm.md` gives a difference of this size on the CPU alone by changing only "
+                  "that. The same problems on both devices (below) agree within their certificates."]
     same = agreement.get("same_problems")
     if same:
         lines += ["", f"The same captured problems ({same['model']}, {same['tokens']} tokens, {same['rows']:,} rows) "
@@ -669,9 +714,11 @@ def markdown(results: dict) -> str:
                   f"device against {solver['cpu_rows_per_s']:,.0f} rows/s on the CPU ({solver['cpu_threads']} threads): "
                   f"**{solver['gpu_over_cpu']:.1f}x**."]
     vit = results.get("vit") or {}
-    if vit:
+    if vit and "error" not in vit:
         lines += ["", "## 4. The OT-ViT comparison at the full protocol", "",
-                  f"{len(vit['attentions'])} attentions x {len(vit['seeds'])} seeds as concurrent processes; "
+                  f"{len(vit['attentions'])} attentions x {len(vit['seeds'])} seeds as concurrent processes"
+                  + (f" ({', '.join(vit['left_out'])} left out: a run did not finish epoch 1)" if vit.get("left_out")
+                     else "") + "; "
                   f"epoch 1 took {vit['first_epoch_s']:.0f} s with all of them running; "
                   f"{vit['epochs_compared']} epoch(s) compared (finished per run: "
                   + ", ".join(f"{k} {v}" for k, v in vit["epochs_done"].items()) + "). "
@@ -679,17 +726,49 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def collect(source: Path) -> None:
-    """Copy a GPU call's results into the repository (bench/ and reports/vit/)."""
-    copies = {source / "results_gpu.json": HERE / "results_gpu.json", source / "results_gpu.md": HERE / "results_gpu.md",
-              source / "vit" / "results.json": ROOT / "reports" / "vit" / "results-full.json",
-              source / "vit" / "results.md": ROOT / "reports" / "vit" / "results-full.md"}
-    for origin, target in copies.items():
-        if origin.exists():
-            shutil.copyfile(origin, target)
-            print(f"{origin} -> {target.relative_to(ROOT)}")
-        else:
-            print(f"missing: {origin}")
+#: the parts of a call, in order (each a key of results_gpu.json)
+PARTS = ("tests", "agreement", "speed", "vit")
+
+
+def merge_calls(calls: list[dict]) -> dict:
+    """One results dict from the results of several calls of the machine, oldest first: a part that a later
+    call ran replaces the earlier call's (a second call reruns what the first could not finish); ``calls``
+    says which call ran which part."""
+    merged = dict(calls[0])
+    merged["calls"] = []
+    for number, results in enumerate(calls, 1):
+        ran = [part for part in PARTS if part in results]
+        merged.update({part: results[part] for part in ran})
+        merged["calls"].append({"call": number, "date": results["environment"]["date"],
+                                "device_name": results["environment"]["device_name"], "parts": ran,
+                                "budget_s": results.get("budget_s"), "seconds": results.get("seconds")})
+    merged["seconds"] = sum(c["seconds"] or 0.0 for c in merged["calls"])
+    return merged
+
+
+def collect(sources: list[Path]) -> None:
+    """Copy the results of one or more GPU calls (oldest first) into the repository: bench/results_gpu.{json,md}
+    from their merged results (:func:`merge_calls`), reports/vit/results-full.{json,md} from the newest call that
+    has them."""
+    found = [s for s in sources if (s / "results_gpu.json").exists()]
+    for source in sources:
+        if source not in found:
+            print(f"missing: {source / 'results_gpu.json'}")
+    if not found:
+        return
+    results = merge_calls([json.loads((s / "results_gpu.json").read_text()) for s in found])
+    if len({c["device_name"] for c in results["calls"]}) > 1:
+        raise SystemExit("Error: these calls ran on different devices; collect one device's calls at a time.")
+    _write_json(HERE / "results_gpu.json", results)
+    (HERE / "results_gpu.md").write_text(markdown(results))
+    print(f"{', '.join(map(str, found))} -> bench/results_gpu.json, bench/results_gpu.md")
+    vit = next((s / "vit" for s in reversed(found) if (s / "vit" / "results.json").exists()), None)
+    if vit is None:
+        print("no vit/results.json in these calls")
+        return
+    for name, target in (("results.json", "results-full.json"), ("results.md", "results-full.md")):
+        shutil.copyfile(vit / name, ROOT / "reports" / "vit" / target)
+        print(f"{vit / name} -> reports/vit/{target}")
 
 
 def main(argv=None) -> int:
@@ -701,7 +780,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data-dir", type=Path, default=None, help="Fashion-MNIST's idx files")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: OUT/../gpu-work)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: tests,agreement,speed,vit")
-    parser.add_argument("--collect", type=Path, default=None, help="copy a call's results into the repository")
+    parser.add_argument("--collect", type=Path, nargs="+", default=None, metavar="DIR",
+                        help="copy the results of one or more calls (oldest first) into the repository")
     args = parser.parse_args(argv)
     if args.collect:
         collect(args.collect)
@@ -730,19 +810,28 @@ def main(argv=None) -> int:
     def deadline(share: float) -> float:
         return time.monotonic() + share * args.budget_s
 
-    if "tests" not in skip:
-        results["tests"] = part_tests(args, log, SHARES["tests"] * args.budget_s)
+    def part(name: str, measure) -> None:
+        """One part, its results written before the next starts; a part that fails is recorded (its
+        traceback's end) and the next one runs: the call's few minutes are not lost to one error."""
+        try:
+            results[name] = measure()
+        except Exception as error:  # noqa: BLE001: whatever broke, the other parts still run
+            import traceback
+
+            log(f"{name}: FAILED: {type(error).__name__}: {error}")
+            results[name] = {"error": f"{type(error).__name__}: {error}",
+                             "traceback": traceback.format_exc()[-3000:]}
         _write_json(path, results)
+
+    if "tests" not in skip:
+        part("tests", lambda: part_tests(args, log, SHARES["tests"] * args.budget_s))
     models = build_models(workdir / "models", args.quick)
     if "agreement" not in skip:
-        results["agreement"] = part_agreement(args, log, models, workdir, deadline(SHARES["agreement"]))
-        _write_json(path, results)
+        part("agreement", lambda: part_agreement(args, log, models, workdir, deadline(SHARES["agreement"])))
     if "speed" not in skip:
-        results["speed"] = part_speed(args, log, models, workdir, deadline(SHARES["speed"]))
-        _write_json(path, results)
+        part("speed", lambda: part_speed(args, log, models, workdir, deadline(SHARES["speed"])))
     if "vit" not in skip:
-        vit_deadline = start + args.budget_s - RESERVE_S
-        results["vit"] = part_vit(args, log, workdir, vit_deadline)
+        part("vit", lambda: part_vit(args, log, workdir, start + args.budget_s - RESERVE_S))
     results["seconds"] = time.monotonic() - start
     _write_json(path, results)
     (args.out / "results_gpu.md").write_text(markdown(results))

@@ -151,6 +151,38 @@ def vit_table() -> list[str]:
     return lines
 
 
+def vit_full_table() -> list[str]:
+    """The README's full-protocol table (the GPU call), from reports/vit/results-full.json."""
+    results = json.loads((ROOT / "reports" / "vit" / "results-full.json").read_text())
+    protocol = results["protocol"]
+    machine = protocol["machine"].split(" (")[0]
+    lines = [
+        f"| Fashion-MNIST, {protocol['train_images']:,} training images, {protocol['epochs']} epochs, "
+        f"{len(protocol['seeds'])} seeds ({machine}) | test accuracy, 95% interval | minus the ViT, same seed: mean, "
+        "95% interval | paper (full protocol) |",
+        "|---|---|---|---|",
+    ]
+    for kind, name in (("softmax", "ViT (softmax)"), ("ot", "OT-ViT"), ("sinkhorn", "Sinkhorn-ViT"), ("exact", "exact-ViT")):
+        summary, paired = results["summary"][kind], results["paired_differences"].get(f"{kind}-softmax")
+        difference = "the baseline" if paired is None else (
+            f"{paired['mean']:+.4f} [{paired['mean'] - paired['ci95_half_width']:+.4f}, "
+            f"{paired['mean'] + paired['ci95_half_width']:+.4f}]").lstrip("+")
+        lines.append(f"| {name} | {summary['mean']:.3f} ± {summary['ci95_half_width']:.3f} | {difference} | "
+                     f"{results['paper']['fashion-mnist'][kind]} |")
+    return lines
+
+
+def vit_full_sentence() -> str:
+    """The README's verdict on the paper's gap at the full protocol's data (results-full.json)."""
+    results = json.loads((ROOT / "reports" / "vit" / "results-full.json").read_text())
+    verdict = results["paper_gap"].split(":")[0]
+    d = results["paired_differences"]["ot-softmax"]
+    per_seed = "for every seed" if all(x < 0 for x in d["differences"]) else "on average"
+    assert verdict == "reversed at this budget"  # the README's next words hold only for this verdict
+    return (f"The paper's gap is {verdict}: after {results['protocol']['epochs']} epochs the OT-ViT is below the "
+            f"ViT {per_seed}.")
+
+
 def exact_vit_sentence() -> str:
     """The README's reading of the exact-ViT: its paired difference with the ViT trained beside it, its
     certificates during training and its cost (reports/vit/results.json, bench/results_exact.json)."""
@@ -191,7 +223,9 @@ def test_the_readme_interventions_table_is_recomputed_from_the_committed_results
 
 def test_the_readme_vit_table_and_ot_reading_are_recomputed_from_the_committed_results():
     readme = (ROOT / "README.md").read_text()
-    assert table_after(readme, "## The theory's second half: OT attention") == vit_table()
+    assert table_after(readme, "## The theory's second half: OT attention") == vit_full_table()
+    assert table_after(readme, "| Fashion-MNIST, 4,096") == vit_table()
+    assert vit_full_sentence() in " ".join(readme.split())
     assert ot_quality_sentence() in " ".join(readme.split())
     assert exact_vit_sentence() in " ".join(readme.split())
     # "trained again beside it ... it reached the same accuracies, its losses differing from the eighth digit"
@@ -220,3 +254,21 @@ def test_the_interventions_speed_figure_is_the_results_files():
     quoted = re.search(r"both modes together cost \*\*([0-9.]+) times\*\* a plain run", docs)
     assert quoted is not None and quoted.group(1) == f"{ratio:.2f}"
     assert ratio <= results["target_ratio"]  # the issue's target, as the results file records it
+
+
+def test_the_gpu_figures_in_the_docs_are_the_gpu_calls():
+    """docs/speed.md's and bench/NOTES.md's GPU figures are bench/results_gpu.json's."""
+    results = json.loads((ROOT / "bench" / "results_gpu.json").read_text())
+    ratio = {r["tokens"]: r for r in results["speed"]["ratio"] if r["model"] == "bert-base-shape"}
+    memory = {m["tokens"]: m["peak_gpu_memory_gib"] for m in results["speed"]["memory"]}
+    solver = results["speed"]["solver"]["gpu_over_cpu"]
+    said = (f"took {ratio[128]['ratio']:.0f} times its forward at 128 tokens and {ratio[512]['ratio']:.0f} times at "
+            f"512 (batch 64; {memory[128]:.1f} and {memory[512]:.1f} GiB")
+    docs = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    assert said in docs and f"it ran {solver:.1f} times the machine's 16 CPU threads" in docs
+    assert results["environment"]["device_name"].startswith("NVIDIA")
+    bert = [r for r in results["agreement"]["runs"] if r["model"] == "bert-base-shape"]
+    assert bert and all(r["rows_over_bound"] == 0 for r in bert)  # "agree ... within their certificates for BERT"
+    notes = " ".join((ROOT / "bench" / "NOTES.md").read_text().split())
+    assert f"within {max(r['max_difference_over_bound'] for r in bert):.3f} of what the certificates allow" in notes
+    assert f"rows/s against 226,000 on the GPU machine's own 16 CPU threads: {solver:.1f}x" in notes
