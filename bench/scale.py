@@ -272,6 +272,21 @@ def measure_size(run_dir: Path, work: Path, commands: list[str], env: dict, real
     return result
 
 
+def kept_commands(earlier: dict, size: int, commands: dict) -> dict:
+    """``commands`` (measured now at ``size`` rows) and, in the order of :data:`COMMANDS`, those the earlier
+    scale section measured at that size and these do not, each with the date and load it was measured under."""
+    before = next((entry for entry in earlier["sizes"] if entry["target_rows"] == size), None)
+    if before is None:
+        return commands
+    dated = {name: before.get(name, earlier.get(name)) for name in DATED}
+    merged = dict(commands)
+    for name, got in before["commands"].items():
+        if name not in merged:
+            merged[name] = {**{k: v for k, v in dated.items() if v is not None}, **got}
+    order = {name: i for i, name in enumerate(COMMANDS)}
+    return dict(sorted(merged.items(), key=lambda item: order.get(item[0], len(order))))
+
+
 def parse_sizes(text: str) -> list[int]:
     return [int(float(size)) for size in text.split(",") if size.strip()]
 
@@ -291,12 +306,18 @@ def main(argv=None) -> int:
     parser.add_argument("--work", type=Path, default=None, help="where the runs go [default: a temporary directory]")
     parser.add_argument("--keep", action="store_true", help="keep the runs")
     parser.add_argument("--out", type=Path, default=HERE / "results_scale.json")
-    parser.add_argument("--figure", action="store_true", help="only redraw the figure from --out's results")
+    parser.add_argument("--figure", action="store_true",
+                        help="only draw the figure and write the markdown and the docs' table again from --out's results")
+    parser.add_argument("--keep-commands", action="store_true",
+                        help="keep, at each size measured now, the commands of --out's results that --commands does "
+                             "not name (each kept command keeps its date)")
     parser.add_argument("--keep-sizes", action="store_true",
                         help="keep the sizes of --out's results that --sizes does not name (each size is dated)")
     args = parser.parse_args(argv)
-    if args.figure:
-        publish(json.loads(args.out.read_text()))
+    if args.figure:  # the figure, the docs' table and the results' markdown again, from the results
+        results = json.loads(args.out.read_text())
+        args.out.with_suffix(".md").write_text(markdown(results))
+        publish(results)
         return 0
 
     from machine import cpu_model, load_average
@@ -359,6 +380,8 @@ def main(argv=None) -> int:
                 print(f"{copies} cop{'y' if copies == 1 else 'ies'} of the real run", flush=True)
                 dated = {name: value for name, value in section({}).items() if name in DATED}
                 measured = measure_size(run_dir, work, commands, env, real=copies == 1)
+                if args.keep_commands and earlier.get("scale"):
+                    measured["commands"] = kept_commands(earlier["scale"], size, measured["commands"])
                 scale["sizes"].append({"target_rows": size, "copies": copies, **dated,
                                        "load_average_after": load_average(), **measured})
                 if run_dir != source and not args.keep:
@@ -469,8 +492,17 @@ def command_lines(results: dict) -> list[str]:
         cells = []
         for size in sizes:
             got = size["commands"].get(name)
-            cells.append("" if got is None else f"{got['peak_rss_mb']:,.0f} MB, {got['wall_s']:,.1f} s")
+            cells.append("" if got is None else f"{got['peak_rss_mb']:,.0f} MB, {got['wall_s']:,.1f} s"
+                         + (" *" if "measured_at" in got else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    earlier: dict[tuple, list[str]] = {}  # (rows, when) -> the commands then
+    for size in sizes:
+        for name, got in size["commands"].items():
+            if "measured_at" in got:
+                earlier.setdefault((size["rows"], when(got, minutes=True)), []).append(name)
+    if earlier:
+        lines += ["", "\\* kept from an earlier measurement of the same run sizes: " + "; ".join(
+            f"at {rows:,} rows, {', '.join(names)}, {measured}" for (rows, measured), names in earlier.items()) + "."]
     report = verdicts(results).get("report_at_largest")
     if report:
         target = report["target"]

@@ -194,8 +194,8 @@ def equals(column: str, value) -> str:
 
 
 def over_budget(error, what: str, then: str) -> ProbeError:
-    """The :class:`ProbeError` for DuckDB's out-of-memory ``error`` in ``what`` (a query, the export's sort):
-    how to raise :data:`MEMORY_BUDGET_ENV`, ``then`` what else to do."""
+    """The :class:`ProbeError` for DuckDB's out-of-memory ``error`` in ``what`` (a query, the export's
+    summary of its slices): how to raise :data:`MEMORY_BUDGET_ENV`, ``then`` what else to do."""
     return ProbeError(f"{what} ran out of the memory budget ({str(error).splitlines()[0]}). Raise it with "
                       f"{MEMORY_BUDGET_ENV}=4GB (or more), {then}.")
 

@@ -656,8 +656,6 @@ def read_interventions(run_dir: Path, columns=None, *, allow_damaged: bool = Fal
 
 #: rows per row group of an exported Parquet file
 EXPORT_ROW_GROUP_ROWS = 1 << 17
-#: rows per batch the export's sort hands over (DuckDB buffers a few of them within its memory limit)
-SORTED_BATCH_ROWS = 1 << 14
 
 
 def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: dict | None = None,
@@ -666,9 +664,9 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
     Parquet (row groups of :data:`EXPORT_ROW_GROUP_ROWS` rows) or CSV (with a header line); return the row count.
 
     The rows are in their key's order, as ``Run.rows`` has them (:data:`probe.schema.ROW_KEY`; the
-    interventions' :data:`probe.schema.INTERVENTION_KEY`), sorted out of core: DuckDB sorts the part files
-    under the readers' memory budget, spilling to disk (:func:`probe.query.connect`), and the sorted rows
-    stream into the file batch by batch, so memory stays within the readers' budget whatever the rows.
+    interventions' :data:`probe.schema.INTERVENTION_KEY`), sorted out of core by a bucket sort
+    (:mod:`probe.keyorder`) whose memory does not grow with the rows, and they stream into the file batch by
+    batch.
 
     The parts are checked first (:func:`require_intact`): a damaged run is refused unless
     ``allow_damaged``, and then a Parquet file's metadata carries the banner under ``probe.damaged``."""
@@ -700,6 +698,7 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
         schema = INTERVENTION_SCHEMA
     key = ROW_KEY if table == PARTS else INTERVENTION_KEY
     rows = 0
+    from .keyorder import batches_in_key_order
 
     def write(handle):
         nonlocal rows
@@ -707,7 +706,7 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
             from pyarrow import csv
 
             with csv.CSVWriter(handle, schema) as writer:
-                for batch in sorted_batches(files, schema, key):
+                for batch in batches_in_key_order(files, schema, key):
                     writer.write_batch(batch)
                     rows += batch.num_rows
             return
@@ -716,7 +715,7 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
                               **_parquet_options(schema)) as writer:
             group: list[pa.RecordBatch] = []  # the batches of the row group being filled, and their rows
             filled = 0
-            for batch in sorted_batches(files, schema, key):
+            for batch in batches_in_key_order(files, schema, key):
                 group.append(batch)
                 rows, filled = rows + batch.num_rows, filled + batch.num_rows
                 if filled >= EXPORT_ROW_GROUP_ROWS:
@@ -727,71 +726,3 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
 
     _replace_atomically(to, write)
     return rows
-
-
-#: the leading columns of a key that ``sorted_batches`` sorts within: a (space, alpha, attention type, layer)
-#: slice of the rows (each part file has one row group per such slice), or the interventions'
-#: (space, alpha, substitute, site)
-SORT_GROUP_COLUMNS = 4
-#: DuckDB's memory limit for a group's sort at first; a group that needs more is sorted again under the
-#: readers' share of the memory budget (bench/NOTES.md: a larger limit is only filled, and no faster)
-SORT_MEMORY = 128 << 20
-
-
-def sorted_batches(files, schema: pa.Schema, key):
-    """The rows of part ``files`` (with ``schema``'s columns) in the order of the columns ``key``, as record
-    batches of at most :data:`SORTED_BATCH_ROWS` rows: DuckDB's out-of-core sort (:func:`probe.query.connect`).
-
-    The sort runs once per value of the key's first :data:`SORT_GROUP_COLUMNS` columns, in their order,
-    each reading only its group's row groups, under :data:`SORT_MEMORY` first and, if that runs out, under
-    the readers' share of the memory budget.  One sort of every row under that share filled it as the rows
-    grew: 0.43 GB peak at 10^6 rows, 0.79 GB at 10^7 and 1.19 GB at 10^8 (bench/NOTES.md).  On one thread:
-    with two, DuckDB's sort sometimes failed to pin a block under a small memory limit (64 MB, on 0.6M
-    rows), and on this 2-core machine it was no faster.  A sort that runs out of the whole budget is a
-    :class:`~probe.errors.ProbeError` that says how to raise it."""
-    if not files:
-        return
-    import duckdb
-
-    from .query import (DUCKDB_SHARE, MIN_DUCKDB_MEMORY, connect, equals, memory_budget, name, over_budget,
-                        parquet_source)
-
-    source = parquet_source(files)
-    columns = ", ".join(map(name, schema.names))
-    group, within = list(key[:SORT_GROUP_COLUMNS]), list(key[SORT_GROUP_COLUMNS:])
-    order = f" ORDER BY {', '.join(map(name, within))}" if within else ""
-    share = max(int(memory_budget() * DUCKDB_SHARE), MIN_DUCKDB_MEMORY)
-    limits = sorted({min(SORT_MEMORY, share), share})
-    connection = connect(memory_limit=share, threads=1)  # the groups and their row counts under the share
-    try:
-        listed = ", ".join(map(name, group))
-        groups = connection.sql(f"SELECT {listed}, count(*) FROM {source} GROUP BY {listed} ORDER BY {listed}") \
-            .fetchall()
-        total, written = sum(values[-1] for values in groups), 0
-        for *values, _ in groups:
-            predicate = " AND ".join(equals(column, value) for column, value in zip(group, values))
-            for attempt, limit in enumerate(limits):
-                connection.execute(f"SET memory_limit = '{limit}B'")
-                yielded = False
-                try:
-                    reader = connection.sql(f"SELECT {columns} FROM {source} WHERE {predicate}{order}") \
-                        .to_arrow_reader(SORTED_BATCH_ROWS)
-                    for batch in reader:
-                        if not batch.num_rows:
-                            continue
-                        if not batch.schema.equals(schema):  # DuckDB's own types where Arrow has several
-                            batch = pa.Table.from_batches([batch]).cast(schema).combine_chunks().to_batches()[0]
-                        yielded = True
-                        written += batch.num_rows
-                        yield batch
-                    break
-                except duckdb.OutOfMemoryException:
-                    if yielded or attempt == len(limits) - 1:  # rows of this group are out already, or no more room
-                        raise
-        if written != total:  # every row in exactly one group: a key value no predicate matches would be lost
-            raise ProbeError(f"The export's sort gave {written:,} of the run's {total:,} rows, so nothing was written. "
-                             "This is a bug in probe: please report it with the run's manifest.json.")
-    except duckdb.OutOfMemoryException as error:
-        raise over_budget(error, "Sorting the rows", "and export again") from None
-    finally:
-        connection.close()

@@ -99,7 +99,7 @@ def test_the_large_run_is_larger_than_the_budget(large_run):
 
 @pytest.mark.slow
 def test_export_sorts_a_run_larger_than_the_budget_out_of_core(large_run, tmp_path):
-    """The export holds a few batches of rows in Arrow, and DuckDB's sort keeps to its share of the budget;
+    """The export holds a few buckets of rows in Arrow, a share of the budget (probe.keyorder);
     the file holds every row, in the row key's order."""
     run_dir, size = large_run
     to = tmp_path / "all.parquet"
@@ -299,3 +299,26 @@ def test_the_summary_check_agrees_with_the_report_and_flags_a_changed_number(tmp
         changed.loc[row, column] = (changed.loc[row, column] + 1 if column == "count"
                                     else changed.loc[row, column] * (1 + 1e-6))
         assert not summary_exact.passed(summary_exact.compare(changed, reference, read)), (column, level)
+
+
+def test_a_command_measured_again_keeps_the_others_with_their_dates():
+    """--keep-commands: the export measured again at a size keeps that size's other commands from the earlier
+    results, each with the date it was measured, and the table marks them and says when."""
+    scale = bench_module("scale")
+    earlier = {"measured_at": "2026-11-26T01:00:00+00:00", "load_average_before": [1.0], "load_average_after": [2.0],
+               "sizes": [{"target_rows": 10, "measured_at": "2026-11-26T02:00:00+00:00",
+                          "load_average_before": [0.5], "load_average_after": [0.6],
+                          "commands": {"report": {"peak_rss_mb": 100.0, "wall_s": 5.0},
+                                       "export": {"peak_rss_mb": 900.0, "wall_s": 9.0}}}]}
+    merged = scale.kept_commands(earlier, 10, {"export": {"peak_rss_mb": 300.0, "wall_s": 3.0}})
+    assert list(merged) == ["report", "export"]  # the order of COMMANDS
+    assert merged["export"] == {"peak_rss_mb": 300.0, "wall_s": 3.0}
+    assert merged["report"]["measured_at"] == "2026-11-26T02:00:00+00:00" and merged["report"]["wall_s"] == 5.0
+    assert scale.kept_commands(earlier, 20, {"export": {}}) == {"export": {}}  # a size not measured before
+    results = {"scale": {**earlier, "measured_at": "2026-11-27T00:00:00+00:00", "settings": {"memory_budget": "default"},
+                         "sizes": [{"target_rows": 10, "rows": 10, "bytes_per_row": 70.0, "commands": merged,
+                                    "measured_at": "2026-11-27T00:00:00+00:00"}]},
+               "run_memory": None, "targets": {}}
+    text = "\n".join(scale.command_lines(results))
+    assert "| report | 100 MB, 5.0 s * |" in text and "| export | 300 MB, 3.0 s |" in text
+    assert "at 10 rows, report, measured from 2026-11-26 02:00 UTC" in text

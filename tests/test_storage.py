@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -317,46 +318,89 @@ def test_finished_runs_are_left_alone():
     assert storage.with_liveness({"status": "complete", "process": {"pid": -5}})["status"] == "complete"
 
 
-def test_export_sorts_again_under_the_budget_when_a_group_needs_more(tmp_path, monkeypatch):
-    """Each (space, alpha, type, layer) group is sorted under a small limit first; a group that runs out of
-    it is sorted again under the readers' share of the budget, and the file is still in the key's order.
-    Where the whole budget is too small, the error says how to raise it (no DuckDB traceback)."""
-    from probe import query
+def test_export_sorts_many_parts_in_buckets_far_smaller_than_the_run(tmp_path, monkeypatch):
+    """The export's bucket sort (probe.keyorder) with buckets of 500 rows on a run of 86,400 rows in 3 parts:
+    the file equals an independent sort of every row, bit for bit, and no more than about a bucket's rows
+    were ever sorted in memory at once.  Where even the summary of the slices does not fit the budget, the
+    error says how to raise it (no DuckDB traceback)."""
+    from probe import keyorder, query
 
     run_dir = storage.create_run_directory(tmp_path, "model")
-    parts = [scrambled_rows(range(i * 40, i * 40 + 40), seed=i, layers=2, heads=3, queries=30) for i in range(3)]
-    for batch, rows in enumerate(parts):
+    parts = [scrambled_rows(range(i, 120, 3), seed=i, layers=2, heads=3, queries=30) for i in range(3)]
+    for batch, rows in enumerate(parts):  # each part's examples interleave with the others' (longest first)
         storage.write_part(run_dir, batch, rows, {})
     expected = key_sorted(pa.concat_tables(parts))
-    tried = []
-    connect = query.connect
-
-    def recording_connect(**kwargs):
-        connection = connect(**kwargs)
-        original_sql = connection.sql
-
-        class Recording:  # DuckDB's connection cannot be given attributes: wrap the one call that matters
-            def __getattr__(self, attribute):
-                return getattr(connection, attribute)
-
-            def sql(self, text):
-                tried.append(connection.execute("SELECT current_setting('memory_limit')").fetchall()[0][0])
-                return original_sql(text)
-
-        return Recording()
-
-    monkeypatch.setattr(query, "connect", recording_connect)
-    monkeypatch.setattr(query, "MIN_DUCKDB_MEMORY", 1 << 18)
-    monkeypatch.setattr(storage, "SORT_MEMORY", 1 << 18)  # 256 KiB: too little to sort a group of 21,600 rows
+    monkeypatch.setattr(keyorder, "BUCKET_ROWS", 500)
+    monkeypatch.setattr(keyorder, "FLUSH_ROWS", 700)
+    seen = {}
+    original = keyorder.batches_in_key_order
+    monkeypatch.setattr(keyorder, "batches_in_key_order",
+                        lambda *args, **kwargs: original(*args, **{**kwargs, "stats": seen}))
     to = tmp_path / "all.parquet"
-    assert storage.export(run_dir, to) == expected.num_rows
+    assert storage.export(run_dir, to) == expected.num_rows == 86_400
     assert_bitwise_equal(pq.read_table(to), expected)
-    assert len(set(tried)) == 2, f"every group's sort should have been tried under both limits: {tried}"
+    assert seen["rows"] == 86_400 and seen["buckets"] >= 86_400 // 500
+    assert seen["largest_bucket"] <= 2 * 500, seen  # ranges of equal width: about a bucket's rows each
 
-    monkeypatch.setenv(query.MEMORY_BUDGET_ENV, "512KB")
+    monkeypatch.setattr(query, "MIN_DUCKDB_MEMORY", 1 << 10)
+    monkeypatch.setenv(query.MEMORY_BUDGET_ENV, "4KB")
     with pytest.raises(ProbeError, match=f"{query.MEMORY_BUDGET_ENV}=4GB") as error:
         storage.export(run_dir, tmp_path / "again.parquet")
     assert "Traceback" not in str(error.value)
+
+
+def test_the_bucket_sort_packs_many_slices_into_the_files_it_may_open(tmp_path, monkeypatch):
+    """Where the process may open only a few files, the 48 (space, alpha, layer, head) stretches of a run
+    share 4 buckets at most (small slices packed together, larger buckets), and the order is still exact."""
+    from probe import keyorder
+
+    rows = pa.concat_tables([scrambled_rows(range(i, 60, 2), seed=i, layers=3, heads=4, queries=5) for i in range(2)])
+    paths = []
+    for i, part in enumerate((rows.slice(0, rows.num_rows // 2), rows.slice(rows.num_rows // 2))):
+        paths.append(tmp_path / f"part-{i}.parquet")
+        pq.write_table(storage._in_key_order(part), paths[-1])
+    monkeypatch.setattr(keyorder, "max_open_buckets", lambda: 5)
+    monkeypatch.setattr(keyorder, "BUCKET_ROWS", 10)
+    seen = {}
+    got = pa.Table.from_batches(list(keyorder.batches_in_key_order(paths, DEVIATION_SCHEMA, ROW_KEY, stats=seen)))
+    assert 1 < seen["buckets"] <= 5 and seen["rows"] == rows.num_rows == 14_400
+    assert_bitwise_equal(got, key_sorted(rows))
+
+
+def test_the_bucket_sort_reads_a_part_without_the_space_and_alpha_columns(tmp_path):
+    """A part of an old run, written before rows had a space and an alpha, beside a new one: its rows come
+    out with nulls there, after the new part's (nulls last), as DuckDB's union by name reads them."""
+    from probe import keyorder
+
+    new = storage._in_key_order(scrambled_rows(range(0, 6), seed=5, layers=1, heads=2, queries=3))
+    old = storage._in_key_order(scrambled_rows(range(6, 12), seed=6, layers=1, heads=2, queries=3))
+    old = old.filter(pc.and_(pc.equal(old["space"], "hidden"), pc.equal(old["alpha"], 1.0)))
+    pq.write_table(new, tmp_path / "part-0.parquet")
+    pq.write_table(old.drop_columns(["space", "alpha"]), tmp_path / "part-1.parquet")
+    files = [tmp_path / "part-0.parquet", tmp_path / "part-1.parquet"]
+    got = pa.Table.from_batches(list(keyorder.batches_in_key_order(files, DEVIATION_SCHEMA, ROW_KEY)))
+    nulled = old.set_column(old.schema.get_field_index("space"), "space", pa.nulls(old.num_rows, pa.string()))
+    nulled = nulled.set_column(nulled.schema.get_field_index("alpha"), "alpha", pa.nulls(old.num_rows, pa.float64()))
+    want = pa.concat_tables([new, nulled.cast(new.schema)]).to_pandas()
+    want = want.sort_values(list(ROW_KEY), na_position="last", kind="stable").reset_index(drop=True)
+    pd.testing.assert_frame_equal(got.to_pandas()[list(ROW_KEY)], want[list(ROW_KEY)])
+    assert got.num_rows == new.num_rows + old.num_rows
+
+
+def test_the_bucket_sort_orders_rows_that_arrive_out_of_key_order(tmp_path):
+    """A part file written by other code, its rows in no order and a NaN alpha among the slices: the rows
+    come out in the key's order all the same (pandas' sort, NaN and nulls last), each exactly once."""
+    from probe import keyorder
+
+    rows = scrambled_rows(range(0, 50), seed=4, layers=2, heads=2, queries=4).to_pandas()
+    rows.loc[rows.index[::7], "alpha"] = float("nan")
+    table = pa.Table.from_pandas(rows, schema=DEVIATION_SCHEMA, preserve_index=False)
+    path = tmp_path / "part-x.parquet"
+    pq.write_table(table, path, row_group_size=333)  # not in key order, row groups across slices
+    got = pa.Table.from_batches(list(keyorder.batches_in_key_order([path], DEVIATION_SCHEMA, ROW_KEY))).to_pandas()
+    want = rows.sort_values(list(ROW_KEY), na_position="last", kind="stable").reset_index(drop=True)
+    pd.testing.assert_frame_equal(got[list(ROW_KEY)], want[list(ROW_KEY)])
+    assert len(got) == len(rows)
 
 
 def test_export_keeps_rows_whose_slice_key_is_null(tmp_path):
