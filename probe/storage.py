@@ -63,6 +63,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from .errors import ProbeError
+from .keyorder import batches_in_key_order
 from .schema import DEVIATION_SCHEMA, INTERVENTION_KEY, INTERVENTION_SCHEMA, ROW_KEY
 
 MANIFEST = "manifest.json"
@@ -698,7 +699,6 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
         schema = INTERVENTION_SCHEMA
     key = ROW_KEY if table == PARTS else INTERVENTION_KEY
     rows = 0
-    from .keyorder import batches_in_key_order
 
     def write(handle):
         nonlocal rows

@@ -334,7 +334,7 @@ def test_export_sorts_many_parts_in_buckets_far_smaller_than_the_run(tmp_path, m
     monkeypatch.setattr(keyorder, "FLUSH_ROWS", 700)
     seen = {}
     original = keyorder.batches_in_key_order
-    monkeypatch.setattr(keyorder, "batches_in_key_order",
+    monkeypatch.setattr(storage, "batches_in_key_order",
                         lambda *args, **kwargs: original(*args, **{**kwargs, "stats": seen}))
     to = tmp_path / "all.parquet"
     assert storage.export(run_dir, to) == expected.num_rows == 86_400
