@@ -686,10 +686,14 @@ def markdown(results: dict) -> str:
                   + ", ".join(f"{r['model']} at {r['tokens']} tokens: {r['max_relative_evidence_difference']:.1e}"
                               for r in differing)
                   + " in the evidence norm, which the forward alone computes): those runs solved different problems, "
-                  "and a certificate bounds a solve, not a change of its problem. For T5 the cause is transformers' "
-                  "`T5LayerNorm`, which takes its variance in float32 in a float64 model; "
-                  "`bench/results_gpu_t5_norm.md` gives a difference of this size on the CPU alone by changing only "
-                  "that. The same problems on both devices (below) agree within their certificates."]
+                  "and a certificate bounds a solve, not a change of its problem."]
+        if any("t5" in r["model"] for r in differing):
+            lines[-1] += (" For T5 the cause is transformers' `T5LayerNorm`, which takes its variance in float32 in a "
+                          "float64 model; `bench/results_gpu_t5_norm.md` gives a difference of this size on the CPU "
+                          "alone by changing only that.")
+        same_problems = agreement.get("same_problems") or {}
+        if same_problems.get("rows") and not same_problems.get("rows_over_bound"):
+            lines[-1] += " The same problems on both devices (below) agree within their certificates."
     same = agreement.get("same_problems")
     if same:
         lines += ["", f"The same captured problems ({same['model']}, {same['tokens']} tokens, {same['rows']:,} rows) "
