@@ -219,11 +219,27 @@ def _first_values(table: pa.Table, columns: list[str]) -> tuple:
     return _group_key(table[c][0].as_py() if c in table.column_names else None for c in columns)
 
 
+def _constant(table: pa.Table, column: str, value) -> bool:
+    """Whether every row of ``table`` holds ``value`` (a group key's: None, ``("NaN",)`` or a value) in
+    ``column``."""
+    if column not in table.column_names:
+        return value is None
+    data = table[column]
+    if value is None:
+        return data.null_count == len(data)
+    if data.null_count:
+        return False
+    if value == ("NaN",):
+        return pc.all(pc.is_nan(data)).as_py()
+    return pc.all(pc.equal(data, pa.scalar(value, data.type))).as_py()
+
+
 def _runs(table: pa.Table, columns: list[str]) -> list[tuple[int, int]]:
     """``(start, end)`` of the stretches of ``table`` over which ``columns`` do not change (a part's rows are
     in key order, so a batch holds few: one per slice)."""
-    if _first_values(table, columns) == _first_values(table.slice(table.num_rows - 1), columns):
-        return [(0, table.num_rows)]  # in key order: one stretch
+    first = dict(zip(columns, _first_values(table, columns)))
+    if all(_constant(table, column, value) for column, value in first.items()):
+        return [(0, table.num_rows)]  # the common case (a part's batch inside one slice): no encoding
     changed = np.zeros(table.num_rows, bool)
     changed[0] = True
     for column in (c for c in columns if c in table.column_names):
