@@ -332,6 +332,7 @@ def report(args) -> dict:
     if checks:
         out["checks"] = checks
     args.report_dir.mkdir(parents=True, exist_ok=True)
+    _portable(out)
     (args.report_dir / "results.json").write_text(json.dumps(out, indent=2) + "\n")
     kept = None
     if args.keep_checkpoint:
@@ -353,9 +354,29 @@ def report(args) -> dict:
 
 
 def _shown(path: Path) -> str:
-    """``path`` relative to the repository where it is inside it (no machine paths in the reports)."""
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    """``path`` relative to the repository where it is inside it (no machine paths in the reports); Debian's
+    Fashion-MNIST folder as it is (the same on every machine); any other path by its last two parts under
+    ``<elsewhere>/`` (a GPU call's scratch folder, say), which does not name the machine."""
+    from probe.vit.data import FASHION_MNIST_DIR
+
+    path = Path(path).resolve()
+    if path.is_relative_to(ROOT):
+        return str(path.relative_to(ROOT))
+    if path == Path(FASHION_MNIST_DIR).resolve():
+        return str(FASHION_MNIST_DIR)
+    return "<elsewhere>/" + "/".join(path.parts[-2:])
+
+
+def _portable(out: dict) -> dict:
+    """``out`` with every run's folders (its output, data folder and data source) as :func:`_shown` gives them."""
+    runs = list(out.get("runs", {}).values()) + list(out.get("reruns", {}).get("runs", {}).values())
+    for r in runs:
+        settings = r.get("settings", {})
+        for holder, field in ((settings, "out"), (settings, "data_dir"), (r, "data_source")):
+            value = holder.get(field)
+            if isinstance(value, str) and (value.startswith("/") or ":\\" in value):
+                holder[field] = _shown(Path(value))
+    return out
 
 
 def _paper_gap() -> float:
@@ -608,7 +629,7 @@ def _exact_lines(out) -> list[str]:
 
 def render_from(args) -> dict:
     """The report again from a results.json: its numbers as they are, its words as this script says them now."""
-    out = json.loads(args.render_from.read_text())
+    out = _portable(json.loads(args.render_from.read_text()))
     out["paper_gap"] = paper_gap_verdict(out["paired_differences"])
     args.report_dir.mkdir(parents=True, exist_ok=True)
     (args.report_dir / "results.json").write_text(json.dumps(out, indent=2) + "\n")
