@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -127,20 +127,19 @@ def _summary(files, schema: pa.Schema, group: list[str], lead_columns: list[str]
     the key columns), and the bucket of every cell."""
     import duckdb
 
-    from .query import DUCKDB_SHARE, MIN_DUCKDB_MEMORY, connect, memory_budget, name, over_budget, parquet_source
+    from .query import (DUCKDB_SHARE, MIN_DUCKDB_MEMORY, connect, memory_budget, name, over_budget, parquet_source,
+                        same_columns)
 
     listed = ", ".join(map(name, group + lead_columns))
     share = max(int(memory_budget() * DUCKDB_SHARE), MIN_DUCKDB_MEMORY)
     # A few hundred groups need little memory.  Measured on 5,600 part files (10^8 rows): DuckDB's footer
     # cache and reading the files by name (when their columns differ) took 200 and 330 MB more.
-    names = pq.read_schema(files[0]).names
-    same = all(pq.read_schema(f).names == names for f in files[1:])
     connection = connect(memory_limit=min(share, SUMMARY_MEMORY), threads=1)
     try:
         connection.execute("SET parquet_metadata_cache = false")
         found = connection.sql(
             f"SELECT {listed}, count(*), min({name(RANGE_COLUMN)}), max({name(RANGE_COLUMN)}) "
-            f"FROM {parquet_source(files, union_by_name=not same)} GROUP BY {listed} ORDER BY {listed}"
+            f"FROM {parquet_source(files, union_by_name=not same_columns(files))} GROUP BY {listed} ORDER BY {listed}"
         ).fetchall()  # nulls last
     except duckdb.OutOfMemoryException as error:
         raise over_budget(error, "Listing the rows' slices", "and export again") from None
@@ -162,7 +161,7 @@ def _summary(files, schema: pa.Schema, group: list[str], lead_columns: list[str]
         done = []
         for lead in leads:
             cells = min(max(1, math.ceil(lead.rows / size)), lead.last - lead.first + 1)
-            done.append(Lead(lead.value, lead.rows, lead.first, lead.last, cells, offset))
+            done.append(replace(lead, cells=cells, offset=offset))
             offset += cells
             cell_rows += [lead.rows / cells] * cells
         sized.append((values, done))
@@ -234,19 +233,26 @@ def _constant(table: pa.Table, column: str, value) -> bool:
     return pc.all(pc.equal(data, pa.scalar(value, data.type))).as_py()
 
 
+def stretch_starts(table: pa.Table, columns) -> np.ndarray:
+    """The rows of ``table`` where a stretch begins: the first, and each that differs from the row before in
+    one of ``columns`` (those the table has; nulls equal to nulls).  For a part's rows, in key order, the
+    stretches of the slice columns are its slices: the part writer cuts its row groups there too."""
+    changed = np.zeros(table.num_rows, bool)
+    changed[:1] = True
+    for column in (c for c in columns if c in table.column_names):
+        codes = table[column].combine_chunks().dictionary_encode().indices
+        codes = pc.fill_null(codes, -1).to_numpy(zero_copy_only=False)
+        changed[1:] |= codes[1:] != codes[:-1]
+    return np.flatnonzero(changed)
+
+
 def _runs(table: pa.Table, columns: list[str]) -> list[tuple[int, int]]:
     """``(start, end)`` of the stretches of ``table`` over which ``columns`` do not change (a part's rows are
     in key order, so a batch holds few: one per slice)."""
     first = dict(zip(columns, _first_values(table, columns)))
     if all(_constant(table, column, value) for column, value in first.items()):
         return [(0, table.num_rows)]  # the common case (a part's batch inside one slice): no encoding
-    changed = np.zeros(table.num_rows, bool)
-    changed[0] = True
-    for column in (c for c in columns if c in table.column_names):
-        codes = table[column].combine_chunks().dictionary_encode().indices
-        codes = pc.fill_null(codes, -1).to_numpy(zero_copy_only=False)
-        changed[1:] |= codes[1:] != codes[:-1]
-    starts = np.flatnonzero(changed)
+    starts = stretch_starts(table, columns)
     return list(zip(starts.tolist(), np.r_[starts[1:], table.num_rows].tolist()))
 
 
@@ -264,7 +270,8 @@ def _distribute(files, schema, group: list[str], lead_columns: list[str], layout
                 spill_root: Path):
     """Every row of ``files``, with its cell, into its bucket's spill file, in one pass; the files in the
     buckets' order (None: an empty bucket)."""
-    index = {_group_key(values): leads for values, leads in layout}
+    index = {_group_key(values): (leads, np.array([lead.value[0] for lead in leads]) if lead_columns else None)
+             for values, leads in layout}  # a group's leads, and their values to look a row's up
     paths: list[Path | None] = [None] * (int(buckets[-1]) + 1 if len(buckets) else 0)
     spilled = schema.append(pa.field(CELL, pa.int64()))
     flush_at = flush_rows(schema)
@@ -283,12 +290,11 @@ def _distribute(files, schema, group: list[str], lead_columns: list[str], layout
         pending.clear()
         buffered = 0
 
-    def cells_of(table: pa.Table, leads: list[Lead]) -> np.ndarray:
+    def cells_of(table: pa.Table, leads: list[Lead], values: np.ndarray | None) -> np.ndarray:
         examples = table[RANGE_COLUMN].to_numpy(zero_copy_only=False).astype(np.int64)
         if not lead_columns:
             return leads[0].cell(examples)
-        here = table[lead_columns[0]].to_numpy(zero_copy_only=False)
-        which = np.searchsorted(np.array([lead.value[0] for lead in leads]), here)
+        which = np.searchsorted(values, table[lead_columns[0]].to_numpy(zero_copy_only=False))
         cells = np.empty(table.num_rows, np.int64)
         for i in np.unique(which).tolist():
             rows = which == i
@@ -305,8 +311,7 @@ def _distribute(files, schema, group: list[str], lead_columns: list[str], layout
                 table = _conformed(batch, schema)
                 for start, end in _runs(table, group):
                     run = table.slice(start, end - start)
-                    leads = index[_first_values(run, group)]
-                    cells = cells_of(run, leads)
+                    cells = cells_of(run, *index[_first_values(run, group)])
                     run = run.append_column(CELL, pa.array(cells))
                     bucket = buckets[cells]
                     if np.any(bucket[1:] < bucket[:-1]):  # a part's rows are in key order, so buckets rise

@@ -130,6 +130,17 @@ def _sql_string(text: str) -> str:
     return text.replace("'", "''")
 
 
+def same_columns(files) -> bool:
+    """Whether every one of the part ``files`` has the first one's columns, read from each footer (a run's
+    parts normally do; a run resumed by another version of probe may not).  Where they do, DuckDB can read
+    them by position (:func:`parquet_source` with ``union_by_name=False``), which binds faster and, over
+    thousands of files, takes hundreds of MB less."""
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(files[0]).names if files else None
+    return all(pq.read_schema(f).names == names for f in files[1:])
+
+
 def parquet_source(files, *, union_by_name: bool = True) -> str:
     """The SQL table expression reading ``files`` (part files) as one table: ``read_parquet([...])``.
     ``union_by_name``: columns matched by name across files that differ (DuckDB then reads every file's
@@ -969,7 +980,7 @@ def _checked_schema(path: Path, files: list[str]):
         return None, True
     try:
         schema = pq.read_schema(files[0])
-        same = all(pq.read_schema(f).names == schema.names for f in files[1:])
+        same = same_columns(files)
     except (pa.ArrowException, OSError) as error:
         raise ProbeError(f"Cannot read {path} as parquet ({error}). {RUN_HINT}") from None
     missing = [c for c in NEEDED_COLUMNS if c not in schema.names]

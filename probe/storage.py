@@ -63,7 +63,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from .errors import ProbeError
-from .keyorder import batches_in_key_order
+from .keyorder import batches_in_key_order, stretch_starts
 from .schema import DEVIATION_SCHEMA, INTERVENTION_KEY, INTERVENTION_SCHEMA, ROW_KEY
 
 MANIFEST = "manifest.json"
@@ -121,19 +121,12 @@ def _row_group_bounds(table: pa.Table) -> list[tuple[int, int]]:
     """``(offset, length)`` of each row group of ``table`` (in the row key's order): a new one where a
     column of :data:`ROW_GROUP_COLUMNS` changes, slices of fewer than :data:`MIN_ROW_GROUP_ROWS` rows merged
     with the next, none longer than :data:`MAX_ROW_GROUP_ROWS`."""
-    import numpy as np
-
     rows = table.num_rows
     if not set(ROW_KEY) <= set(table.column_names) or rows <= MIN_ROW_GROUP_ROWS:  # not in key order: one
         starts = [0]
     else:
-        changed = np.zeros(rows, bool)
-        changed[0] = True
-        for name in ROW_GROUP_COLUMNS:
-            codes = table[name].combine_chunks().dictionary_encode().indices.to_numpy(zero_copy_only=False)
-            changed[1:] |= codes[1:] != codes[:-1]
-        starts = [0]
-        for start in np.flatnonzero(changed)[1:].tolist():
+        starts = [0]  # each slice's first row, short slices merged with the next
+        for start in stretch_starts(table, ROW_GROUP_COLUMNS)[1:].tolist():
             if start - starts[-1] >= MIN_ROW_GROUP_ROWS:
                 starts.append(start)
         if rows - starts[-1] < MIN_ROW_GROUP_ROWS and len(starts) > 1:
