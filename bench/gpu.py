@@ -636,6 +636,20 @@ def part_vit(args, log: Log, workdir: Path, deadline: float) -> dict:
 # results
 
 
+def comparison_table(runs: list[dict]) -> list[str]:
+    """The markdown table of row-by-row comparisons of two runs (:func:`compare_runs`), one line a run."""
+    lines = ["| model | tokens | rows | largest difference | largest difference / bound | rows over the bound "
+             "| inputs differ by (evidence norm, relative) |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        if "skipped" in r:
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['skipped']} | | | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['rows']:,} | {r['max_difference']:.2e} | "
+                     f"{r['max_difference_over_bound']:.3g} | {r['rows_over_bound']:,} | "
+                     f"{r['max_relative_evidence_difference']:.1e} |")
+    return lines
+
+
 def markdown(results: dict) -> str:
     env = results["environment"]
     lines = [
@@ -669,16 +683,8 @@ def markdown(results: dict) -> str:
         "`(e_gpu + e_cpu)(1 + rel) / ||lambda*||` plus 1e-9. Models from config (random weights), float64 on "
         "both devices. A ratio at most 1 is agreement within the certificates.",
         "",
-        "| model | tokens | rows | largest difference | largest difference / bound | rows over the bound | inputs differ by (evidence norm, relative) |",
-        "|---|---|---|---|---|---|---|",
+        *comparison_table(agreement.get("runs", [])),
     ]
-    for r in agreement.get("runs", []):
-        if "skipped" in r:
-            lines.append(f"| {r['model']} | {r['tokens']} | {r['skipped']} | | | | |")
-            continue
-        lines.append(f"| {r['model']} | {r['tokens']} | {r['rows']:,} | {r['max_difference']:.2e} | "
-                     f"{r['max_difference_over_bound']:.3g} | {r['rows_over_bound']} | "
-                     f"{r['max_relative_evidence_difference']:.1e} |")
     differing = [r for r in agreement.get("runs", []) if r.get("rows_over_bound") and
                  r.get("max_relative_evidence_difference", 0.0) > 1e-12]
     if differing:

@@ -84,23 +84,12 @@ def markdown(results: dict, gpu_results: dict | None) -> str:
              "The same model and texts, run twice on the CPU in float64: once as transformers computes it "
              "(`T5LayerNorm` takes its variance in float32), once with that variance in float64. The two runs "
              "are compared as `bench/gpu.py` compares the GPU and the CPU.", "",
-             "| model | tokens | rows | largest difference | largest difference / bound | rows over the bound | inputs differ by (evidence norm, relative) |",
-             "|---|---|---|---|---|---|---|"]
-    for r in results["runs"]:
-        lines.append(f"| {r['model']} | {r['tokens']} | {r['rows']:,} | {r['max_difference']:.2e} | "
-                     f"{r['max_difference_over_bound']:.3g} | {r['rows_over_bound']:,} | "
-                     f"{r['max_relative_evidence_difference']:.1e} |")
+             *gpu.comparison_table(results["runs"])]
     if gpu_results:
         rows = [r for r in gpu_results.get("agreement", {}).get("runs", []) if "skipped" not in r]
         if rows:
             lines += ["", f"Beside them, the GPU against the CPU ({gpu_results['environment']['device_name']}, "
-                      "`bench/results_gpu.md`):", "",
-                      "| model | tokens | rows | largest difference | largest difference / bound | rows over the bound | inputs differ by |",
-                      "|---|---|---|---|---|---|---|"]
-            for r in rows:
-                lines.append(f"| {r['model']} | {r['tokens']} | {r['rows']:,} | {r['max_difference']:.2e} | "
-                             f"{r['max_difference_over_bound']:.3g} | {r['rows_over_bound']:,} | "
-                             f"{r['max_relative_evidence_difference']:.1e} |")
+                      "`bench/results_gpu.md`):", "", *gpu.comparison_table(rows)]
     t5 = next(r for r in results["runs"] if r["model"] == "t5-small-shape")
     bert = next(r for r in results["runs"] if r["model"] == "bert-base-shape")
     lines += ["", f"On one device, changing only where T5's layer-norm variance is rounded changes the inputs by "
