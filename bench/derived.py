@@ -1,11 +1,11 @@
 """Benchmark: what the derived columns add to a default ``probe run``.
 
 Issue 12 asks that the derived columns (second-order deviation, attention TV, output deviation,
-attention entropy: :func:`probe.rows.derive`) add at most 20% to a default run's wall time.  This script
-measures exactly that: the wall time of :func:`probe.pipeline.run` with its defaults (``--alpha 1
+attention entropy: :func:`probe.batch.rows.derive`) add at most 20% to a default run's wall time.  This script
+measures exactly that: the wall time of :func:`probe.pipeline.runner.run` with its defaults (``--alpha 1
 --space hidden``, batches of 8, ``--max-length 128``, float32 model, float64 solves) with the real
 ``derive``, and with ``derive`` replaced by a no-op that returns NaN columns (monkeypatched in
-:mod:`probe.rows`), side by side in one process.
+:mod:`probe.batch.rows`), side by side in one process.
 
 Cases
 -----
@@ -62,9 +62,9 @@ import torch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 
-from probe import rows  # noqa: E402
-from probe.data import DatasetSpec, embedded_corpus  # noqa: E402
-from probe.pipeline import RunConfig, run  # noqa: E402
+from probe.batch import rows  # noqa: E402
+from probe.capture.data import DatasetSpec, embedded_corpus  # noqa: E402
+from probe.pipeline.runner import RunConfig, run  # noqa: E402
 
 DERIVED_COLUMNS = ("second_order_deviation", "attention_tv", "output_deviation", "attention_entropy")
 TARGET = 1.20
@@ -95,7 +95,7 @@ def long_texts(path: Path, count: int) -> str:
 
 
 class Timer:
-    """``probe.rows.derive`` wrapped to count its time, or replaced by a no-op."""
+    """``probe.batch.rows.derive`` wrapped to count its time, or replaced by a no-op."""
 
     def __init__(self):
         self.real = rows.derive
@@ -216,7 +216,7 @@ def markdown(results: dict) -> str:
         f"OMP_WAIT_POLICY={results.get('omp_wait_policy')}"
         + (" (quick mode)" if results["quick"] else "") + ".",
         "",
-        "Wall time of `probe.pipeline.run` with its defaults, with the real `probe.rows.derive` and with it",
+        "Wall time of `probe.pipeline.runner.run` with its defaults, with the real `probe.batch.rows.derive` and with it",
         "replaced by a no-op (NaN columns), in one process. **The machine is shared with other jobs** (load",
         f"average {(results['load_average'] or [float('nan')])[0]:.0f} on {os.cpu_count()} cores at the end of this run), so absolute",
         f"times are slow and noisy: every number is a median over {results['repeats']} pair(s) of runs, each pair",

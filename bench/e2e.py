@@ -5,7 +5,7 @@ For each model and text length, one process times, side by side and alternating:
 * **forward**: the plain eager forward pass (``model(**inputs)`` under ``torch.no_grad``, the model as
   probe loads it, eager attention) over the same batches probe makes (texts sorted by length, batches
   of ``--batch-size``), tokenised beforehand;
-* **analysis**: ``probe.pipeline.run(RunConfig(...))`` on the same texts, from its manifest's timings:
+* **analysis**: ``probe.pipeline.runner.run(RunConfig(...))`` on the same texts, from its manifest's timings:
   ``total_s - load_model_s - load_data_s`` (planning and tokenising the batches, capture, solves, derived
   quantities, part files and manifest; start-up, imports and model loading are excluded).
 
@@ -20,7 +20,7 @@ the table gives the medians and the median of the per-repeat ratios.
 of the forward pass and of the whole analysis (capture = the forward itself, the solves and the derived
 quantities) over the same texts (the first batch at fixed lengths, where every batch has the same
 shape; every batch of the corpus), and the products of the solver per problem in units of one
-``n x r`` product (counted with the solver's torch loops: the compiled kernel of ``probe.native`` runs
+``n x r`` product (counted with the solver's torch loops: the compiled kernel of ``probe.solve.native`` runs
 the same method, through BLAS calls the counter cannot see).  Their ratio is what the analysis would
 cost against the forward if it ran its products at the forward's rate and its elementwise work were
 free: a floor for this method.  The machine this runs on may be shared with
@@ -116,7 +116,7 @@ def bert_base_random(directory: Path, quick: bool) -> str:
 
 
 def corpus() -> list[str]:
-    from probe.data import embedded_corpus
+    from probe.capture.data import embedded_corpus
 
     return embedded_corpus()
 
@@ -143,8 +143,8 @@ def texts_of_length(tokenizer, length: int, count: int) -> list[str]:
 def run_config(model_path: str, texts: list[str] | None, length: int, batch_size: int, workdir: Path,
                samples: int | None = None, **extra):
     """The run's settings: ``texts`` written to a file, or the embedded corpus (its first ``samples``)."""
-    from probe.data import DatasetSpec
-    from probe.pipeline import RunConfig
+    from probe.capture.data import DatasetSpec
+    from probe.pipeline.runner import RunConfig
 
     if texts is None:
         dataset = DatasetSpec(samples=samples)
@@ -159,8 +159,8 @@ def run_config(model_path: str, texts: list[str] | None, length: int, batch_size
 
 
 def analysis(config) -> dict:
-    """One ``probe.pipeline.run``: analysis seconds (start-up excluded), rows, certificate, timings."""
-    from probe.pipeline import run
+    """One ``probe.pipeline.runner.run``: analysis seconds (start-up excluded), rows, certificate, timings."""
+    from probe.pipeline.runner import run
 
     return measurements(run(config))
 
@@ -183,9 +183,9 @@ def measurements(run_dir: Path) -> dict:
 
 
 def forward_batches(loaded, config, texts):
-    """The run's batches as model inputs, in the run's order (probe.pipeline plans them)."""
-    from probe.data import load_texts
-    from probe.pipeline import _plan_batches
+    """The run's batches as model inputs, in the run's order (probe.pipeline.runner plans them)."""
+    from probe.capture.data import load_texts
+    from probe.pipeline.runner import _plan_batches
 
     source = load_texts(config.dataset) if texts is None else None
     texts = source.texts if source is not None else texts
@@ -214,7 +214,7 @@ def forward_seconds(model, batches) -> float:
 
 def measure(name: str, model_path: str, length, count, batch_size: int, repeats: int, workdir: Path,
             processes=(1,), count_arithmetic: bool = True) -> dict:
-    from probe.loading import load_model
+    from probe.capture.loading import load_model
 
     loaded = load_model(model_path, device="cpu")
     max_length = 128 if length == "corpus" else length
@@ -302,12 +302,12 @@ def arithmetic(loaded, config, texts, batches) -> dict:
         data_file = Path(str(config.dataset.name).replace(".txt", "-arithmetic.txt"))
         data_file.write_text("\n".join(texts) + "\n")
         config = dataclasses.replace(config, dataset=dataclasses.replace(config.dataset, name=str(data_file)))
-    from probe import native
+    from probe.solve import native
 
     threads = torch.get_num_threads()
     # one thread: the flop counter sees the operations of the thread it runs in only, and a run on one
-    # thread does all its work there (probe.parallel); the counts do not depend on the thread count.
-    # The solver's torch loops: the compiled kernel (probe.native) runs the same method, but its products
+    # thread does all its work there (probe.solve.parallel); the counts do not depend on the thread count.
+    # The solver's torch loops: the compiled kernel (probe.solve.native) runs the same method, but its products
     # are BLAS calls the counter cannot see.
     config = dataclasses.replace(config, threads=1)
     saved = dict(native._state)
@@ -381,7 +381,7 @@ def child_main(spec: dict) -> None:
 
     workdir = Path(spec["workdir"])
     if spec["mode"] == "load":
-        from probe.loading import load_model
+        from probe.capture.loading import load_model
 
         load_model(spec["model"], device="cpu")
         out = {}
@@ -396,7 +396,7 @@ def child_main(spec: dict) -> None:
         if spec.get("forward"):  # the plain forward of the same batches first, under the same settings
             import torch
 
-            from probe.loading import load_model
+            from probe.capture.loading import load_model
 
             if spec.get("threads"):
                 torch.set_num_threads(spec["threads"])
@@ -623,7 +623,7 @@ def markdown(results: dict) -> str:
     if rows:
         lines += [
             "",
-            "analysis = `probe.pipeline.run` from its manifest (`total_s - load_model_s - load_data_s`: batch "
+            "analysis = `probe.pipeline.runner.run` from its manifest (`total_s - load_model_s - load_data_s`: batch "
             "planning, capture, solves, derived quantities, part files); forward = the eager forward pass of "
             "the same batches; 2 processes = the same run under `torchrun --nproc-per-node 2 ... --threads 1`. "
             "Every row certified (`error_bound <= 1e-9 ||lambda||`) unless the table says otherwise.",
@@ -735,7 +735,7 @@ def main(argv=None):
         return
     import torch
 
-    from probe import native
+    from probe.solve import native
 
     start = time.perf_counter()
     load_start = load_average()

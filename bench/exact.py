@@ -1,4 +1,4 @@
-"""Forward + backward time of the exact attention (probe.exact) against softmax attention, at the ViT's
+"""Forward + backward time of the exact attention (probe.solve.exact) against softmax attention, at the ViT's
 final-layer size.
 
 The exact-ViT's final layer solves one problem per image and head for the class-token query: ``B = 128``
@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE))
 
 from machine import cpu_model, load_average  # noqa: E402
 
-from probe.exact import exact_attention, merge_summaries  # noqa: E402
+from probe.solve.exact import exact_attention, merge_summaries  # noqa: E402
 from probe.vit import load_checkpoint  # noqa: E402
 from probe.vit.model import ViT, ViTConfig  # noqa: E402
 

@@ -1,11 +1,11 @@
 """Experiment (evidence for a solver choice; not used by probe): the CG loop of the Newton directions, run
 four ways, on one thread and on two threads side by side.
 
-``probe.solver._conjugate_gradient_steps`` runs a fixed number of CG steps (``forcing`` 0, so no row stops
+``probe.solve.dual._conjugate_gradient_steps`` runs a fixed number of CG steps (``forcing`` 0, so no row stops
 early) on random problems of the solver's tile shapes, in float32 like the Newton directions:
 
 * **python**: the function as written, each operation dispatched from Python;
-* **torchscript**: ``probe.solver._conjugate_gradient``, the same function compiled by TorchScript
+* **torchscript**: ``probe.solve.dual._conjugate_gradient``, the same function compiled by TorchScript
   (what the solver runs; its interpreter releases the GIL);
 * **inductor**: ``torch.compile`` of one CG step (Inductor fuses the elementwise kernels into C++ loops;
   the loop's data-dependent stop stays in Python);
@@ -36,7 +36,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from probe import solver  # noqa: E402
+from probe.solve import dual as solver  # noqa: E402
 from machine import cpu_model, load_average  # noqa: E402
 
 STEPS = 10

@@ -159,7 +159,7 @@ def _tokenizer():
     source = tokenizer_source()
     if source:
         return AutoTokenizer.from_pretrained(source)
-    from probe.data import embedded_corpus
+    from probe.capture.data import embedded_corpus
 
     words = sorted({w.strip(".,;:!?\"'()").lower() for text in embedded_corpus() for w in text.split()} - {""})
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words + list("abcdefghijklmnopqrstuvwxyz0123456789.,;:!?'\"()-")
@@ -201,7 +201,7 @@ def build_models(directory: Path, quick: bool) -> dict[str, str]:
 def texts_of_length(tokenizer, length: int, count: int, offset: int = 0) -> list[str]:
     """``count`` texts of at least ``length`` tokens: the embedded corpus's sentences joined from
     different starting points (the run truncates them to ``length``)."""
-    from probe.data import embedded_corpus
+    from probe.capture.data import embedded_corpus
 
     sentences = embedded_corpus()
     texts = []
@@ -229,8 +229,8 @@ def data_file(workdir: Path, model: str, length: int, count: int) -> Path:
 
 
 def run_config(model: str, data: Path, length: int, *, device: str, dtype: str, batch_size: int, out: Path):
-    from probe.config import RunConfig
-    from probe.data import DatasetSpec
+    from probe.core.config import RunConfig
+    from probe.capture.data import DatasetSpec
 
     target = "target" if "t5" in Path(model).name else None
     return RunConfig(model=model, dataset=DatasetSpec(name=str(data), target_column=target), out=out,
@@ -273,7 +273,7 @@ def part_tests(args, log: Log, budget_s: float) -> dict:
 # 2. agreement
 
 
-#: what the two certificates allow beyond rounding (probe.verify's SLACK)
+#: what the two certificates allow beyond rounding (probe.pipeline.verify's SLACK)
 SLACK = 1e-9
 
 
@@ -281,7 +281,7 @@ def compare_runs(gpu_dir: Path, cpu_dir: Path) -> dict:
     """Row-by-row comparison of two runs of the same settings (see the module's docstring)."""
     import numpy as np
 
-    from probe.schema import ROW_KEY
+    from probe.core.schema import ROW_KEY
 
     columns = list(ROW_KEY) + ["rel_deviation", "lambda_norm", "error_bound", "evidence_norm", "converged"]
     a, b = read_rows(gpu_dir, columns), read_rows(cpu_dir, columns)
@@ -321,8 +321,8 @@ def captured_problems(model: str, length: int, count: int, device: str, dtype: s
     (every site of the batch, stacked into solver calls), on ``device``."""
     import torch
 
-    from probe.loading import load_model
-    from probe.rows import site_problems, site_stacks, stacked_problems
+    from probe.capture.loading import load_model
+    from probe.batch.rows import site_problems, site_stacks, stacked_problems
 
     loaded = load_model(model, device=device, dtype=dtype)
     texts = texts_of_length(loaded.tokenizer, length, count)
@@ -344,7 +344,7 @@ def _moved(problems, device: str):
 
 
 def solve_all(calls, device: str, rtol: float = 1e-9):
-    from probe.solver import solve_dual
+    from probe.solve.dual import solve_dual
 
     return [solve_dual(_moved(p, device), rtol=rtol) for p in calls]
 
@@ -372,7 +372,7 @@ def compare_solutions(calls, gpu, cpu) -> dict:
 
 
 def part_agreement(args, log: Log, models: dict, workdir: Path, deadline: float) -> dict:
-    from probe.pipeline import run
+    from probe.pipeline.runner import run
 
     lengths = (16,) if args.quick else LENGTHS
     count = 2 if args.quick else 4
@@ -413,8 +413,8 @@ def forward_seconds(loaded, config, device: str, repeats: int = 2) -> float:
     """The plain eager forward over the run's batches (tokenised beforehand), best of ``repeats``."""
     import torch
 
-    from probe.data import load_texts
-    from probe.pipeline import _plan_batches
+    from probe.capture.data import load_texts
+    from probe.pipeline.runner import _plan_batches
 
     source = load_texts(config.dataset)
     batches, _ = _plan_batches(loaded, source, config.batch_size, config.max_length)
@@ -447,8 +447,8 @@ def analysis_seconds(run_dir: Path) -> dict:
 def part_speed(args, log: Log, models: dict, workdir: Path, deadline: float) -> dict:
     import torch
 
-    from probe.loading import load_model
-    from probe.pipeline import run
+    from probe.capture.loading import load_model
+    from probe.pipeline.runner import run
 
     lengths = (16,) if args.quick else LENGTHS
     batch = 4 if args.quick else 64

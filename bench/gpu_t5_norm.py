@@ -56,7 +56,7 @@ def float64_layer_norm():
 
 
 def measure(quick: bool, workdir: Path) -> dict:
-    from probe.pipeline import run
+    from probe.pipeline.runner import run
 
     models = gpu.build_models(workdir / "models", quick)
     length, count = (16, 2) if quick else (128, 4)

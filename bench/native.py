@@ -1,8 +1,8 @@
-"""The solver's Newton iterations in compiled C (``probe.native``) against its torch loops.
+"""The solver's Newton iterations in compiled C (``probe.solve.native``) against its torch loops.
 
 The problems of real MiniLM batches (the embedded corpus's texts joined to exactly ``--tokens`` tokens,
 hidden space, alpha 1, every layer stacked as ``probe run`` stacks them), captured once, are solved in
-one process by ``probe.solver.solve_dual`` four ways, alternating:
+one process by ``probe.solve.dual.solve_dual`` four ways, alternating:
 
 * **torch loops** and **compiled**, each on 1 thread and side by side on all workers (the default).
 
@@ -42,9 +42,9 @@ def main(argv=None):
     import e2e
     from machine import cpu_model, load_average
     from parallel import captured_problems
-    from probe import native
-    from probe.loading import load_model
-    from probe.solver import solve_dual
+    from probe.solve import native
+    from probe.capture.loading import load_model
+    from probe.solve.dual import solve_dual
 
     if not native.available():
         raise SystemExit(f"the compiled kernel is not available here: {native.unavailable_reason()}")

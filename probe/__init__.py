@@ -9,33 +9,26 @@ The Python API (:mod:`probe.api`; the command line calls the same functions)::
 
 ``import probe`` is light: the API's functions load torch and the rest when they are called.
 
-Layers, each in one place, data flowing one way:
+The package is laid out along the way a run's data flows (``docs/architecture.md`` draws it); each stage
+imports only the stages below it:
 
-* ``probe.solver``    -- the batched, certified dual solver (pure tensor math, no model knowledge);
-* ``probe.adapters``  -- per-architecture capture of templates / evidence / preference (one file each,
-                          declared in ``probe.adapters.REGISTRY``);
-* ``probe.config``    -- a run's settings (``RunConfig``) and the names of their choices (no torch);
-* ``probe.validate``  -- every check that runs before anything expensive (``probe.hub``: path or hub id);
-* ``probe.naming``    -- the model's real name from its files, and the run's name;
-* ``probe.loading``   -- model, adapter and tokenizer loading (eager attention);
-* ``probe.rows``      -- one batch: captured sites -> problems -> solver -> rows;
-* ``probe.pipeline``  -- the run: dataset -> batches -> rows -> part files + manifest, and resume
-                          (``probe.stopping``: signals; ``probe.fingerprint``: what resume checks;
-                          ``probe.distributed``: several processes under torchrun);
-* ``probe.storage``   -- the run directory: atomic part files and manifest, liveness, readers, export;
-* ``probe.report``    -- parquet + manifest -> figures, tables and an HTML page;
-* ``probe.verify``    -- a finished run checked after the fact: checksums and rows re-solved independently;
-* ``probe.intervene`` -- the exact posterior put into the forward pass, and what it changes in the outputs
-                          (``probe run --intervene``: the ``interventions.parquet`` table);
-* ``probe.ot``        -- the theory's second half: the OT attention (eq. 22) and its certified OT solver;
-* ``probe.vit``       -- ViT, OT-ViT and Sinkhorn-ViT, their offline data and training (``probe vit train``);
-* ``probe.api``       -- the public Python API: ``run``, ``load``, ``resume``, ``compare``, ``export``
-                          (``probe.*``) and ``report``;
-* ``probe.cli``       -- the typer app (``probe run``, ``resume``, ``status``, ``export``, ``report``,
-                          ``compare``, ``verify``, ``vit train``), over ``probe.api``.
+* ``probe.core``          -- errors, settings (``RunConfig``), the table's columns, names (no torch);
+* ``probe.solve``         -- the certified dual solvers: pure tensor math, no model knowledge
+                              (public paths: ``probe.solver``, ``probe.exact``, ``probe.ot``);
+* ``probe.capture``       -- model and texts in, each attention site's problems out (``capture.adapters``:
+                              one file per family);
+* ``probe.store``         -- the run directory: atomic part files, manifest, liveness, the export's sort;
+* ``probe.query``         -- the one read path: DuckDB over a run's checked parts, in bounded memory;
+* ``probe.batch``         -- one batch: captured sites -> problems -> solves -> rows;
+* ``probe.interventions`` -- the exact posterior put into the forward pass, and what it changes;
+* ``probe.report``        -- parquet + manifest -> figures, tables and an HTML page (and ``compare``);
+* ``probe.pipeline``      -- a run: checks, dataset -> batches -> parts, resume, verify, torchrun;
+* ``probe.vit``           -- ViT, OT-ViT, Sinkhorn-ViT and exact-ViT, their data and training;
+* ``probe.api``           -- the Python API: ``run``, ``load``, ``resume``, ``compare``, ``export``, ``report``;
+* ``probe.cli``           -- the typer app over ``probe.api``.
 """
 
-__version__ = "0.1.0"
+from probe.core.version import __version__
 
 #: the API's names, imported from :mod:`probe.api` on first use (``import probe`` stays light)
 #: (``probe.report`` is the report's package: reports are built by ``Run.report()`` or ``probe.api.report``)
@@ -44,11 +37,11 @@ __all__ = ["run", "load", "resume", "compare", "export", "Run", "ProbeError", "d
 
 def __getattr__(name: str):
     if name == "ProbeError":
-        from .errors import ProbeError
+        from probe.core.errors import ProbeError
 
         return ProbeError
     if name in __all__:
-        from . import api
+        from probe import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'probe' has no attribute {name!r}")

@@ -9,7 +9,7 @@
 >>> probe.load("runs/all-MiniLM-L6-v2-20261125-101500")   # a run written earlier (or by the CLI)
 
 Errors a user can cause raise :class:`probe.ProbeError` with a message that says what to do; a run
-stopped by SIGINT or SIGTERM raises :class:`probe.stopping.RunStopped` and keeps its finished batches
+stopped by SIGINT or SIGTERM raises :class:`probe.pipeline.stopping.RunStopped` and keeps its finished batches
 (continue it with :func:`resume`).  Nothing here imports torch until a run starts, and the options are
 checked before that, so a mistyped option fails at once.
 """
@@ -24,7 +24,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
-from .errors import ProbeError
+from probe.core.errors import ProbeError
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -69,26 +69,26 @@ class Run:
     @property
     def manifest(self) -> dict:
         """The run's ``manifest.json`` (read afresh each time: a run in progress rewrites it)."""
-        from .storage import read_manifest
+        from probe.store.storage import read_manifest
 
         return read_manifest(self.run_dir)
 
     @property
     def name(self) -> str:
         """The run's name as titles show it (``--name``, or the model's real name)."""
-        from .report.data import model_name
+        from probe.report.data import model_name
 
         return model_name(self.manifest)
 
     def _open(self):
         """A fresh query over the run's checked part files (a damaged run refused, or read with a warning)."""
-        from .query import RunTable
+        from probe.query import RunTable
 
         table = RunTable.open(self.run_dir, allow_damaged=self.allow_damaged)
         if table.check is not None and table.check.damaged:
             import warnings
 
-            from .storage import DamagedRunWarning
+            from probe.store.storage import DamagedRunWarning
 
             warnings.warn(table.check.banner(), DamagedRunWarning, stacklevel=3)
         return table
@@ -121,7 +121,7 @@ class Run:
         (within a relative 1e-12), ``attention_type``, ``layer``, ``head``, ``example`` (one or several),
         ``trivial`` (False: leave out rows with one key); ``columns`` (default: every stored column).
         Refused with a :class:`ProbeError` when the slice would exceed the memory budget."""
-        from .query import where
+        from probe.query import where
 
         equal = {k: v for k, v in dict(attention_type=attention_type, layer=layer, head=head).items() if v is not None}
         if example is not None:
@@ -133,8 +133,8 @@ class Run:
     @cached_property
     def rows(self) -> "pd.DataFrame":
         """Every finished batch's rows as a pandas DataFrame, sorted by the row key
-        (:data:`probe.schema.ROW_KEY`: space, alpha, attention type, layer, head, example, query), with a
-        fresh index.  Columns: :data:`probe.schema.DEVIATION_SCHEMA` (the model is named in the manifest).
+        (:data:`probe.core.schema.ROW_KEY`: space, alpha, attention type, layer, head, example, query), with a
+        fresh index.  Columns: :data:`probe.core.schema.DEVIATION_SCHEMA` (the model is named in the manifest).
         A run whose rows would exceed the memory budget is refused with a :class:`ProbeError` that names
         the lazy ways (:meth:`sql`, :attr:`query`, :meth:`select`) before anything is loaded."""
         table = self.query
@@ -143,11 +143,11 @@ class Run:
 
     @cached_property
     def interventions(self) -> "pd.DataFrame":
-        """The intervention records of a run with ``intervene=`` (``--intervene``; :mod:`probe.intervene`) as a
-        DataFrame sorted by their key (:data:`probe.schema.INTERVENTION_KEY`: space, alpha, substitute,
+        """The intervention records of a run with ``intervene=`` (``--intervene``; :mod:`probe.interventions.intervene`) as a
+        DataFrame sorted by their key (:data:`probe.core.schema.INTERVENTION_KEY`: space, alpha, substitute,
         site, example), with a fresh index; a run without them raises :class:`ProbeError`."""
-        from .schema import INTERVENTION_KEY
-        from .storage import read_interventions
+        from probe.core.schema import INTERVENTION_KEY
+        from probe.store.storage import read_interventions
 
         frame = read_interventions(self.run_dir, allow_damaged=self.allow_damaged).to_pandas()
         return frame.sort_values(list(INTERVENTION_KEY), kind="stable", ignore_index=True)
@@ -157,7 +157,7 @@ class Run:
         non-trivial row, as the report's landing table states them; read from the part files present now,
         in memory bounded by the readers' budget whatever the rows (exact p95:
         :meth:`probe.query.Table.stats`)."""
-        from .query import where
+        from probe.query import where
 
         with self._open() as table:
             (stats,) = table.stats("rel_deviation", [("space", "alpha")], where(trivial=False),
@@ -186,8 +186,8 @@ class Run:
 def _numbers(value, name: str) -> tuple[float, ...]:
     """One number, a sequence of numbers, or a comma-separated string of them (as on the command line);
     ``name``: the parameter, which a refusal names."""
-    from .spelling import option
-    from .validate import parse_numbers
+    from probe.core.spelling import option
+    from probe.pipeline.validate import parse_numbers
 
     if isinstance(value, str):
         return parse_numbers(value, name)
@@ -205,8 +205,8 @@ def _numbers(value, name: str) -> tuple[float, ...]:
 
 def _names(value, name: str) -> tuple[str, ...] | None:
     """None, one name, a sequence of names, or a comma-separated string of them."""
-    from .spelling import option
-    from .validate import parse_names
+    from probe.core.spelling import option
+    from probe.pipeline.validate import parse_names
 
     if value is None:
         return None
@@ -230,7 +230,7 @@ def _items(value, name: str, takes: str) -> list:
     """``value`` as a list, when it is a sequence (a mapping, bytes and other single objects are refused)."""
     from collections.abc import Iterable, Mapping
 
-    from .spelling import option
+    from probe.core.spelling import option
 
     if isinstance(value, (bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
         raise ProbeError(f"{option(name)} takes {takes}; got {value!r} ({type(value).__name__}).")
@@ -240,7 +240,7 @@ def _items(value, name: str, takes: str) -> list:
 def _check_types(**values) -> None:
     """The API's whole-number options (``name=value``; None where the option allows it) are whole numbers:
     ``batch_size="8"`` is refused by name, not met later as a TypeError."""
-    from .spelling import option
+    from probe.core.spelling import option
 
     optional = {"samples", "threads"}
     for name, value in values.items():
@@ -254,7 +254,7 @@ def _texts(texts) -> list[str]:
     """``texts=`` as the list of texts it means: a list (or any iterable) of strings, or one string, which is
     one text (never its characters).  The first item that is not a string is named; a string that names an
     existing file is refused (the file's texts are read with ``dataset=``)."""
-    from .spelling import option
+    from probe.core.spelling import option
 
     if isinstance(texts, str):
         if os.path.isfile(texts):
@@ -339,17 +339,17 @@ def run(
     ``~/.cache/probe``, so that :func:`resume` can read them again).  ``alpha`` and ``space`` take one
     value, a list, or a comma-separated string; ``max_memory`` bytes or a size such as ``"4GB"``.  ``name`` names the run
     directory and the report (default: the model's real name, ``-random`` added for ``init="random"``).
-    ``intervene``: substitutes to put into the forward pass (``"exact,second-order,null"``; :mod:`probe.intervene`),
+    ``intervene``: substitutes to put into the forward pass (``"exact,second-order,null"``; :mod:`probe.interventions.intervene`),
     measured per site and for the whole model (``intervene_modes``); read them as :attr:`Run.interventions`.
     A run whose tokenizer turns more than 10% of the tokens into its unknown token is refused before the
-    model loads (the tokenizer does not know the texts: :mod:`probe.tokens`); ``allow_unknown_tokens=True``
+    model loads (the tokenizer does not know the texts: :mod:`probe.capture.tokens`); ``allow_unknown_tokens=True``
     runs it anyway.  The other options are ``probe run``'s (``probe run --help``).  Every option is checked
     before the model loads; a rejected run raises :class:`ProbeError`, naming the parameter, and writes nothing.
     """
-    from .config import RunConfig
-    from .data import DatasetSpec
-    from .spelling import option
-    from .validate import check_options, parse_memory
+    from probe.core.config import RunConfig
+    from probe.capture.data import DatasetSpec
+    from probe.core.spelling import option
+    from probe.pipeline.validate import check_options, parse_memory
 
     if texts is not None and dataset is not None:
         raise ProbeError(f"Give {option('texts')} or {option('dataset')}, not both.")
@@ -376,12 +376,12 @@ def run(
     check_options(settings)  # before torch loads: a mistyped option costs nothing
     if kept is not None:
         _keep(*kept)
-    from .naming import model_name
+    from probe.core.naming import model_name
 
     _say(progress, f"checking the data and {model_name(settings.model)} (importing torch and transformers)")
     # Idle OpenMP threads sleep instead of spinning (see probe.cli); before torch loads its runtime.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from .pipeline import run as run_pipeline
+    from probe.pipeline.runner import run as run_pipeline
 
     return Run(run_pipeline(settings))
 
@@ -389,15 +389,15 @@ def run(
 def resume(run_dir: str | Path, *, progress: bool = True) -> Run:
     """Continue a stopped run with the settings its manifest recorded; a complete run is returned as it is."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from .pipeline import resume as resume_pipeline
+    from probe.pipeline.runner import resume as resume_pipeline
 
     return Run(resume_pipeline(Path(run_dir), progress=progress))
 
 
 def _run_path(run_dir: str | Path | Run) -> Path:
     """A run's directory: a :class:`Run`'s, the path given, or for ``runs/NAME`` the newest run named NAME
-    (:func:`probe.naming.newest_run`)."""
-    from .naming import newest_run
+    (:func:`probe.core.naming.newest_run`)."""
+    from probe.core.naming import newest_run
 
     return run_dir.run_dir if isinstance(run_dir, Run) else newest_run(run_dir)[0]
 
@@ -406,10 +406,10 @@ def load(run_dir: str | Path, *, allow_damaged: bool = False) -> Run:
     """An existing run directory (complete, interrupted or still running) as a :class:`Run`; ``runs/NAME``
     loads the newest run named NAME.
 
-    Its part files are checked against the manifest's records (:func:`probe.storage.require_intact`): a
+    Its part files are checked against the manifest's records (:func:`probe.store.storage.require_intact`): a
     damaged run (a part missing, truncated or not the one recorded) is refused by name, unless
     ``allow_damaged``, which reads the intact parts only, with a warning.  ``probe resume`` repairs it."""
-    from .storage import require_intact, run_tables
+    from probe.store.storage import require_intact, run_tables
 
     loaded = Run(_run_path(run_dir), allow_damaged=allow_damaged)
     manifest = loaded.manifest
@@ -428,7 +428,7 @@ def report(run_dir: str | Path | Run, out: str | Path | None = None, formats: st
     """Build a run's report (figures, ``summary.csv``/``.json``, ``index.html``); return its directory.
     ``progress``: say each stage on stderr; ``control``: a control run (e.g. ``init="random"``) whose headline
     numbers the first screen shows beside the run's."""
-    from .report import build_report
+    from probe.report import build_report
 
     return build_report(_run_path(run_dir), out, _formats(formats), name=name, allow_damaged=allow_damaged,
                         progress=progress, control=None if control is None else _run_path(control))
@@ -439,12 +439,12 @@ def compare(runs: Sequence[str | Path | Run], out: str | Path = "compare", forma
     """Overlay two or more runs on shared axes (per-layer mean and p95 against relative depth, ECDFs,
     ``compare.csv``); return the comparison's directory.  ``names``: a label per run, in order.  A run may be
     named ``runs/NAME`` for the newest run named NAME.  Runs that did not see the same data (texts, their
-    number, the max length) are compared with a :class:`probe.data.DifferentDataWarning`."""
+    number, the max length) are compared with a :class:`probe.capture.data.DifferentDataWarning`."""
     import warnings
 
-    from .data import DifferentDataWarning, data_differences
-    from .report import compare_runs
-    from .storage import read_manifest
+    from probe.capture.data import DifferentDataWarning, data_differences
+    from probe.report import compare_runs
+    from probe.store.storage import read_manifest
 
     paths = [_run_path(each) for each in runs]
     manifests = {}
@@ -469,10 +469,10 @@ def export(run_dir: str | Path | Run, to: str | Path, *, allow_damaged: bool = F
     """Write a run's rows (``table``: ``"deviations"``, or ``"interventions"`` for a run with ``--intervene``)
     into one file: Parquet for ``*.parquet``, CSV for ``*.csv`` (any other extension is refused); return
     the row count."""
-    from .storage import export as export_rows
+    from probe.store.storage import export as export_rows
 
     if table not in TABLES:
-        from .spelling import option
+        from probe.core.spelling import option
 
         raise ProbeError(f"Unknown {option('table')} {table!r}: a run has the tables {' and '.join(TABLES)}.")
     return export_rows(_run_path(run_dir), Path(to), allow_damaged=allow_damaged, table=TABLES[table])

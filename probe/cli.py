@@ -3,9 +3,9 @@
 ``probe compare RUN_DIR RUN_DIR...``, ``probe verify RUN_DIR`` and ``probe --version``.
 
 Each command is a thin layer over :mod:`probe.api` (the same functions a notebook calls): it turns
-options into arguments, prints the final lines, and turns a :class:`probe.errors.ProbeError` into one
+options into arguments, prints the final lines, and turns a :class:`probe.core.errors.ProbeError` into one
 paragraph after ``Error:`` (click's own prefix for usage errors); while a command runs, messages name
-its flags (``--alpha``, where the API says ``alpha=``: :mod:`probe.spelling`).  Nothing heavy is imported
+its flags (``--alpha``, where the API says ``alpha=``: :mod:`probe.core.spelling`).  Nothing heavy is imported
 at module level, so option errors come back at once.
 
 A RUN_DIR may be given as ``runs/NAME`` for the newest run named NAME (``runs/NAME-<time>``; the command
@@ -24,7 +24,7 @@ from typing import Optional
 
 import typer
 
-from probe.errors import exit_with  # light: no torch
+from probe.core.errors import exit_with  # light: no torch
 
 # Idle OpenMP threads sleep instead of spinning: on a machine shared with other work, spinning threads
 # fight the neighbours for cores (bench/results_e2e_threads.md).  The solver's many small operations
@@ -75,7 +75,7 @@ _plain_arguments()
 
 def _print_version(value: bool) -> None:
     if value:
-        from probe import __version__
+        from probe.core.version import __version__
 
         typer.echo(f"probe {__version__}")
         raise typer.Exit()
@@ -89,7 +89,7 @@ def _every_command(
     ),
 ):
     """Test 'attention as inference via Fenchel duality' on pretrained Hugging Face models."""
-    from probe.spelling import command_line
+    from probe.core.spelling import command_line
 
     ctx.with_resource(command_line())  # messages name flags (--alpha) while the command runs
 
@@ -111,7 +111,7 @@ def _banner_not_warnings():
     """The readers' DamagedRunWarning silenced: the CLI prints the banner itself (:func:`_damaged_banner`)."""
     import warnings
 
-    from probe.storage import DamagedRunWarning
+    from probe.store.storage import DamagedRunWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DamagedRunWarning)
@@ -121,8 +121,8 @@ def _banner_not_warnings():
 def _damaged_banner(run_dir: Path, manifest: dict | None, allow_damaged: bool) -> None:
     """With --allow-damaged, say loudly (stderr) which batches were left out."""
     if allow_damaged:
-        from probe.errors import ProbeError
-        from probe.storage import check_parts
+        from probe.core.errors import ProbeError
+        from probe.store.storage import check_parts
 
         try:
             check = check_parts(run_dir, manifest)
@@ -139,7 +139,7 @@ RUN_DIR_HELP = "A run directory written by `probe run`, or DIR/NAME for the newe
 
 def _run_dir(path: Path) -> Path:
     """``path``, or the newest run directory it names (``runs/NAME``), saying so on stderr."""
-    from probe.naming import newest_run
+    from probe.core.naming import newest_run
 
     found, note = newest_run(path)
     if note:
@@ -239,8 +239,8 @@ def run(
     and leaves nothing on disk. Without MODEL, runs the real all-MiniLM-L6-v2 on the embedded corpus.
     """
     from probe import api
-    from probe.errors import ProbeError
-    from probe.validate import check_report_formats
+    from probe.core.errors import ProbeError
+    from probe.pipeline.validate import check_report_formats
 
     try:
         if report_format is not None and not report:
@@ -267,14 +267,14 @@ def run(
 
 
 def _run_stopped():
-    from probe.stopping import RunStopped
+    from probe.pipeline.stopping import RunStopped
 
     return RunStopped
 
 
 def _main_process() -> bool:
     """False in the other processes of a torchrun launch: rank 0 speaks for the run."""
-    from probe.distributed import Ranks
+    from probe.pipeline.distributed import Ranks
 
     return Ranks.from_environment().main
 
@@ -283,7 +283,7 @@ def _stopped(stop) -> None:
     """Say where a stopped run is and how to continue it; exit 130 (SIGINT) or 143 (SIGTERM)."""
     import shlex
 
-    from probe.storage import PARTS
+    from probe.store.storage import PARTS
 
     if stop.rank != 0:
         raise typer.Exit(code=stop.exit_code)
@@ -319,8 +319,8 @@ def resume_command(
     an uninterrupted one; resuming a complete run does nothing.
     """
     from probe import api
-    from probe.errors import ProbeError
-    from probe.storage import check_parts, read_manifest, run_tables
+    from probe.core.errors import ProbeError
+    from probe.store.storage import check_parts, read_manifest, run_tables
 
     run_dir = _run_dir(run_dir)
     try:
@@ -359,8 +359,8 @@ def status_command(
     line per run (name, status, rows, started)."""
     import shlex
 
-    from probe.errors import ProbeError
-    from probe.storage import MANIFEST, PARTS, check_parts, read_manifest, run_tables
+    from probe.core.errors import ProbeError
+    from probe.store.storage import MANIFEST, PARTS, check_parts, read_manifest, run_tables
 
     if run_dir is None or (run_dir.is_dir() and not (run_dir / MANIFEST).exists()):
         _list_runs(run_dir or Path("runs"))
@@ -395,8 +395,8 @@ def status_command(
 def _list_runs(folder: Path) -> None:
     """One line per run directory in ``folder``, oldest first: directory, name, status, batches, rows, started
     (from each manifest; a "running" run whose process is gone shows as interrupted)."""
-    from probe.errors import ProbeError
-    from probe.storage import MANIFEST, read_manifest
+    from probe.core.errors import ProbeError
+    from probe.store.storage import MANIFEST, read_manifest
 
     lines = []
     for run_dir in sorted(path for path in (folder.iterdir() if folder.is_dir() else ()) if (path / MANIFEST).is_file()):
@@ -439,8 +439,8 @@ def export_command(
 ):
     """Write a run's rows (its directory of part files) into one Parquet or CSV file."""
     from probe import api
-    from probe.errors import ProbeError
-    from probe.storage import read_manifest
+    from probe.core.errors import ProbeError
+    from probe.store.storage import read_manifest
 
     run_dir = _run_dir(run_dir)
     try:
@@ -464,7 +464,7 @@ def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
     import shlex
 
     from probe.api import load
-    from probe.tokens import describe
+    from probe.capture.tokens import describe
 
     run = load(run_dir)
     manifest = run.manifest
@@ -511,7 +511,7 @@ def report_command(
         "shows beside the run's (DIR/NAME: the newest run named NAME in DIR)."),
 ):
     """A landing summary with computed findings, figures on shared scales, summary.csv/json and an HTML page."""
-    from probe.errors import ProbeError
+    from probe.core.errors import ProbeError
 
     if len(run_dirs) > 1:  # a shell pattern such as runs/NAME-* that matched several runs
         _fail(ProbeError(_one_run_only(run_dirs)))
@@ -523,7 +523,7 @@ def _one_run_only(run_dirs: list[Path]) -> str:
     """Why `probe report` refuses several runs, which they were, and how to name one."""
     import shlex
 
-    from probe.naming import name_of
+    from probe.core.naming import name_of
 
     listed = ", ".join(shlex.quote(str(path)) for path in run_dirs[:8]) + (", ..." if len(run_dirs) > 8 else "")
     names = ", ".join(dict.fromkeys(shlex.quote(str(path.parent / name_of(path))) for path in run_dirs))
@@ -538,7 +538,7 @@ def _one_run_only(run_dirs: list[Path]) -> str:
 def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Optional[str] = None,
                   allow_damaged: bool = False, control: Optional[Path] = None) -> None:
     from probe import api
-    from probe.errors import ProbeError
+    from probe.core.errors import ProbeError
 
     try:
         with _banner_not_warnings():
@@ -570,8 +570,8 @@ def compare_command(
     import warnings
 
     from probe import api
-    from probe.data import DifferentDataWarning
-    from probe.errors import ProbeError
+    from probe.capture.data import DifferentDataWarning
+    from probe.core.errors import ProbeError
 
     run_dirs = [_run_dir(run_dir) for run_dir in run_dirs]
     try:
@@ -605,8 +605,8 @@ def verify_command(
 
     Exit status 0 only when every check holds, 1 when one fails (a damaged part, a number outside its bound), 2 for a bad input.
     """  # noqa: E501  (one line per paragraph: the help keeps a docstring's line breaks)
-    from probe.errors import ProbeError
-    from probe.verify import verify
+    from probe.core.errors import ProbeError
+    from probe.pipeline.verify import verify
 
     run_dir = _run_dir(run_dir)
     try:

@@ -2,12 +2,12 @@
 
 (a) KL: a discrete preference u on five templates in the plane (weights labelled), its mean mu, the
     evidence z (arrow from mu to mu + z), and for several alpha the exact posterior mean T^T p*
-    (p* from lambda*, probe.solver.solve_dual, certified) against the attention approximation
+    (p* from lambda*, probe.solve.dual.solve_dual, certified) against the attention approximation
     T^T p_att, p_att(t) ∝ u(t) exp(alpha <t, z>) (lambda = alpha z).
 (b) OT: the same sources and weights transported onto a wider candidate set A (a 21 x 21 grid),
     cost M(t, t_j) = ||t - t_j||^2, gamma = 0.5: the true preference's mean mu~, and for the same
-    alphas the exact posterior mean T^T p* (probe.ot.ot_posterior, certified) against eq. (22)'s
-    T^T p_22 (probe.ot.ot_attention, lambda = alpha z).
+    alphas the exact posterior mean T^T p* (probe.solve.ot.ot_posterior, certified) against eq. (22)'s
+    T^T p_22 (probe.solve.ot.ot_attention, lambda = alpha z).
 (c) OT at alpha = 4: the mass of p* and of eq. (22) on the grid.
 
     python scripts/illustrate_2d.py        # reports/ot/illustration_2d.png
@@ -25,8 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from probe.ot import ot_attention, ot_posterior  # noqa: E402
-from probe.solver import DualProblems, solve_dual  # noqa: E402
+from probe.solve.ot import ot_attention, ot_posterior  # noqa: E402
+from probe.solve.dual import DualProblems, solve_dual  # noqa: E402
 
 TEMPLATES = np.array([[0.0, 0.0], [2.0, 0.3], [1.0, 1.7], [-1.0, 1.1], [0.5, -1.1]])
 WEIGHTS = np.array([0.35, 0.2, 0.15, 0.2, 0.1])

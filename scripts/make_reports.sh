@@ -13,7 +13,7 @@ trap 'rm -rf "$work"' EXIT
 
 # report NAME MODEL_DIR: run probe on the model (named NAME), render its report into reports/NAME.  The run
 # starts in $work with --out runs, so that its manifest records no temporary folder (model paths are recorded
-# as <site-packages>/... or ~/..., probe.naming.recorded_path).
+# as <site-packages>/... or ~/..., probe.core.naming.recorded_path).
 report() {
   local name=$1 model_dir=$2
   (cd "$work" && probe run "$model_dir" --name "$name" --out runs --batch-size 16 --max-length 128 --no-progress)

@@ -1,8 +1,8 @@
 """How good is the OT approximation?  The OT analogue of probe's headline number, over a grid of alpha and gamma.
 
 For each (alpha, gamma): ``rel_deviation = ||lambda* - alpha z|| / ||lambda*||`` and the total variation
-``TV = 1/2 ||p* - p_22||_1`` between the exact OT posterior (``probe.ot.ot_posterior``, certified) and the
-OT attention (eq. 22, ``probe.ot.ot_attention``), summarised by median, 10th and 90th percentile and
+``TV = 1/2 ||p* - p_22||_1`` between the exact OT posterior (``probe.solve.ot.ot_posterior``, certified) and the
+OT attention (eq. 22, ``probe.solve.ot.ot_attention``), summarised by median, 10th and 90th percentile and
 mean over the problems, with the fraction of problems certified.
 
 Mode ``random`` (a): problems shaped like the OT-ViT's final layer at test time.  ``--problems``
@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from probe.ot import approximation_quality  # noqa: E402
+from probe.solve.ot import approximation_quality  # noqa: E402
 
 ALPHAS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 GAMMAS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)  # 8 = sqrt(64), 16 = sqrt(256)

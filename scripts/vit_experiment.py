@@ -173,7 +173,7 @@ def _labelled(item: str) -> tuple[str, Path]:
 
 def exact_certificates(run: dict) -> dict:
     """The exact-ViT run's Newton iterations and certificates over its epochs (``exact_train``, ``exact_test``)."""
-    from probe.exact import merge_summaries
+    from probe.solve.exact import merge_summaries
 
     curve = run["learning_curve"]
     return {
@@ -196,7 +196,7 @@ def posterior_gap(run_dir: Path, settings: dict, data_dir: Path | None) -> dict 
         return None
     import torch
 
-    from probe.exact import exact_attention
+    from probe.solve.exact import exact_attention
     from probe.vit import final_layer_problems, load_checkpoint
     from probe.vit.data import load_data
 
@@ -445,7 +445,7 @@ def markdown(out, args, kept) -> str:
         f"patch {p['model_config']['patch']}, dropout {p['model_config']['dropout']}: **{p['parameters']:,} "
         f"parameters**. OT layer: alpha = {p['ot_alpha']:g}, gamma = sqrt(head dim) = {p['ot_gamma']:.3f}; Sinkhorn "
         f"layer: {p['model_config']['sinkhorn_iterations']} row normalisations; exact layer: the KL problem's exact "
-        "posterior p* (`probe.exact`) with templates k / sqrt(head dim), evidence q, u uniform and alpha = 1, whose "
+        "posterior p* (`probe.solve.exact`) with templates k / sqrt(head dim), evidence q, u uniform and alpha = 1, whose "
         "closed-form approximation lambda = alpha z is the ViT's softmax layer.",
         f"- Machine: {p.get('machine', 'a 2-core CPU shared with other work')}, {p['parallel_runs']} runs at a time, "
         "1 thread each.",

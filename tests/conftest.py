@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random BERT models saved to disk, and the real MiniLM shipped by a PyPI package.
 
-Models are loaded by the tests through the same path users take (``probe.loading.load_model`` or the
+Models are loaded by the tests through the same path users take (``probe.capture.loading.load_model`` or the
 CLI), from directories written with ``save_pretrained``.
 
 The tests write nothing under the home directory: every cache a test could fill (probe's own, with the

@@ -1,4 +1,4 @@
-"""probe.allocator: glibc's heap thresholds for the duration of a run, restored after it."""
+"""probe.pipeline.allocator: glibc's heap thresholds for the duration of a run, restored after it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-import probe.allocator as allocator
+import probe.pipeline.allocator as allocator
 
 
 class _Recorder:

@@ -17,9 +17,10 @@ import pytest
 from typer.testing import CliRunner
 
 import probe
-from probe import api, naming
+from probe import api
+from probe.core import naming
 from probe.cli import app
-from probe.schema import ROW_KEY
+from probe.core.schema import ROW_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Short one.", "Why?",

@@ -448,13 +448,13 @@ def test_random_init_needs_no_weights(bad, tmp_path):
     [("4GB", 4 * 10**9), ("4 gb", 4 * 10**9), ("512MiB", 512 * 2**20), ("1.5GiB", 3 * 2**29), ("100B", 100)],
 )
 def test_max_memory_units(text, expected):
-    from probe.validate import parse_memory
+    from probe.pipeline.validate import parse_memory
 
     assert parse_memory(text) == expected
 
 
 def test_alpha_lists():
-    from probe.validate import parse_numbers
+    from probe.pipeline.validate import parse_numbers
 
     assert parse_numbers("0.25, 0.5,1", "alpha") == (0.25, 0.5, 1.0)
     assert parse_numbers("2", "alpha") == (2.0,)

@@ -60,7 +60,7 @@ def test_fusion_experiment_quick_mode():
 def test_native_benchmark_runs_and_both_ways_agree(tmp_path):
     """bench/native.py on one small batch: the compiled kernel and the torch loops both certify every
     problem and agree within their certificates."""
-    from probe import native
+    from probe.solve import native
 
     if not native.available():
         pytest.skip(f"no compiled kernel here: {native.unavailable_reason()}")

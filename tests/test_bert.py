@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from probe.loading import load_model
-from probe.adapters import space_problems
-from probe.rows import fidelity_error, site_problems
-from probe.reference import cvxpy_primal, relative_deviation
-from probe.solver import solve_dual
+from probe.capture.loading import load_model
+from probe.capture.adapters import space_problems
+from probe.batch.rows import fidelity_error, site_problems
+from probe.solve.reference import cvxpy_primal, relative_deviation
+from probe.solve.dual import solve_dual
 from tests.conftest import save_tiny_bert
 
 TEXTS = [
@@ -100,7 +100,7 @@ def test_space_problems_with_shared_key_heads_follow_their_formulas(key_heads):
     """Both spaces, written out per query head in numpy: query head j uses key head j // (h / g)
     (transformers' repeat_kv), the hidden space's templates are x_i / sqrt(d') and its evidence
     c W_k,h^T q; padding keys carry no weight.  Covers g < h, which no hidden-space family has yet."""
-    from probe.adapters import SiteCapture
+    from probe.capture.adapters import SiteCapture
 
     rng = np.random.default_rng(key_heads)
     b, h, q, k, d, width, scale = 2, 4, 3, 5, 8, 16, 0.3

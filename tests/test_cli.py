@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 from typer.testing import CliRunner
 
 from probe.cli import app
-from probe.schema import REQUIRED_COLUMNS
+from probe.core.schema import REQUIRED_COLUMNS
 
 runner = CliRunner()
 
@@ -95,7 +95,7 @@ def test_run_real_minilm_embedded_corpus(minilm_dir, tmp_path):
 
 def test_interrupted_run_keeps_finished_batches(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
     """Ctrl-C in the second batch: exit 130, the first batch's part file, the way to continue."""
-    import probe.rows as rows
+    import probe.batch.rows as rows
 
     calls = {"n": 0}
     real = rows.solve_dual
@@ -175,7 +175,7 @@ def test_threads_option_and_passive_wait_policy(tiny_bert_dir, texts_file, tmp_p
     assert rank["threads"] == 1
     assert rank["omp_wait_policy"] == "PASSIVE"
     assert manifest["config"]["threads"] == 1
-    from probe import native  # the manifest says which code ran the Newton iterations
+    from probe.solve import native  # the manifest says which code ran the Newton iterations
 
     assert rank["newton_iterations"] == native.describe("cpu")
 

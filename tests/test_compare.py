@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from probe.cli import app
-from probe.errors import ProbeError
+from probe.core.errors import ProbeError
 from probe.report import compare_runs, read_run
 from probe.report.compare import depth_figure, ecdf_figure
 from probe.report.style import style

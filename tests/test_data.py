@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from probe.data import DatasetSpec, embedded_corpus, load_texts
-from probe.errors import ProbeError
+from probe.capture.data import DatasetSpec, embedded_corpus, load_texts
+from probe.core.errors import ProbeError
 
 
 @pytest.fixture

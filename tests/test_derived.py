@@ -1,4 +1,4 @@
-"""Derived quantities (probe.derived) against independent dense computations in the explicit template
+"""Derived quantities (probe.solve.derived) against independent dense computations in the explicit template
 space: the second-order prediction from Sigma_u formed from explicit templates, lambda* from CVXPY or
 a dense Newton solver written here, softmaxes, outputs and entropies in numpy/scipy; and their certified
 bounds against the true errors, also for solves stopped early and hard instances."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import entropy as scipy_entropy
 
-from probe.derived import (
+from probe.solve.derived import (
     _preference_classes,
     attention_deviations,
     attention_entropy,
@@ -21,8 +21,8 @@ from probe.derived import (
     second_order_point,
     second_order_deviation,
 )
-from probe.reference import cvxpy_primal
-from probe.solver import factor_gram, solve_dual
+from probe.solve.reference import cvxpy_primal
+from probe.solve.dual import factor_gram, solve_dual
 from tests.test_solver import reduced
 
 TOL = 1e-7
@@ -575,7 +575,7 @@ CAPTURED = {"rel": 1e-6, "abs": 1e-7}
 
 
 def test_minilm_derived_quantities_match_dense_computation(minilm_dir):
-    from probe.rows import site_problems
+    from probe.batch.rows import site_problems
     from tests.test_bert import captured, explicit_problem
 
     texts = ["The cat sat on the mat.", "Attention weights are the solution of a convex problem."]

@@ -131,8 +131,8 @@ console.log(JSON.stringify(errors));
 @pytest.mark.slow
 def test_cross_references_are_links_and_examples_are_code(site):
     api = page(site, "api")
-    for target in ("probe.errors.ProbeError", "probe.stopping.RunStopped", "probe.api.resume",
-                   "probe.schema.ROW_KEY", "probe.storage.require_intact", "probe.report.build_report"):
+    for target in ("probe.core.errors.ProbeError", "probe.pipeline.stopping.RunStopped", "probe.api.resume",
+                   "probe.core.schema.ROW_KEY", "probe.store.storage.require_intact", "probe.report.build_report"):
         assert re.search(rf'<a class="autorefs autorefs-internal"[^>]*href="[^"]*#{re.escape(target)}"', api), target
     assert 'id="probe.api.run"' in api and 'id="probe.api.Run.rows"' in api
     # the module's >>> example is a highlighted code block, not a run-together block quote
@@ -215,9 +215,9 @@ def test_roles_become_math_and_links(probe_package, caplog):
     assert inline(api, ":math:`\\lambda^*\n  = \\alpha z`") == r"$\lambda^* = \alpha z$"  # one line
     assert inline(api, ":func:`resume`") == "[`resume`][probe.api.resume]"
     assert inline(run, ":attr:`Run.interventions`") == "[`Run.interventions`][probe.api.Run.interventions]"
-    assert inline(api, ":class:`~probe.stopping.RunStopped`") == "[`RunStopped`][probe.stopping.RunStopped]"
+    assert inline(api, ":class:`~probe.pipeline.stopping.RunStopped`") == "[`RunStopped`][probe.pipeline.stopping.RunStopped]"
     # a name the package exports lazily resolves to where it is defined
-    assert inline(api, ":class:`probe.ProbeError`") == "[`probe.ProbeError`][probe.errors.ProbeError]"
+    assert inline(api, ":class:`probe.ProbeError`") == "[`probe.ProbeError`][probe.core.errors.ProbeError]"
     assert inline(api, ":class:`ValueError`") == "`ValueError`"  # a builtin: code, no link
     assert inline(api, ":class:`pyarrow.Table`") == "`pyarrow.Table`"  # another package's name
     with caplog.at_level(logging.WARNING):

@@ -1,9 +1,9 @@
-"""probe.exact: the KL problem's exact posterior p* as a differentiable layer.
+"""probe.solve.exact: the KL problem's exact posterior p* as a differentiable layer.
 
 References are independent of the code under test: CVXPY (Clarabel, the primal with the posterior as a
 variable, polished by Newton's method on the primal) and SciPy's L-BFGS on the dual for p*; central finite
 differences (``torch.autograd.gradcheck`` in float64) for the gradients; the rows' key-space problems built
-by probe.rows from a captured site, for the conventions.  Small instances only (seconds).
+by probe.batch.rows from a captured site, for the conventions.  Small instances only (seconds).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-import probe.exact as exact_module
-from probe.errors import ProbeError
-from probe.exact import ExactCertificate, exact_attention
-from probe.reference import cvxpy_primal, lbfgs_dual
+import probe.solve.exact as exact_module
+from probe.core.errors import ProbeError
+from probe.solve.exact import ExactCertificate, exact_attention
+from probe.solve.reference import cvxpy_primal, lbfgs_dual
 
 F64 = torch.float64
 TIGHT = dict(rtol=1e-14, atol=1e-15)  # the forward far below the finite differences' resolution
@@ -80,9 +80,9 @@ def test_peaked_and_ill_conditioned_posteriors_match_cvxpy():
 
 def test_posterior_is_the_rows_key_space_solution():
     """The exact posterior of templates k / sqrt(d') and evidence q (a ViT layer's ExactAttention) is the
-    rows' solution of a captured site in probe's key space (probe.rows), padding keys excluded."""
-    from probe.adapters import SiteCapture
-    from probe.rows import solve_sites
+    rows' solution of a captured site in probe's key space (probe.batch.rows), padding keys excluded."""
+    from probe.capture.adapters import SiteCapture
+    from probe.batch.rows import solve_sites
 
     g = torch.Generator().manual_seed(3)
     b, h, q, k, dh = 2, 2, 3, 5, 4

@@ -20,10 +20,10 @@ import torch
 from typer.testing import CliRunner
 
 from probe.cli import app
-from probe.adapters import REGISTRY, space_problems
-from probe.loading import load_model
-from probe.reference import cvxpy_primal, relative_deviation
-from probe.rows import fidelity_error
+from probe.capture.adapters import REGISTRY, space_problems
+from probe.capture.loading import load_model
+from probe.solve.reference import cvxpy_primal, relative_deviation
+from probe.batch.rows import fidelity_error
 from tests.families import ALL, CORPUS, ROTARY_TYPES, TARGETS, save_tiny, spec
 
 @pytest.fixture(scope="module", params=ALL)

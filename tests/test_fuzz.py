@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from cli import app
-from probe.data import DatasetSpec, load_texts
-from probe.errors import ProbeError
-from probe.solver import DualProblems, solve_dual
+from probe.capture.data import DatasetSpec, load_texts
+from probe.core.errors import ProbeError
+from probe.solve.dual import DualProblems, solve_dual
 
 FAST = settings(max_examples=25, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -131,14 +131,14 @@ def test_empty_and_large_files(tmp_path):
 def options_only(monkeypatch):
     """`probe run` up to its option checks: the pipeline is replaced by them, then a refusal, so that no
     model is loaded and nothing is written."""
-    import probe.pipeline
-    from probe.validate import check_options
+    import probe.pipeline.runner
+    from probe.pipeline.validate import check_options
 
     def checks_only(config):
         check_options(config)
         raise ProbeError("options accepted")
 
-    monkeypatch.setattr(probe.pipeline, "run", checks_only)
+    monkeypatch.setattr(probe.pipeline.runner, "run", checks_only)
 
 
 def assert_clean_exit(result):
@@ -197,7 +197,7 @@ def test_every_row_is_certified_or_flagged(n, d, m, template_scale, evidence_sca
     ~1e7), duplicated templates, excluded keys, inactive rows.  Every active row either meets its
     certificate (converged, finite, error_bound <= rtol ||lambda||) and then lies within it of the
     reference optimum, or is flagged (converged False); inactive rows are never counted as converged."""
-    from probe.reference import lbfgs_dual
+    from probe.solve.reference import lbfgs_dual
 
     rng = np.random.default_rng(seed)
     T = rng.normal(size=(n, d)) * template_scale
@@ -224,7 +224,7 @@ def test_every_row_is_certified_or_flagged(n, d, m, template_scale, evidence_sca
         assert math.isfinite(rel) or (lam_norm == 0 and rel == math.inf), (row, lam_norm, rel)  # never NaN
         if np.linalg.norm(Z[row]) == 0 and template_scale == 0:  # lambda* = alpha z = 0: no deviation
             assert rel == 0.0
-        assert bound <= rtol * lam_norm + atol, (bound, lam_norm)  # the solver's criterion (probe.solver)
+        assert bound <= rtol * lam_norm + atol, (bound, lam_norm)  # the solver's criterion (probe.solve.dual)
         lam = alpha * Z[row] + solution.coefficients[0, row].numpy() @ T
         lam_ref, _ = lbfgs_dual(T, Z[row], log_u[row], alpha)
         keep = np.isfinite(log_u[row])

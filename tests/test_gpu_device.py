@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from probe.solver import DualProblems, solve_dual
+from probe.solve.dual import DualProblems, solve_dual
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -79,11 +79,11 @@ def test_a_run_on_device_reproduces_the_models_attention_and_the_cpu_run(device,
     the CPU run's within the two rows' certificates."""
     import pyarrow.dataset as ds
 
-    from probe.config import RunConfig
-    from probe.data import DatasetSpec
-    from probe.pipeline import run
-    from probe.schema import ROW_KEY
-    from probe.storage import read_manifest
+    from probe.core.config import RunConfig
+    from probe.capture.data import DatasetSpec
+    from probe.pipeline.runner import run
+    from probe.core.schema import ROW_KEY
+    from probe.store.storage import read_manifest
 
     texts_file = tmp_path / "texts.txt"
     texts_file.write_text("\n".join(TEXTS) + "\n")
@@ -128,9 +128,9 @@ def test_every_vit_attention_trains_a_step_on_device(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_exact_attention_and_its_gradients_on_device_equal_the_cpus(device):
-    """probe.exact on the device: p* within both certificates of the CPU's, and the implicit gradients (one
+    """probe.solve.exact on the device: p* within both certificates of the CPU's, and the implicit gradients (one
     Newton-system solve each) equal the CPU's to 1e-8 relative, masked keys included."""
-    from probe.exact import exact_attention
+    from probe.solve.exact import exact_attention
 
     generator = torch.Generator().manual_seed(3)
     templates = torch.randn(2, 3, 9, 5, generator=generator, dtype=torch.float64)

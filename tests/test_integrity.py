@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from probe import storage
+from probe.store import storage
 from tests.test_resume import finished_run, invoke_with_one_thread
 
 #: 12 texts of the embedded corpus in 6 batches of 2

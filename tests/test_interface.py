@@ -1,4 +1,4 @@
-"""The capture point (probe.adapters.interface): the probe attention function is registered only inside
+"""The capture point (probe.capture.adapters.interface): the probe attention function is registered only inside
 its block (also when the forward fails), delegates to the family's own eager attention, and what probe
 cannot represent is refused with a ProbeError that says why -- never a silently wrong problem."""
 
@@ -7,9 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from probe.adapters.generic import BART_SITES, DECODER, ENCODER_DECODER, ROTARY_DECODER_SITES, Family, InterfaceAdapter
-from probe.adapters.interface import eager_attention_calls
-from probe.errors import ProbeError
+from probe.capture.adapters.generic import (
+    BART_SITES,
+    DECODER,
+    ENCODER_DECODER,
+    ROTARY_DECODER_SITES,
+    Family,
+    InterfaceAdapter,
+)
+from probe.capture.adapters.interface import eager_attention_calls
+from probe.core.errors import ProbeError
 
 
 def interface_entries():

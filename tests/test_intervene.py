@@ -1,4 +1,4 @@
-"""Interventions (probe.intervene): substituting attention weights inside the forward pass, the substitutes,
+"""Interventions (probe.interventions.intervene): substituting attention weights inside the forward pass, the substitutes,
 and the effects on what the model outputs.
 
 References, none of them probe's own substitution path:
@@ -23,11 +23,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probe import intervene as iv
-from probe.adapters.mpnet import MPNetAdapter
-from probe.errors import ProbeError
-from probe.loading import LoadedModel, load_model
-from probe.rows import FIDELITY_TOLERANCE
+from probe.interventions import intervene as iv
+from probe.capture.adapters.mpnet import MPNetAdapter
+from probe.core.errors import ProbeError
+from probe.capture.loading import LoadedModel, load_model
+from probe.batch.rows import FIDELITY_TOLERANCE
 from tests.conftest import save_tiny_bert
 from tests.families import CORPUS, SOURCES, TARGETS, build_config, save_tiny, spec, tokenizer_for
 

@@ -13,9 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from probe import api, storage
+from probe import api
+from probe.store import storage
 from probe.cli import app
-from probe.schema import INTERVENTION_KEY, ROW_KEY
+from probe.core.schema import INTERVENTION_KEY, ROW_KEY
 
 from .test_resume import finish, finished_run, invoke_with_one_thread as invoke, probe_process
 
@@ -246,12 +247,12 @@ def test_compare_sets_the_interventions_of_two_runs_side_by_side(intervened_dir,
 def batch_with_the_rows_solver(model_dir, config):
     """``batch_records`` of three texts with a run's row solver (keeping its solutions) as ``emit``:
     ``(loaded, inputs, records, solver, layers)``, ``layers`` the layer of every site that
-    ``probe.intervene`` solved itself (beyond the rows' solves)."""
+    ``probe.interventions.intervene`` solved itself (beyond the rows' solves)."""
     import torch
 
-    from probe import intervene
-    from probe.loading import load_model
-    from probe.rows import BatchSolver, RowContext, Summary
+    from probe.interventions import intervene
+    from probe.capture.loading import load_model
+    from probe.batch.rows import BatchSolver, RowContext, Summary
 
     loaded = intervene.with_lm_head(load_model(str(model_dir), device="cpu"))
     texts = ["The quick brown fox jumps over the lazy dog.", "Short one.", "Attention is inference, or so it goes."]
@@ -276,7 +277,7 @@ def test_exact_and_null_from_the_rows_solves_equal_their_own_solves(tiny_bert_di
     own (per-site mode; the whole-model mode solves new problems anyway)."""
     import copy
 
-    from probe import intervene
+    from probe.interventions import intervene
 
     config = intervene.InterventionConfig(substitutes=("exact", "null", "second-order"), alphas=(1.0, 2.0),
                                           whole_model=False)
@@ -299,7 +300,7 @@ def test_the_whole_model_solves_only_the_sites_after_the_first(tiny_bert_dir, mo
     it): it takes p* from the rows' solver (whole mode alone) or starts after the per-site forward of that
     site (both modes), and solves only the later sites; its records equal those of whole_model_records
     solving every site on its own."""
-    from probe import intervene
+    from probe.interventions import intervene
 
     config = intervene.InterventionConfig(substitutes=("exact",), alphas=(1.0,), per_site="per-site" in modes)
     loaded, inputs, records, solver, calls = batch_with_the_rows_solver(tiny_bert_dir, config)

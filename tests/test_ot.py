@@ -1,4 +1,4 @@
-"""The OT solver (probe.ot) against independent references: CVXPY on the primal with the transport plan
+"""The OT solver (probe.solve.ot) against independent references: CVXPY on the primal with the transport plan
 as the variable, SciPy L-BFGS on the dual written out in numpy, probe's KL solver on the OT problem that
 equals a KL problem, closed forms, a plain loop over eq. (22), and a certificate recomputed in extended
 precision from an explicit transport plan."""
@@ -13,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from probe.ot import OTInputError, ot_attention, ot_posterior, true_preference
-from probe.reference import cvxpy_ot_primal, lbfgs_ot_dual, ot_true_preference
-from probe.solver import DualProblems, solve_dual
+from probe.solve.ot import OTInputError, ot_attention, ot_posterior, true_preference
+from probe.solve.reference import cvxpy_ot_primal, lbfgs_ot_dual, ot_true_preference
+from probe.solve.dual import DualProblems, solve_dual
 
 RNG = np.random.default_rng(2027)
 
@@ -368,7 +368,7 @@ def test_property_every_problem_certified_or_flagged_and_certified_ones_check_ou
 
 
 def test_approximation_quality_errors_bound_the_distance_to_the_exact_values():
-    from probe.ot import approximation_quality
+    from probe.solve.ot import approximation_quality
 
     T, u, M, z = instance(12, 5, 4, cost_scale=4.0)
     args = [torch.tensor(x) for x in (T, u, M, z)]

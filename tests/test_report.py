@@ -1,7 +1,7 @@
 """The report: statistics against independent pandas computations, the figures' scales, bins, labels and
 fonts, provenance, findings on runs with planted effects, and the errors users see for bad run directories.
 
-Run directories are synthetic: a deviations table with the exact schema of ``probe.schema`` (a parquet
+Run directories are synthetic: a deviations table with the exact schema of ``probe.core.schema`` (a parquet
 file, or a directory of part files) filled with reproducible random deviations and planted effects,
 plus a manifest.json.  Each defect of issue 11 has a test here or in test_report_page.py that fails on
 the report before it.
@@ -23,7 +23,7 @@ import pytest
 from matplotlib.collections import PathCollection, QuadMesh
 from matplotlib.patches import StepPatch
 
-from probe.errors import ProbeError
+from probe.core.errors import ProbeError
 from probe.report import build_report, draw_figures, read_run
 from probe.report.data import dataset_text, model_name
 from probe.report.figures import heads_figure, layers_figure, report_scale
@@ -31,7 +31,7 @@ from probe.report.quantities import alpha_figure, spaces_figure
 from probe.report.findings import analyse
 from probe.report.style import MIN_BINS_PER_PANEL, style
 from probe.report.summary import main_rows, summarize
-from probe.schema import DEVIATION_SCHEMA
+from probe.core.schema import DEVIATION_SCHEMA
 
 SUMMARY_HEADER = [
     "level", "space", "alpha", "attention_type", "layer", "head", "count", "trivial", "mean", "median", "p95", "max",
@@ -641,7 +641,7 @@ def test_unknown_format_is_rejected(tmp_path):
 
 
 def test_texts_are_recovered_only_when_their_hash_matches(tmp_path):
-    from probe.data import DatasetSpec, load_texts
+    from probe.capture.data import DatasetSpec, load_texts
     from probe.report.explorer import recover_texts
 
     corpus = load_texts(DatasetSpec())

@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from probe.cli import app
-from probe.errors import ProbeError
+from probe.core.errors import ProbeError
 from probe.report import build_report, compare_runs, read_run
 from probe.report.findings import MIN_EXAMPLES, MIN_RATIO, RULE, analyse, z_value
 from probe.report.quantities import quantity_figure

@@ -21,8 +21,8 @@ import pytest
 from typer.testing import CliRunner
 
 from probe.cli import app
-from probe import storage
-from probe.schema import ROW_KEY
+from probe.store import storage
+from probe.core.schema import ROW_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the embedded corpus, 40 texts in 20 batches of 2: enough batches to be killed in the middle
@@ -190,7 +190,7 @@ def test_killed_twice_then_resumed_equals_an_uninterrupted_run(tiny_bert_dir, re
 
 def test_a_run_stopped_while_its_lane_solves_resumes_to_the_uninterrupted_rows(tiny_bert_dir, reference, tmp_path):
     """Two threads: each batch's last stack is solved in the background while the next batch is captured
-    (probe.parallel.Lane).  SIGTERM lands with batches in flight: the part files hold whole batches only,
+    (probe.solve.parallel.Lane).  SIGTERM lands with batches in flight: the part files hold whole batches only,
     the manifest counts exactly those, and resume finishes the run with the uninterrupted rows, bitwise
     (the rows do not depend on the thread count)."""
     out = tmp_path / "runs"
@@ -268,7 +268,7 @@ def interrupted_run(model_dir, data, out, monkeypatch, *args) -> Path:
     """A run stopped by Ctrl-C (in this process) as it starts a batch after its first part file is written:
     batch 0 finished and batch 1 dropped, whatever the thread count (batch k + 1 is captured, and on one
     thread solved, before batch k is written; on several, batch k's last solves run meanwhile)."""
-    import probe.pipeline as pipeline
+    import probe.pipeline.runner as pipeline
 
     real_start, real_write, written = pipeline._start_batch, storage.write_part, {"parts": 0}
 

@@ -5,7 +5,7 @@ one (rxnmapper's regex tokenisation as a fast tokenizer) next to links to the we
 rebuilt by ``bash scripts/fetch_models.sh DIR`` and found under ``$PROBE_MODELS_DIR`` (default
 ``~/.cache/probe-models``); without it the end-to-end test is skipped and says so.
 
-``albert`` itself is captured through transformers' attention interface (``probe.adapters.generic``).
+``albert`` itself is captured through transformers' attention interface (``probe.capture.adapters.generic``).
 The run goes the way the README says: the original checkpoint with ``--tokenizer`` pointing at the
 written tokenizer.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from probe.adapters import REGISTRY
+from probe.capture.adapters import REGISTRY
 from tests.family_checks import assert_complete_run, cli_run, real_model_dir, token_counts, write_texts
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,10 +22,10 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from probe import storage
-from probe.config import RunConfig, config_to_json
-from probe.rows import Summary
-from probe.schema import DEVIATION_SCHEMA, ROW_KEY
+from probe.store import storage
+from probe.core.config import RunConfig, config_to_json
+from probe.batch.rows import Summary
+from probe.core.schema import DEVIATION_SCHEMA, ROW_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the budget the readers are held to here: below the synthetic run's rows in memory
@@ -99,7 +99,7 @@ def test_the_large_run_is_larger_than_the_budget(large_run):
 
 @pytest.mark.slow
 def test_export_sorts_a_run_larger_than_the_budget_out_of_core(large_run, tmp_path):
-    """The export holds a few buckets of rows in Arrow, a share of the budget (probe.keyorder);
+    """The export holds a few buckets of rows in Arrow, a share of the budget (probe.store.keyorder);
     the file holds every row, in the row key's order."""
     run_dir, size = large_run
     to = tmp_path / "all.parquet"
@@ -116,10 +116,10 @@ def test_export_sorts_a_run_larger_than_the_budget_out_of_core(large_run, tmp_pa
 def test_verify_draws_its_sample_without_loading_the_run(large_run):
     """The seeded sample is the one drawn over the whole table (positions in batch order), read one row
     group at a time."""
-    from probe.verify import _sample_rows
+    from probe.pipeline.verify import _sample_rows
 
     run_dir, size = large_run
-    peak, _ = arrow_peak("import sys; from probe import storage; from probe.verify import _sample_rows; "
+    peak, _ = arrow_peak("import sys; from probe import storage; from probe.pipeline.verify import _sample_rows; "
                          "_sample_rows(storage.check_parts(sys.argv[1]), 64, 5)", run_dir)
     assert peak < size / 4, (peak, size)
     whole = pa.concat_tables([pq.read_table(path) for _, path in sorted(storage.part_files(run_dir).items())])
@@ -162,9 +162,9 @@ def test_the_end_of_a_run_reads_no_rows(large_run, tmp_path):
 def test_planning_tokenizes_the_texts_a_chunk_at_a_time(tiny_bert_dir, monkeypatch):
     """The batch plan keeps the texts' lengths, not their tokens: the tokenizer sees at most PLAN_CHUNK texts
     at once, and the lengths are those of one call over every text."""
-    from probe import pipeline
-    from probe.data import Texts
-    from probe.loading import load_model
+    from probe.pipeline import runner as pipeline
+    from probe.capture.data import Texts
+    from probe.capture.loading import load_model
 
     loaded = load_model(str(tiny_bert_dir), device="cpu")
     texts = Texts([f"text number {i} " + "word " * (i % 7) for i in range(11)], list(range(11)))

@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from probe.reference import cvxpy_primal, gradient_ascent_dual, lbfgs_dual, relative_deviation
-from probe.solver import DualProblems, DualSolution, factor_gram, solve_dual, solve_spd_reduced
+from probe.solve.reference import cvxpy_primal, gradient_ascent_dual, lbfgs_dual, relative_deviation
+from probe.solve.dual import DualProblems, DualSolution, factor_gram, solve_dual, solve_spd_reduced
 
 TOL = 1e-7
 
@@ -386,7 +386,7 @@ def test_answers_agree_with_the_previous_solver_on_minilm(minilm_dir):
     from tests import previous_solver
     from tests.test_bert import captured
 
-    from probe.rows import site_problems
+    from probe.batch.rows import site_problems
 
     _, _, sites, _ = captured(minilm_dir)
     for site in sites[::2]:
@@ -400,7 +400,7 @@ def test_solve_spd_reduced_matches_dense_solves(shared):
     """solve_spd_reduced (groups sharing their weights: one Cholesky per group; otherwise CG) against
     numpy's dense solve of (I/alpha + A^T (diag w - w w^T) A) x = b, and its reported residual against
     the residual recomputed in numpy."""
-    from probe.solver import factor_gram, solve_spd_reduced
+    from probe.solve.dual import factor_gram, solve_spd_reduced
 
     rng = np.random.default_rng(5)
     g, m, n, d, alpha = 3, 7, 9, 6, 1.7
@@ -456,7 +456,7 @@ def test_solve_spd_reduced_matches_dense_solves_at_each_rows_tolerance():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_polished_reference_is_optimal_from_a_loose_clarabel_answer(seed):
-    """probe.reference.polish_primal (Newton on the primal) from Clarabel's answer at a loose tolerance
+    """probe.solve.reference.polish_primal (Newton on the primal) from Clarabel's answer at a loose tolerance
     (about 1e-4 off) reaches the optimum: the gradient of the dual (D) at the lambda it gives,
     b - lambda / alpha - T^T softmax(log u + T lambda), vanishes to rounding.  Clarabel's answer alone
     is measurably off, so the check can fail."""
@@ -489,8 +489,8 @@ def test_rows_sharing_their_preference_by_construction(workers):
     """A preference given as a view whose rows repeat the group's (stride 0, as BERT-like masks are) is
     normalised once per group; its answers are CVXPY's, with an inactive row and a group without keys
     (all -inf: NaN rows, not converged) beside it, also through stacking."""
-    from probe.rows import stacked_problems
-    from probe.solver import shares_rows
+    from probe.batch.rows import stacked_problems
+    from probe.solve.dual import shares_rows
 
     T = RNG.normal(size=(7, 5))
     Z = RNG.normal(size=(4, 5))

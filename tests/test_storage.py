@@ -18,9 +18,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from probe import storage
-from probe.errors import ProbeError
-from probe.schema import DEVIATION_SCHEMA, ROW_KEY
+from probe.store import storage
+from probe.core.errors import ProbeError
+from probe.core.schema import DEVIATION_SCHEMA, ROW_KEY
 
 
 def batch_table(batch: int, examples=(0, 1), queries=3) -> pa.Table:
@@ -319,11 +319,12 @@ def test_finished_runs_are_left_alone():
 
 
 def test_export_sorts_many_parts_in_buckets_far_smaller_than_the_run(tmp_path, monkeypatch):
-    """The export's bucket sort (probe.keyorder) with buckets of 500 rows on a run of 86,400 rows in 3 parts:
+    """The export's bucket sort (probe.store.keyorder) with buckets of 500 rows on a run of 86,400 rows in 3 parts:
     the file equals an independent sort of every row, bit for bit, and no more than about a bucket's rows
     were ever sorted in memory at once.  Where even the summary of the slices does not fit the budget, the
     error says how to raise it (no DuckDB traceback)."""
-    from probe import keyorder, query
+    from probe.store import keyorder
+    from probe import query
 
     run_dir = storage.create_run_directory(tmp_path, "model")
     parts = [scrambled_rows(range(i, 120, 3), seed=i, layers=2, heads=3, queries=30) for i in range(3)]
@@ -352,7 +353,7 @@ def test_export_sorts_many_parts_in_buckets_far_smaller_than_the_run(tmp_path, m
 def test_the_bucket_sort_packs_many_slices_into_the_files_it_may_open(tmp_path, monkeypatch):
     """Where the process may open only a few files, the 48 (space, alpha, layer, head) stretches of a run
     share 4 buckets at most (small slices packed together, larger buckets), and the order is still exact."""
-    from probe import keyorder
+    from probe.store import keyorder
 
     rows = pa.concat_tables([scrambled_rows(range(i, 60, 2), seed=i, layers=3, heads=4, queries=5) for i in range(2)])
     paths = []
@@ -370,7 +371,7 @@ def test_the_bucket_sort_packs_many_slices_into_the_files_it_may_open(tmp_path, 
 def test_the_bucket_sort_reads_a_part_without_the_space_and_alpha_columns(tmp_path):
     """A part of an old run, written before rows had a space and an alpha, beside a new one: its rows come
     out with nulls there, after the new part's (nulls last), as DuckDB's union by name reads them."""
-    from probe import keyorder
+    from probe.store import keyorder
 
     new = storage._in_key_order(scrambled_rows(range(0, 6), seed=5, layers=1, heads=2, queries=3))
     old = storage._in_key_order(scrambled_rows(range(6, 12), seed=6, layers=1, heads=2, queries=3))
@@ -390,7 +391,7 @@ def test_the_bucket_sort_reads_a_part_without_the_space_and_alpha_columns(tmp_pa
 def test_the_bucket_sort_orders_rows_that_arrive_out_of_key_order(tmp_path):
     """A part file written by other code, its rows in no order and a NaN alpha among the slices: the rows
     come out in the key's order all the same (pandas' sort, NaN and nulls last), each exactly once."""
-    from probe import keyorder
+    from probe.store import keyorder
 
     rows = scrambled_rows(range(0, 50), seed=4, layers=2, heads=2, queries=4).to_pandas()
     rows.loc[rows.index[::7], "alpha"] = float("nan")

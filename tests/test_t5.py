@@ -2,7 +2,7 @@
 
 No hub access: models are built from ``T5Config`` and saved with ``save_pretrained`` next to a small
 T5 tokenizer (transformers' own ``T5Tokenizer``, a Unigram model, built from an explicit vocabulary
-with T5's special ids pad=0, eos=1, unk=2), then loaded through :func:`probe.loading.load_model`
+with T5's special ids pad=0, eos=1, unk=2), then loaded through :func:`probe.capture.loading.load_model`
 exactly as a user's checkpoint would be.
 
 Lengths are chosen so that T5's relative-position bucketing leaves its exact range: encoder buckets
@@ -22,15 +22,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from probe.adapters import adapter_for
-from probe.adapters.t5 import T5Adapter
-from probe.data import DatasetSpec
-from probe.loading import load_model
-from probe.pipeline import RunConfig, run
-from probe.adapters import space_problems
-from probe.rows import fidelity_error, site_problems
-from probe.reference import lbfgs_dual, relative_deviation
-from probe.solver import solve_dual
+from probe.capture.adapters import adapter_for
+from probe.capture.adapters.t5 import T5Adapter
+from probe.capture.data import DatasetSpec
+from probe.capture.loading import load_model
+from probe.pipeline.runner import RunConfig, run
+from probe.capture.adapters import space_problems
+from probe.batch.rows import fidelity_error, site_problems
+from probe.solve.reference import lbfgs_dual, relative_deviation
+from probe.solve.dual import solve_dual
 
 WORDS = (
     "the quick brown fox jumps over lazy dog attention is a convex problem solution of closed form "
@@ -205,7 +205,7 @@ def test_tiny_t5_fidelity_all_sites(tiny_t5):
 def test_capture_rejects_non_eager(tiny_t5_dir):
     from transformers import AutoModelForSeq2SeqLM
 
-    from probe.errors import ProbeError
+    from probe.core.errors import ProbeError
 
     loaded = load_model(str(tiny_t5_dir), device="cpu")
     model = AutoModelForSeq2SeqLM.from_pretrained(tiny_t5_dir, attn_implementation="sdpa").eval()
@@ -389,8 +389,8 @@ def test_stacked_sites_give_each_site_its_own_answers(tiny_t5):
     """The pipeline solves the sites of one problem shape in one stacked solver call; each
     site must get the answers it gets alone (within both certificates; the float32 Newton direction
     is the only source of difference), and sites of other shapes must not be stacked together."""
-    from probe.rows import site_stacks, site_problems, solve_sites
-    from probe.solver import solve_dual
+    from probe.batch.rows import site_stacks, site_problems, solve_sites
+    from probe.solve.dual import solve_dual
 
     sites = capture_all(tiny_t5, batch(tiny_t5))
     chunks = list(site_stacks(iter(sites)))

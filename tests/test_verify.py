@@ -18,8 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from probe import storage
-from probe.verify import _sample_rows
+from probe.store import storage
+from probe.pipeline.verify import _sample_rows
 from tests.test_integrity import clean_run, flip_a_byte, part  # noqa: F401  (clean_run: a fixture)
 from tests.test_resume import invoke_with_one_thread
 
@@ -106,8 +106,8 @@ def test_the_reference_finishes_an_ill_conditioned_problem(monkeypatch):
     """Gradient ascent cut short (10 steps) on templates of norm ~100, where it needs ~10^5: the Newton
     steps finish the solve to its tolerance, and the answer is SciPy L-BFGS's optimum (an independent
     check); with neither, the row would be reported as not re-solved."""
-    import probe.verify as verify
-    from probe.reference import lbfgs_dual, templates_from_reduced
+    import probe.pipeline.verify as verify
+    from probe.solve.reference import lbfgs_dual, templates_from_reduced
 
     rng = np.random.default_rng(0)
     T = rng.normal(size=(6, 4)) * 50.0

@@ -21,8 +21,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from probe.errors import ProbeError
-from probe.ot import ot_attention
+from probe.core.errors import ProbeError
+from probe.solve.ot import ot_attention
 from probe.vit import final_layer_problems, load_checkpoint
 from probe.vit.attention import (
     ExactAttention,
@@ -572,7 +572,7 @@ def test_attention_classes_differ_only_in_their_weights():
 def test_exact_layer_weights_are_the_exact_posterior_of_its_keys_and_queries():
     """ExactAttention's weights, against CVXPY on each head's and query's problem: templates k / sqrt(dh),
     evidence q, u uniform over the real tokens, alpha = 1 (padding keys get 0); softmax is its approximation."""
-    from probe.reference import cvxpy_primal
+    from probe.solve.reference import cvxpy_primal
 
     torch.manual_seed(0)
     layer = ExactAttention(8, 2, 4).double()

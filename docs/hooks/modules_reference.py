@@ -14,7 +14,7 @@ from pathlib import Path
 from mkdocs.structure.files import File
 
 PAGE = "modules.md"
-#: a page's mkdocstrings directive: ``::: probe.solver``
+#: a page's mkdocstrings directive: ``::: probe.solve.dual``
 DIRECTIVE = re.compile(r"^:::\s+(probe[\w.]*)\s*$", re.M)
 
 

@@ -23,18 +23,18 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ..errors import ProbeError
-from ..spelling import option
-from . import explorer
-from .compare import compare_runs
-from .breakdowns import drivers_figure, positions_figure, roles_figure
-from .data import Run, read_run
-from .figures import heads_figure, heatmap_figure, layers_figure, overview_figure, report_scale
-from .findings import analyse as compute_findings
-from .page import page
-from .quantities import alpha_figure, quantity_figure, second_order_figure, spaces_figure
-from .style import FORMATS, Drawn, Scale, check_formats, save, style
-from .summary import control_headline, main_rows, quantity_stats, summarize, summary_json
+from probe.core.errors import ProbeError
+from probe.core.spelling import option
+from probe.report import explorer
+from probe.report.compare import compare_runs
+from probe.report.breakdowns import drivers_figure, positions_figure, roles_figure
+from probe.report.data import Run, read_run
+from probe.report.figures import heads_figure, heatmap_figure, layers_figure, overview_figure, report_scale
+from probe.report.findings import analyse as compute_findings
+from probe.report.page import page
+from probe.report.quantities import alpha_figure, quantity_figure, second_order_figure, spaces_figure
+from probe.report.style import FORMATS, Drawn, Scale, check_formats, save, style
+from probe.report.summary import control_headline, main_rows, quantity_stats, summarize, summary_json
 
 __all__ = ["FORMATS", "Drawn", "build_report", "compare_runs", "draw_figures", "read_run"]
 
@@ -65,8 +65,8 @@ def draw_figures(run: Run, summary, scale: Scale):
 def _interventions_section(run: Run, out_dir: Path, formats, allow_damaged: bool) -> str:
     """The interventions section of a run with ``--intervene`` (its figure and ``interventions.csv`` written
     into ``out_dir``); "" for a run without."""
-    from . import interventions
-    from .page import figure_html
+    from probe.report import interventions
+    from probe.report.page import figure_html
 
     records = interventions.open_interventions(run.run_dir, run.manifest, allow_damaged=allow_damaged,
                                                connection=run.table.connection)

@@ -12,10 +12,18 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import LogNorm
 
-from ..query import Table, both, cut_bin, edges_bin, edges_guess, literal, where
-from .data import DRIVER_QUANTILES, DRIVERS, Run, type_label
-from .style import (
-    CMAP, DEVIATION_LABEL, MEAN_COLOR, P95_COLOR, Drawn, Scale, file_stem, new_figure, suptitle,
+from probe.query import Table, both, cut_bin, edges_bin, edges_guess, literal, where
+from probe.report.data import DRIVER_QUANTILES, DRIVERS, Run, type_label
+from probe.report.style import (
+    CMAP,
+    DEVIATION_LABEL,
+    MEAN_COLOR,
+    P95_COLOR,
+    Drawn,
+    Scale,
+    file_stem,
+    new_figure,
+    suptitle,
 )
 
 #: A (layer, position) cell of the position heatmap needs this many rows, or it is left blank.

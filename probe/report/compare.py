@@ -24,12 +24,20 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from ..errors import ProbeError
-from ..query import connect
-from ..spelling import option
-from .data import FAR, Run, lookup, read_run, type_label
-from .style import (
-    DEVIATION_LABEL, ECDF_BINS, Drawn, check_formats, ecdf, new_figure, save, style, suptitle,
+from probe.core.errors import ProbeError
+from probe.query import connect
+from probe.core.spelling import option
+from probe.report.data import FAR, Run, lookup, read_run, type_label
+from probe.report.style import (
+    DEVIATION_LABEL,
+    ECDF_BINS,
+    Drawn,
+    check_formats,
+    ecdf,
+    new_figure,
+    save,
+    style,
+    suptitle,
 )
 
 COMPARE_COLUMNS = ("run", "model", "run_dir", "attention_type", "layers", "rows", "trivial", "count", "mean", "median",
@@ -208,7 +216,7 @@ def ecdf_figure(runs: list[Run], labels: list[str], types: list[str], x_max: flo
 def _interventions_html(runs: list[Run], labels: list[str], out_dir: Path, allow_damaged: bool) -> str:
     """Runs with ``--intervene``: their mean effects per (site, substitute) side by side, written to
     ``compare_interventions.csv`` too; "" unless at least two of the runs have interventions."""
-    from .interventions import compare_effects, effects, open_interventions
+    from probe.report.interventions import compare_effects, effects, open_interventions
 
     tables = []
     for run, label in zip(runs, labels):

@@ -22,11 +22,25 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..errors import ProbeError
-from ..query import (
-    LEGACY_COLUMNS, NEEDED_COLUMNS, OPTIONAL_COLUMNS, RUN_HINT, Rank, RunTable, Table, both, literal, where,
+from probe.core.errors import ProbeError
+from probe.query import (
+    LEGACY_COLUMNS,
+    NEEDED_COLUMNS,
+    OPTIONAL_COLUMNS,
+    RUN_HINT,
+    Rank,
+    RunTable,
+    Table,
+    both,
+    literal,
+    where,
 )
-from ..storage import MANIFEST, DamagedRunWarning, require_intact, with_liveness
+from probe.store.storage import (
+    MANIFEST,
+    DamagedRunWarning,
+    require_intact,
+    with_liveness,
+)
 
 __all__ = ["NEEDED_COLUMNS", "OPTIONAL_COLUMNS", "LEGACY_COLUMNS", "RUN_HINT", "Run", "read_run"]
 
@@ -92,6 +106,10 @@ def in_slice(frame: pd.DataFrame, space: str | None, alpha: float | None) -> pd.
     if alpha is not None:
         keep &= np.isclose(frame["alpha"].to_numpy(dtype=float), alpha, rtol=1e-12, atol=0)
     return frame[keep]
+
+
+#: Rows listed per head, worst first (the explorer's table).
+WORST_ROWS = 8
 
 
 @dataclass
@@ -185,9 +203,7 @@ class Run:
         """The relative deviation's statistics over the non-trivial rows of every slice, per level of
         :data:`LEVEL_KEYS` (and ``role``: per token role and layer, when the run has roles): count, mean,
         min, max, the share above :data:`FAR`, :data:`QUANTILES`, :data:`WHISKERS` and ``top``, the
-        explorer's :data:`probe.report.explorer.WORST_ROWS`-th largest value.  Two passes over the rows."""
-        from .explorer import WORST_ROWS
-
+        explorer's :data:`WORST_ROWS`-th largest value.  Two passes over the rows."""
         levels = dict(LEVEL_KEYS)
         if any(self.has("token_role", t) for t in self.types):
             levels["role"] = SLICE + ("attention_type", "token_role", "layer")
@@ -347,7 +363,7 @@ def _looks_like_path(text: str) -> bool:
 
 def model_name(manifest: dict, rows: pd.DataFrame | None = None) -> str:
     """The run as a reader knows it: the name given with ``probe run --name``; else the model's real
-    name as the run recorded it (``model.name``, read from its files by :mod:`probe.naming`), its hub id,
+    name as the run recorded it (``model.name``, read from its files by :mod:`probe.core.naming`), its hub id,
     or the name of its directory for a local model (runs written before names were recorded); for the
     oldest runs, the ``model`` column of ``rows`` (a frame with at least one of its values).  A
     random-initialisation control (``init`` in the manifest) is marked as such."""
@@ -430,7 +446,7 @@ def note_data_problems(run: Run) -> None:
 def open_table(run_dir: Path, manifest: dict, problem: str | None, *, allow_damaged: bool = False,
                connection=None, view: str = "rows") -> tuple[RunTable, list[str]]:
     """A run directory's rows as a query, and the notes to show for them.  A directory of part files with a
-    manifest is checked first (:func:`probe.storage.require_intact`): a damaged one is refused, or with
+    manifest is checked first (:func:`probe.store.storage.require_intact`): a damaged one is refused, or with
     ``allow_damaged`` read without its damaged parts under a banner; without a usable manifest every part
     file is read."""
     table_path = run_dir / "deviations.parquet"
@@ -455,7 +471,7 @@ def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: boo
 
     Raises :class:`ProbeError` when the directory or its table is missing or unreadable; a missing or
     invalid manifest only warns (on the page and through :mod:`warnings`).  A run of part files with a
-    manifest is checked first (:func:`probe.storage.require_intact`): a damaged one is refused, or with
+    manifest is checked first (:func:`probe.store.storage.require_intact`): a damaged one is refused, or with
     ``allow_damaged`` read without its damaged parts under a banner on the page.  Reads one pass of the
     rows (the census); ``connection`` and ``view``: a DuckDB connection and view name to share (compare).
     """

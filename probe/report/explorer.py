@@ -17,11 +17,16 @@ import matplotlib as mpl
 import numpy as np
 import pandas as pd
 
-from .data import TARGET_QUERY_TYPES, Run, lookup, token_sequences, type_label
-from .style import CMAP, Scale, counts_on
+from probe.report.data import (
+    TARGET_QUERY_TYPES,
+    WORST_ROWS,
+    Run,
+    lookup,
+    token_sequences,
+    type_label,
+)
+from probe.report.style import CMAP, Scale, counts_on
 
-#: Rows listed per head, worst first.
-WORST_ROWS = 8
 #: Heatmap cells show their value up to this many heads.
 VALUE_MAX_HEADS = 16
 
@@ -37,7 +42,7 @@ def recover_texts(manifest: dict) -> dict[int, str]:
     spec = lookup(manifest, "dataset")
     if not isinstance(spec, dict) or not isinstance(spec.get("texts_sha256"), str):
         return {}
-    from ..data import DatasetSpec, load_texts
+    from probe.capture.data import DatasetSpec, load_texts
 
     name = spec.get("name")
     if name is not None:
@@ -69,7 +74,7 @@ def worst_rows(run: Run) -> pd.DataFrame:
 
 def payload(run: Run, head_stats: pd.DataFrame, scale: Scale, texts: dict[int, str] | None = None) -> dict:
     """The explorer's data: per attention type and head, statistics, histogram counts and worst rows."""
-    from .figures import head_histograms
+    from probe.report.figures import head_histograms
 
     edges = scale.head_edges
     worst = worst_rows(run)

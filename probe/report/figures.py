@@ -22,11 +22,27 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator, NullFormatter
 
-from .breakdowns import position_grid
-from .data import Run, in_slice, type_label
-from .style import (
-    CMAP, DEVIATION_LABEL, ECDF_BINS, Drawn, Scale, counts_on, draw_counts, ecdf, file_stem, layer_boxes,
-    caption_sentence, layer_colors, mark_mean_max, new_figure, shared_edges, stats_line, suptitle, wrap,
+from probe.report.breakdowns import position_grid
+from probe.report.data import Run, in_slice, type_label
+from probe.report.style import (
+    CMAP,
+    DEVIATION_LABEL,
+    ECDF_BINS,
+    Drawn,
+    Scale,
+    counts_on,
+    draw_counts,
+    ecdf,
+    file_stem,
+    layer_boxes,
+    caption_sentence,
+    layer_colors,
+    mark_mean_max,
+    new_figure,
+    shared_edges,
+    stats_line,
+    suptitle,
+    wrap,
 )
 
 #: Heatmaps get a number in every cell up to this many heads and cells.

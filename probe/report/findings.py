@@ -26,8 +26,8 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 
-from ..query import both, literal, name, where
-from .data import Run, type_label
+from probe.query import both, literal, name, where
+from probe.report.data import Run, type_label
 
 #: the groupings a finding can name, by kind: the :attr:`Run.groups` frame and its keys
 KINDS = {"token_role": ("token_role",), "query_position": ("query",), "token": ("token",), "head": ("layer", "head")}

@@ -15,13 +15,13 @@ from datetime import datetime, timezone
 import numpy as np
 import pandas as pd
 
-from .. import __version__
-from ..tokens import describe as describe_unknown
-from . import explorer
-from .data import QUANTILE_METHOD, Run, lookup, type_label
-from .findings import RULE
-from .style import Saved
-from .summary import FAR, headline, main_rows, scale_words
+from probe.core.version import __version__
+from probe.capture.tokens import describe as describe_unknown
+from probe.report import explorer
+from probe.report.data import QUANTILE_METHOD, Run, lookup, type_label
+from probe.report.findings import RULE
+from probe.report.style import Saved
+from probe.report.summary import FAR, headline, main_rows, scale_words
 
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; max-width: 1280px;
@@ -185,7 +185,7 @@ def _facts(run: Run) -> list[tuple[str, str]]:
         ("revision", lookup(manifest, "model", "revision")),
         ("dataset", run.dataset),
         ("dataset spec", {k: v for k, v in (lookup(manifest, "dataset") or {}).items() if k != "texts_sha256"}),
-        ("unknown tokens", describe_unknown(lookup(manifest, "unknown_tokens"))),  # probe.tokens; None: older run
+        ("unknown tokens", describe_unknown(lookup(manifest, "unknown_tokens"))),  # probe.capture.tokens; None: older run
         ("alpha", run.alphas or lookup(manifest, "alpha")),
         ("spaces", run.spaces or None),
         ("attention types", ", ".join(type_label(t) for t in run.types) or "none"),

@@ -17,11 +17,20 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
-from ..query import both, where
-from .breakdowns import DENSITY_BINS, density
-from .data import Run, in_slice, type_label
-from .style import (
-    DEVIATION_LABEL, HIST_COLOR, MAX_COLOR, MEAN_COLOR, P95_COLOR, Drawn, Scale, layer_boxes, layer_colors, new_figure,
+from probe.query import both, where
+from probe.report.breakdowns import DENSITY_BINS, density
+from probe.report.data import Run, in_slice, type_label
+from probe.report.style import (
+    DEVIATION_LABEL,
+    HIST_COLOR,
+    MAX_COLOR,
+    MEAN_COLOR,
+    P95_COLOR,
+    Drawn,
+    Scale,
+    layer_boxes,
+    layer_colors,
+    new_figure,
     suptitle,
 )
 

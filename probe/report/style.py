@@ -21,7 +21,7 @@ import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ..errors import ProbeError
+from probe.core.errors import ProbeError
 
 #: Figure formats the report can write.
 FORMATS = ("png", "pdf")

@@ -19,7 +19,16 @@ import math
 import numpy as np
 import pandas as pd
 
-from .data import FAR, LEVEL_KEYS, QUANTILE_METHOD, Run, in_slice, lookup, ordered_types, type_label
+from probe.report.data import (
+    FAR,
+    LEVEL_KEYS,
+    QUANTILE_METHOD,
+    Run,
+    in_slice,
+    lookup,
+    ordered_types,
+    type_label,
+)
 
 SUMMARY_COLUMNS = (
     "level", "space", "alpha", "attention_type", "layer", "head", "count", "trivial", "mean", "median", "p95",
@@ -79,7 +88,7 @@ def main_rows(summary: pd.DataFrame, run: Run, level: str) -> pd.DataFrame:
 def quantity_stats(run: Run) -> pd.DataFrame:
     """Mean, p95 and max per (type, layer) of the other measured quantities in the main slice."""
     columns = ["quantity", "attention_type", "layer", "count", "mean", "p95", "max"]
-    from .data import QUANTITIES
+    from probe.report.data import QUANTITIES
 
     table = run.quantities["layer"]
     table = table[table["quantity"].isin(QUANTITIES)]
@@ -137,7 +146,7 @@ def control_headline(run: Run, control_dir) -> dict:
     (why some numbers are missing, or None).  ``control_dir``: the control's run directory."""
     from dataclasses import replace
 
-    from .data import read_run
+    from probe.report.data import read_run
 
     control = read_run(control_dir)
     try:
@@ -188,7 +197,7 @@ def summary_json(run: Run, summary: pd.DataFrame, findings: list[dict], below_no
     """What ``summary.json`` holds: the same rows as ``summary.csv``, plus headline numbers with their meaning
     in words (and the control run's, :func:`control_headline`), the findings, the rule that decides which are
     shown and the candidates that did not clear it."""
-    from .findings import RULE
+    from probe.report.findings import RULE
 
     return {
         "model": run.name,

@@ -1,8 +1,8 @@
 """The OT-ViT experiment: OT attention (eq. 22) as a layer, ViT / OT-ViT / Sinkhorn-ViT / exact-ViT, offline
 data, training.
 
-* :mod:`probe.vit.attention` -- softmax, OT (through :func:`probe.ot.ot_attention`), Sinkhorn and exact
-  attention (through :func:`probe.exact.exact_attention`);
+* :mod:`probe.vit.attention` -- softmax, OT (through :func:`probe.solve.ot.ot_attention`), Sinkhorn and exact
+  attention (through :func:`probe.solve.exact.exact_attention`);
 * :mod:`probe.vit.model`     -- the ViT (``ViTConfig``, ``ViT``, ``parameter_count``);
 * :mod:`probe.vit.data`      -- Fashion-MNIST idx files, CIFAR-10/100 python batches;
 * :mod:`probe.vit.train`     -- one resumable training run (checkpoints, results file);
@@ -12,7 +12,7 @@ Public contract for analyses of a trained OT-ViT::
 
     model, info = load_checkpoint(path)          # a run's model.pt or checkpoint.pt (or its directory)
     problems = final_layer_problems(model, images)
-    p = probe.ot.ot_attention(problems["candidates"], problems["source_weights"], problems["cost"],
+    p = probe.solve.ot.ot_attention(problems["candidates"], problems["source_weights"], problems["cost"],
                               problems["evidence"], problems["alpha"], problems["gamma"])   # (B, H, N)
 
 This module imports torch only when these functions are called (the CLI's option errors stay instant).
@@ -33,10 +33,10 @@ def load_checkpoint(path, map_location="cpu"):
     ``torch.load(weights_only=True)`` (:func:`probe.vit.train.read_checkpoint`): one that holds any other Python
     object is refused.
     """
-    from probe.errors import ProbeError
+    from probe.core.errors import ProbeError
 
-    from .model import ViT, ViTConfig
-    from .train import CHECKPOINT, MODEL, read_checkpoint
+    from probe.vit.model import ViT, ViTConfig
+    from probe.vit.train import CHECKPOINT, MODEL, read_checkpoint
 
     path = Path(path)
     if path.is_dir():
@@ -64,7 +64,7 @@ def final_layer_problems(model, images) -> dict:
     ``candidates (B, H, N, dh)`` (the final layer's keys), ``source_weights (B, H, n)`` (uniform),
     ``cost (B, H, n, N)`` (the model's cost, ``M(t_j, t) = C - <t_j, t> >= 0`` by default), ``evidence (B, H, dh)``
     (the class-token queries), ``values (B, H, N, dh)``, and floats ``alpha``, ``gamma``, such that
-    ``probe.ot.ot_attention(candidates, source_weights, cost, evidence, alpha, gamma)`` is the model's
+    ``probe.solve.ot.ot_attention(candidates, source_weights, cost, evidence, alpha, gamma)`` is the model's
     final-layer class-token attention ``(B, H, N)``.  Works for any attention kind of the model (the problems
     are those an OT layer with the same queries and keys would solve); the model's own weights equal them
     only for the OT-ViT.

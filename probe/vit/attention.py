@@ -1,7 +1,7 @@
 r"""Attention layers for the ViT experiment: softmax, the OT attention (eq. 22), Sinkhorn attention and
-exact attention (the KL problem's exact posterior, :mod:`probe.exact`).
+exact attention (the KL problem's exact posterior, :mod:`probe.solve.exact`).
 
-Which vectors play which role in the OT attention (one head; the paper's symbols, see :mod:`probe.ot`):
+Which vectors play which role in the OT attention (one head; the paper's symbols, see :mod:`probe.solve.ot`):
 
 * **templates** ``t``: the keys.  The input's templates ``t_1..t_n`` are the keys of the input's real tokens
   (the class token included); the candidate set ``A`` is those keys, plus, in training with the paper's
@@ -25,7 +25,7 @@ Which vectors play which role in the OT attention (one head; the paper's symbols
 Cost against softmax attention, per head, for ``Q`` queries, ``n`` sources and ``N >= n`` candidates:
 softmax attention needs ``O(Q N dh)`` time and an ``O(Q N)`` weight matrix; the OT attention needs the
 ``(n, N)`` cost (``O(n N dh)``) and a softmax over ``N`` for every (query, source) pair: ``O(Q n N)`` time and
-memory (here through :func:`probe.ot.ot_attention`, which materialises the ``(Q, n, N)`` logits).  In the
+memory (here through :func:`probe.solve.ot.ot_attention`, which materialises the ``(Q, n, N)`` logits).  In the
 OT-ViT only the final layer uses it, and only the class token's output of the final layer feeds the
 classifier, so the model evaluates the final layer for the class-token query alone (``Q = 1``): exact for the
 logits, and ``O(n N)`` per head, about the cost of one full softmax attention layer.
@@ -35,7 +35,7 @@ approximation :math:`\lambda \approx \alpha z` is the softmax layer, in probe's 
 :math:`t_i = k_i / \gamma` (:math:`\gamma = \sqrt{d'}`, the softmax layer's temperature), evidence
 :math:`z = q`, preference :math:`u` uniform over the real tokens, :math:`\alpha = 1`.  Then
 :math:`\mathrm{softmax}(\log u + \alpha T z) = \mathrm{softmax}(\langle q, k\rangle / \gamma)` is the
-softmax layer's weights, and the exact layer returns :math:`p^*` instead (:func:`probe.exact.exact_attention`,
+softmax layer's weights, and the exact layer returns :math:`p^*` instead (:func:`probe.solve.exact.exact_attention`,
 certified, with implicit gradients).  The parameters are the softmax layer's.  The paper's other reading,
 templates :math:`x_i / \sqrt{d'}` from the hidden states and evidence :math:`W_k^\top q`, is the rows'
 hidden space; the key space keeps each head's problem in its own :math:`d' = 32` dimensions, fewer than
@@ -50,8 +50,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from probe.exact import ExactCertificate, exact_attention
-from probe.ot import ot_attention
+from probe.solve.exact import ExactCertificate, exact_attention
+from probe.solve.ot import ot_attention
 
 __all__ = [
     "dot_cost",
@@ -127,7 +127,7 @@ def exact_attention_weights(
     ``q``, ``u`` uniform over the real keys, ``gamma = sqrt(dh)`` by default.
 
     ``q (B, H, Q, dh)``, ``k (B, H, N, dh)``, ``key_mask (B, N)`` bool (True = real token) ->
-    ``(p (B, H, Q, N), certificate)`` (:class:`probe.exact.ExactCertificate`, shaped ``(B, H, Q)``).
+    ``(p (B, H, Q, N), certificate)`` (:class:`probe.solve.exact.ExactCertificate`, shaped ``(B, H, Q)``).
     """
     gamma = math.sqrt(q.shape[-1]) if gamma is None else gamma
     B, _, _, N = *q.shape[:3], k.shape[2]
@@ -155,7 +155,7 @@ def ot_attention_weights(
     ``extra_k (B, H, m, dh)`` / ``extra_mask (B, m)`` optional extra candidates (the training trick; a sample
     without extra candidates has an all-False row), ``source_weights (B, n)`` (default: uniform over the real
     tokens).  Returns ``p (B, H, Q, n + m)``: candidates ordered input first, then extra.
-    The formula itself is :func:`probe.ot.ot_attention` (one place for the math).
+    The formula itself is :func:`probe.solve.ot.ot_attention` (one place for the math).
     """
     B, H, n, dh = k.shape
     gamma = math.sqrt(dh) if gamma is None else gamma
@@ -194,7 +194,7 @@ class MultiHeadAttention(nn.Module):
     (``(B, 1, dim)``; exact, since a query's output does not depend on the other queries for softmax, OT and
     exact; for Sinkhorn all queries are coupled by the column normalisation, so all are computed and one is
     kept).  The exact kind keeps the certificate of its last forward in ``last_certificate``
-    (:class:`probe.exact.ExactCertificate`, ``(B, H, Q)``; None before the first).
+    (:class:`probe.solve.exact.ExactCertificate`, ``(B, H, Q)``; None before the first).
     """
 
     KINDS = ("softmax", "ot", "sinkhorn", "exact")

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from probe.errors import exit_with as _fail  # the one error paragraph and prefix of probe's commands
+from probe.core.errors import exit_with as _fail  # the one error paragraph and prefix of probe's commands
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="ViT / OT-ViT / Sinkhorn-ViT / exact-ViT: train and compare (the OT attention, eq. 22).")
@@ -43,10 +43,10 @@ def train(
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ):
     """Train one model (or resume a killed run with the same settings) and write results.json."""
-    from probe.errors import ProbeError
+    from probe.core.errors import ProbeError
 
     try:
-        from .train import TrainSettings, train as run_training
+        from probe.vit.train import TrainSettings, train as run_training
 
         settings = TrainSettings(
             data=data, data_dir=None if data_dir is None else str(data_dir), attention=attention, seed=seed,

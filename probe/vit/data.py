@@ -9,7 +9,7 @@
 * ``cifar100``: the directory ``cifar-100-python`` (``train``, ``test``; the ``fine_labels``), or its parent.
 
 Every problem (missing directory or file, truncated or corrupt file, wrong magic number, counts that do not
-match, labels out of range) raises :class:`probe.errors.ProbeError` with a message that says what to do.
+match, labels out of range) raises :class:`probe.core.errors.ProbeError` with a message that says what to do.
 CIFAR batches are read by a restricted unpickler that builds only the types the format uses (dicts,
 lists, strings, numbers, numpy arrays): a file that names any other Python object is refused, so a crafted
 file cannot run code.
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from probe.errors import ProbeError
+from probe.core.errors import ProbeError
 
 __all__ = ["FASHION_MNIST_DIR", "DATASETS", "ImageData", "load_data", "read_idx", "default_data_dir"]
 

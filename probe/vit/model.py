@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .attention import MultiHeadAttention
+from probe.vit.attention import MultiHeadAttention
 
 __all__ = ["ViTConfig", "ViT", "parameter_count"]
 

@@ -17,7 +17,7 @@ Checkpoints are read with ``torch.load(weights_only=True)`` (:func:`read_checkpo
 plain data only, and a file that names any other Python object is refused, so a crafted checkpoint runs no
 code.  The exact-ViT's history also records, per epoch, its final layer's Newton iterations and certificates
 over the training steps (``exact_train``) and the evaluation (``exact_test``): the summaries of
-:class:`probe.exact.ExactCertificate`, merged by :func:`probe.exact.merge_summaries`.
+:class:`probe.solve.exact.ExactCertificate`, merged by :func:`probe.solve.exact.merge_summaries`.
 """
 
 from __future__ import annotations
@@ -37,13 +37,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import probe
-from probe.errors import ProbeError
-from probe.exact import merge_summaries
-
-from .attention import MultiHeadAttention
-from .data import DATASETS, ImageData, load_data
-from .model import ViT, ViTConfig, parameter_count
+from probe.core.errors import ProbeError
+from probe.core.version import __version__
+from probe.solve.exact import merge_summaries
+from probe.vit.attention import MultiHeadAttention
+from probe.vit.data import DATASETS, ImageData, load_data
+from probe.vit.model import ViT, ViTConfig, parameter_count
 
 __all__ = ["TrainSettings", "train", "validate_settings", "read_checkpoint", "CHECKPOINT", "RESULTS", "MODEL"]
 
@@ -194,7 +193,7 @@ def model_config(s: TrainSettings, data: ImageData) -> ViTConfig:
 
 def _versions() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-            "probe": probe.__version__, "platform": platform.platform()}
+            "probe": __version__, "platform": platform.platform()}
 
 
 def _exact_layer(model: ViT):

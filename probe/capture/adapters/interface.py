@@ -1,0 +1,210 @@
+r"""The capture point: every eager attention call a model makes through transformers' attention interface.
+
+In transformers 5 an attention module computes its per-head queries, keys and values (projections, biases
+and rotary position encoding included), then hands them to an *attention function* looked up by
+implementation name::
+
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+    output, probs = attention_interface(self, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs)
+
+(``transformers/modeling_utils.py``: ``AttentionInterface.get_interface`` returns
+``super().get(attn_implementation, default)``, so for ``"eager"`` an entry registered under that name wins
+over the family's default, its module-level ``eager_attention_forward``; ``GeneralInterface.__setitem__``
+/ ``__delitem__`` (``transformers/utils/generic.py``) register and remove such an entry on the shared
+``ALL_ATTENTION_FUNCTIONS`` instance only.)
+
+:func:`eager_attention_calls` registers, for the duration of a ``with`` block, a probe function under
+``"eager"`` that delegates to the calling family's own ``eager_attention_forward`` (looked up in the
+module that defines the attention module's class, ``sys.modules[type(module).__module__]``), so the
+probabilities are the model's own, and hands an :class:`AttentionCall` with everything that entered the
+logits to a callback, as soon as the call returns.  The eager functions of the families probe declares
+compute
+
+.. math::  \mathrm{softmax}\big(\text{scaling}\; q\cdot k_i + \text{position\_bias} + \text{attention\_mask}\big)
+
+(``models/bert/modeling_bert.py``, ``models/llama/modeling_llama.py`` with ``repeat_kv`` for grouped-query
+attention, ``models/t5/modeling_t5.py`` with ``position_bias``; ``scaling=None`` means
+:math:`1/\sqrt{d'}`), which is probe's logit :math:`c_\text{scale}\,q\cdot k_i + \log u_i` with
+:math:`\log u` = position bias + mask.  What this form cannot represent is refused with a
+:class:`~probe.core.errors.ProbeError` (:func:`unrepresentable`): logit soft-capping (``softcap``, Gemma 2:
+:math:`c\tanh(\ell/c)` is not affine in :math:`q\cdot k`), attention sinks (``s_aux``/``sinks``: an extra
+softmax-denominator term, so the weights over the keys do not sum to one), and any other parameter an
+eager function takes that probe does not know.  Sliding windows need nothing: transformers builds them
+into ``attention_mask`` (``masking_utils.sliding_window_overlay``); the ``sliding_window`` keyword is only
+read by flash attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from probe.core.errors import ProbeError
+
+#: parameters (or keyword arguments) that change the softmax in ways probe's logit form cannot represent
+#: when they are set (``None`` leaves eager attention in the form above)
+UNREPRESENTABLE = {
+    "softcap": "logit soft-capping (softcap * tanh(logit / softcap)) is not of the form scale * q.k + log u",
+    "s_aux": "attention sinks add a term to the softmax denominator, so the weights over the keys do not sum to 1",
+    "sinks": "attention sinks add a term to the softmax denominator, so the weights over the keys do not sum to 1",
+}
+#: parameters of a family's eager attention function that probe represents (or refuses when set)
+KNOWN_PARAMETERS = {
+    "module", "query", "key", "value", "attention_mask", "scaling", "dropout", "position_bias", *UNREPRESENTABLE,
+}
+
+
+@dataclass
+class AttentionCall:
+    """One call of an attention function: what the module passed in and what eager attention returned.
+
+    Attributes:
+        module: the attention module that made the call.
+        query: ``(b, h, q, d')``, as the logits use it (bias and rotary included).
+        key: ``(b, g, k, d')`` (``g`` key heads; eager repeats them for grouped-query attention).
+        value: ``(b, g, k, d_v)``.
+        attention_mask: the additive (or boolean) mask as passed, or ``None``.
+        scaling: the logit scale (``None`` in the call means ``1/sqrt(d')``, resolved here).
+        position_bias: an additive bias passed as the ``position_bias`` keyword (T5 family), or ``None``.
+        probs: the eager attention probabilities, ``(b, h, q, k)``.
+        kwargs: the other keyword arguments of the call.
+    """
+
+    module: torch.nn.Module
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attention_mask: torch.Tensor | None
+    scaling: float
+    position_bias: torch.Tensor | None
+    probs: torch.Tensor
+    kwargs: dict = field(default_factory=dict)
+
+
+def family_eager_function(module: torch.nn.Module) -> Callable:
+    """The ``eager_attention_forward`` of the file that defines ``module``'s class (the function the model
+    would call without probe)."""
+    source = sys.modules.get(type(module).__module__)
+    eager = getattr(source, "eager_attention_forward", None)
+    if eager is None:
+        raise ProbeError(
+            f"{type(module).__name__} ({type(module).__module__}) calls the attention interface but its module defines "
+            "no eager_attention_forward; probe cannot delegate to the model's own eager attention. Write a dedicated "
+            "adapter for this family (see docs/models.md, 'Adding an architecture')."
+        )
+    return eager
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(function: Callable) -> inspect.Signature:
+    """``inspect.signature`` of a family's eager function, read once (it is read at every attention call)."""
+    return inspect.signature(function)
+
+
+def unrepresentable(module: torch.nn.Module, eager: Callable, arguments: dict) -> str | None:
+    """Why this call cannot be written as ``scale * q.k + log u`` (a sentence), or ``None`` if it can."""
+    for name, reason in UNREPRESENTABLE.items():
+        if arguments.get(name) is not None or arguments.get("kwargs", {}).get(name) is not None:
+            return reason
+    if getattr(module, "sinks", None) is not None:
+        return UNREPRESENTABLE["sinks"]
+    unknown = [
+        name for name, parameter in _signature(eager).parameters.items()
+        if name not in KNOWN_PARAMETERS and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    if unknown:
+        return f"its eager attention takes {', '.join(unknown)}, which probe does not know how to represent"
+    if module.training and arguments.get("dropout"):
+        return "the module is in training mode and drops attention weights at random (call model.eval())"
+    return None
+
+
+def eager_call(module, query, key, value, attention_mask, *args, **kwargs):
+    """Run the calling family's own ``eager_attention_forward`` on an attention interface call, refusing (a
+    :class:`ProbeError`) what probe's logit form cannot represent; return its ``(output, probs)`` and the
+    :class:`AttentionCall` of everything that entered the logits (detached)."""
+    eager = family_eager_function(module)
+    bound = _signature(eager).bind(module, query, key, value, attention_mask, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    reason = unrepresentable(module, eager, arguments)
+    if reason is not None:
+        raise ProbeError(f"probe cannot represent the attention of {type(module).__name__}: {reason}.")
+    output, probs = eager(module, query, key, value, attention_mask, *args, **kwargs)
+    if probs is None:
+        raise ProbeError(f"{type(module).__name__}'s eager attention returned no probabilities.")
+    scaling = arguments.get("scaling")
+    call = AttentionCall(
+        module=module,
+        query=query.detach(),
+        key=key.detach(),
+        value=value.detach(),
+        attention_mask=None if attention_mask is None else attention_mask.detach(),
+        scaling=float(query.shape[-1] ** -0.5 if scaling is None else scaling),
+        position_bias=_detached(arguments.get("position_bias")),
+        probs=probs.detach(),
+        kwargs=dict(arguments.get("kwargs", {})),
+    )
+    return output, probs, call
+
+
+@contextmanager
+def eager_registered(function: Callable, what: str = "probe's attention blocks"):
+    """Within the block, ``function`` answers every eager attention call made through transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` (registered under ``"eager"`` on that instance only); the previous entry is
+    put back on exit, also after an exception.  Probe's registrations (capture, substitution) do not nest:
+    a second one inside the block is refused."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping  # GeneralInterface's per-instance overrides
+    previous = local.get("eager")
+    if getattr(previous, "_probe_capture", False):
+        raise RuntimeError(f"{what} do not nest")
+    function._probe_capture = True
+    ALL_ATTENTION_FUNCTIONS["eager"] = function
+    try:
+        yield
+    finally:
+        if previous is None:
+            del ALL_ATTENTION_FUNCTIONS["eager"]
+        else:
+            ALL_ATTENTION_FUNCTIONS["eager"] = previous
+
+
+@contextmanager
+def eager_attention_calls(on_call: Callable[[AttentionCall], None]):
+    """Within the block, every eager attention call made through ``ALL_ATTENTION_FUNCTIONS`` runs the
+    calling family's own ``eager_attention_forward`` and is then handed to ``on_call`` (before the model
+    goes on).  The registration is removed on exit, also after an exception; blocks do not nest."""
+
+    def probe_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        output, probs, call = eager_call(module, query, key, value, attention_mask, *args, **kwargs)
+        on_call(call)
+        return output, probs
+
+    with eager_registered(probe_attention, "eager_attention_calls blocks"):
+        yield
+
+
+def _detached(value):
+    return value.detach() if isinstance(value, torch.Tensor) else None
+
+
+def mask_to_log(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The model's attention mask as float64 log-preference terms: ``-inf`` where a key is excluded.
+
+    Additive float masks exclude with a very negative value (``finfo(dtype).min``); those become ``-inf``
+    and any other value is kept as is (normally 0).  Boolean masks are ``True`` where attention is allowed.
+    """
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=torch.float64, device=mask.device).masked_fill(~mask, float("-inf"))
+    excluded = mask <= torch.finfo(mask.dtype).min / 2
+    return mask.to(torch.float64).masked_fill(excluded, float("-inf"))

@@ -1,0 +1,209 @@
+"""The solver's Newton iterations as compiled C (``probe/newton.c``), built on first use.
+
+On a CPU, most of a solve's time in batched torch operations goes to elementwise passes over tensors
+too large for the cache, and to the overhead of issuing them (``bench/NOTES.md``).  ``newton.c`` runs
+the same method (:func:`probe.solve.dual._newton`) over blocks of a few dozen rows at a time, so that each
+block's elementwise work is fused into a few loops over data in cache, with the products by the BLAS
+torch itself uses.  The whole solve is 1.1x (512 tokens) to 2.7x (16 tokens) faster than with the torch
+loops (``bench/results_native.md``).
+
+It is built once per machine with the system's C compiler (``$CC``, else ``cc``) into a cache directory
+(``$PROBE_CACHE_DIR``, else ``~/.cache/probe``), and used only where it can be trusted: a CPU, torch's
+BLAS found (its ``sgemm_``/``dgemm_``) and checked on a small product.  Anywhere else, or with
+``PROBE_NATIVE=0``, the solver runs its torch loops, with one warning saying why.
+
+The kernel returns the iterates only: :mod:`probe.solve.dual` recomputes each problem's state and
+certificate from them in torch and continues with its own Newton iterations where a problem is not yet
+within its tolerance, so a fault here can cost time, never a wrong or uncertified number.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["newton_tile", "available", "unavailable_reason", "describe"]
+
+SOURCE = Path(__file__).with_name("newton.c")
+#: -fopenmp-simd: the loops' ``omp simd`` reductions vectorise without -ffast-math (which would drop
+#: the -inf handling the softmaxes need); libmvec supplies the vector exp
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
+LIBRARIES = ["-lmvec", "-lm"]
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_signature() -> str:
+    """What the built library depends on besides its source: the CPU's instruction set (-march=native)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PROBE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "probe")
+    return Path(root) / "native"
+
+
+def _build() -> Path:
+    """The compiled library, built if this source, compiler and CPU have none in the cache yet."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler ({compiler!r} is not on PATH; set CC to one)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS + LIBRARIES), _cpu_signature()]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"newton-{key}.so"
+    if target.exists():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        writable = os.access(target.parent, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:  # no writable cache: built for this process only, in a temporary directory
+        target = Path(tempfile.mkdtemp(prefix="probe-native-")) / target.name
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # concurrent builds: last rename wins
+        built = Path(scratch) / target.name
+        result = subprocess.run(
+            [compiler, *FLAGS, "-o", str(built), str(SOURCE), *LIBRARIES], capture_output=True, text=True, timeout=300
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)
+    return target
+
+
+def _blas():
+    """Addresses of torch's own ``sgemm_``/``dgemm_`` (and MKL's per-thread thread count, if present)."""
+    lib_dir = Path(torch.__file__).parent / "lib"
+    names = {"linux": "libtorch_cpu.so", "darwin": "libtorch_cpu.dylib"}
+    path = lib_dir / names.get(sys.platform, "")
+    if not path.is_file():
+        raise RuntimeError(f"torch's CPU library was not found at {path}")
+    torch_cpu = ctypes.CDLL(str(path))
+    try:
+        sgemm, dgemm = torch_cpu.sgemm_, torch_cpu.dgemm_
+    except AttributeError as error:
+        raise RuntimeError("torch's CPU library exports no Fortran BLAS (sgemm_, dgemm_)") from error
+    address = lambda function: ctypes.cast(function, ctypes.c_void_p).value  # noqa: E731
+    threads = getattr(torch_cpu, "MKL_Set_Num_Threads_Local", None)  # the C interface (by value)
+    return address(sgemm), address(dgemm), address(threads) if threads is not None else None
+
+
+def _load():
+    library = ctypes.CDLL(str(_build()))
+    function = library.probe_newton_tile
+    function.restype = ctypes.c_int
+    P, I, D = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
+    function.argtypes = [I] * 5 + [P] * 8 + [D] * 3 + [I] + [D] * 2 + [P] * 5
+    size = library.probe_block_bytes
+    size.restype = ctypes.c_size_t
+    size.argtypes = [I, I, I]
+    check = library.probe_check_blas
+    check.restype = ctypes.c_double
+    check.argtypes = [P, P]
+    sgemm, dgemm, threads = _blas()
+    error = check(sgemm, dgemm)
+    if not error < 1e-6:  # NaN included
+        raise RuntimeError(f"torch's BLAS did not compute a small product as expected (error {error})")
+    return function, size, (sgemm, dgemm, threads)
+
+
+def _kernel():
+    """The loaded kernel, or None (with the reason in ``_state["reason"]``, warned about once)."""
+    if "kernel" in _state:
+        return _state["kernel"]
+    with _lock:
+        if "kernel" not in _state:
+            kernel, reason = None, None
+            if os.environ.get("PROBE_NATIVE", "1") == "0":
+                reason = "PROBE_NATIVE=0"
+            else:
+                try:
+                    kernel = _load()
+                except Exception as error:  # noqa: BLE001 - any failure leaves the torch loops, said once
+                    reason = str(error) or type(error).__name__
+                    warnings.warn(
+                        f"probe: the compiled solver kernel is not available ({reason}); the solver runs its "
+                        "torch loops instead, 1.1x to 2.7x slower on a CPU (bench/results_native.md). Install a C compiler (or set CC) to "
+                        "use it.",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+            _state["kernel"], _state["reason"] = kernel, reason
+    return _state["kernel"]
+
+
+def available() -> bool:
+    """Whether :func:`newton_tile` runs the compiled kernel (building it if needed)."""
+    return _kernel() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel is not used (None when it is)."""
+    _kernel()
+    return _state.get("reason")
+
+
+def describe(device) -> str:
+    """How the solver's Newton iterations run on ``device``, for a run's manifest."""
+    if torch.device(device).type != "cpu":
+        return "torch loops (not a CPU)"
+    if available():
+        return "compiled C kernel (probe/newton.c); state and certificate computed in torch"
+    return f"torch loops (the compiled kernel is not available: {unavailable_reason()})"
+
+
+def block_rows(n: int, r: int) -> int:
+    """Rows per block: about 1 MiB of the kernel's working set (a core's L2 cache holds it), as the
+    kernel itself counts it (``probe_block_bytes``)."""
+    bytes_of = _kernel()[1]
+    per_row = bytes_of(n, r, 2) - bytes_of(n, r, 1)
+    return max(16, min(256, (1 << 20) // max(1, per_row)))
+
+
+def newton_tile(work, active: torch.Tensor, rtol: float, atol: float, max_iter: int, forcing_floor: float):
+    """Newton-CG (:func:`probe.solve.dual._newton`'s method) on every active problem of a tile by the
+    compiled kernel: ``(y, iterations)``, or None where the kernel does not apply (not a CPU, not
+    float64 with float32 directions, or not available).  ``work`` is the tile's
+    :class:`probe.solve.dual._WorkingSet`."""
+    A = work.A
+    if A.device.type != "cpu" or A.dtype != torch.float64 or work.A_low.dtype != torch.float32:
+        return None
+    kernel = _kernel()
+    if kernel is None:
+        return None
+    function, _, (sgemm, dgemm, threads) = kernel
+    g, m, n = work.base.shape
+    r = A.shape[-1]
+    if g * m == 0 or n == 0 or r == 0:
+        return None
+    inputs = [t.contiguous() for t in (A, work.A_low, work.base, work.u, work.logits, work.m, work.evidence_sqnorm)]
+    flags = active.to(torch.uint8).contiguous()
+    y = torch.zeros(g, m, r, dtype=torch.float64)
+    iterations = torch.zeros(g, m, dtype=torch.int32)
+    status = function(
+        g, m, n, r, block_rows(n, r), *(t.data_ptr() for t in inputs), flags.data_ptr(),
+        float(work.alpha), float(rtol), float(atol), int(max_iter), torch.finfo(torch.float64).eps,
+        float(forcing_floor), y.data_ptr(), iterations.data_ptr(), sgemm, dgemm, threads,
+    )
+    if status != 0:
+        return None
+    return y, iterations
