@@ -24,8 +24,8 @@ import pandas as pd
 import torch
 
 from probe.capture.data import DatasetSpec
-from probe.pipeline.runner import RunConfig, run
 from probe.core.schema import ROW_KEY
+from probe.pipeline.runner import RunConfig, run
 
 TEXTS, SMALL, LARGE = 16, 1, 8
 

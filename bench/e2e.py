@@ -185,11 +185,11 @@ def measurements(run_dir: Path) -> dict:
 def forward_batches(loaded, config, texts):
     """The run's batches as model inputs, in the run's order (probe.pipeline.runner plans them)."""
     from probe.capture.data import load_texts
-    from probe.pipeline.runner import _plan_batches
+    from probe.pipeline.job import plan_batches
 
     source = load_texts(config.dataset) if texts is None else None
     texts = source.texts if source is not None else texts
-    batches, _ = _plan_batches(loaded, source if source is not None else _Texts(texts), config.batch_size,
+    batches, _ = plan_batches(loaded, source if source is not None else _Texts(texts), config.batch_size,
                                config.max_length)
     return [
         loaded.adapter.encode(loaded.tokenizer, [texts[i] for i in batch], None, config.max_length)

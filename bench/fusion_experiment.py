@@ -36,8 +36,9 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from probe.solve import dual as solver  # noqa: E402
 from machine import cpu_model, load_average  # noqa: E402
+
+from probe.solve import dual as solver  # noqa: E402
 
 STEPS = 10
 SHAPES = [(48, 192, 16, 16), (1, 768, 128, 128), (1, 192, 512, 384)]  # (groups, m, n, r): corpus, 128, 512 tokens

@@ -229,8 +229,8 @@ def data_file(workdir: Path, model: str, length: int, count: int) -> Path:
 
 
 def run_config(model: str, data: Path, length: int, *, device: str, dtype: str, batch_size: int, out: Path):
-    from probe.core.config import RunConfig
     from probe.capture.data import DatasetSpec
+    from probe.core.config import RunConfig
 
     target = "target" if "t5" in Path(model).name else None
     return RunConfig(model=model, dataset=DatasetSpec(name=str(data), target_column=target), out=out,
@@ -321,8 +321,8 @@ def captured_problems(model: str, length: int, count: int, device: str, dtype: s
     (every site of the batch, stacked into solver calls), on ``device``."""
     import torch
 
-    from probe.capture.loading import load_model
     from probe.batch.rows import site_problems, site_stacks, stacked_problems
+    from probe.capture.loading import load_model
 
     loaded = load_model(model, device=device, dtype=dtype)
     texts = texts_of_length(loaded.tokenizer, length, count)
@@ -414,10 +414,10 @@ def forward_seconds(loaded, config, device: str, repeats: int = 2) -> float:
     import torch
 
     from probe.capture.data import load_texts
-    from probe.pipeline.runner import _plan_batches
+    from probe.pipeline.job import plan_batches
 
     source = load_texts(config.dataset)
-    batches, _ = _plan_batches(loaded, source, config.batch_size, config.max_length)
+    batches, _ = plan_batches(loaded, source, config.batch_size, config.max_length)
     encoded = []
     for batch in batches:
         targets = [source.targets[i] for i in batch] if source.targets else None
@@ -825,7 +825,7 @@ def main(argv=None) -> int:
         traceback's end) and the next one runs: the call's few minutes are not lost to one error."""
         try:
             results[name] = measure()
-        except Exception as error:  # noqa: BLE001: whatever broke, the other parts still run
+        except Exception as error:  # noqa: BLE001 (whatever broke, the other parts still run)
             import traceback
 
             log(f"{name}: FAILED: {type(error).__name__}: {error}")

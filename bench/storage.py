@@ -56,7 +56,7 @@ def writer(level: int | None, split: bool):
 
     from probe.store import storage
 
-    saved = storage.COMPRESSION_LEVEL, storage._parquet_options, storage._write_table, storage._in_key_order
+    saved = storage.COMPRESSION_LEVEL, storage.parquet_options, storage._write_table, storage._in_key_order
     if level is None:  # the writer before issue 34
         def options(schema):
             return {"use_dictionary": [f.name for f in schema if not pa.types.is_floating(f.type)]}
@@ -66,12 +66,12 @@ def writer(level: int | None, split: bool):
     else:
         storage.COMPRESSION_LEVEL = level
         if split:
-            storage._parquet_options = lambda schema: {**saved[1](schema), "column_encoding": dict.fromkeys(
+            storage.parquet_options = lambda schema: {**saved[1](schema), "column_encoding": dict.fromkeys(
                 [field.name for field in schema if pa.types.is_floating(field.type)], "BYTE_STREAM_SPLIT")}
     try:
         yield
     finally:
-        storage.COMPRESSION_LEVEL, storage._parquet_options, storage._write_table, storage._in_key_order = saved
+        storage.COMPRESSION_LEVEL, storage.parquet_options, storage._write_table, storage._in_key_order = saved
 
 
 def bits_equal(a, b) -> bool:
@@ -108,11 +108,11 @@ def main(argv=None) -> int:
 
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
-
     from machine import cpu_model, load_average
-    from probe.store import storage
-    from probe.core.schema import ROW_KEY
     from scale import DOCS, child_env, corpus_texts, fill_markers, run_probe
+
+    from probe.core.schema import ROW_KEY
+    from probe.store import storage
 
     load_before = load_average()
     scratch = Path(tempfile.mkdtemp(prefix="probe-storage-"))

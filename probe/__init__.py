@@ -28,7 +28,7 @@ imports only the stages below it:
 * ``probe.cli``           -- the typer app over ``probe.api``.
 """
 
-from probe.core.version import __version__
+from probe.core.version import __version__  # noqa: F401 (probe.__version__)
 
 #: the API's names, imported from :mod:`probe.api` on first use (``import probe`` stays light)
 #: (``probe.report`` is the report's package: reports are built by ``Run.report()`` or ``probe.api.report``)

@@ -88,7 +88,7 @@ class Run:
         if table.check is not None and table.check.damaged:
             import warnings
 
-            from probe.store.storage import DamagedRunWarning
+            from probe.store.integrity import DamagedRunWarning
 
             warnings.warn(table.check.banner(), DamagedRunWarning, stacklevel=3)
         return table
@@ -143,11 +143,11 @@ class Run:
 
     @cached_property
     def interventions(self) -> "pd.DataFrame":
-        """The intervention records of a run with ``intervene=`` (``--intervene``; :mod:`probe.interventions.intervene`) as a
+        """The intervention records of a run with ``intervene=`` (``--intervene``; :mod:`probe.interventions`) as a
         DataFrame sorted by their key (:data:`probe.core.schema.INTERVENTION_KEY`: space, alpha, substitute,
         site, example), with a fresh index; a run without them raises :class:`ProbeError`."""
         from probe.core.schema import INTERVENTION_KEY
-        from probe.store.storage import read_interventions
+        from probe.store.export import read_interventions
 
         frame = read_interventions(self.run_dir, allow_damaged=self.allow_damaged).to_pandas()
         return frame.sort_values(list(INTERVENTION_KEY), kind="stable", ignore_index=True)
@@ -339,15 +339,15 @@ def run(
     ``~/.cache/probe``, so that :func:`resume` can read them again).  ``alpha`` and ``space`` take one
     value, a list, or a comma-separated string; ``max_memory`` bytes or a size such as ``"4GB"``.  ``name`` names the run
     directory and the report (default: the model's real name, ``-random`` added for ``init="random"``).
-    ``intervene``: substitutes to put into the forward pass (``"exact,second-order,null"``; :mod:`probe.interventions.intervene`),
+    ``intervene``: substitutes to put into the forward pass (``"exact,second-order,null"``; :mod:`probe.interventions`),
     measured per site and for the whole model (``intervene_modes``); read them as :attr:`Run.interventions`.
     A run whose tokenizer turns more than 10% of the tokens into its unknown token is refused before the
     model loads (the tokenizer does not know the texts: :mod:`probe.capture.tokens`); ``allow_unknown_tokens=True``
     runs it anyway.  The other options are ``probe run``'s (``probe run --help``).  Every option is checked
     before the model loads; a rejected run raises :class:`ProbeError`, naming the parameter, and writes nothing.
     """
-    from probe.core.config import RunConfig
     from probe.capture.data import DatasetSpec
+    from probe.core.config import RunConfig
     from probe.core.spelling import option
     from probe.pipeline.validate import check_options, parse_memory
 
@@ -406,10 +406,11 @@ def load(run_dir: str | Path, *, allow_damaged: bool = False) -> Run:
     """An existing run directory (complete, interrupted or still running) as a :class:`Run`; ``runs/NAME``
     loads the newest run named NAME.
 
-    Its part files are checked against the manifest's records (:func:`probe.store.storage.require_intact`): a
+    Its part files are checked against the manifest's records (:func:`probe.store.integrity.require_intact`): a
     damaged run (a part missing, truncated or not the one recorded) is refused by name, unless
     ``allow_damaged``, which reads the intact parts only, with a warning.  ``probe resume`` repairs it."""
-    from probe.store.storage import require_intact, run_tables
+    from probe.store.integrity import require_intact
+    from probe.store.storage import run_tables
 
     loaded = Run(_run_path(run_dir), allow_damaged=allow_damaged)
     manifest = loaded.manifest
@@ -469,7 +470,7 @@ def export(run_dir: str | Path | Run, to: str | Path, *, allow_damaged: bool = F
     """Write a run's rows (``table``: ``"deviations"``, or ``"interventions"`` for a run with ``--intervene``)
     into one file: Parquet for ``*.parquet``, CSV for ``*.csv`` (any other extension is refused); return
     the row count."""
-    from probe.store.storage import export as export_rows
+    from probe.store.export import export as export_rows
 
     if table not in TABLES:
         from probe.core.spelling import option

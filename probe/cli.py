@@ -17,8 +17,8 @@ disk, a read-only or vanished run directory); 130 / 143 a run stopped by SIGINT 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -111,7 +111,7 @@ def _banner_not_warnings():
     """The readers' DamagedRunWarning silenced: the CLI prints the banner itself (:func:`_damaged_banner`)."""
     import warnings
 
-    from probe.store.storage import DamagedRunWarning
+    from probe.store.integrity import DamagedRunWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DamagedRunWarning)
@@ -122,7 +122,7 @@ def _damaged_banner(run_dir: Path, manifest: dict | None, allow_damaged: bool) -
     """With --allow-damaged, say loudly (stderr) which batches were left out."""
     if allow_damaged:
         from probe.core.errors import ProbeError
-        from probe.store.storage import check_parts
+        from probe.store.integrity import check_parts
 
         try:
             check = check_parts(run_dir, manifest)
@@ -320,7 +320,8 @@ def resume_command(
     """
     from probe import api
     from probe.core.errors import ProbeError
-    from probe.store.storage import check_parts, read_manifest, run_tables
+    from probe.store.integrity import check_parts
+    from probe.store.storage import read_manifest, run_tables
 
     run_dir = _run_dir(run_dir)
     try:
@@ -360,7 +361,8 @@ def status_command(
     import shlex
 
     from probe.core.errors import ProbeError
-    from probe.store.storage import MANIFEST, PARTS, check_parts, read_manifest, run_tables
+    from probe.store.integrity import check_parts
+    from probe.store.storage import MANIFEST, PARTS, read_manifest, run_tables
 
     if run_dir is None or (run_dir.is_dir() and not (run_dir / MANIFEST).exists()):
         _list_runs(run_dir or Path("runs"))

@@ -25,8 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from probe.solve.ot import ot_attention, ot_posterior  # noqa: E402
 from probe.solve.dual import DualProblems, solve_dual  # noqa: E402
+from probe.solve.ot import ot_attention, ot_posterior  # noqa: E402
 
 TEMPLATES = np.array([[0.0, 0.0], [2.0, 0.3], [1.0, 1.7], [-1.0, 1.1], [0.5, -1.1]])
 WEIGHTS = np.array([0.35, 0.2, 0.15, 0.2, 0.1])

@@ -26,7 +26,6 @@ def _fmt(value: float, digits: int = 4) -> str:
 
 def observations(frames: dict, labels: list[str]) -> list[str]:
     """Sentences computed from the records (means over examples)."""
-    import pandas as pd
 
     lines = []
     for label in labels:

@@ -79,7 +79,7 @@ def model_problems(checkpoint: Path, images: int) -> tuple[dict, float, float, d
         raise SystemExit(
             f"mode 'model' needs probe.vit (load_checkpoint, final_layer_problems), which is not importable "
             f"here ({error}); run it from a checkout that has the ViT code."
-        )
+        ) from None
     model, info = load_checkpoint(checkpoint)
     with torch.no_grad():
         problems = final_layer_problems(model, _test_images(images))

@@ -23,9 +23,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from probe.batch.rows import fidelity_error
 from probe.capture.adapters import space_problems
 from probe.solve.reference import cvxpy_primal, relative_deviation
-from probe.batch.rows import fidelity_error
 
 #: texts of varied length: padding in every batch of two, and relative distances beyond the exact
 #: buckets of MPNet (8) and of the tiny DeBERTa (4)

@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 
 from probe.capture.data import DatasetSpec
-from probe.pipeline.runner import RunConfig, run
 from probe.core.schema import ROW_KEY
+from probe.pipeline.runner import RunConfig, run
 from tests.test_t5 import TARGETS, TEXTS, save_tiny_t5
 
 
@@ -135,8 +135,8 @@ def test_second_order_is_higher_order_for_fixed_evidence_on_minilm(minilm_dir):
     ratio stays of order one as alpha -> 0 (probe/derived.py), which the run's columns show."""
     import torch
 
-    from probe.capture.loading import load_model
     from probe.batch.rows import derive, site_problems
+    from probe.capture.loading import load_model
     from probe.solve.dual import DualProblems, factor_gram, solve_dual
 
     loaded = load_model(str(minilm_dir), device="cpu")

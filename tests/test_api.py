@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 import probe
 from probe import api
-from probe.core import naming
 from probe.cli import app
+from probe.core import naming
 from probe.core.schema import ROW_KEY
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from probe.capture.loading import load_model
-from probe.capture.adapters import space_problems
 from probe.batch.rows import fidelity_error, site_problems
-from probe.solve.reference import cvxpy_primal, relative_deviation
+from probe.capture.adapters import space_problems
+from probe.capture.loading import load_model
 from probe.solve.dual import solve_dual
+from probe.solve.reference import cvxpy_primal, relative_deviation
 from tests.conftest import save_tiny_bert
 
 TEXTS = [

@@ -17,8 +17,14 @@ from probe.capture.adapters import REGISTRY
 from probe.capture.adapters.bloom import BloomAdapter
 from probe.capture.loading import load_model
 from tests.family_checks import (
-    TEXTS, assert_complete_run, assert_preference_matters, assert_reproduces_output_attentions, cli_run,
-    cvxpy_spot_check, token_counts, write_texts,
+    TEXTS,
+    assert_complete_run,
+    assert_preference_matters,
+    assert_reproduces_output_attentions,
+    cli_run,
+    cvxpy_spot_check,
+    token_counts,
+    write_texts,
 )
 
 

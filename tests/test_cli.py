@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq
-import pytest
 from transformers import AutoConfig, AutoTokenizer
 from typer.testing import CliRunner
 

@@ -18,8 +18,14 @@ from probe.capture.adapters import REGISTRY
 from probe.capture.adapters.deberta_v2 import DebertaV2Adapter
 from probe.capture.loading import load_model
 from tests.family_checks import (
-    TEXTS, assert_complete_run, assert_preference_matters, assert_reproduces_output_attentions, cli_run,
-    cvxpy_spot_check, token_counts, write_texts,
+    TEXTS,
+    assert_complete_run,
+    assert_preference_matters,
+    assert_reproduces_output_attentions,
+    cli_run,
+    cvxpy_spot_check,
+    token_counts,
+    write_texts,
 )
 
 CONFIGS = {

@@ -18,11 +18,11 @@ from probe.solve.derived import (
     model_attention,
     model_log_attention,
     output_deviation,
-    second_order_point,
     second_order_deviation,
+    second_order_point,
 )
-from probe.solve.reference import cvxpy_primal
 from probe.solve.dual import factor_gram, solve_dual
+from probe.solve.reference import cvxpy_primal
 from tests.test_solver import reduced
 
 TOL = 1e-7

@@ -66,7 +66,7 @@ def visible_text(page_html: str) -> str:
 def math_expressions(page_html: str) -> list[tuple[str, bool]]:
     """Every expression arithmatex left for KaTeX: ``(tex, displayed)``."""
     found = []
-    for tag, body in re.findall(r'<(span|div) class="arithmatex">(.*?)</\1>', page_html, flags=re.S):
+    for _tag, body in re.findall(r'<(span|div) class="arithmatex">(.*?)</\1>', page_html, flags=re.S):
         tex = html.unescape(body).strip()
         found.append((re.sub(r"^\\[(\[]|\\[)\]]$", "", tex).strip(), tex.startswith("\\[")))
     return found
@@ -132,7 +132,7 @@ console.log(JSON.stringify(errors));
 def test_cross_references_are_links_and_examples_are_code(site):
     api = page(site, "api")
     for target in ("probe.core.errors.ProbeError", "probe.pipeline.stopping.RunStopped", "probe.api.resume",
-                   "probe.core.schema.ROW_KEY", "probe.store.storage.require_intact", "probe.report.build_report"):
+                   "probe.core.schema.ROW_KEY", "probe.store.integrity.require_intact", "probe.report.build_report"):
         assert re.search(rf'<a class="autorefs autorefs-internal"[^>]*href="[^"]*#{re.escape(target)}"', api), target
     assert 'id="probe.api.run"' in api and 'id="probe.api.Run.rows"' in api
     # the module's >>> example is a highlighted code block, not a run-together block quote
@@ -279,9 +279,9 @@ def test_the_tutorial_numbers_are_the_committed_reports():
 
 
 def test_the_ot_page_quotes_the_committed_model_measurement():
-    from tests.test_readme_figures import ot_quality_sentence
-
     import pandas as pd
+
+    from tests.test_readme_figures import ot_quality_sentence
 
     text = " ".join((DOCS / "ot.md").read_text().split())
     assert ot_quality_sentence() in text

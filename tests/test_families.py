@@ -19,12 +19,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from probe.cli import app
+from probe.batch.rows import fidelity_error
 from probe.capture.adapters import REGISTRY, space_problems
 from probe.capture.loading import load_model
+from probe.cli import app
 from probe.solve.reference import cvxpy_primal, relative_deviation
-from probe.batch.rows import fidelity_error
 from tests.families import ALL, CORPUS, ROTARY_TYPES, TARGETS, save_tiny, spec
+
 
 @pytest.fixture(scope="module", params=ALL)
 def family(request, tmp_path_factory, minilm_dir):

@@ -114,7 +114,7 @@ def test_a_json_null_first_is_refused_not_a_crash(tmp_path, content, suffix):
 def test_empty_and_large_files(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    assert_loads_or_explains(empty) is None
+    assert assert_loads_or_explains(empty) is None  # an empty file is refused with a message
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n\n\n")
     assert assert_loads_or_explains(blank) is None

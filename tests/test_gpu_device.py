@@ -79,10 +79,10 @@ def test_a_run_on_device_reproduces_the_models_attention_and_the_cpu_run(device,
     the CPU run's within the two rows' certificates."""
     import pyarrow.dataset as ds
 
-    from probe.core.config import RunConfig
     from probe.capture.data import DatasetSpec
-    from probe.pipeline.runner import run
+    from probe.core.config import RunConfig
     from probe.core.schema import ROW_KEY
+    from probe.pipeline.runner import run
     from probe.store.storage import read_manifest
 
     texts_file = tmp_path / "texts.txt"

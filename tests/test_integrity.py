@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from probe.store import storage
+from probe.store import export, integrity, storage
 from tests.test_resume import finished_run, invoke_with_one_thread
 
 #: 12 texts of the embedded corpus in 6 batches of 2
@@ -109,8 +109,8 @@ def test_a_damaged_run_is_refused_by_name_then_repaired_bitwise(clean_run, run_c
             assert refused.exit_code == 2 and "Traceback" not in refused.output, (command, refused.output)
             assert re.search(rf"is damaged: batch 3 \({why}", refused.output) and "probe resume" in refused.output
             assert "--allow-damaged" in refused.output
-        with pytest.raises(storage.DamagedRunError, match="batch 3"):
-            storage.read_deviations(run_copy)
+        with pytest.raises(integrity.DamagedRunError, match="batch 3"):
+            export.read_deviations(run_copy)
         assert not (tmp_path / "report").exists() and not (tmp_path / "all.parquet").exists()
 
         # read anyway: the intact parts only, under a banner (said once: not also as a Python warning, which
@@ -123,9 +123,9 @@ def test_a_damaged_run_is_refused_by_name_then_repaired_bitwise(clean_run, run_c
                                                 "--allow-damaged"])
         assert allowed.exit_code == 0 and "DAMAGED RUN" in allowed.output and "5 of 6 batches" in allowed.output
         assert reported.exit_code == 0 and reported.output.count("5 of 6 batches") == 1, reported.output
-        assert not [w for w in warned if issubclass(w.category, storage.DamagedRunWarning)]
-        with pytest.warns(storage.DamagedRunWarning, match="5 of 6 batches"):  # the API's readers do warn
-            storage.read_deviations(run_copy, allow_damaged=True)
+        assert not [w for w in warned if issubclass(w.category, integrity.DamagedRunWarning)]
+        with pytest.warns(integrity.DamagedRunWarning, match="5 of 6 batches"):  # the API's readers do warn
+            export.read_deviations(run_copy, allow_damaged=True)
         some = pq.read_table(tmp_path / "some.parquet")
         assert b"probe.damaged" in some.schema.metadata
         expected = reference[~reference["example"].isin(pd.read_parquet(part(clean_run, 3))["example"].unique())]
@@ -163,11 +163,11 @@ def test_a_part_finished_after_the_last_manifest_write_is_read_and_recorded(clea
     resume records it without recomputing it."""
     unrecord(run_copy, 5)
     before = part(run_copy, 5).stat()
-    check = storage.check_parts(run_copy)
+    check = integrity.check_parts(run_copy)
     assert check.ok and check.unrecorded == [5] and len(check.readable) == 6
     status = CliRunner().invoke(app, ["status", str(run_copy)])
     assert "unrecorded: 1 part(s)" in status.output and "damaged:" not in status.output, status.output
-    assert storage.read_deviations(run_copy).num_rows == pq.read_table(clean_run / storage.PARTS).num_rows
+    assert export.read_deviations(run_copy).num_rows == pq.read_table(clean_run / storage.PARTS).num_rows
 
     result = invoke_with_one_thread("resume", run_copy, "--no-progress")
     assert result.exit_code == 0, result.output
@@ -179,7 +179,7 @@ def test_a_part_finished_after_the_last_manifest_write_is_read_and_recorded(clea
 def test_an_unrecorded_part_with_a_bad_footer_is_quarantined_and_redone(clean_run, run_copy):
     unrecord(run_copy, 5)
     truncate(part(run_copy, 5))
-    check = storage.check_parts(run_copy)
+    check = integrity.check_parts(run_copy)
     assert list(check.damaged) == [5] and "unreadable footer" in check.damaged[5]
     result = invoke_with_one_thread("resume", run_copy, "--no-progress")
     assert result.exit_code == 0, result.output
@@ -194,7 +194,7 @@ def test_a_complete_run_missing_a_part_it_never_recorded_is_damaged(run_copy):
     manifest = manifest_of(run_copy)
     storage.write_manifest(run_copy, {key: value for key, value in manifest.items() if key != "parts"})
     part(run_copy, 2).unlink()
-    check = storage.check_parts(run_copy)
+    check = integrity.check_parts(run_copy)
     assert check.damaged == {2: "missing, never recorded"} and sorted(check.unrecorded) == [0, 1, 3, 4, 5]
 
 
@@ -241,5 +241,5 @@ def test_an_unreadable_part_is_named_not_a_traceback(run_copy, monkeypatch):
         return real(path)
 
     monkeypatch.setattr(storage, "file_sha256", eio)
-    check = storage.check_parts(run_copy, checksums=True)
+    check = integrity.check_parts(run_copy, checksums=True)
     assert check.damaged == {4: "unreadable: Input/output error"}

@@ -1,4 +1,4 @@
-"""Interventions (probe.interventions.intervene): substituting attention weights inside the forward pass, the substitutes,
+"""Interventions (probe.interventions): substituting attention weights inside the forward pass, the substitutes,
 and the effects on what the model outputs.
 
 References, none of them probe's own substitution path:
@@ -23,11 +23,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probe.interventions import intervene as iv
-from probe.capture.adapters.mpnet import MPNetAdapter
-from probe.core.errors import ProbeError
-from probe.capture.loading import LoadedModel, load_model
+import probe.interventions as iv
 from probe.batch.rows import FIDELITY_TOLERANCE
+from probe.capture.adapters.mpnet import MPNetAdapter
+from probe.capture.loading import LoadedModel, load_model
+from probe.core.errors import ProbeError
+from probe.interventions.forward import _blocks
 from tests.conftest import save_tiny_bert
 from tests.families import CORPUS, SOURCES, TARGETS, build_config, save_tiny, spec, tokenizer_for
 
@@ -461,7 +462,7 @@ def test_whole_model_starts_after_the_per_site_forward_of_the_first_site(bert):
     inputs = encode(bert, TEXTS)
     kinds = ("exact", "second-order", "null", "model")
     config = iv.InterventionConfig(substitutes=kinds, alphas=(1.0, 3.0))
-    first_block = iv._blocks(bert.model, bert.adapter.site_modules(bert.model))[0]
+    first_block = _blocks(bert.model, bert.adapter.site_modules(bert.model))[0]
     original, calls = first_block.forward, []
 
     def counting(*args, **kwargs):
@@ -612,7 +613,7 @@ def assert_from_site_equals_full(loaded, inputs):
     sites = {}
     iv.run_forward(loaded, inputs, lambda name, site: sites.__setitem__(name, site), trace=trace)
     assert len(sites) >= 2 and set(trace.block_of) == set(sites)
-    first_block = iv._blocks(loaded.model, loaded.adapter.site_modules(loaded.model))[0]
+    first_block = _blocks(loaded.model, loaded.adapter.site_modules(loaded.model))[0]
     original = first_block.forward
     calls = []
 

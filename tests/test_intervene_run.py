@@ -14,11 +14,12 @@ import pytest
 from typer.testing import CliRunner
 
 from probe import api
-from probe.store import storage
 from probe.cli import app
 from probe.core.schema import INTERVENTION_KEY, ROW_KEY
+from probe.store import integrity, storage
 
-from .test_resume import finish, finished_run, invoke_with_one_thread as invoke, probe_process
+from .test_resume import finish, finished_run, probe_process
+from .test_resume import invoke_with_one_thread as invoke
 
 #: 24 texts in 12 batches of 2: enough batches to be killed in the middle
 ARGS = ["--samples", "24", "--batch-size", "2", "--max-length", "24", "--no-progress"]
@@ -51,7 +52,7 @@ def test_the_interventions_table_has_one_record_per_key(intervened_dir):
     assert frame.equals(frame.sort_values(list(INTERVENTION_KEY), ignore_index=True))  # sorted by the key
     # every part recorded, one per batch, in its own list of the manifest
     assert [r["batch"] for r in manifest["intervention_parts"]] == list(range(manifest["batches_total"]))
-    assert storage.check_parts(intervened_dir, manifest, checksums=True, table=storage.INTERVENTIONS).ok
+    assert integrity.check_parts(intervened_dir, manifest, checksums=True, table=storage.INTERVENTIONS).ok
     # the identity control reproduces the model; the exact posterior's solves converged everywhere
     model = frame[frame["substitute"] == "model"]
     assert model["hidden_change"].max() < 1e-5 and (model["embedding_cosine"] > 1 - 1e-9).all()
@@ -141,7 +142,7 @@ def test_a_damaged_interventions_part_is_refused_by_readers_and_repaired_by_resu
     shutil.copytree(intervened_dir, run_dir)
     part = storage.part_path(run_dir, 3, storage.INTERVENTIONS)
     part.write_bytes(part.read_bytes()[:-100])
-    with pytest.raises(storage.DamagedRunError, match=r"damaged \(its interventions.parquet\): batch 3"):
+    with pytest.raises(integrity.DamagedRunError, match=r"damaged \(its interventions.parquet\): batch 3"):
         api.Run(run_dir).interventions
     api.Run(run_dir).rows  # the other table is intact
     export = CliRunner().invoke(app, ["export", str(run_dir), "--table", "interventions", "--to", str(tmp_path / "x.csv")])
@@ -247,12 +248,13 @@ def test_compare_sets_the_interventions_of_two_runs_side_by_side(intervened_dir,
 def batch_with_the_rows_solver(model_dir, config):
     """``batch_records`` of three texts with a run's row solver (keeping its solutions) as ``emit``:
     ``(loaded, inputs, records, solver, layers)``, ``layers`` the layer of every site that
-    ``probe.interventions.intervene`` solved itself (beyond the rows' solves)."""
+    ``probe.interventions`` solved itself (beyond the rows' solves)."""
     import torch
 
-    from probe.interventions import intervene
-    from probe.capture.loading import load_model
+    import probe.interventions as intervene
     from probe.batch.rows import BatchSolver, RowContext, Summary
+    from probe.capture.loading import load_model
+    from probe.interventions import substitutes
 
     loaded = intervene.with_lm_head(load_model(str(model_dir), device="cpu"))
     texts = ["The quick brown fox jumps over the lazy dog.", "Short one.", "Attention is inference, or so it goes."]
@@ -261,13 +263,13 @@ def batch_with_the_rows_solver(model_dir, config):
                          token_text={}, tokenizer=loaded.tokenizer)
     solver = BatchSolver(("hidden",), config.alphas, config.rtol, context, Summary(1e-5))
     layers = []
-    original = intervene._solve
-    intervene._solve = lambda *a, **k: (layers.append(a[0].layer), original(*a, **k))[1]
+    original = substitutes._solve
+    substitutes._solve = lambda *a, **k: (layers.append(a[0].layer), original(*a, **k))[1]
     try:
         with torch.no_grad():
             records = intervene.batch_records(loaded, inputs, [4, 5, 6], config, solver)
     finally:
-        intervene._solve = original
+        substitutes._solve = original
     return loaded, inputs, records, solver, layers
 
 
@@ -277,7 +279,7 @@ def test_exact_and_null_from_the_rows_solves_equal_their_own_solves(tiny_bert_di
     own (per-site mode; the whole-model mode solves new problems anyway)."""
     import copy
 
-    from probe.interventions import intervene
+    import probe.interventions as intervene
 
     config = intervene.InterventionConfig(substitutes=("exact", "null", "second-order"), alphas=(1.0, 2.0),
                                           whole_model=False)
@@ -300,7 +302,7 @@ def test_the_whole_model_solves_only_the_sites_after_the_first(tiny_bert_dir, mo
     it): it takes p* from the rows' solver (whole mode alone) or starts after the per-site forward of that
     site (both modes), and solves only the later sites; its records equal those of whole_model_records
     solving every site on its own."""
-    from probe.interventions import intervene
+    import probe.interventions as intervene
 
     config = intervene.InterventionConfig(substitutes=("exact",), alphas=(1.0,), per_site="per-site" in modes)
     loaded, inputs, records, solver, calls = batch_with_the_rows_solver(tiny_bert_dir, config)

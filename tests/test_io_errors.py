@@ -18,8 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from probe.store import storage
 from probe.core.errors import EXIT_IO_ERROR
+from probe.store import integrity, storage
 from tests.test_integrity import RUN_ARGS, clean_run  # noqa: F401  (a fixture: the uninterrupted run)
 from tests.test_resume import finish, invoke_with_one_thread, probe_process
 
@@ -34,7 +34,7 @@ def failing_writes(monkeypatch, *, after: int, error: OSError | None = None, van
     some bytes, then the OSError comes); ``manifest_too``: manifest writes fail from then on as well (a
     disk that stays full); ``vanish``: the run directory is deleted instead, so the write finds no
     directory."""
-    real = storage._replace_atomically
+    real = storage.replace_atomically
     state = {"parts": 0, "failing": after < 0}  # after < 0: from the first write on (the manifest)
 
     def replace(path: Path, write):
@@ -52,7 +52,7 @@ def failing_writes(monkeypatch, *, after: int, error: OSError | None = None, van
             return real(path, half_then_fail)
         return real(path, write)
 
-    monkeypatch.setattr(storage, "_replace_atomically", replace)
+    monkeypatch.setattr(storage, "replace_atomically", replace)
 
 
 def assert_one_paragraph(result, *fragments):
@@ -85,7 +85,7 @@ def test_an_io_error_in_a_part_write_is_one_paragraph_and_resumes_bitwise(clean_
     manifest = storage.read_manifest(run_dir)
     assert manifest["status"] == "interrupted" and errno.errorcode[error.errno] in manifest["stop_reason"] or \
         error.strerror in manifest["stop_reason"]
-    check = storage.check_parts(run_dir)
+    check = integrity.check_parts(run_dir)
     assert check.ok and sorted(check.readable) == [0, 1] and not check.unrecorded
 
     resumed = invoke_with_one_thread("resume", run_dir, "--no-progress")
@@ -103,7 +103,7 @@ def test_a_disk_that_stays_full_loses_the_manifest_write_but_no_batch(clean_run,
     assert_one_paragraph(result, "No space left on device", "the 3 batch(es) finished before it",
                          "the manifest could not be updated", "probe resume")
     assert not temporaries(out)
-    check = storage.check_parts(run_dir)  # the manifest lags: its records miss the last parts, which read fine
+    check = integrity.check_parts(run_dir)  # the manifest lags: its records miss the last parts, which read fine
     assert check.ok and sorted(check.readable) == [0, 1, 2]
     # this test's process wrote the run and is alive: say it stopped, as a reader would once it exits
     manifest = json.loads((run_dir / storage.MANIFEST).read_text())
@@ -165,7 +165,7 @@ def test_a_real_full_disk(clean_run, tiny_bert_dir, small_tmpfs):
     (run_dir,) = out.iterdir()
     assert f"continue with: probe resume {run_dir}" in output, output
     assert not temporaries(out)
-    assert storage.check_parts(run_dir).ok
+    assert integrity.check_parts(run_dir).ok
     subprocess.run(["mount", "-o", "remount,size=4m", str(small_tmpfs)], check=True)
     resumed = invoke_with_one_thread("resume", run_dir, "--no-progress")
     assert resumed.exit_code == 0, resumed.output

@@ -11,12 +11,12 @@ import pandas as pd
 import pytest
 import torch
 
+from probe.batch.rows import FIDELITY_TOLERANCE
 from probe.capture import loading
 from probe.capture.data import DatasetSpec
 from probe.core.errors import ProbeError
-from probe.pipeline.runner import RunConfig, run
-from probe.batch.rows import FIDELITY_TOLERANCE
 from probe.core.schema import ROW_KEY
+from probe.pipeline.runner import RunConfig, run
 from tests.families import CORPUS, save_tiny, spec
 
 

@@ -22,8 +22,15 @@ from probe.capture.adapters import REGISTRY
 from probe.capture.adapters.mpnet import MPNetAdapter
 from probe.capture.loading import load_model
 from tests.family_checks import (
-    TEXTS, assert_complete_run, assert_preference_matters, assert_reproduces_output_attentions, cli_run,
-    cvxpy_spot_check, real_model_dir, token_counts, write_texts,
+    TEXTS,
+    assert_complete_run,
+    assert_preference_matters,
+    assert_reproduces_output_attentions,
+    cli_run,
+    cvxpy_spot_check,
+    real_model_dir,
+    token_counts,
+    write_texts,
 )
 
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import probe.solve.native as native
-import probe.solve.dual as solver
 from probe.solve.dual import solve_dual
 
 from .test_solver import _agree, _previous, _random_groups
@@ -80,9 +79,8 @@ def test_kernel_and_torch_loops_agree_and_match_the_previous_solver(family):
 
 def test_kernel_agrees_on_captured_minilm_problems(minilm_dir):
     """Real problems (a padded MiniLM batch, every layer): the kernel and the torch loops agree."""
-    from tests.test_bert import captured
-
     from probe.batch.rows import site_problems
+    from tests.test_bert import captured
 
     _needs_kernel()
     _, _, sites, _ = captured(minilm_dir)

@@ -16,12 +16,12 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
 import types
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import tomllib
 from typer.testing import CliRunner
 
 from probe import api

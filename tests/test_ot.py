@@ -13,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from probe.solve.dual import DualProblems, solve_dual
 from probe.solve.ot import OTInputError, ot_attention, ot_posterior, true_preference
 from probe.solve.reference import cvxpy_ot_primal, lbfgs_ot_dual, ot_true_preference
-from probe.solve.dual import DualProblems, solve_dual
 
 RNG = np.random.default_rng(2027)
 

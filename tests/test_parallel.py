@@ -11,12 +11,12 @@ import pandas as pd
 import pytest
 import torch
 
-import probe.solve.parallel as parallel
 import probe.solve.dual as solver
+import probe.solve.parallel as parallel
 from probe.capture.data import DatasetSpec
-from probe.solve.parallel import Lane, cpu_workers, run_all, without_gil
 from probe.pipeline.runner import RunConfig, run
 from probe.solve.dual import DualSolution, solve_dual
+from probe.solve.parallel import Lane, cpu_workers, run_all, without_gil
 
 from .test_native import torch_loops
 from .test_solver import _random_groups
@@ -245,8 +245,8 @@ def test_runs_with_and_without_the_lane_are_bitwise_identical(tiny_bert_dir, tex
     """Each batch's last stack solved in the background while the next batch is captured: the same rows,
     bitwise, as solving it before the next batch starts; also with stacks small enough that several fill
     (and are solved at once) while the model runs."""
-    import probe.pipeline.runner as pipeline
     import probe.batch.rows as rows
+    import probe.pipeline.runner as pipeline
 
     threads = torch.get_num_threads()
     request.addfinalizer(lambda: torch.set_num_threads(threads))  # the runs set their own

@@ -26,9 +26,9 @@ import pytest
 import probe
 from probe import query
 from probe.core.errors import ProbeError
+from probe.core.schema import DEVIATION_SCHEMA, ROW_KEY
 from probe.query import Rank, Table, where
 from probe.report import build_report, compare_runs
-from probe.core.schema import DEVIATION_SCHEMA, ROW_KEY
 
 from .test_report import deviation_rows, manifest_for, write_run
 

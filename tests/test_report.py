@@ -24,14 +24,14 @@ from matplotlib.collections import PathCollection, QuadMesh
 from matplotlib.patches import StepPatch
 
 from probe.core.errors import ProbeError
+from probe.core.schema import DEVIATION_SCHEMA
 from probe.report import build_report, draw_figures, read_run
 from probe.report.data import dataset_text, model_name
 from probe.report.figures import heads_figure, layers_figure, report_scale
-from probe.report.quantities import alpha_figure, spaces_figure
 from probe.report.findings import analyse
+from probe.report.quantities import alpha_figure, spaces_figure
 from probe.report.style import MIN_BINS_PER_PANEL, style
 from probe.report.summary import main_rows, summarize
-from probe.core.schema import DEVIATION_SCHEMA
 
 SUMMARY_HEADER = [
     "level", "space", "alpha", "attention_type", "layer", "head", "count", "trivial", "mean", "median", "p95", "max",
@@ -302,7 +302,7 @@ def test_scales_are_shared_across_types_heads_and_statistics(t5_figures):
     x_ranges = {ax.get_xlim() for stem, figure in figures.items() if stem.startswith(("layers_", "heads_"))
                 for ax in figure.axes if any(isinstance(p, StepPatch) for p in ax.patches)}
     assert len(x_ranges) == 1 and x_ranges.pop()[0] == 0
-    for stem, figure in figures.items():
+    for stem in figures:
         if stem.startswith("heatmap_"):
             assert "shared by every heatmap" in captions[stem]  # in the page's caption, not over the figure
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
@@ -173,11 +171,11 @@ def test_figure_boilerplate_is_one_caption_and_the_colour_range_is_said_once(pla
 
 
 def test_figures_keep_a_short_title_no_larger_than_their_axis_labels(planted):
+    from matplotlib.font_manager import FontProperties
+
     from probe.report import draw_figures
     from probe.report.figures import report_scale
     from probe.report.summary import main_rows, summarize
-
-    from matplotlib.font_manager import FontProperties
 
     _, _, run_dir, _, _ = planted
     run = read_run(run_dir)

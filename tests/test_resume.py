@@ -21,8 +21,8 @@ import pytest
 from typer.testing import CliRunner
 
 from probe.cli import app
-from probe.store import storage
 from probe.core.schema import ROW_KEY
+from probe.store import export, storage
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the embedded corpus, 40 texts in 20 batches of 2: enough batches to be killed in the middle
@@ -257,7 +257,7 @@ def test_torchrun_stopped_and_resumed_equals_a_single_process_run(tiny_bert_dir,
                         ("polars", polars.read_parquet(files).to_pandas())):
         pd.testing.assert_frame_equal(sorted_rows(frame), sorted_rows(reference), check_exact=True, check_dtype=False,
                                       obj=name)
-    storage.export(run_dir, tmp_path / "all.parquet")
+    export.export(run_dir, tmp_path / "all.parquet")
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "all.parquet"), api.load(run_dir).rows, check_exact=True)
 
 

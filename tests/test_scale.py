@@ -22,10 +22,10 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from probe.store import storage
-from probe.core.config import RunConfig, config_to_json
 from probe.batch.rows import Summary
+from probe.core.config import RunConfig, config_to_json
 from probe.core.schema import DEVIATION_SCHEMA, ROW_KEY
+from probe.store import integrity, storage
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the budget the readers are held to here: below the synthetic run's rows in memory
@@ -94,7 +94,7 @@ def test_the_large_run_is_larger_than_the_budget(large_run):
 
     run_dir, size = large_run
     assert size > 2 * parse_size(BUDGET)
-    assert storage.check_parts(run_dir, checksums=True).ok
+    assert integrity.check_parts(run_dir, checksums=True).ok
 
 
 @pytest.mark.slow
@@ -103,7 +103,7 @@ def test_export_sorts_a_run_larger_than_the_budget_out_of_core(large_run, tmp_pa
     the file holds every row, in the row key's order."""
     run_dir, size = large_run
     to = tmp_path / "all.parquet"
-    peak, _ = arrow_peak("import sys; from probe import storage; storage.export(sys.argv[1], sys.argv[2])", run_dir, to)
+    peak, _ = arrow_peak("import sys; from probe.store import export; export.export(sys.argv[1], sys.argv[2])", run_dir, to)
     assert peak < size / 4, (peak, size)
     keys = pq.read_table(to, columns=list(ROW_KEY[2:])).to_pandas()  # one space and alpha here
     assert len(keys) == sum(r["rows"] for r in json.loads((run_dir / "manifest.json").read_text())["parts"])
@@ -119,12 +119,12 @@ def test_verify_draws_its_sample_without_loading_the_run(large_run):
     from probe.pipeline.verify import _sample_rows
 
     run_dir, size = large_run
-    peak, _ = arrow_peak("import sys; from probe import storage; from probe.pipeline.verify import _sample_rows; "
-                         "_sample_rows(storage.check_parts(sys.argv[1]), 64, 5)", run_dir)
+    peak, _ = arrow_peak("import sys; from probe.store import integrity; from probe.pipeline.verify import _sample_rows; "
+                         "_sample_rows(integrity.check_parts(sys.argv[1]), 64, 5)", run_dir)
     assert peak < size / 4, (peak, size)
     whole = pa.concat_tables([pq.read_table(path) for _, path in sorted(storage.part_files(run_dir).items())])
     chosen = np.sort(np.random.default_rng(5).choice(whole.num_rows, size=64, replace=False))
-    sample = _sample_rows(storage.check_parts(run_dir), 64, 5)
+    sample = _sample_rows(integrity.check_parts(run_dir), 64, 5)
     for name in ("layer", "head", "example", "query", "rel_deviation", "error_bound"):
         assert sample[name].to_pylist() == whole[name].take(pa.array(chosen)).to_pylist(), name
 
@@ -146,11 +146,12 @@ def test_the_end_of_a_run_reads_no_rows(large_run, tmp_path):
     run_dir = Path(shutil.copytree(large_run[0], tmp_path / "run"))
     size = large_run[1]
     peak, _ = arrow_peak(
-        "import sys, time; from probe import pipeline, storage\n"
+        "import sys, time; from probe.store import storage; from probe.pipeline import manifest as pipeline\n"
+        "from probe.core.config import config_from_json\n"
         "manifest = storage.read_manifest(sys.argv[1])\n"
-        "index = pipeline._PartIndex(sys.argv[1], 1e-5, storage.part_records(manifest))\n"
-        "pipeline._record_completion(sys.argv[1], manifest, manifest['segments'][0], index, "
-        "pipeline.config_from_json(manifest['config']), time.perf_counter())", run_dir)
+        "index = pipeline.PartIndex(sys.argv[1], 1e-5, storage.part_records(manifest))\n"
+        "pipeline.record_completion(sys.argv[1], manifest, manifest['segments'][0], index, "
+        "config_from_json(manifest['config']), time.perf_counter())", run_dir)
     assert peak < size / 100, (peak, size)
     manifest = storage.read_manifest(run_dir)
     rows = pq.read_table(run_dir / storage.PARTS, columns=["rel_deviation", "iterations"]).to_pandas()
@@ -162,9 +163,9 @@ def test_the_end_of_a_run_reads_no_rows(large_run, tmp_path):
 def test_planning_tokenizes_the_texts_a_chunk_at_a_time(tiny_bert_dir, monkeypatch):
     """The batch plan keeps the texts' lengths, not their tokens: the tokenizer sees at most PLAN_CHUNK texts
     at once, and the lengths are those of one call over every text."""
-    from probe.pipeline import runner as pipeline
     from probe.capture.data import Texts
     from probe.capture.loading import load_model
+    from probe.pipeline import job as pipeline
 
     loaded = load_model(str(tiny_bert_dir), device="cpu")
     texts = Texts([f"text number {i} " + "word " * (i % 7) for i in range(11)], list(range(11)))
@@ -178,7 +179,7 @@ def test_planning_tokenizes_the_texts_a_chunk_at_a_time(tiny_bert_dir, monkeypat
 
     monkeypatch.setattr(pipeline, "PLAN_CHUNK", 4)
     monkeypatch.setattr(loaded, "tokenizer", Counting())
-    batches, lengths = pipeline._plan_batches(loaded, texts, 3, 16)
+    batches, lengths = pipeline.plan_batches(loaded, texts, 3, 16)
     assert seen == [4, 4, 3] and lengths == whole
     assert sorted(i for batch in batches for i in batch) == list(range(11))
 
@@ -206,7 +207,7 @@ def test_the_scale_benchmark_builds_valid_runs_and_measures_them(tiny_bert_dir, 
         assert all(got["peak_rss_mb"] > 0 and got["wall_s"] > 0 for got in size["commands"].values())
     (copy_dir,) = [path for path in tmp_path.glob("probe-scale-*/scale-x*") if path.is_dir()]
     manifest = storage.read_manifest(copy_dir)
-    assert storage.check_parts(copy_dir, manifest, checksums=True).ok
+    assert integrity.check_parts(copy_dir, manifest, checksums=True).ok
     assert manifest["solver"]["rows"] == copied["rows"] and manifest["batches_done"] == manifest["batches_total"]
     examples = pq.read_table(copy_dir / storage.PARTS, columns=["example"])["example"].to_numpy()
     assert len(np.unique(examples)) == manifest["dataset"]["n_examples"]

@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from probe.solve.reference import cvxpy_primal, gradient_ascent_dual, lbfgs_dual, relative_deviation
 from probe.solve.dual import DualProblems, DualSolution, factor_gram, solve_dual, solve_spd_reduced
+from probe.solve.reference import cvxpy_primal, gradient_ascent_dual, lbfgs_dual, relative_deviation
 
 TOL = 1e-7
 
@@ -383,10 +383,9 @@ def test_answers_agree_with_the_previous_solver(n, d, template_scale, logit_std)
 
 def test_answers_agree_with_the_previous_solver_on_minilm(minilm_dir):
     """Captured MiniLM problems (a padded batch, every layer): the same certified answers as before."""
+    from probe.batch.rows import site_problems
     from tests import previous_solver
     from tests.test_bert import captured
-
-    from probe.batch.rows import site_problems
 
     _, _, sites, _ = captured(minilm_dir)
     for site in sites[::2]:

@@ -18,9 +18,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from probe.store import storage
 from probe.core.errors import ProbeError
 from probe.core.schema import DEVIATION_SCHEMA, ROW_KEY
+from probe.store import export, storage
 
 
 def batch_table(batch: int, examples=(0, 1), queries=3) -> pa.Table:
@@ -79,7 +79,7 @@ def test_readers_see_finished_batches_only(run_dir):
         "pyarrow.dataset": lambda: ds.dataset(path).to_table().to_pandas(),
         "duckdb": lambda: duckdb.sql(f"SELECT * FROM '{path}'").df(),
         "polars": lambda: polars.read_parquet(f"{path}/*.parquet").to_pandas(),
-        "probe": lambda: storage.read_deviations(run_dir).to_pandas(),
+        "probe": lambda: export.read_deviations(run_dir).to_pandas(),
     }
     for name, read in readers.items():
         frame = read().sort_values(["example", "query"]).reset_index(drop=True)
@@ -106,14 +106,14 @@ def test_rewriting_a_batch_replaces_it(run_dir):
 
 def test_export_writes_one_file(run_dir, tmp_path):
     to = tmp_path / "all.parquet"
-    assert storage.export(run_dir, to) == len(expected_frame())
+    assert export.export(run_dir, to) == len(expected_frame())
     assert pq.ParquetFile(to).schema_arrow == DEVIATION_SCHEMA
     expected = pd.read_parquet(run_dir / "deviations.parquet").sort_values(list(ROW_KEY), ignore_index=True)
     pd.testing.assert_frame_equal(pd.read_parquet(to), expected)
     with pytest.raises(ProbeError, match="exists already"):
-        storage.export(run_dir, to)
+        export.export(run_dir, to)
     with pytest.raises(ProbeError, match="does not exist"):
-        storage.export(run_dir, tmp_path / "nowhere" / "x.parquet")
+        export.export(run_dir, tmp_path / "nowhere" / "x.parquet")
 
 
 # ------------------------------------------------------------------------ the writer: order, row groups, bits
@@ -203,9 +203,9 @@ def test_parts_written_before_this_writer_still_read(tmp_path):
     new = scrambled_rows((4, 0), seed=4)
     storage.write_part(run_dir, 1, new, {"examples": [4, 0]})
     both = pa.concat_tables([old, new])
-    assert_bitwise_equal(key_sorted(storage.read_deviations(run_dir)), key_sorted(both))
+    assert_bitwise_equal(key_sorted(export.read_deviations(run_dir)), key_sorted(both))
     to = tmp_path / "all.parquet"
-    assert storage.export(run_dir, to) == both.num_rows
+    assert export.export(run_dir, to) == both.num_rows
     assert_bitwise_equal(pq.read_table(to), key_sorted(both))
 
 
@@ -220,7 +220,7 @@ def test_export_writes_the_rows_in_the_row_keys_order(tmp_path, suffix):
     for batch, rows in enumerate(parts):
         storage.write_part(run_dir, batch, rows, {})
     to = tmp_path / f"all{suffix}"
-    assert storage.export(run_dir, to) == sum(rows.num_rows for rows in parts)
+    assert export.export(run_dir, to) == sum(rows.num_rows for rows in parts)
     expected = key_sorted(pa.concat_tables(parts))
     if suffix == ".csv":
         read = csv.read_csv(to, convert_options=csv.ConvertOptions(column_types=DEVIATION_SCHEMA))
@@ -241,7 +241,7 @@ def test_only_repeating_columns_are_dictionary_encoded(run_dir, tmp_path):
     """Part files and exports keep dictionaries for names, indices and flags, none for the float
     measurements (a dictionary tried on them and abandoned costs time and space), and read back exact."""
     to = tmp_path / "all.parquet"
-    storage.export(run_dir, to)
+    export.export(run_dir, to)
     for path in (storage.part_path(run_dir, 0), to):
         chunks = pq.ParquetFile(path).metadata.row_group(0)
         for i in range(chunks.num_columns):
@@ -256,7 +256,7 @@ def test_only_repeating_columns_are_dictionary_encoded(run_dir, tmp_path):
 
 def test_empty_run_reads_as_no_rows(tmp_path):
     run_dir = storage.create_run_directory(tmp_path, "model")
-    table = storage.read_deviations(run_dir)
+    table = export.read_deviations(run_dir)
     assert table.num_rows == 0 and table.schema == DEVIATION_SCHEMA
     assert len(pd.read_parquet(run_dir / "deviations.parquet")) == 0
 
@@ -323,8 +323,8 @@ def test_export_sorts_many_parts_in_buckets_far_smaller_than_the_run(tmp_path, m
     the file equals an independent sort of every row, bit for bit, and no more than about a bucket's rows
     were ever sorted in memory at once.  Where even the summary of the slices does not fit the budget, the
     error says how to raise it (no DuckDB traceback)."""
-    from probe.store import keyorder
     from probe import query
+    from probe.store import keyorder
 
     run_dir = storage.create_run_directory(tmp_path, "model")
     parts = [scrambled_rows(range(i, 120, 3), seed=i, layers=2, heads=3, queries=30) for i in range(3)]
@@ -338,7 +338,7 @@ def test_export_sorts_many_parts_in_buckets_far_smaller_than_the_run(tmp_path, m
     monkeypatch.setattr(storage, "batches_in_key_order",
                         lambda *args, **kwargs: original(*args, **{**kwargs, "stats": seen}))
     to = tmp_path / "all.parquet"
-    assert storage.export(run_dir, to) == expected.num_rows == 86_400
+    assert export.export(run_dir, to) == expected.num_rows == 86_400
     assert_bitwise_equal(pq.read_table(to), expected)
     assert seen["rows"] == 86_400 and seen["buckets"] >= 86_400 // 500
     assert seen["largest_bucket"] <= 2 * 500, seen  # ranges of equal width: about a bucket's rows each
@@ -346,7 +346,7 @@ def test_export_sorts_many_parts_in_buckets_far_smaller_than_the_run(tmp_path, m
     monkeypatch.setattr(query, "MIN_DUCKDB_MEMORY", 1 << 10)
     monkeypatch.setenv(query.MEMORY_BUDGET_ENV, "4KB")
     with pytest.raises(ProbeError, match=f"{query.MEMORY_BUDGET_ENV}=4GB") as error:
-        storage.export(run_dir, tmp_path / "again.parquet")
+        export.export(run_dir, tmp_path / "again.parquet")
     assert "Traceback" not in str(error.value)
 
 
@@ -416,7 +416,7 @@ def test_export_keeps_rows_whose_slice_key_is_null(tmp_path):
     assert table["space"].null_count > 0 and table["alpha"].null_count > 0
     storage.write_part(run_dir, 0, table, {})
     to = tmp_path / "all.parquet"
-    assert storage.export(run_dir, to) == len(rows)
+    assert export.export(run_dir, to) == len(rows)
     got = pq.read_table(to).to_pandas()
     want = rows.sort_values(list(ROW_KEY), na_position="last", kind="stable").reset_index(drop=True)
     pd.testing.assert_frame_equal(got[list(ROW_KEY)], want[list(ROW_KEY)])

@@ -18,8 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from probe.store import storage
 from probe.pipeline.verify import _sample_rows
+from probe.store import integrity, storage
 from tests.test_integrity import clean_run, flip_a_byte, part  # noqa: F401  (clean_run: a fixture)
 from tests.test_resume import invoke_with_one_thread
 
@@ -39,7 +39,7 @@ def test_a_clean_run_verifies(clean_run):
 def tamper(run_dir: Path, column: str, factor: float) -> dict:
     """Multiply ``column`` of the first sampled row by ``factor`` in its part file (rewritten with its
     metadata), and record the new file's size and SHA-256 in the manifest, as a careful forger would."""
-    check = storage.check_parts(run_dir)
+    check = integrity.check_parts(run_dir)
     target = _sample_rows(check, 12, 3).slice(0, 1).to_pylist()[0]
     path = part(run_dir, target["batch"])
     table = pq.read_table(path)
@@ -64,7 +64,7 @@ def tamper(run_dir: Path, column: str, factor: float) -> dict:
 def test_a_tampered_number_with_a_matching_checksum_fails(clean_run, tmp_path, column, factor):
     run_dir = Path(shutil.copytree(clean_run, tmp_path / "run"))
     target = tamper(run_dir, column, factor)
-    assert storage.check_parts(run_dir, checksums=True).ok  # the checksums cannot see it
+    assert integrity.check_parts(run_dir, checksums=True).ok  # the checksums cannot see it
     result = invoke_with_one_thread("verify", run_dir, *SAMPLE)
     assert result.exit_code == 1, result.output
     assert "parts: 6 of 6 batches checked" in result.output and "DAMAGED" not in result.output
@@ -98,7 +98,7 @@ def test_a_run_of_several_alphas_in_both_spaces_verifies(tiny_bert_dir, tmp_path
     result = invoke_with_one_thread("verify", run_dir, "--sample", "16", "--seed", "1")
     assert result.exit_code == 0, result.output
     assert "verified: every check holds" in result.output
-    sampled = _sample_rows(storage.check_parts(run_dir), 16, 1)
+    sampled = _sample_rows(integrity.check_parts(run_dir), 16, 1)
     assert set(sampled["space"].to_pylist()) == {"hidden", "key"} and set(sampled["alpha"].to_pylist()) == {0.5, 2.0}
 
 

@@ -23,10 +23,16 @@ import torch
 
 from probe.capture.adapters import SiteCapture
 from probe.capture.adapters.base import SpaceProblems, space_problems
-from probe.solve import derived
 from probe.core.schema import DEVIATION_SCHEMA
+from probe.solve import derived
+from probe.solve.dual import (
+    DualProblems,
+    DualSolution,
+    factor_gram,
+    shares_rows,
+    solve_dual,
+)
 from probe.solve.parallel import cpu_workers, run_all
-from probe.solve.dual import DualProblems, DualSolution, factor_gram, shares_rows, solve_dual
 
 #: default bound on the float64 logits held at once (one stack of pieces)
 STACK_BYTES = 1 << 28
@@ -521,7 +527,7 @@ class BatchSolver:
             workers = min(workers, 1)
         for space in self.spaces:
 
-            def build(site):
+            def build(site, space=space):
                 built = space_problems(site, space)
                 factor = factor_gram(built.gram.reshape(-1, *built.gram.shape[-2:]))
                 return built, fidelity_error(site, built), factor

@@ -13,14 +13,13 @@ import hashlib
 import json
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from itertools import repeat
 from importlib import resources
+from itertools import repeat
 from pathlib import Path
 
+from probe.capture.hub import check_hub_name, hub_reachable, no_connection
 from probe.core.config import DatasetSpec
 from probe.core.errors import ProbeError
-from probe.capture.hub import check_hub_name, hub_reachable, no_connection
-from probe.core.naming import recorded_path
 from probe.core.spelling import option
 
 #: Local file endings and the ``datasets`` builder that reads them.
@@ -416,8 +415,8 @@ def data_differences(manifests: dict[str, dict]) -> str | None:
         return dataset.get("texts_sha256"), dataset.get("n_examples"), dataset.get("max_length")
 
     found = {run: seen(manifest) for run, manifest in manifests.items()}
-    for field, label in ((0, "texts"), (1, "number of texts"), (2, "max length")):
-        if len({values[field] for values in found.values() if values[field] is not None}) > 1:
+    for position, label in ((0, "texts"), (1, "number of texts"), (2, "max length")):  # noqa: B007 (label: read after)
+        if len({values[position] for values in found.values() if values[position] is not None}) > 1:
             break
     else:
         return None

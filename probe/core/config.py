@@ -11,9 +11,9 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from probe.core.version import __version__
 from probe.core.errors import ProbeError
 from probe.core.naming import expand_path, recorded_path
+from probe.core.version import __version__
 
 #: the parameterisations, in display order: "hidden" (t = x/sqrt(d'), z = c W_k^T q), "key" (t = k/sqrt(d'), z = c q)
 SPACES = ("hidden", "key")
@@ -21,7 +21,7 @@ SPACES = ("hidden", "key")
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 #: where the model's weights come from: the checkpoint, or a random initialisation (a control)
 INITS = ("pretrained", "random")
-#: what ``--intervene`` substitutes for the model's attention weights (probe.interventions.intervene.SUBSTITUTES, without torch)
+#: what ``--intervene`` substitutes for the model's attention weights (probe.interventions.SUBSTITUTES, without torch)
 INTERVENTION_SUBSTITUTES = ("exact", "second-order", "null", "model")
 #: the intervention modes ``--intervene-modes`` takes: every site on its own, and all sites at once
 INTERVENTION_MODES = ("per-site", "whole")
@@ -91,7 +91,7 @@ class RunConfig:
     fidelity_tolerance: float | None = None  # None: by the model's dtype (probe.batch.rows.FIDELITY_TOLERANCE)
     progress: bool = True
     name: str | None = None  # --name: the run's name (directory and report title); None: from the model's files
-    # --intervene: substitutes put into the forward pass (probe.interventions.intervene), () = off; their records go to
+    # --intervene: substitutes put into the forward pass (probe.interventions), () = off; their records go to
     # the run's second table, interventions.parquet/
     intervene: tuple[str, ...] = ()
     intervene_modes: tuple[str, ...] = INTERVENTION_MODES  # --intervene-modes: per-site and/or whole

@@ -43,7 +43,7 @@ REQUIRED_COLUMNS = tuple(DEVIATION_SCHEMA.names)
 ROW_KEY = ("space", "alpha", "attention_type", "layer", "head", "example", "query")
 
 
-#: The interventions table (``interventions.parquet/`` of a run with ``--intervene``; :mod:`probe.interventions.intervene`):
+#: The interventions table (``interventions.parquet/`` of a run with ``--intervene``; :mod:`probe.interventions`):
 #: one record per (space, alpha, substitute, site, example), ``site`` "self.3"-style or "whole" (the
 #: whole-model substitution).  Columns with their Arrow type names, in order.
 INTERVENTION_COLUMNS = {

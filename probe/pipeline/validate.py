@@ -46,12 +46,23 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from probe.core.config import DTYPE_NAMES, INITS, INTERVENTION_MODES, INTERVENTION_SUBSTITUTES, SPACES  # noqa: F401 (INITS: probe.pipeline.validate.INITS, as before)
 from probe.capture.data import DatasetSpec, Texts, load_texts
-from probe.core.errors import ProbeError
-from probe.capture.hub import cached_snapshot, check_hub_name, hub_reachable, no_connection
-from probe.core.spelling import option
+from probe.capture.hub import (
+    cached_snapshot,
+    check_hub_name,
+    hub_reachable,
+    no_connection,
+)
 from probe.capture.tokens import check_unknown_tokens, unknown_tokens
+from probe.core.config import (  # noqa: F401 (INITS: probe.pipeline.validate.INITS, as before)
+    DTYPE_NAMES,
+    INITS,
+    INTERVENTION_MODES,
+    INTERVENTION_SUBSTITUTES,
+    SPACES,
+)
+from probe.core.errors import ProbeError
+from probe.core.spelling import option
 
 #: Files that hold a model's weights (one of them is needed), as save_pretrained writes them.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -195,7 +206,7 @@ def check_options(config) -> None:
 
 
 def check_intervention_options(config) -> None:
-    """``--intervene`` and ``--intervene-modes`` (probe.interventions.intervene): known names, each once."""
+    """``--intervene`` and ``--intervene-modes`` (probe.interventions): known names, each once."""
     intervene = tuple(getattr(config, "intervene", ()) or ())
     modes = tuple(getattr(config, "intervene_modes", INTERVENTION_MODES) or ())
     for name, values, choices in (("intervene", intervene, INTERVENTION_SUBSTITUTES),

@@ -2,7 +2,7 @@ r"""``probe verify RUN_DIR``: check a finished run against itself, after the fac
 
 Two checks:
 
-1. **Every part file** against its record in the manifest (:func:`probe.store.storage.check_parts` with
+1. **Every part file** against its record in the manifest (:func:`probe.store.integrity.check_parts` with
    SHA-256 checksums): present, of its recorded size, row count and checksum.
 2. **A seeded random sample of rows re-solved from the model** by an independent method.  The model
    and the texts are loaded as ``probe resume`` loads them (refused if their files changed), the batch
@@ -61,9 +61,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from probe.store import storage
 from probe.core.errors import ProbeError
 from probe.core.schema import ROW_KEY
+from probe.store import integrity, storage
 
 #: absolute slack added to every bound: rounding of the explicit form rebuilt from the reduced one
 SLACK = 1e-9
@@ -98,14 +98,14 @@ class ColumnCheck:
 @dataclass
 class VerifyReport:
     run_dir: Path
-    parts: storage.PartsCheck
+    parts: integrity.PartsCheck
     sampled: int = 0
     seed: int = 0
     columns: dict[str, ColumnCheck] = field(default_factory=dict)
     reference_not_converged: int = 0
     batches_rerun: int = 0
     #: the interventions table's parts (a run with ``--intervene``), checked like the rows'; None without
-    intervention_parts: storage.PartsCheck | None = None
+    intervention_parts: integrity.PartsCheck | None = None
 
     @property
     def ok(self) -> bool:
@@ -146,7 +146,7 @@ class VerifyReport:
         return out
 
 
-def _sample_rows(check: storage.PartsCheck, sample: int, seed: int) -> pa.Table:
+def _sample_rows(check: integrity.PartsCheck, sample: int, seed: int) -> pa.Table:
     """``sample`` rows drawn uniformly (without replacement, seeded) from the readable parts, with the
     batch each came from.  The draw is over the rows' positions (the parts in batch order, each part's rows
     in its order), numbered from the parts' footers; then only the row groups that hold a drawn row are read,
@@ -177,13 +177,13 @@ def _sample_rows(check: storage.PartsCheck, sample: int, seed: int) -> pa.Table:
 
 def _load_job(run_dir: Path, manifest: dict):
     """The model, texts and batch plan as resume loads them (refused if the model files or texts changed)."""
-    from probe.pipeline.runner import _prepare_resume, config_from_json
+    from probe.pipeline.runner import config_from_json, prepare_resume
 
     if "config" not in manifest or "inputs" not in manifest:
         raise ProbeError(f"{run_dir} was written by an older probe that did not record its inputs: cannot re-solve.")
     config = config_from_json(manifest["config"])
     config.progress = False
-    return _prepare_resume(run_dir, manifest, config, config.device)
+    return prepare_resume(run_dir, manifest, config, config.device)
 
 
 def _batch_sites(job, batch: int, needed: set[tuple[str, int]]) -> dict:
@@ -371,10 +371,10 @@ def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
     """Check every part's checksum and re-solve ``sample`` rows drawn with ``seed`` (see the module)."""
     run_dir = Path(run_dir)
     manifest = storage.read_manifest(run_dir)
-    parts = storage.check_parts(run_dir, manifest, checksums=True)
+    parts = integrity.check_parts(run_dir, manifest, checksums=True)
     report = VerifyReport(run_dir, parts, seed=seed, columns={c: ColumnCheck(c) for c in COLUMNS})
     if storage.INTERVENTIONS in storage.run_tables(manifest):
-        report.intervention_parts = storage.check_parts(run_dir, manifest, checksums=True,
+        report.intervention_parts = integrity.check_parts(run_dir, manifest, checksums=True,
                                                         table=storage.INTERVENTIONS)
     if sample <= 0 or not parts.readable:
         return report

@@ -54,7 +54,16 @@ from probe.query.runs import (
     RUN_HINT,
     RunTable,
 )
-from probe.query.sql import BINS_PER_OCTAVE, SPLIT_BINS, both, cut_bin, edges_bin, edges_guess, read_limit, where
+from probe.query.sql import (
+    BINS_PER_OCTAVE,
+    SPLIT_BINS,
+    both,
+    cut_bin,
+    edges_bin,
+    edges_guess,
+    read_limit,
+    where,
+)
 from probe.query.table import Rank, Table, lerp, quantile_ranks
 from probe.store.engine import (
     DEFAULT_MEMORY_BUDGET,

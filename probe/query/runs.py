@@ -90,7 +90,7 @@ class RunTable(Table):
         self.files = sorted(str(f) for f in files) if files is not None else (
             sorted(str(p) for p in path.iterdir() if re.match(r"^part-\d+\.parquet$", p.name)) if path.is_dir()
             else [str(path)])
-        #: the check of the run's parts (:class:`probe.store.storage.PartsCheck`), when the table was opened from a run
+        #: the check of the run's parts (:class:`probe.store.integrity.PartsCheck`), when the table was opened from a run
         self.check = check
         self.schema, self._same_columns = _checked_schema(path, self.files)
         super().__init__(connection if connection is not None else connect(), name(view), path)
@@ -102,10 +102,11 @@ class RunTable(Table):
     @classmethod
     def open(cls, run_dir: str | Path, *, allow_damaged: bool = False, manifest: dict | None = None,
              connection=None, view: str = ROWS) -> "RunTable":
-        """A run directory's table after :func:`probe.store.storage.require_intact`: a damaged run is refused
+        """A run directory's table after :func:`probe.store.integrity.require_intact`: a damaged run is refused
         unless ``allow_damaged`` (then its intact parts are read and :attr:`check` says what is left out).
         A single ``deviations.parquet`` file (runs of older versions, exports) is read as it is."""
-        from probe.store.storage import PARTS, require_intact
+        from probe.store.integrity import require_intact
+        from probe.store.storage import PARTS
 
         run_dir = Path(run_dir)
         path = run_dir / PARTS

@@ -26,15 +26,32 @@ from typing import Sequence
 from probe.core.errors import ProbeError
 from probe.core.spelling import option
 from probe.report import explorer
-from probe.report.compare import compare_runs
 from probe.report.breakdowns import drivers_figure, positions_figure, roles_figure
+from probe.report.compare import compare_runs
 from probe.report.data import Run, read_run
-from probe.report.figures import heads_figure, heatmap_figure, layers_figure, overview_figure, report_scale
+from probe.report.figures import (
+    heads_figure,
+    heatmap_figure,
+    layers_figure,
+    overview_figure,
+    report_scale,
+)
 from probe.report.findings import analyse as compute_findings
 from probe.report.page import page
-from probe.report.quantities import alpha_figure, quantity_figure, second_order_figure, spaces_figure
+from probe.report.quantities import (
+    alpha_figure,
+    quantity_figure,
+    second_order_figure,
+    spaces_figure,
+)
 from probe.report.style import FORMATS, Drawn, Scale, check_formats, save, style
-from probe.report.summary import control_headline, main_rows, quantity_stats, summarize, summary_json
+from probe.report.summary import (
+    control_headline,
+    main_rows,
+    quantity_stats,
+    summarize,
+    summary_json,
+)
 
 __all__ = ["FORMATS", "Drawn", "build_report", "compare_runs", "draw_figures", "read_run"]
 

@@ -160,7 +160,7 @@ def driver_bins(run: Run) -> dict:
                     f"LIMIT {DISCRETE_VALUES + 1}")) <= DISCRETE_VALUES)
             found[key] = {"rows": int(fact["count"]), "min": float(fact["min"]), "max": float(fact["max"]),
                           "discrete": few, "edges": np.unique([fact[q] for q in DRIVER_QUANTILES])}
-        for attempt in range(2):  # a few values that are not all integers: binned by quantiles after all
+        for _attempt in range(2):  # a few values that are not all integers: binned by quantiles after all
             bins = " ".join(f"WHEN {_is_driver(key)} THEN "
                             + ("x" if fact["discrete"] else f"CAST({cut_bin('x', fact['edges'])} AS DOUBLE)")
                             for key, fact in found.items())

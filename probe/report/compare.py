@@ -25,8 +25,8 @@ import numpy as np
 import pandas as pd
 
 from probe.core.errors import ProbeError
-from probe.query import connect
 from probe.core.spelling import option
+from probe.query import connect
 from probe.report.data import FAR, Run, lookup, read_run, type_label
 from probe.report.style import (
     DEVIATION_LABEL,
@@ -88,7 +88,7 @@ def comparison_table(runs: list[Run], labels: list[str], types: list[str]) -> pd
         for attention_type in types:
             counts = run.counts(attention_type)
             known = attention_type in stats.index and stats.loc[attention_type, "count"] > 0
-            value = (lambda c: float(stats.loc[attention_type, c])) if known else (lambda c: math.nan)
+            value = (lambda c, row=stats.loc[attention_type]: float(row[c])) if known else (lambda c: math.nan)
             records.append({
                 "run": label, "model": run.name, "run_dir": run.run_dir.name, "attention_type": attention_type,
                 "layers": len(run.layers(attention_type)), "rows": counts["rows"], "trivial": counts["trivial"],

@@ -35,12 +35,8 @@ from probe.query import (
     literal,
     where,
 )
-from probe.store.storage import (
-    MANIFEST,
-    DamagedRunWarning,
-    require_intact,
-    with_liveness,
-)
+from probe.store.integrity import DamagedRunWarning, require_intact
+from probe.store.storage import MANIFEST, with_liveness
 
 __all__ = ["NEEDED_COLUMNS", "OPTIONAL_COLUMNS", "LEGACY_COLUMNS", "RUN_HINT", "Run", "read_run"]
 
@@ -446,7 +442,7 @@ def note_data_problems(run: Run) -> None:
 def open_table(run_dir: Path, manifest: dict, problem: str | None, *, allow_damaged: bool = False,
                connection=None, view: str = "rows") -> tuple[RunTable, list[str]]:
     """A run directory's rows as a query, and the notes to show for them.  A directory of part files with a
-    manifest is checked first (:func:`probe.store.storage.require_intact`): a damaged one is refused, or with
+    manifest is checked first (:func:`probe.store.integrity.require_intact`): a damaged one is refused, or with
     ``allow_damaged`` read without its damaged parts under a banner; without a usable manifest every part
     file is read."""
     table_path = run_dir / "deviations.parquet"
@@ -471,7 +467,7 @@ def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: boo
 
     Raises :class:`ProbeError` when the directory or its table is missing or unreadable; a missing or
     invalid manifest only warns (on the page and through :mod:`warnings`).  A run of part files with a
-    manifest is checked first (:func:`probe.store.storage.require_intact`): a damaged one is refused, or with
+    manifest is checked first (:func:`probe.store.integrity.require_intact`): a damaged one is refused, or with
     ``allow_damaged`` read without its damaged parts under a banner on the page.  Reads one pass of the
     rows (the census); ``connection`` and ``view``: a DuckDB connection and view name to share (compare).
     """

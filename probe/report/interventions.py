@@ -1,4 +1,4 @@
-"""The report's interventions section (runs with ``--intervene``; :mod:`probe.interventions.intervene`): what each
+"""The report's interventions section (runs with ``--intervene``; :mod:`probe.interventions`): what each
 substitute does to the model's outputs, per attention site and for the whole model, the null beside it.
 
 Every number is a mean over the examples of the run's ``interventions.parquet/`` records of one
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from probe.query import Table, connect, name, parquet_source
 from probe.core.schema import INTERVENTION_KEY, INTERVENTION_SCHEMA
+from probe.query import Table, connect, name, parquet_source
 from probe.report.style import Drawn
 
 #: the effects shown, with how the table names their means
@@ -43,8 +43,9 @@ def _records(source: str) -> str:
 
 def open_interventions(run_dir: Path, manifest: dict, *, allow_damaged: bool = False, connection=None) -> Table | None:
     """The run's intervention records as a query (None for a run without ``--intervene`` or without records
-    yet), checked like every table (:func:`probe.store.storage.require_intact`)."""
-    from probe.store.storage import INTERVENTIONS, DamagedRunWarning, require_intact, run_tables
+    yet), checked like every table (:func:`probe.store.integrity.require_intact`)."""
+    from probe.store.integrity import DamagedRunWarning, require_intact
+    from probe.store.storage import INTERVENTIONS, run_tables
 
     if INTERVENTIONS not in run_tables(manifest):
         return None

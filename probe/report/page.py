@@ -15,8 +15,8 @@ from datetime import datetime, timezone
 import numpy as np
 import pandas as pd
 
-from probe.core.version import __version__
 from probe.capture.tokens import describe as describe_unknown
+from probe.core.version import __version__
 from probe.report import explorer
 from probe.report.data import QUANTILE_METHOD, Run, lookup, type_label
 from probe.report.findings import RULE

@@ -107,7 +107,7 @@ def headline(run: Run) -> list[dict]:
     for attention_type in run.types:
         counts = run.counts(attention_type)
         known = attention_type in stats.index and stats.loc[attention_type, "count"] > 0
-        value = (lambda column: float(stats.loc[attention_type, column])) if known else (lambda column: math.nan)
+        value = (lambda column, row=stats.loc[attention_type]: float(row[column])) if known else (lambda column: math.nan)
         out.append(
             {
                 "attention_type": attention_type,

@@ -59,7 +59,13 @@ from dataclasses import dataclass
 import torch
 
 from probe.core.errors import ProbeError
-from probe.solve.dual import DualProblems, factor_gram, row_dot, solve_dual, solve_spd_reduced
+from probe.solve.dual import (
+    DualProblems,
+    factor_gram,
+    row_dot,
+    solve_dual,
+    solve_spd_reduced,
+)
 
 __all__ = ["exact_attention", "ExactCertificate", "merge_summaries"]
 

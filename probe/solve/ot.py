@@ -159,7 +159,7 @@ def _as_tensor(name: str, value) -> torch.Tensor:
     try:
         tensor = torch.as_tensor(value)
     except Exception as error:  # lists of unequal lengths, strings, ...
-        raise OTInputError(f"{name} must be an array of numbers ({error}); pass a torch tensor or numpy array.")
+        raise OTInputError(f"{name} must be an array of numbers ({error}); pass a torch tensor or numpy array.") from None
     if not (tensor.dtype.is_floating_point or tensor.dtype in (torch.int8, torch.int16, torch.int32, torch.int64,
                                                                torch.uint8)):
         raise OTInputError(f"{name} must hold real numbers, got dtype {tensor.dtype}; pass a float tensor.")
@@ -170,7 +170,7 @@ def _positive(name: str, value) -> float:
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise OTInputError(f"{name} must be a positive number, got {value!r}.")
+        raise OTInputError(f"{name} must be a positive number, got {value!r}.") from None
     if not (math.isfinite(number) and number > 0):
         raise OTInputError(f"{name} must be a positive finite number, got {number}; the OT problem needs "
                            f"{name} > 0 (alpha: the evidence's strength, gamma: the entropic regularisation).")
@@ -233,7 +233,7 @@ def _shapes(candidates, source_weights, cost, evidence):
             f"the batch dimensions do not broadcast: candidates {tuple(candidates.shape[:-2])}, source_weights "
             f"{tuple(source_weights.shape[:-1])}, cost {tuple(cost.shape[:-2])}, evidence "
             f"{tuple(evidence.shape[:-1])}."
-        )
+        ) from None
     return batch, N, d, n
 
 

@@ -20,7 +20,7 @@ same way (temporary file, fsync, rename).
 
 Inside a part file the rows are in the row key's order (:data:`probe.core.schema.ROW_KEY`), with a row group per
 (space, alpha, attention type, layer) slice, so that a reader filtering on a slice skips the others; zstd
-(:func:`_parquet_options`; bench/results_storage.md).  Parts written before that hold one row group, their rows
+(:func:`parquet_options`; bench/results_storage.md).  Parts written before that hold one row group, their rows
 in the order they were solved; every reader takes both.
 
 Each part carries, in its parquet metadata under ``probe.batch``, the batch's number, example indices,
@@ -50,26 +50,23 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from probe.core.errors import ProbeError
-from probe.store.keyorder import batches_in_key_order, stretch_starts
-from probe.core.schema import DEVIATION_SCHEMA, INTERVENTION_KEY, INTERVENTION_SCHEMA, ROW_KEY
+from probe.core.schema import ROW_KEY
+from probe.store.keyorder import stretch_starts
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
 PARTS = "deviations.parquet"
-#: the second table of a run with ``--intervene`` (probe.interventions.intervene): the same part-file layout, one part per batch
+#: the second table of a run with ``--intervene`` (probe.interventions): the same part-file layout, one part per batch
 INTERVENTIONS = "interventions.parquet"
 #: where ``probe resume`` moves damaged part files (outside PARTS, so no reader of PARTS sees them)
 QUARANTINE = "quarantine"
@@ -79,7 +76,7 @@ PART_RECORDS = "parts"
 TABLE_RECORDS = {PARTS: PART_RECORDS, INTERVENTIONS: "intervention_parts"}
 #: The key, in each part file's parquet metadata, of the batch's record (JSON).
 PART_METADATA_KEY = b"probe.batch"
-_PART_NAME = re.compile(r"^part-(\d+)\.parquet$")
+PART_NAME = re.compile(r"^part-(\d+)\.parquet$")
 
 
 #: How part files (and exports) are compressed: zstd at this level (bench/results_storage.md measured the
@@ -97,7 +94,7 @@ MIN_ROW_GROUP_ROWS = 4096
 MAX_ROW_GROUP_ROWS = 1 << 20
 
 
-def _parquet_options(schema: pa.Schema) -> dict:
+def parquet_options(schema: pa.Schema) -> dict:
     """How tables are written, losslessly (bench/results_storage.md): zstd; dictionaries for the columns whose
     values repeat (names, indices, flags), none for the float measurements (float64, as certified: they rarely
     repeat, and trying a dictionary before falling back made writing 2.7x slower).  The floats are not
@@ -139,8 +136,8 @@ def _row_group_bounds(table: pa.Table) -> list[tuple[int, int]]:
 
 
 def _write_table(table: pa.Table, handle) -> None:
-    """``table`` as one Parquet file with :func:`_parquet_options`, one row group per :func:`_row_group_bounds`."""
-    with pq.ParquetWriter(handle, table.schema, **_parquet_options(table.schema)) as writer:
+    """``table`` as one Parquet file with :func:`parquet_options`, one row group per :func:`_row_group_bounds`."""
+    with pq.ParquetWriter(handle, table.schema, **parquet_options(table.schema)) as writer:
         for offset, length in _row_group_bounds(table):
             writer.write_table(table.slice(offset, length), row_group_size=max(length, 1))
 
@@ -149,7 +146,7 @@ def _write_table(table: pa.Table, handle) -> None:
 # atomic files
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # not supported on this platform (Windows): the rename is still atomic
@@ -167,7 +164,7 @@ def _temporary(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def _replace_atomically(path: Path, write) -> None:
+def replace_atomically(path: Path, write) -> None:
     """Write ``path`` through ``write(file)`` into a temporary file, fsync it and rename it into place."""
     tmp = _temporary(path)
     try:
@@ -182,12 +179,12 @@ def _replace_atomically(path: Path, write) -> None:
         except OSError:
             pass
         raise
-    _fsync_directory(path.parent)
+    fsync_directory(path.parent)
 
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:
     text = json.dumps(manifest, indent=2, default=str).encode()
-    _replace_atomically(Path(run_dir) / MANIFEST, lambda handle: handle.write(text))
+    replace_atomically(Path(run_dir) / MANIFEST, lambda handle: handle.write(text))
 
 
 def read_manifest(run_dir: Path, *, check_liveness: bool = True) -> dict:
@@ -341,7 +338,7 @@ def write_part(run_dir: Path, batch: int, table: pa.Table, record: dict, name: s
     path = part_path(run_dir, batch, name)
     metadata = {**(table.schema.metadata or {}), PART_METADATA_KEY: json.dumps({"batch": batch, **record}).encode()}
     table = _in_key_order(table).replace_schema_metadata(metadata)
-    _replace_atomically(path, lambda handle: _write_table(table, handle))
+    replace_atomically(path, lambda handle: _write_table(table, handle))
     return path
 
 
@@ -357,7 +354,7 @@ def part_files(run_dir: Path, table: str = PARTS) -> dict[int, Path]:
     files = {}
     if parts.is_dir():
         for name in sorted(os.listdir(parts)):
-            match = _PART_NAME.match(name)
+            match = PART_NAME.match(name)
             if match:
                 files[int(match.group(1))] = parts / name
     return files
@@ -397,7 +394,7 @@ def describe_part(path: Path, batch: int | None = None) -> dict:
     SHA-256 of the whole file."""
     path = Path(path)
     if batch is None:
-        batch = int(_PART_NAME.match(path.name).group(1))
+        batch = int(PART_NAME.match(path.name).group(1))
     return {"batch": batch, "file": path.name, "bytes": path.stat().st_size,
             "rows": pq.read_metadata(path).num_rows, "sha256": file_sha256(path)}
 
@@ -406,316 +403,3 @@ def part_records(manifest: dict, table: str = PARTS) -> dict[int, dict]:
     """Batch number -> its record in the manifest (none for a run written before records existed)."""
     records = manifest.get(TABLE_RECORDS[table]) if isinstance(manifest, dict) else None
     return {int(r["batch"]): r for r in records or () if isinstance(r, dict) and "batch" in r}
-
-
-class DamagedRunWarning(UserWarning):
-    """A reader read a damaged run anyway (``allow_damaged``): its text is the banner naming what was left
-    out.  The CLI prints that banner itself and does not repeat it as a warning."""
-
-
-class DamagedRunError(ProbeError):
-    """A reader refused a run whose part files do not match their records (missing, resized, unreadable,
-    wrong rows or checksum)."""
-
-    def __init__(self, message: str, check: "PartsCheck"):
-        super().__init__(message)
-        self.check = check
-
-
-@dataclass
-class PartsCheck:
-    """What :func:`check_parts` found in a run directory.
-
-    ``readable``: batch -> part file, for every part that passed (the ones a reader reads);
-    ``damaged``: batch -> what is wrong with it (its file is missing, has another size, an unreadable
-    footer, other rows or another checksum than recorded); ``unrecorded``: batches whose part is present
-    and sound but not (yet) in the manifest's records, as a kill right after a part's rename leaves it.
-    """
-
-    run_dir: Path
-    status: str | None
-    batches_total: int | None
-    readable: dict[int, Path] = field(default_factory=dict)
-    damaged: dict[int, str] = field(default_factory=dict)
-    unrecorded: list[int] = field(default_factory=list)
-    checksums: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.damaged
-
-    def describe(self, limit: int = 8) -> str:
-        """``batches 3 (missing), 7 (12,345 bytes, recorded 23,456)``, the first ``limit`` of them."""
-        items = [f"{batch} ({why})" for batch, why in sorted(self.damaged.items())]
-        more = f" and {len(items) - limit} more" if len(items) > limit else ""
-        return f"batch{'es' if len(items) > 1 else ''} {', '.join(items[:limit])}{more}"
-
-    def banner(self) -> str:
-        """What a reader told to read a damaged run anyway prints, and puts on what it writes."""
-        return (
-            f"DAMAGED RUN, read anyway (--allow-damaged): {len(self.damaged)} damaged part(s) left out, "
-            f"{self.describe()}; what follows covers {len(self.readable)} of "
-            f"{self.batches_total if self.batches_total is not None else '?'} batches. "
-            f"Repair with: probe resume {self.run_dir}"
-        )
-
-
-def _footer_problem(path: Path, expected_rows: int | None, batch: int) -> tuple[str | None, int | None]:
-    """What is wrong with a part's footer (None if nothing), and its row count."""
-    try:
-        metadata = pq.read_metadata(path)
-    except (OSError, pa.ArrowException) as error:
-        return f"unreadable footer: {str(error).splitlines()[0][:120]}", None
-    rows = metadata.num_rows
-    if expected_rows is not None and rows != expected_rows:
-        return f"{rows:,} rows, recorded {expected_rows:,}", rows
-    raw = (metadata.metadata or {}).get(PART_METADATA_KEY)
-    if expected_rows is None and raw is not None:  # unrecorded: its own batch record must agree with it
-        try:
-            record = json.loads(raw)
-            own_batch = int(record["batch"])
-            own_rows = record.get("summary", {}).get("rows")
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return "its probe.batch record does not read", rows
-        if own_batch != batch:
-            return f"holds batch {own_batch}, not {batch}", rows
-        if own_rows is not None and own_rows != rows:
-            return f"{rows:,} rows, its own record says {own_rows:,}", rows
-    return None, rows
-
-
-def check_parts(run_dir: Path, manifest: dict | None = None, *, checksums: bool = False,
-                table: str = PARTS) -> PartsCheck:
-    """Check a run's part files against the manifest's records: the one check every reader makes.
-
-    Cheap (a directory listing, one ``stat`` and one footer read per part): each recorded part must be
-    present with its recorded size and row count; a part present but unrecorded must have a sound footer
-    whose row count and batch number agree with its own ``probe.batch`` record; a complete run must have
-    a part for every batch of its plan.  ``checksums=True`` also compares every recorded part's SHA-256
-    (reads every byte: ``probe resume`` and ``probe verify`` do).  ``table``: which of the run's tables
-    (:data:`PARTS`, :data:`INTERVENTIONS`).
-    """
-    run_dir = Path(run_dir)
-    if manifest is None:  # a run directory whose first manifest is not written yet has no records
-        manifest = read_manifest(run_dir) if (run_dir / MANIFEST).exists() else {}
-    records = part_records(manifest, table)
-    try:
-        present = part_files(run_dir, table)
-    except OSError as error:
-        raise ProbeError(f"Cannot list {run_dir / table} ({error.strerror or error}): check its permissions.") from None
-    total = manifest.get("batches_total")
-    check = PartsCheck(run_dir, manifest.get("status"), total if isinstance(total, int) else None,
-                       checksums=checksums)
-    expected = set(records)
-    if check.status == "complete" and check.batches_total is not None:
-        expected |= set(range(check.batches_total))  # a complete run has every batch (records or not: old runs)
-    for batch in sorted(expected | set(present)):
-        path, record = present.get(batch), records.get(batch)
-        if path is None:
-            check.damaged[batch] = "missing" + ("" if record else ", never recorded")
-            continue
-        try:
-            if record is not None:
-                size = path.stat().st_size
-                if size != record["bytes"]:
-                    check.damaged[batch] = f"{size:,} bytes, recorded {record['bytes']:,}"
-                    continue
-            problem, _ = _footer_problem(path, record["rows"] if record else None, batch)
-            if problem is None and record is not None and checksums and file_sha256(path) != record["sha256"]:
-                problem = "SHA-256 differs from the recorded one"
-        except OSError as error:  # unreadable (permissions, an I/O error) or gone since the listing
-            problem = f"unreadable: {error.strerror or error}"
-        if problem is not None:
-            check.damaged[batch] = problem
-            continue
-        if record is None:
-            check.unrecorded.append(batch)
-        check.readable[batch] = path
-    return check
-
-
-def require_intact(run_dir: Path, manifest: dict | None = None, *, allow_damaged: bool = False,
-                   checksums: bool = False, table: str = PARTS) -> PartsCheck:
-    """:func:`check_parts`, refusing a damaged run with a message that names the batches and what is wrong
-    (:class:`DamagedRunError`), unless ``allow_damaged``: then the caller reads ``check.readable`` and
-    shows ``check.banner()``."""
-    check = check_parts(run_dir, manifest, checksums=checksums, table=table)
-    if check.damaged and not allow_damaged:
-        what = "" if table == PARTS else f" (its {table})"
-        raise DamagedRunError(
-            f"{run_dir} is damaged{what}: {check.describe()}. Its other parts are intact, but reading it now would "
-            f"silently leave these batches out. Repair it with `probe resume {run_dir}` (it moves the damaged "
-            f"parts to {Path(run_dir) / QUARANTINE} and recomputes them), or pass --allow-damaged to read "
-            "what is left, marked as such.",
-            check,
-        )
-    return check
-
-
-def quarantine(run_dir: Path, batches, table: str = PARTS) -> Path | None:
-    """Move the part files of ``batches`` (those present) into ``RUN_DIR/quarantine/<time>/``
-    (``.../<time>/<table>/`` for a table other than the deviations); return it."""
-    run_dir = Path(run_dir)
-    present = part_files(run_dir, table)
-    moving = [present[b] for b in sorted(batches) if b in present]
-    if not moving:
-        return None
-    target = run_dir / QUARANTINE / datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    if table != PARTS:
-        target = target / table
-    target.mkdir(parents=True)
-    for path in moving:
-        shutil.move(str(path), target / path.name)
-    _fsync_directory(run_dir / table)
-    return target
-
-
-def repair_parts(run_dir: Path, manifest: dict, table: str = PARTS) -> tuple[PartsCheck, Path | None]:
-    """Before a resume: check every part in full (checksums; an unrecorded part is read whole), move the
-    damaged ones to the quarantine folder and drop their records; record the sound unrecorded ones.
-    Returns the check and the quarantine folder (None when nothing moved).  ``manifest`` is updated."""
-    key = TABLE_RECORDS[table]
-    check = check_parts(run_dir, manifest, checksums=True, table=table)
-    for batch in list(check.unrecorded):
-        path = check.readable[batch]
-        try:
-            rows = pq.read_table(path).num_rows  # every page decoded, not only the footer
-            record = describe_part(path, batch)
-            if rows != record["rows"]:
-                raise ValueError(f"{rows} rows decoded, footer says {record['rows']}")
-        except (OSError, ValueError, pa.ArrowException) as error:
-            check.damaged[batch] = f"unreadable: {str(error).splitlines()[0][:120]}"
-            del check.readable[batch]
-            check.unrecorded.remove(batch)
-            continue
-        manifest.setdefault(key, []).append(record)
-    moved = quarantine(run_dir, check.damaged, table)
-    if check.damaged:
-        manifest[key] = [r for r in manifest.get(key, []) if int(r["batch"]) not in check.damaged]
-    manifest[key] = sorted(manifest.get(key, []), key=lambda r: int(r["batch"]))
-    return check, moved
-
-
-# --------------------------------------------------------------------------------------------------
-# readers and export
-
-
-def deviations_dataset(path: Path, files=None) -> ds.Dataset:
-    """The deviations table at ``path`` (a run's parts directory, or a single exported parquet file);
-    ``files``: the part files to read (default: every one in the directory)."""
-    path = Path(path)
-    if path.is_dir() or files is not None:
-        if files is None:
-            files = [p for p in path.iterdir() if _PART_NAME.match(p.name)]
-        files = sorted(str(p) for p in files)
-        return ds.dataset(files, format="parquet", schema=None if files else DEVIATION_SCHEMA)
-    return ds.dataset(str(path), format="parquet")
-
-
-def read_deviations(run_dir: Path, columns=None, *, allow_damaged: bool = False) -> pa.Table:
-    """Every finished batch's rows of a run, in batch order (``columns``: a subset to read), after
-    :func:`require_intact`; a damaged run is refused unless ``allow_damaged`` (then with a warning)."""
-    check = require_intact(run_dir, allow_damaged=allow_damaged)
-    if check.damaged:
-        import warnings
-
-        warnings.warn(check.banner(), DamagedRunWarning, stacklevel=2)
-    return deviations_dataset(Path(run_dir) / PARTS, files=check.readable.values()).to_table(columns=columns)
-
-
-#: what ``export`` writes, by the extension of its target
-EXPORT_FORMATS = {".parquet": "Parquet", ".csv": "CSV"}
-
-
-def read_interventions(run_dir: Path, columns=None, *, allow_damaged: bool = False) -> pa.Table:
-    """The intervention records of a run with ``--intervene`` (:data:`INTERVENTIONS`), in batch order, after
-    :func:`require_intact` on that table; a run without them is refused with what to do."""
-    run_dir = Path(run_dir)
-    manifest = read_manifest(run_dir)
-    if INTERVENTIONS not in run_tables(manifest):
-        raise ProbeError(
-            f"{run_dir} has no interventions: it was run without --intervene. Run the model again with "
-            "`probe run ... --intervene exact,second-order,null`."
-        )
-    check = require_intact(run_dir, manifest, allow_damaged=allow_damaged, table=INTERVENTIONS)
-    if check.damaged:
-        import warnings
-
-        warnings.warn(check.banner(), DamagedRunWarning, stacklevel=2)
-    files = sorted(str(p) for p in check.readable.values())
-    if not files:
-        return INTERVENTION_SCHEMA.empty_table() if columns is None else INTERVENTION_SCHEMA.empty_table().select(columns)
-    return ds.dataset(files, format="parquet").to_table(columns=columns)
-
-
-#: rows per row group of an exported Parquet file
-EXPORT_ROW_GROUP_ROWS = 1 << 17
-
-
-def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: dict | None = None,
-           table: str = PARTS) -> int:
-    """Write a run's rows into one file, in the format its extension names (:data:`EXPORT_FORMATS`):
-    Parquet (row groups of :data:`EXPORT_ROW_GROUP_ROWS` rows) or CSV (with a header line); return the row count.
-
-    The rows are in their key's order, as ``Run.rows`` has them (:data:`probe.core.schema.ROW_KEY`; the
-    interventions' :data:`probe.core.schema.INTERVENTION_KEY`), sorted out of core by a bucket sort
-    (:mod:`probe.store.keyorder`) whose memory does not grow with the rows, and they stream into the file batch by
-    batch.
-
-    The parts are checked first (:func:`require_intact`): a damaged run is refused unless
-    ``allow_damaged``, and then a Parquet file's metadata carries the banner under ``probe.damaged``."""
-    run_dir, to = Path(run_dir), Path(to)
-    if to.suffix.lower() not in EXPORT_FORMATS:
-        raise ProbeError(
-            f"--to {to}: probe writes {' or '.join(f'{kind} ({suffix})' for suffix, kind in EXPORT_FORMATS.items())}, "
-            f"chosen by the file's extension, and '{to.suffix or '(none)'}' is neither. Name the file *.parquet or *.csv."
-        )
-    parts = run_dir / table
-    if table != PARTS and (run_dir / PARTS).is_dir() and not parts.is_dir():
-        raise ProbeError(f"{run_dir} has no {table}: it was run without --intervene. Export --table deviations, "
-                         "or run the model again with --intervene.")
-    if not parts.is_dir():
-        raise ProbeError(f"{parts} is not a directory of part files: {run_dir} is not a probe run directory.")
-    if to.exists():
-        raise ProbeError(f"{to} exists already. Choose another --to, or delete it first.")
-    if not to.parent.is_dir():
-        raise ProbeError(f"The directory of --to ({to.parent}) does not exist. Create it first.")
-    if to.resolve().is_relative_to(parts.resolve()):
-        raise ProbeError(f"--to {to} is inside the run's parts directory; choose a file outside {parts}.")
-    check = require_intact(run_dir, manifest, allow_damaged=allow_damaged, table=table)
-    files = sorted(check.readable.values())
-    if files:
-        schema = pq.read_schema(files[0]).remove_metadata()
-    elif table == PARTS:
-        schema = DEVIATION_SCHEMA
-    else:
-        schema = INTERVENTION_SCHEMA
-    key = ROW_KEY if table == PARTS else INTERVENTION_KEY
-    rows = 0
-
-    def write(handle):
-        nonlocal rows
-        if to.suffix.lower() == ".csv":
-            from pyarrow import csv
-
-            with csv.CSVWriter(handle, schema) as writer:
-                for batch in batches_in_key_order(files, schema, key):
-                    writer.write_batch(batch)
-                    rows += batch.num_rows
-            return
-        damaged = {b"probe.damaged": check.banner().encode()} if check.damaged else None
-        with pq.ParquetWriter(handle, schema.with_metadata(damaged) if damaged else schema,
-                              **_parquet_options(schema)) as writer:
-            group: list[pa.RecordBatch] = []  # the batches of the row group being filled, and their rows
-            filled = 0
-            for batch in batches_in_key_order(files, schema, key):
-                group.append(batch)
-                rows, filled = rows + batch.num_rows, filled + batch.num_rows
-                if filled >= EXPORT_ROW_GROUP_ROWS:
-                    writer.write_table(pa.Table.from_batches(group), row_group_size=EXPORT_ROW_GROUP_ROWS)
-                    group, filled = [], 0
-            if group:
-                writer.write_table(pa.Table.from_batches(group), row_group_size=EXPORT_ROW_GROUP_ROWS)
-
-    _replace_atomically(to, write)
-    return rows

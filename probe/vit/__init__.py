@@ -34,7 +34,6 @@ def load_checkpoint(path, map_location="cpu"):
     object is refused.
     """
     from probe.core.errors import ProbeError
-
     from probe.vit.model import ViT, ViTConfig
     from probe.vit.train import CHECKPOINT, MODEL, read_checkpoint
 

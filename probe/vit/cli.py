@@ -11,7 +11,9 @@ from typing import Optional
 
 import typer
 
-from probe.core.errors import exit_with as _fail  # the one error paragraph and prefix of probe's commands
+from probe.core.errors import (
+    exit_with as _fail,  # the one error paragraph and prefix of probe's commands
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="ViT / OT-ViT / Sinkhorn-ViT / exact-ViT: train and compare (the OT attention, eq. 22).")
@@ -46,7 +48,8 @@ def train(
     from probe.core.errors import ProbeError
 
     try:
-        from probe.vit.train import TrainSettings, train as run_training
+        from probe.vit.train import TrainSettings
+        from probe.vit.train import train as run_training
 
         settings = TrainSettings(
             data=data, data_dir=None if data_dir is None else str(data_dir), attention=attention, seed=seed,

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from probe.core.errors import ProbeError
-from probe.capture.adapters.base import SPACES, Adapter, SiteCapture, SpaceProblems, space_problems
+from probe.capture.adapters.base import (
+    SPACES,
+    Adapter,
+    SiteCapture,
+    SpaceProblems,
+    space_problems,
+)
 from probe.capture.adapters.bert import BertAdapter
 from probe.capture.adapters.bloom import BloomAdapter
 from probe.capture.adapters.deberta_v2 import DebertaV2Adapter
@@ -25,6 +30,7 @@ from probe.capture.adapters.generic import (
 )
 from probe.capture.adapters.mpnet import MPNetAdapter
 from probe.capture.adapters.t5 import T5Adapter
+from probe.core.errors import ProbeError
 
 REGISTRY: dict[str, Callable[[], Adapter]] = {
     # encoders: self

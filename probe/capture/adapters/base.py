@@ -176,7 +176,9 @@ class Adapter(ABC):
         (a value saved in config.json would otherwise win over the ``attn_implementation`` argument).
         ``device_map="auto"`` shards the model over the visible GPUs (accelerate); ``None`` loads it whole.
         """
-        from probe.capture.checkpoint import from_pretrained_checked  # weight problems as ProbeErrors
+        from probe.capture.checkpoint import (
+            from_pretrained_checked,  # weight problems as ProbeErrors
+        )
 
         placement = {"device_map": device_map} if device_map is not None else {}
         model = from_pretrained_checked(
@@ -194,7 +196,7 @@ class Adapter(ABC):
         self.prepare(model)
         return model
 
-    def prepare(self, model) -> None:
+    def prepare(self, model) -> None:  # noqa: B027 (a hook: most families need nothing here)
         """Read what encoding needs from the loaded model (e.g. the decoder start token)."""
 
     @abstractmethod

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from probe.core.errors import ProbeError
 from probe.capture.adapters.base import Adapter, SiteCapture, head_split, padded_batch
 from probe.capture.adapters.hooks import recording
 from probe.capture.adapters.t5 import mask_to_log
+from probe.core.errors import ProbeError
 
 #: further BloomAttention inputs to record, as (keyword, positional index)
 RECORDED_INPUTS = (("alibi", 2), ("attention_mask", 3))

@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import torch
 
-from probe.core.errors import ProbeError
 from probe.capture.adapters.base import Adapter, SiteCapture, padded_batch, project
 from probe.capture.adapters.hooks import recording
 from probe.capture.adapters.interface import mask_to_log
+from probe.core.errors import ProbeError
 
 #: further DisentangledSelfAttention inputs to record, as (keyword, positional index)
 RECORDED_INPUTS = (("attention_mask", 1), ("query_states", 3), ("relative_pos", 4), ("rel_embeddings", 5))

@@ -37,9 +37,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from probe.core.errors import ProbeError
 from probe.capture.adapters.base import SPACES, Adapter, SiteCapture
-from probe.capture.adapters.interface import AttentionCall, eager_attention_calls, mask_to_log
+from probe.capture.adapters.interface import (
+    AttentionCall,
+    eager_attention_calls,
+    mask_to_log,
+)
+from probe.core.errors import ProbeError
 
 #: how inputs are encoded (and which attention types exist)
 ENCODER, ENCODER_DECODER, DECODER = "encoder", "encoder_decoder", "decoder"
@@ -107,7 +111,9 @@ class InterfaceAdapter(Adapter):
 
     def model_class(self, config):
         from transformers import AutoModel, AutoModelForSeq2SeqLM
-        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        )
 
         if self.family.inputs != ENCODER_DECODER:
             return AutoModel  # the base model: attention is all probe needs (no LM head in memory)

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from probe.core.errors import ProbeError
 from probe.capture.adapters.base import Adapter, SiteCapture, padded_batch, project
 from probe.capture.adapters.hooks import recording
 from probe.capture.adapters.t5 import mask_to_log
+from probe.core.errors import ProbeError
 
 #: further MPNetSelfAttention inputs to record, as (keyword, positional index)
 RECORDED_INPUTS = (("attention_mask", 1), ("position_bias", 2))

@@ -24,7 +24,6 @@ forcing (:meth:`probe.capture.adapters.generic.InterfaceAdapter.encode`).
 from __future__ import annotations
 
 from probe.capture.adapters.generic import ENCODER_DECODER, Family, InterfaceAdapter
-from probe.capture.adapters.interface import mask_to_log
 
 T5 = Family(
     name="t5",
