@@ -11,7 +11,7 @@ if __name__ == "probe.cli":
         "probe there shadows the package. Start Python inside the clone (cd probe) or in another folder, or "
         "clone into a folder with another name (git clone URL probe-src)."
     )
-from probe.cli import main  # noqa: E402
+from probe.cli import app, main  # noqa: E402, F401 (app: python -c "from cli import app")
 
 if __name__ == "__main__":
     main()

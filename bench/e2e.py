@@ -614,7 +614,7 @@ def markdown(results: dict) -> str:
         f"Command: `{results['command']}`, run {results['date']} ({results['total_wall_seconds']:.0f} s). "
         f"Machine: {results['cpu_model']}, {results['cores']} cores, torch {results['torch']} "
         f"({results['torch_threads']} threads, OMP_WAIT_POLICY={results['omp_wait_policy']}); the solver's Newton "
-        f"iterations: {results.get('newton_iterations', 'torch loops (before probe/newton.c)')}. Load average at "
+        f"iterations: {results.get('newton_iterations', 'torch loops (before probe/solve/newton.c)')}. Load average at "
         f"start {results['load_average_start']}, at the end {results['load_average_end']}: the machine is "
         "shared, so absolute times move"
         + ("; each ratio is measured in one process, forward and analysis alternating, and the median of the "

@@ -29,7 +29,7 @@ from probe.core.errors import exit_with  # light: no torch
 # Idle OpenMP threads sleep instead of spinning: on a machine shared with other work, spinning threads
 # fight the neighbours for cores (bench/results_e2e_threads.md).  The solver's many small operations
 # would pay for waking the sleeping threads each time, so it runs its tiles side by side instead, one
-# thread each (probe/parallel.py, bench/results_parallel.md).  It must be set before
+# thread each (probe/solve/parallel.py, bench/results_parallel.md).  It must be set before
 # torch loads its OpenMP runtime, so here, before any probe module imports torch (they are imported in
 # the commands); a value already in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -601,7 +601,7 @@ def verify_command(
 ):
     """Check a run after the fact: every part file against its SHA-256 record, then a seeded random sample of
     rows re-solved from the model by an independent method (gradient ascent on the full dual,
-    probe/reference.py, not the run's Newton-CG), each stored number against the two certificates.
+    probe/solve/reference.py, not the run's Newton-CG), each stored number against the two certificates.
 
     Cost: reads every part once; loads the model once and re-runs the batches that hold a sampled row (at most --sample forward passes); one reference solve per sampled row (and one small dense solve for its derived columns). Measured: all-MiniLM-L6-v2, 64 rows from 46 batches, 6 to 25 s on a shared 2-core machine.
 

@@ -132,7 +132,7 @@ def test_second_order_is_higher_order_for_fixed_evidence_on_minilm(minilm_dir):
     """The paper's second-order prediction is an expansion in alpha for fixed evidence z (model logits
     alpha s shrinking with alpha): there its error is of higher order than the attention
     approximation's.  With the model's logits held fixed (the pipeline's convention) it is not: the
-    ratio stays of order one as alpha -> 0 (probe/derived.py), which the run's columns show."""
+    ratio stays of order one as alpha -> 0 (probe/solve/derived.py), which the run's columns show."""
     import torch
 
     from probe.batch.rows import derive, site_problems

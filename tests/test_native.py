@@ -1,4 +1,4 @@
-"""The solver's Newton iterations in compiled C (probe.solve.native, probe/newton.c): built where a C compiler
+"""The solver's Newton iterations in compiled C (probe.solve.native, probe/solve/newton.c): built where a C compiler
 is, the same certified answers as the torch loops and the solver before issue 10, and unable to turn a
 fault of its own into a wrong number."""
 

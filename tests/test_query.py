@@ -25,6 +25,8 @@ import pytest
 
 import probe
 from probe import query
+from probe.query import runs as query_runs
+from probe.query import table as query_table
 from probe.core.errors import ProbeError
 from probe.core.schema import DEVIATION_SCHEMA, ROW_KEY
 from probe.query import Rank, Table, where
@@ -113,8 +115,8 @@ def test_stats_stay_exact_when_bins_overlap_and_when_a_bin_is_split(values, tmp_
     merged; while the values to read are more than read_limit(), the largest intervals are split into
     equal sub-bins, recursively."""
     table = frame_table(values, tmp_path)
-    monkeypatch.setattr(query, "_log_bin", lambda v: f"(floor({v} * 1000) % 7)")  # overlapping bins everywhere
-    monkeypatch.setattr(query, "read_limit", lambda: 200)  # most intervals are split, some twice
+    monkeypatch.setattr(query_table, "_log_bin", lambda v: f"(floor({v} * 1000) % 7)")  # overlapping bins everywhere
+    monkeypatch.setattr(query_table, "read_limit", lambda: 200)  # most intervals are split, some twice
     results = table.stats("v", [("g", "h"), ()], quantiles=QUANTILES, ranks=RANKS, above={"share": 0.1})
     for got, keys in zip(results, [["g", "h"], []]):
         check(got, expected(values, keys), keys)
@@ -251,7 +253,7 @@ def test_load_reads_no_rows(budget_run, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("load read rows")
 
-    monkeypatch.setattr(query, "connect", refuse)
+    monkeypatch.setattr(query_runs, "connect", refuse)
     run = probe.load(budget_run[0])
     assert run.name == "org/tiny-model"
 

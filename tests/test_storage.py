@@ -323,7 +323,7 @@ def test_export_sorts_many_parts_in_buckets_far_smaller_than_the_run(tmp_path, m
     the file equals an independent sort of every row, bit for bit, and no more than about a bucket's rows
     were ever sorted in memory at once.  Where even the summary of the slices does not fit the budget, the
     error says how to raise it (no DuckDB traceback)."""
-    from probe import query
+    from probe.store import engine as query
     from probe.store import keyorder
 
     run_dir = storage.create_run_directory(tmp_path, "model")
@@ -335,7 +335,7 @@ def test_export_sorts_many_parts_in_buckets_far_smaller_than_the_run(tmp_path, m
     monkeypatch.setattr(keyorder, "FLUSH_ROWS", 700)
     seen = {}
     original = keyorder.batches_in_key_order
-    monkeypatch.setattr(storage, "batches_in_key_order",
+    monkeypatch.setattr(export, "batches_in_key_order",
                         lambda *args, **kwargs: original(*args, **{**kwargs, "stats": seen}))
     to = tmp_path / "all.parquet"
     assert export.export(run_dir, to) == expected.num_rows == 86_400

@@ -47,7 +47,7 @@ Modes
   its problems built and solved inside the attention call from the hidden states the earlier
   substitutions produced (new solves, certified: their convergence is recorded per example).  The
   first site's problems are the captured ones: it takes p* from the rows' solves, and with the per-site
-  mode the forward starts after it, from that site's per-site forward (:class:`_HeadStart`).
+  mode the forward starts after it, from that site's per-site forward (:class:`~probe.interventions.modes._HeadStart`).
 
 Effects (per example; :func:`effects`)
 --------------------------------------

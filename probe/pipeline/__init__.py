@@ -1,7 +1,7 @@
 """A run from start to end: checks first, then dataset -> batches -> rows -> part files, resume and verify.
 
 Takes a :class:`~probe.core.config.RunConfig`.  Gives a finished (or resumable) run directory:
-:func:`run` and :func:`resume` (:mod:`probe.pipeline.runner`), the checks that run before anything
+:func:`~probe.pipeline.runner.run` and :func:`~probe.pipeline.runner.resume` (:mod:`probe.pipeline.runner`), the checks that run before anything
 expensive (:mod:`probe.pipeline.validate`), ``probe verify`` (:mod:`probe.pipeline.verify`), and several
 processes under torchrun (:mod:`probe.pipeline.distributed`).
 """

@@ -15,7 +15,7 @@ read as null (as pandas skips it).  On it:
 * :meth:`Table.histogram`, :meth:`Table.histogram2d`: bin counts on given edges, exactly as
   ``numpy.histogram`` / ``numpy.histogram2d`` count them;
 * :meth:`Table.top_rows`: the rows of largest value per group (the explorer's worst rows);
-* :meth:`RunTable.select`: a filtered pandas slice, refused with a :class:`ProbeError` before it would
+* :meth:`RunTable.select`: a filtered pandas slice, refused with a :class:`~probe.core.errors.ProbeError` before it would
   exceed the memory budget.
 
 The main slice and trivial rows are asked for in one place, :func:`where`.

@@ -1,4 +1,4 @@
-"""The solver's Newton iterations as compiled C (``probe/newton.c``), built on first use.
+"""The solver's Newton iterations as compiled C (``probe/solve/newton.c``), built on first use.
 
 On a CPU, most of a solve's time in batched torch operations goes to elementwise passes over tensors
 too large for the cache, and to the overhead of issuing them (``bench/NOTES.md``).  ``newton.c`` runs
@@ -167,7 +167,7 @@ def describe(device) -> str:
     if torch.device(device).type != "cpu":
         return "torch loops (not a CPU)"
     if available():
-        return "compiled C kernel (probe/newton.c); state and certificate computed in torch"
+        return "compiled C kernel (probe/solve/newton.c); state and certificate computed in torch"
     return f"torch loops (the compiled kernel is not available: {unavailable_reason()})"
 
 

@@ -117,7 +117,7 @@ def check_parts(run_dir: Path, manifest: dict | None = None, *, checksums: bool 
     whose row count and batch number agree with its own ``probe.batch`` record; a complete run must have
     a part for every batch of its plan.  ``checksums=True`` also compares every recorded part's SHA-256
     (reads every byte: ``probe resume`` and ``probe verify`` do).  ``table``: which of the run's tables
-    (:data:`PARTS`, :data:`INTERVENTIONS`).
+    (:data:`~probe.store.storage.PARTS`, :data:`~probe.store.storage.INTERVENTIONS`).
     """
     run_dir = Path(run_dir)
     if manifest is None:  # a run directory whose first manifest is not written yet has no records

@@ -34,8 +34,8 @@ power loss) between the two a part can be present but *unrecorded*: it is whole 
 fsynced before its rename), so readers take it after the cheap checks that need no record (its footer
 reads, its row count equals its own ``probe.batch`` summary's, its batch number is its name's), and
 ``probe resume`` reads it in full and records it (or, if that fails, quarantines and recomputes it).
-Every reader calls :func:`check_parts` (cheap: presence, size, footer row count; checksums on request)
-and refuses a damaged run (:class:`DamagedRunError`) unless told to read what is left, never a silent
+Every reader calls :func:`~probe.store.integrity.check_parts` (cheap: presence, size, footer row count; checksums on request)
+and refuses a damaged run (:class:`~probe.store.integrity.DamagedRunError`) unless told to read what is left, never a silent
 subset; ``probe resume`` moves damaged parts into ``RUN_DIR/quarantine/`` and recomputes them.
 
 Liveness.  A running run's manifest records the writer's pid, host, process start time and a heartbeat

@@ -33,7 +33,7 @@ import torch
 
 from probe.capture.adapters.base import Adapter, SiteCapture, head_split, padded_batch
 from probe.capture.adapters.hooks import recording
-from probe.capture.adapters.t5 import mask_to_log
+from probe.capture.adapters.interface import mask_to_log
 from probe.core.errors import ProbeError
 
 #: further BloomAttention inputs to record, as (keyword, positional index)

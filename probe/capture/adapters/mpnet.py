@@ -28,7 +28,7 @@ import torch
 
 from probe.capture.adapters.base import Adapter, SiteCapture, padded_batch, project
 from probe.capture.adapters.hooks import recording
-from probe.capture.adapters.t5 import mask_to_log
+from probe.capture.adapters.interface import mask_to_log
 from probe.core.errors import ProbeError
 
 #: further MPNetSelfAttention inputs to record, as (keyword, positional index)
