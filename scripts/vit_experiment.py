@@ -445,7 +445,7 @@ def markdown(out, args, kept) -> str:
         f"patch {p['model_config']['patch']}, dropout {p['model_config']['dropout']}: **{p['parameters']:,} "
         f"parameters**. OT layer: alpha = {p['ot_alpha']:g}, gamma = sqrt(head dim) = {p['ot_gamma']:.3f}; Sinkhorn "
         f"layer: {p['model_config']['sinkhorn_iterations']} row normalisations; exact layer: the KL problem's exact "
-        "posterior p* (`probe.solve.exact`) with templates k / sqrt(head dim), evidence q, u uniform and alpha = 1, whose "
+        "posterior p* (`probe.exact`) with templates k / sqrt(head dim), evidence q, u uniform and alpha = 1, whose "
         "closed-form approximation lambda = alpha z is the ViT's softmax layer.",
         f"- Machine: {p.get('machine', 'a 2-core CPU shared with other work')}, {p['parallel_runs']} runs at a time, "
         "1 thread each.",

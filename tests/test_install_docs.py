@@ -30,14 +30,16 @@ def test_the_readme_is_short_and_installs_cpu_torch_first():
     # CI's timeout and retries: where PyTorch's index cannot be reached, pip gives up at once instead of
     # waiting through its default retries
     assert commands[0] == "pip install torch --index-url https://download.pytorch.org/whl/cpu --timeout 20 --retries 1"
-    assert commands[1] == 'pip install -e ".[demo,test]"' and commands[2] == "pytest"
-    assert len(commands) == 3  # one for torch, one installs probe, one runs the tests
+    assert commands[1] == 'pip install -e ".[demo,test]"'
+    # the everyday tests on every core, then the slow end-to-end checks
+    assert commands[2:] == ["pytest -n auto", "pytest -n auto -m slow"]
 
 
 def test_ci_runs_the_readme_commands():
-    torch_cpu, install, test = readme_commands()
+    torch_cpu, install, *tests = readme_commands()
     lines = ci_lines()
-    assert lines[-1] == test  # CI ends with the README's test command
+    assert lines[-len(tests):] == tests  # CI ends with the README's test commands, the everyday and the slow
+    assert "ruff check" in lines and "lint-imports" in lines  # and checks the code and its layers first
     quiet = [line.replace(" -q ", " ") for line in lines]
     assert any(line.startswith(f"python3 -m {torch_cpu}") for line in quiet)  # the same CPU index first ...
     assert any("torch==2.13.0" in line for line in lines)  # ... with the fallback the README names

@@ -240,6 +240,6 @@ def test_an_unreadable_part_is_named_not_a_traceback(run_copy, monkeypatch):
             raise OSError(5, "Input/output error")
         return real(path)
 
-    monkeypatch.setattr(storage, "file_sha256", eio)
+    monkeypatch.setattr(integrity, "file_sha256", eio)
     check = integrity.check_parts(run_copy, checksums=True)
     assert check.damaged == {4: "unreadable: Input/output error"}

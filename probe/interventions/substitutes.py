@@ -1,4 +1,4 @@
-"""The substitutes for a site's attention weights: the exact posterior :math:`p^*`, the second-order point
+r"""The substitutes for a site's attention weights: the exact posterior :math:`p^*`, the second-order point
 :math:`p(\lambda_2)`, and the null, a seeded random change of the model's attention of the same total variation."""
 
 from __future__ import annotations
