@@ -14,7 +14,7 @@ Cases
   over its real tokens), so the second-order systems of a group share one matrix.
 * ``minilm-128``: the same model on texts of 128 tokens (consecutive corpus sentences joined and cut at
   ``--max-length 128``): the largest problems a default run makes (n = 128 keys, 1,536 rows per group).
-* ``t5-corpus`` and ``t5-128``: the tiny random T5 of ``tests/test_t5.py`` (``save_tiny_t5``: d_model 64,
+* ``t5-corpus`` and ``t5-128``: the tiny random T5 of ``tests/capture/test_t5.py`` (``save_tiny_t5``: d_model 64,
   4 heads, 2 + 2 layers, a strong relative-position bias).  Its encoder and decoder self-attention rows
   each have their own preference (position bias, causal mask), so they take the conjugate-gradient
   path; its cross-attention rows share one.  Its tokenizer splits unknown words into characters, so
@@ -77,7 +77,7 @@ def minilm_path() -> str:
 
 
 def tiny_t5_path(directory: Path) -> str:
-    from tests.test_t5 import save_tiny_t5
+    from tests.capture.test_t5 import save_tiny_t5
 
     return str(save_tiny_t5(directory))
 

@@ -34,7 +34,7 @@ Everything goes to ``--out`` (on the lent machine: ``$OUT``): ``results_gpu.json
     bash scripts/gpu_prepare.sh                          # here: wheels and data into .gpu/ (git-ignored)
     # one device call:  carry [".gpu"], command: bash scripts/gpu_check.sh
     python bench/gpu.py --collect /work/.device/...      # here: the results into the repository
-    python bench/gpu.py --device cpu --quick --out DIR   # the CPU dry run (tests/test_gpu_check.py)
+    python bench/gpu.py --device cpu --quick --out DIR   # the CPU dry run (tests/project/test_gpu_check.py)
 
 The CPU dry run runs every part on tiny models, a few images and one epoch, so that the script is known to
 work before a GPU is lent; its numbers say nothing about a GPU.
@@ -63,7 +63,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 #: test files whose tests take a CUDA device when torch sees one (parametrised over devices)
-DEVICE_TESTS = ("tests/test_solver.py", "tests/test_gpu_device.py")
+DEVICE_TESTS = ("tests/solve/test_solver.py", "tests/pipeline/test_gpu_device.py")
 #: the ViT protocol's seeds (the reduced CPU protocol's, reports/vit)
 SEEDS = (0, 1, 2)
 #: token lengths of the agreement and speed parts

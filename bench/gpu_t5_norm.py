@@ -14,7 +14,7 @@ variance in float64, are compared exactly as bench/gpu.py compares the GPU and t
 each solve; they cannot bound the change of the problem itself, which is the forward's, not the solver's.
 
     python bench/gpu_t5_norm.py            # writes bench/results_gpu_t5_norm.{json,md}
-    python bench/gpu_t5_norm.py --quick    # tiny model (tests/test_gpu_check.py)
+    python bench/gpu_t5_norm.py --quick    # tiny model (tests/project/test_gpu_check.py)
 """
 from __future__ import annotations
 

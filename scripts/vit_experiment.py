@@ -94,7 +94,7 @@ def at_epoch(r: dict, epochs: int) -> dict:
     """A run's results as they were after ``epochs`` epochs (from its learning curve).
 
     A run continued to more epochs passed through exactly the state of a run of ``epochs`` epochs (the number
-    of epochs changes nothing in the training; tests/test_vit.py checks that a resumed run equals an
+    of epochs changes nothing in the training; tests/vit/test_vit.py checks that a resumed run equals an
     uninterrupted one), so its learning curve's entry is that run's result.
     """
     curve = r["learning_curve"][:epochs]

@@ -107,7 +107,7 @@ def texts_file(tmp_path):
 def _torch_threads_restored():
     """Each test starts with the process's torch thread count as the session began: a test that runs a
     script or benchmark which sets its own (``--threads 1``) must not change how later tests' runs solve
-    (tests/test_resume.py's interrupted runs stop at a solve call, and how the solves are split depends on
+    (tests/pipeline/test_resume.py's interrupted runs stop at a solve call, and how the solves are split depends on
     the thread count)."""
     import torch
 

@@ -224,7 +224,7 @@ def diagnose_file(file: Path, column: str) -> str | None:
 
 def _first_json_value_problem(file: Path, column: str) -> str | None:
     """A JSON file whose first value is ``null`` crashes the process inside pyarrow's JSON reader
-    (pyarrow 26: a segmentation fault, found by tests/test_fuzz.py), which ``datasets`` calls first: so it
+    (pyarrow 26: a segmentation fault, found by tests/capture/test_fuzz.py), which ``datasets`` calls first: so it
     is refused before.  Reads the file's first non-blank line only."""
     if file.suffix not in (".json", ".jsonl"):
         return None

@@ -535,7 +535,7 @@ def _finish(work, state, active, rtol, atol, iterations, out):
     out.attention.copy_(state.p)
     torch.div(state.deviation, state.lambda_norm, out=out.rel_deviation)
     # lambda = alpha z exactly: no deviation, also where both are 0 (zero templates and evidence: 0 / 0);
-    # found by tests/test_fuzz.py, where such a row came back certified with a NaN rel_deviation
+    # found by tests/capture/test_fuzz.py, where such a row came back certified with a NaN rel_deviation
     out.rel_deviation.masked_fill_(state.deviation == 0, 0.0)
     out.lambda_norm.copy_(state.lambda_norm)
     out.duality_gap.copy_(duality_gap_reduced(state.gradient, alpha))

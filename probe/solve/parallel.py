@@ -60,7 +60,7 @@ def without_gil(function: Callable) -> Callable:
     cannot compile it (it is deprecated in torch, and may go).
 
     The compiled function runs the same operations in the same order, so its results are identical
-    (``tests/test_parallel.py`` checks it).  ``function`` must be written in the TorchScript subset
+    (``tests/solve/test_parallel.py`` checks it).  ``function`` must be written in the TorchScript subset
     (annotated arguments, no closures) and is still an ordinary Python function.
     """
     try:

@@ -1,0 +1,97 @@
+"""The benchmark script runs (in its --quick mode) and every baseline reaches probe's answer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+#: every test here runs a benchmark's quick mode or its dry run: minutes, so `pytest -m slow`
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_benchmark_quick_mode(tmp_path):
+    out = tmp_path / "results.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "solver.py"), "--quick", "--device", "cpu", "--out", str(out)],
+        check=True, cwd=ROOT, capture_output=True, timeout=300,
+    )
+    results = json.loads(out.read_text())
+    assert [f["family"] for f in results["families"]] == ["minilm", "random-16", "random-64", "illcond-64"]
+    for family in results["families"]:
+        assert family["probe_converged_fraction"] == 1.0
+        for method in ("cvxpy", "lbfgs", "ascent", "ascent_reduced"):
+            assert family[f"{method}_max_abs_diff_rel_deviation"] < 1e-6, (family["family"], method)
+    assert out.with_suffix(".md").exists()
+
+
+def test_derived_benchmark_quick_mode(tmp_path):
+    """bench/derived.py runs both variants of a default run; the no-op derive changes nothing but the
+    derived columns, which the real one fills."""
+    out = tmp_path / "results_derived.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "derived.py"), "--quick", "--cases", "minilm-corpus,t5-corpus",
+         "--out", str(out)],
+        check=True, cwd=ROOT, capture_output=True, timeout=600,
+    )
+    results = json.loads(out.read_text())
+    assert [case["case"] for case in results["cases"]] == ["minilm-corpus", "t5-corpus"]
+    for case in results["cases"]:
+        assert case["solver_columns_identical"], case["case"]
+        assert case["derived_filled_fraction"] == 1.0, case["case"]
+        assert case["rows"] > 0 and case["median_wall_without_derived_s"] > 0
+        assert 0 < case["median_derive_s"] < case["median_wall_with_derived_s"]
+    assert "ratio of medians" in out.with_suffix(".md").read_text()
+
+
+def test_fusion_experiment_quick_mode():
+    """bench/fusion_experiment.py runs the solver's CG loop as Python and as TorchScript (it broke silently
+    once, when the solver's functions were renamed)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "fusion_experiment.py"), "--quick"],
+        check=True, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    ways = [line.split("|")[2].strip() for line in done.stdout.splitlines() if line.startswith("| (")]
+    assert ways == ["python", "torchscript", "2 bmm"]
+
+
+def test_native_benchmark_runs_and_both_ways_agree(tmp_path):
+    """bench/native.py on one small batch: the compiled kernel and the torch loops both certify every
+    problem and agree within their certificates."""
+    from probe.solve import native
+
+    if not native.available():
+        pytest.skip(f"no compiled kernel here: {native.unavailable_reason()}")
+    out = tmp_path / "results_native.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "native.py"), "--tokens", "16", "--texts", "2", "--repeats", "1",
+         "--out", str(out)],
+        check=True, cwd=ROOT, capture_output=True, timeout=300,
+    )
+    (row,) = json.loads(out.read_text())["results"]
+    assert all(row["all_certified"].values()) and row["within_certificates"]
+    assert "compiled, 1 thread" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("measured, counted, target, verdict", [
+    (9.4, 5.8, 10.0, "≤ 10x: met"),
+    (11.8, 5.8, 10.0, "≤ 10x: **not met**"),
+    (51.7, 42.1, 40.0, "≤ 40x: **not met**"),
+    (30.8, 42.1, 40.0, "≤ 40x: **not counted**"),  # the forward ran slower than the analysis's products
+    (2.9, None, 3.0, "≤ 3x: met"),  # not counted (--skip-arithmetic): judged on the measurement
+    (16.6, 17.2, None, ""),  # no target at this length
+])
+def test_the_e2e_benchmark_does_not_count_a_target_met_by_a_slowed_forward(measured, counted, target, verdict):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import e2e
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    row = {"ratio_median": measured, **({"target_ratio": target} if target is not None else {}),
+           **({"arithmetic": {"ratio": counted}} if counted is not None else {})}
+    assert e2e._verdict(row).startswith(verdict) and (verdict or not e2e._verdict(row))

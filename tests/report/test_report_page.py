@@ -1,0 +1,109 @@
+"""The report's page: self-contained, the landing summary first, and interactive in a real browser
+(headless Chromium driven by scripts/check_html.py over the DevTools protocol: real mouse clicks).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from probe.report import build_report
+from tests.report.test_report import deviation_rows, manifest_for, write_run
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = Path("/usr/bin/chromium")
+needs_chromium = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install chromium)")
+
+
+def load_check_html():
+    spec = importlib.util.spec_from_file_location("check_html", REPO / "scripts" / "check_html.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """An encoder-decoder run with a planted [CLS] effect; the manifest names a URL-like dataset."""
+    rows = deviation_rows({"encoder_self": (3, 4), "cross": (2, 2)}, examples=6, cls_factor=3.0)
+    manifest = manifest_for(description="https://example.org/<script>alert(1)</script>")
+    run_dir = write_run(tmp_path_factory.mktemp("runs") / "run", rows, manifest)
+    return rows, build_report(run_dir)
+
+
+def test_page_is_self_contained_and_escaped(report):
+    _, out = report
+    page = (out / "index.html").read_text(encoding="utf-8")
+    assert page.count('src="data:image/png;base64,') == len(list(out.glob("*.png")))
+    for value in re.findall(r'(?:src|href)="([^"]*)"', page):
+        assert value.startswith(("data:", "#")), value
+    assert "<link" not in page and not re.search(r"<script[^>]*\bsrc=", page)
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert not re.search(r"\b(fetch|XMLHttpRequest|import)\s*\(", page)
+
+
+def test_the_landing_summary_comes_before_everything_else(report):
+    """Defect 11: the page opened with a 14-row facts table; the first figure was 1,150 px down."""
+    _, out = report
+    page = (out / "index.html").read_text(encoding="utf-8")
+    order = [page.index(marker) for marker in ('id="headline"', 'id="findings"', 'id="explorer"', "<figure",
+                                               'class="facts"')]
+    assert order == sorted(order)
+    assert "org/tiny-model" in page[: order[0]] and "fidelity passed" in page[: order[0]]
+
+
+@needs_chromium
+def test_check_html_passes_in_headless_chromium(report, tmp_path):
+    _, out = report
+    shot = tmp_path / "page.png"
+    command = [sys.executable, str(REPO / "scripts" / "check_html.py"), str(out / "index.html"), "--screenshot", str(shot)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert shot.stat().st_size > 20_000
+
+
+@needs_chromium
+def test_clicking_a_heatmap_cell_shows_that_heads_histogram_and_worst_rows(report):
+    rows, out = report
+    check_html = load_check_html()
+    head = rows[(rows["attention_type"] == "encoder_self") & (rows["layer"] == 1) & (rows["head"] == 2)]
+    worst = head.sort_values("rel_deviation", ascending=False).head(8)
+    with check_html.Browser() as browser:
+        browser.open(out / "index.html")
+        assert browser.evaluate("document.getElementById('head-panel').hidden") is True
+        browser.click('td.cell[data-type="encoder_self"][data-layer="1"][data-head="2"]')
+        panel = browser.evaluate(
+            "(() => { const p = document.getElementById('head-panel'); return {hidden: p.hidden,"
+            " title: document.getElementById('head-title').textContent,"
+            " stats: document.getElementById('head-stats').textContent,"
+            " bars: p.querySelectorAll('svg rect.bar').length,"
+            " worst: Array.from(p.querySelectorAll('tr.worst')).map(r => Array.from(r.cells).map(c => c.textContent)),"
+            " marked: Array.from(p.querySelectorAll('tr.worst mark')).map(m => m.textContent)}; })()"
+        )
+        assert panel["hidden"] is False
+        assert panel["title"] == "encoder self-attention · layer 1 · head 2"
+        assert f"max {head['rel_deviation'].max():.3g}" in panel["stats"]
+        assert f"mean {head['rel_deviation'].mean():.3g}" in panel["stats"]
+        assert panel["bars"] > 0
+        assert [float(r[0]) for r in panel["worst"]] == pytest.approx(worst["rel_deviation"].tolist(), rel=5e-3)
+        assert [(int(r[1]), int(r[2]), r[3]) for r in panel["worst"]] == list(
+            zip(worst["example"], worst["query"], worst["token"]))
+        assert panel["marked"] == [t.lstrip("#") for t in worst["token"]]  # the query token highlighted in context
+
+        browser.click('button.filter[data-filter="type"][data-value="cross"]')
+        hidden = browser.evaluate(
+            "Object.fromEntries(Array.from(document.querySelectorAll('div.heatmap')).map(d => [d.dataset.type, d.hidden]))"
+        )
+        assert hidden == {"encoder_self": True, "cross": False}
+        assert browser.evaluate("document.getElementById('layers_encoder_self').hidden") is True
+        assert browser.evaluate("document.getElementById('overview').hidden") is False
+        assert browser.evaluate("document.getElementById('head-panel').hidden") is True  # another type's head
+
+        browser.click("#overview img")
+        assert browser.evaluate("document.getElementById('lightbox').hidden") is False
+        assert browser.external_requests() == []
