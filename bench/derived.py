@@ -39,7 +39,6 @@ identical solver columns.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -61,6 +60,8 @@ import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+
+import common  # noqa: E402
 
 from probe.batch import rows  # noqa: E402
 from probe.capture.data import DatasetSpec, embedded_corpus  # noqa: E402
@@ -263,12 +264,10 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small inputs, one repeat")
+    parser = common.parser(__doc__, "results_derived.json", quick="small inputs, one repeat")
     parser.add_argument("--repeats", type=int, default=None, help="pairs of runs per case (default 3; quick 1)")
     parser.add_argument("--cases", default="minilm-corpus,minilm-128,t5-corpus,t5-128")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, as probe run)")
-    parser.add_argument("--out", type=Path, default=HERE / "results_derived.json")
     parser.add_argument("--baseline", type=Path, help="an earlier results file to show beside this run's")
     parser.add_argument("--baseline-label", default="baseline", help="what the earlier results measured")
     args = parser.parse_args(argv)
@@ -313,9 +312,7 @@ def main(argv=None):
         baseline = json.loads(args.baseline.read_text())
         payload["baseline"] = {"label": args.baseline_label, **{k: baseline[k] for k in ("date", "load_average", "cases")}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(payload))
-    print(markdown(payload))
+    common.write_results(args.out, payload, markdown)
 
 
 if __name__ == "__main__":

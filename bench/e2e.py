@@ -75,7 +75,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
-from machine import cpu_model, load_average  # noqa: E402
+import common  # noqa: E402
+from common import cpu_model, load_average  # noqa: E402
 
 LENGTHS = (16, 64, 128, 256, 512)
 #: texts per configuration (full mode): enough batches for a stable median at short lengths, a bounded
@@ -709,8 +710,7 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every part (seconds)")
+    parser = common.parser(__doc__, quick="tiny sizes: a smoke run of every part (seconds)")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results_e2e[_quick].json)")
     parser.add_argument("--repeats", type=int, default=3, help="forward/analysis pairs per configuration")
     parser.add_argument("--models", default="minilm,bert-base-random")
@@ -785,11 +785,7 @@ def main(argv=None):
         "threads": thr,
         "total_wall_seconds": time.perf_counter() - start,
     }
-    out = args.out or HERE / f"results_e2e{'_quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    text = markdown(results)
-    out.with_suffix(".md").write_text(text)
-    print(text)
+    common.write_results(args.out or HERE / f"results_e2e{'_quick' if args.quick else ''}.json", results, markdown)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ are of the medians, and the smallest and largest per-repeat ratios show the nois
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import platform
@@ -39,7 +38,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from machine import cpu_model, load_average  # noqa: E402
+import common  # noqa: E402
+from common import cpu_model, load_average  # noqa: E402
 
 from probe.solve.exact import exact_attention, merge_summaries  # noqa: E402
 from probe.vit import load_checkpoint  # noqa: E402
@@ -203,11 +203,9 @@ def rewrite_markdown(path: Path) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.parser(__doc__, "results_exact.json", quick="random images, batch 8, one repeat")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--step-repeats", type=int, default=4)
-    parser.add_argument("--quick", action="store_true", help="random images, batch 8, one repeat")
-    parser.add_argument("--out", type=Path, default=HERE / "results_exact.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     batch = 8 if args.quick else 128
@@ -233,8 +231,7 @@ def main(argv=None):
     results["step"]["layer_extra_over_softmax_step"] = (layer["exact_s"] - layer["softmax_s"]) / results["step"]["softmax_s"]
     results["load_average_end"] = load_average()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(results))
+    common.write_results(args.out, results, markdown, indent=1, echo=False)
 
 
 if __name__ == "__main__":

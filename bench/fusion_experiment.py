@@ -21,7 +21,6 @@ each other).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import sys
@@ -36,7 +35,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from machine import cpu_model, load_average  # noqa: E402
+import common  # noqa: E402
+from common import cpu_model, load_average  # noqa: E402
 
 from probe.solve import dual as solver  # noqa: E402
 
@@ -129,8 +129,7 @@ def side_by_side(function, repeats=5):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the smallest tile, without Inductor")
+    parser = common.parser(__doc__, quick="the smallest tile, without Inductor")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print("# The CG loop four ways, on one thread and on two side by side (`bench/fusion_experiment.py`)")

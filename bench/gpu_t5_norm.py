@@ -18,7 +18,6 @@ each solve; they cannot bound the change of the problem itself, which is the for
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import common  # noqa: E402
 import gpu  # noqa: E402  (bench/gpu.py: the models, data and comparison of the GPU check)
 
 
@@ -101,8 +101,7 @@ def markdown(results: dict, gpu_results: dict | None) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny models (the test)")
+    parser = common.parser(__doc__, quick="tiny models (the test)")
     parser.add_argument("--out", type=Path, default=HERE, help="folder for results_gpu_t5_norm.{json,md}")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="probe-t5-norm-"))
@@ -112,10 +111,7 @@ def main(argv=None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     gpu_path = HERE / "results_gpu.json"
     gpu_results = json.loads(gpu_path.read_text()) if gpu_path.exists() and not args.quick else None
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results_gpu_t5_norm.json").write_text(json.dumps(results, indent=1) + "\n")
-    (args.out / "results_gpu_t5_norm.md").write_text(markdown(results, gpu_results))
-    print(markdown(results, gpu_results))
+    common.write_results(args.out / "results_gpu_t5_norm.json", results, lambda r: markdown(r, gpu_results), indent=1)
     return 0
 
 

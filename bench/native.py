@@ -15,8 +15,6 @@ difference in ``rel_deviation``), and the Newton iteration counts show that it i
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,18 +26,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import common  # noqa: E402
+
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.parser(__doc__, "results_native.json")
     parser.add_argument("--tokens", default="16,128,512", help="comma-separated text lengths")
     parser.add_argument("--texts", type=int, default=8, help="texts per batch (at 512 tokens: a quarter)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=HERE / "results_native.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the probe command sets it
     import e2e
     import torch
-    from machine import cpu_model, load_average
+    from common import cpu_model, load_average
     from parallel import captured_problems
 
     from probe.capture.loading import load_model
@@ -97,10 +96,7 @@ def main(argv=None):
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_average_end": load_average(),
         "results": results,
     }
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    text = markdown(out, args.repeats)
-    args.out.with_suffix(".md").write_text(text)
-    print(text)
+    common.write_results(args.out, out, lambda results: markdown(results, args.repeats))
 
 
 def markdown(out: dict, repeats: int) -> str:

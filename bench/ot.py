@@ -18,7 +18,6 @@ the closed form eq. (22) (``ot_attention`` on the same batch in float64) measure
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -32,7 +31,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from machine import cpu_model, load_average  # noqa: E402
+import common  # noqa: E402
+from common import cpu_model, load_average  # noqa: E402
 
 from probe.solve.ot import ot_attention, ot_posterior  # noqa: E402
 
@@ -103,11 +103,9 @@ def markdown(results) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.parser(__doc__, "results_ot.json", quick="64 problems per row, one row per size")
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="64 problems per row, one row per size")
-    parser.add_argument("--out", type=Path, default=HERE / "results_ot.json")
     args = parser.parse_args(argv)
     batch = 64 if args.quick else args.batch
     gammas = (16.0,) if args.quick else (16.0, 1.0)
@@ -126,8 +124,7 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         results["rows"].append(row)
     results["load_average_end"] = load_average()
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(results))
+    common.write_results(args.out, results, markdown, indent=1, echo=False)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,6 @@ answers of the compiled ones (checked here).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -42,14 +40,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import common  # noqa: E402
+
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.parser(__doc__, "results_parallel.json")
     parser.add_argument("--tokens", default="16,128,512", help="comma-separated text lengths")
     parser.add_argument("--texts", type=int, default=8, help="texts per batch (at 512 tokens: a quarter)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--wait-policy", choices=("passive", "active"), default="passive")
-    parser.add_argument("--out", type=Path, default=HERE / "results_parallel.json")
     args = parser.parse_args(argv)
     if args.wait_policy == "passive":
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -57,7 +56,7 @@ def main(argv=None):
         os.environ.pop("OMP_WAIT_POLICY", None)
     import e2e
     import torch
-    from machine import cpu_model, load_average
+    from common import cpu_model, load_average
 
     from probe.capture.loading import load_model
     from probe.solve import dual as solver
@@ -121,10 +120,7 @@ def main(argv=None):
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: OpenMP's default, spinning)"),
         "load_average_end": load_average(), "results": results,
     }
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    text = markdown(out, args.repeats)
-    args.out.with_suffix(".md").write_text(text)
-    print(text)
+    common.write_results(args.out, out, lambda results: markdown(results, args.repeats))
 
 
 def captured_problems(loaded, tokens: int, count: int):

@@ -46,7 +46,6 @@ sort spills about as much again) and are deleted at the end unless ``--keep``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -62,6 +61,8 @@ ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "bench"
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
+
+import common  # noqa: E402
 
 #: the seed of the texts' sentences
 TEXTS_SEED = 34
@@ -294,7 +295,7 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__, "results_scale.json")
     parser.add_argument("--sizes", default="1e6,1e7,1e8", help="row counts, comma separated (the first: the real run)")
     parser.add_argument("--texts", type=int, default=444, help="texts of the real run (444: about 10^6 rows)")
     parser.add_argument("--model", default=None, help="model directory [default: the real all-MiniLM-L6-v2]")
@@ -307,7 +308,6 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", default=None, help="PROBE_MEMORY_BUDGET for the readers [default: probe's]")
     parser.add_argument("--work", type=Path, default=None, help="where the runs go [default: a temporary directory]")
     parser.add_argument("--keep", action="store_true", help="keep the runs")
-    parser.add_argument("--out", type=Path, default=HERE / "results_scale.json")
     parser.add_argument("--figure", action="store_true",
                         help="only draw the figure and write the markdown and the docs' table again from --out's results")
     parser.add_argument("--keep-commands", action="store_true",
@@ -316,13 +316,13 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-sizes", action="store_true",
                         help="keep the sizes of --out's results that --sizes does not name (each size is dated)")
     args = parser.parse_args(argv)
-    if args.figure:  # the figure, the docs' table and the results' markdown again, from the results
-        results = json.loads(args.out.read_text())
-        args.out.with_suffix(".md").write_text(markdown(results))
+    if args.figure:  # the figure, the docs' table and the results (JSON and markdown) again, from the results
+        results = common.portable(json.loads(args.out.read_text()))
+        common.write_results(args.out, results, markdown, echo=False)
         publish(results)
         return 0
 
-    from machine import cpu_model, load_average
+    from common import cpu_model, load_average
 
     commands = [name.strip() for name in args.commands.split(",") if name.strip()]
     unknown = set(commands) - set(COMMANDS)
@@ -369,7 +369,7 @@ def main(argv=None) -> int:
                 source = args.source
                 manifest = json.loads((source / "manifest.json").read_text())
                 scale["real_run"] = {"texts": manifest["dataset"]["n_examples"], "rows": manifest["solver"]["rows"],
-                                     "given": str(source)}
+                                     "given": common.shown(source)}
             else:
                 print(f"the real run: {args.texts:,} texts", flush=True)
                 real = run_probe(corpus_texts(args.texts), work, "scale", args.model, 128, env)
@@ -398,9 +398,7 @@ def main(argv=None) -> int:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     results["verdicts"] = verdicts(results)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(results))
-    print(markdown(results))
+    common.write_results(args.out, results, markdown)
     if args.out.resolve() == (HERE / "results_scale.json").resolve():  # the committed results: the docs follow
         publish(results)
     return 0

@@ -27,7 +27,6 @@ shared 2-core machine.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -35,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -60,13 +60,12 @@ def slope_ci(x: np.ndarray, y: np.ndarray, blocks: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = common.parser(__doc__, "results_soak")
     parser.add_argument("--repeats", type=int, default=14, help="copies of the 300-text corpus")
     parser.add_argument("--max-length", type=int, default=12)
     parser.add_argument("--warmup", type=float, default=0.1)
     parser.add_argument("--blocks", type=int, default=20)
     parser.add_argument("--texts", type=int, default=None, help="use only the first N texts (a quick check)")
-    parser.add_argument("--out", type=Path, default=HERE / "results_soak")
     args = parser.parse_args()
 
     import torch

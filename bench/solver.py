@@ -75,7 +75,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
-from machine import cpu_model, load_average  # noqa: E402
+from common import cpu_model, load_average  # noqa: E402
 
 from probe.solve.dual import DualProblems, factor_gram, solve_dual  # noqa: E402
 from probe.solve.reference import (

@@ -26,7 +26,6 @@ pyarrow reading every part whole); the row groups that pyarrow's statistics keep
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -42,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "bench"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
+
+import common  # noqa: E402
 
 #: (name, zstd level or None for the writer before, byte-stream-split floats)
 WRITERS = [("before", None, False), ("zstd 1", 1, False), ("zstd 3", 3, False), ("zstd 6", 6, False),
@@ -99,16 +100,15 @@ def docs_values(summary: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__, "results_storage.json")
     parser.add_argument("--run", type=Path, default=None, help="a run directory whose parts to rewrite")
     parser.add_argument("--texts", type=int, default=300, help="texts of the run made when --run is not given")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=HERE / "results_storage.json")
     args = parser.parse_args(argv)
 
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
-    from machine import cpu_model, load_average
+    from common import cpu_model, load_average
     from scale import DOCS, child_env, corpus_texts, fill_markers, run_probe
 
     from probe.core.schema import ROW_KEY

@@ -26,7 +26,6 @@ about 10^7 rows, which pandas still holds in a few GB).  Results: ``bench/result
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -44,6 +43,8 @@ from probe.store.storage import PARTS
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+import common  # noqa: E402
 
 KEYS = {"layer": ["space", "alpha", "attention_type", "layer"],
         "head": ["space", "alpha", "attention_type", "layer", "head"]}
@@ -156,11 +157,10 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__, "results_summary_exact.json")
     parser.add_argument("--run", type=Path, default=None, help="a finished run [default: build one]")
     parser.add_argument("--texts", type=int, default=444, help="texts of the real run that is replicated")
     parser.add_argument("--copies", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=HERE / "results_summary_exact.json")
     args = parser.parse_args(argv)
     from scale import child_env, corpus_texts, probe_command, replicate, run_probe
 
@@ -190,9 +190,7 @@ def main(argv=None) -> int:
                    "report_s": report_s, "pandas_s": pandas_s, "levels": levels, "passed": passed(levels)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(results))
-    print(markdown(results))
+    common.write_results(args.out, results, markdown)
     return 0 if results["passed"] else 1
 
 

@@ -759,7 +759,7 @@ def _strings(value, where=""):
         yield where, value
 
 
-COMMITTED = sorted((ROOT / "reports").rglob("*.json"))
+COMMITTED = sorted([*(ROOT / "reports").rglob("*.json"), *(ROOT / "bench").glob("*.json")])
 
 
 @pytest.mark.parametrize("path", COMMITTED, ids=[str(path.relative_to(ROOT)) for path in COMMITTED])
