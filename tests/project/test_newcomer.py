@@ -243,6 +243,7 @@ def test_the_package_installs_no_top_level_module_but_probe():
 # the report in a browser; which statistic each place shows
 
 
+@pytest.mark.slow  # a real browser
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install chromium)")
 def test_figures_keep_their_aspect_ratio_in_chromium(finished_run, tiny_bert_dir, texts_file, tmp_path):
     from probe.report import build_report, compare_runs

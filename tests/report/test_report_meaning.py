@@ -201,6 +201,7 @@ def test_one_extreme_row_does_not_squash_the_box_plot(planted):
 
 
 @needs_chromium
+@pytest.mark.slow  # a real browser
 def test_the_page_does_not_scroll_sideways_at_800_px(planted):
     _, _, _, _, report = planted
     check_html = load_check_html()

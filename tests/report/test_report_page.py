@@ -58,6 +58,7 @@ def test_the_landing_summary_comes_before_everything_else(report):
 
 
 @needs_chromium
+@pytest.mark.slow  # a real browser
 def test_check_html_passes_in_headless_chromium(report, tmp_path):
     _, out = report
     shot = tmp_path / "page.png"
@@ -68,6 +69,7 @@ def test_check_html_passes_in_headless_chromium(report, tmp_path):
 
 
 @needs_chromium
+@pytest.mark.slow  # a real browser
 def test_clicking_a_heatmap_cell_shows_that_heads_histogram_and_worst_rows(report):
     rows, out = report
     check_html = load_check_html()

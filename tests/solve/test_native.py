@@ -60,7 +60,7 @@ def test_the_kernel_is_built_where_a_c_compiler_is():
 def test_kernel_and_torch_loops_agree_and_match_the_previous_solver(family):
     """The same problems by the kernel, by the torch loops and by the solver before issue 10 (float64
     directions): the same certified answers, and about the same Newton iteration counts (the same method)."""
-    from tests import previous_solver
+    from tests.support import previous_solver
 
     _needs_kernel()
     n, d, scale, logit_std = FAMILIES[family]

@@ -347,7 +347,7 @@ def _agree(new, old, active):
 
 
 def _previous(problems):
-    from tests import previous_solver
+    from tests.support import previous_solver
 
     return previous_solver.DualProblems(**{k: v for k, v in vars(problems).items() if k != "factor"})
 
@@ -373,7 +373,7 @@ def test_answers_agree_with_the_previous_solver(n, d, template_scale, logit_std)
     float64 direction) and by the current solver (float32 and float64 directions): the same certified
     answers.  Families: MiniLM-like, ill-conditioned (condition number bound ~ 64), more templates than
     dimensions (rank-deficient Gram matrices)."""
-    from tests import previous_solver
+    from tests.support import previous_solver
 
     problems = _random_groups(4, 40, n, d, template_scale, logit_std, seed=n)
     old = previous_solver.solve_dual(_previous(problems), direction_dtype=torch.float64)
@@ -384,7 +384,7 @@ def test_answers_agree_with_the_previous_solver(n, d, template_scale, logit_std)
 def test_answers_agree_with_the_previous_solver_on_minilm(minilm_dir):
     """Captured MiniLM problems (a padded batch, every layer): the same certified answers as before."""
     from probe.batch.rows import site_problems
-    from tests import previous_solver
+    from tests.support import previous_solver
     from tests.capture.test_bert import captured
 
     _, _, sites, _ = captured(minilm_dir)

@@ -92,6 +92,7 @@ DAMAGES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage,why,cheap", DAMAGES, ids=[d[0].__name__ for d in DAMAGES])
 def test_a_damaged_run_is_refused_by_name_then_repaired_bitwise(clean_run, run_copy, tmp_path, damage, why, cheap):
     reference = pd.read_parquet(clean_run / storage.PARTS)
