@@ -384,8 +384,8 @@ def test_answers_agree_with_the_previous_solver(n, d, template_scale, logit_std)
 def test_answers_agree_with_the_previous_solver_on_minilm(minilm_dir):
     """Captured MiniLM problems (a padded batch, every layer): the same certified answers as before."""
     from probe.batch.rows import site_problems
-    from tests.support import previous_solver
     from tests.capture.test_bert import captured
+    from tests.support import previous_solver
 
     _, _, sites, _ = captured(minilm_dir)
     for site in sites[::2]:
