@@ -20,7 +20,7 @@ import os
 import platform
 import signal
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -88,20 +88,22 @@ def _plan_batches(loaded: LoadedModel, texts: Texts, batch_size: int, max_length
 
 def _prepare(
     config: RunConfig, device: str, model_location: str | None = None, dataset: DatasetSpec | None = None,
-    texts: Texts | None = None,
+    texts: Texts | None = None, loaded: LoadedModel | None = None,
 ) -> _Job:
-    """Load the model (from ``model_location``, default ``config.model``) onto ``device`` and the texts
-    (``texts`` when already read, else from ``dataset``, default ``config.dataset``); plan the batches."""
+    """Load the model (from ``model_location``, default ``config.model``; ``loaded``: one already in memory,
+    taken as it is) onto ``device`` and the texts (``texts`` when already read, else from ``dataset``, default
+    ``config.dataset``); plan the batches."""
     torch.manual_seed(config.seed)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     started = time.perf_counter()
-    _say(config, f"loading {naming.model_name(config.model)} ({config.init} weights, {config.dtype}) onto "
-                 f"{device_name(device)}")
-    loaded = load_model(
-        model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
-        init=config.init, seed=config.seed, tokenizer=config.tokenizer,
-    )
+    if loaded is None:
+        _say(config, f"loading {naming.model_name(config.model)} ({config.init} weights, {config.dtype}) onto "
+                     f"{device_name(device)}")
+        loaded = load_model(
+            model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
+            init=config.init, seed=config.seed, tokenizer=config.tokenizer,
+        )
     unsupported = [space for space in config.spaces if space not in loaded.adapter.spaces]
     if unsupported:
         raise ProbeError(
@@ -167,9 +169,10 @@ def _now() -> str:
 
 def _new_manifest(job: _Job, unknown_tokens: dict) -> dict:
     config, loaded, texts = job.config, job.loaded, job.texts
-    local_model = Path(config.model).expanduser().exists()
+    in_memory = bool(loaded.info.get("in_memory"))  # a model measured in memory has no files to record
+    local_model = not in_memory and Path(config.model).expanduser().exists()
     local_data = config.dataset.name is not None and Path(config.dataset.name).expanduser().exists()
-    model_directory = fingerprint.model_directory(config.model, config.revision)
+    model_directory = None if in_memory else fingerprint.model_directory(config.model, config.revision)
     return {
         "probe_version": __version__,
         "name": _run_name(config),
@@ -216,11 +219,13 @@ def _new_manifest(job: _Job, unknown_tokens: dict) -> dict:
         "config": config_to_json(config),
         # what resume loads and checks: the same model files, texts and batch plan
         "inputs": {
-            "model_location": naming.recorded_path(model_directory) if local_model else config.model,
-            # a hub model's commit: its cache snapshot's name (the directory is named after it)
-            "model_revision": None if local_model else loaded.info.get("revision") or model_directory.name,
-            "model_directory": naming.recorded_path(model_directory),
-            "model_fingerprint": fingerprint.model_fingerprint(model_directory),
+            **({"model_location": None, "model_revision": None, "model_directory": None, "model_fingerprint": None}
+               if in_memory else {
+                "model_location": naming.recorded_path(model_directory) if local_model else config.model,
+                # a hub model's commit: its cache snapshot's name (the directory is named after it)
+                "model_revision": None if local_model else loaded.info.get("revision") or model_directory.name,
+                "model_directory": naming.recorded_path(model_directory),
+                "model_fingerprint": fingerprint.model_fingerprint(model_directory)}),
             "dataset_location": (naming.recorded_path(Path(config.dataset.name).expanduser().resolve()) if local_data
                                  else config.dataset.name),
             "batch_plan_sha256": _plan_sha256(job.batches),
@@ -345,12 +350,17 @@ def _timings(manifest: dict) -> dict:
 # the run
 
 
-def run(config: RunConfig) -> Path:
-    """Run probe on a model and dataset; return the run directory."""
-    checked = check_run(config)  # every up-front check (probe.validate): before any weights load or file is written
+def run(config: RunConfig, *, model: LoadedModel | None = None, checked=None) -> Path:
+    """Run probe on a model and dataset; return the run directory.
+
+    ``model``: a model already in memory (:mod:`probe.callbacks`: the model being trained), measured as it is,
+    in this process alone, with ``checked`` its up-front checks (:func:`probe.callbacks.check_in_memory`)."""
+    # every up-front check (probe.validate): before any weights load or file is written
+    checked = check_run(config) if checked is None else checked
     config = checked.config  # defaults resolved: the adapter's space, the dtype's fidelity tolerance
-    with Stops() as stops, distributed.join(config.device) as group, ExitStack() as held:
-        job = group.agree(lambda: _prepare(config, group.device(config.device), texts=checked.texts))
+    joined = distributed.join(config.device) if model is None else _alone()
+    with Stops() as stops, joined as group, ExitStack() as held:
+        job = group.agree(lambda: _prepare(config, group.device(config.device), texts=checked.texts, loaded=model))
         stops.hold()
 
         def create() -> str:  # rank 0 creates the run directory and holds it
@@ -362,6 +372,12 @@ def run(config: RunConfig) -> Path:
 
         run_dir = Path(group.from_main(create))
         return _execute(run_dir, _new_manifest(job, checked.unknown_tokens) if group.main else None, job, stops, group)
+
+
+@contextmanager
+def _alone():
+    """A group of this process only (a model in memory is measured where it is, whatever launched it)."""
+    yield distributed.Group(distributed.Ranks())
 
 
 def resume(run_dir: Path, *, progress: bool = True) -> Path:
@@ -376,6 +392,9 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
         return run_dir
     if "config" not in manifest or not (run_dir / storage.PARTS).is_dir():
         raise ProbeError(f"{run_dir} was written by an older probe that cannot resume runs. Start a new `probe run`.")
+    if (manifest.get("inputs") or {}).get("model_location", "") is None:
+        raise ProbeError(f"{run_dir} measured a model in memory (during training), whose weights were not kept: it "
+                         "cannot be resumed. Measure a saved checkpoint of it with `probe run` instead.")
     if manifest.get("status") == "running":
         alive, how = storage.writer_alive(manifest["process"])
         raise ProbeError(f"{run_dir} is still running ({how}). Stop that process first, or wait for it.")
