@@ -65,8 +65,8 @@ def in_memory(model, tokenizer, *, name: str | None = None):
     adapter = adapter_for(config.model_type)
     adapter.model_class(config)  # the adapter may refuse a configuration it cannot capture
     if tokenizer is None:
-        raise ProbeError("probe needs the model's tokenizer to measure it: pass tokenizer= to the callback, or give the "
-                         "Trainer its processing_class.")
+        raise ProbeError("probe needs the model's tokenizer to measure it: pass tokenizer= to the callback, or give "
+                         "the Trainer its processing_class.")
     adapter.prepare(model)
     name = name or getattr(config, "_name_or_path", None) or type(model).__name__
     info = {
@@ -119,7 +119,8 @@ def measuring(model):
     config = model.config
     implementation = getattr(config, "_attn_implementation", None)
     device = next(model.parameters()).device
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+    devices = [index] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         try:
             model.eval()
@@ -204,7 +205,8 @@ def _texts_name(texts) -> tuple[str, tuple]:
 
 
 def measure(model, tokenizer, texts: Iterable[str], out: str | Path, *, step: int | None = None,
-            name: str | None = None, alpha: float | str | Sequence[float] = 1.0, space: str | Sequence[str] | None = None,
+            name: str | None = None, alpha: float | str | Sequence[float] = 1.0,
+            space: str | Sequence[str] | None = None,
             max_length: int = 128, batch_size: int = 8, seed: int = 0, progress: bool = False,
             training: dict | None = None):
     """Measure ``model`` (in memory, on its device, in its dtype) on ``texts`` once: a new run directory under ``out``

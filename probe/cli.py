@@ -98,6 +98,11 @@ from probe.vit.cli import app as _vit_app  # noqa: E402
 
 app.add_typer(_vit_app, name="vit")
 
+# `probe series`: one run per checkpoint of a training, compared against the step (probe/series_command.py)
+from probe.series_command import series_command as _series_command  # noqa: E402
+
+app.command("series")(_series_command)
+
 
 
 ALLOW_DAMAGED_HELP = (
