@@ -27,8 +27,10 @@ import pandas as pd
 from .data import FAR, Run, lookup, type_label
 from .style import DEVIATION_LABEL, Drawn, layer_colors, new_figure, suptitle
 
-#: bootstrap replicates, and the seed of their draws
-REPLICATES, SEED = 1000, 0
+#: bootstrap replicates
+REPLICATES = 1000
+#: the seed of their draws
+SEED = 0
 #: the interval's level
 LEVEL = 0.95
 #: the equal bins, from 0 to the type's maximum, a replicate's p95 is read from
