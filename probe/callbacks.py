@@ -244,7 +244,8 @@ class ProbeCallback(TrainerCallback):
     options: ``name`` (default: the model's ``name_or_path``), ``tokenizer`` (default: the Trainer's
     ``processing_class``), ``alpha``, ``space``, ``max_length``, ``batch_size`` (as ``probe.run``'s),
     ``at_start`` (also measure the weights training starts from, as step ``state.global_step`` before the first
-    step), ``progress`` (probe's progress lines on stderr).  Only the main process measures.
+    step; no Trainer log follows then, so its numbers are an entry of ``state.log_history`` of their own and in
+    :attr:`logged`), ``progress`` (probe's progress lines on stderr).  Only the main process measures.
 
     After training, :attr:`runs` lists the run directories and :attr:`logged` the numbers of each step.
     """
@@ -288,8 +289,10 @@ class ProbeCallback(TrainerCallback):
         check_in_memory(config, loaded)
         _dry_capture(loaded, config)
         self._tokenizer = tokenizer
-        if self.at_start:
+        if self.at_start:  # no log follows before the first step: the numbers get their own history entry
             self._measure(model, state)
+            state.log_history.append({**self._pending, "step": state.global_step})
+            self._pending = {}
 
     def _ahead_of_loggers(self) -> None:
         """Move this callback before the Trainer's ``report_to`` loggers, which the Trainer puts ahead of the

@@ -92,18 +92,22 @@ def test_logged_numbers_equal_a_run_of_the_checkpoint_saved_at_that_step(tmp_pat
             self.training_after_measuring.append(all(module.training for module in model.modules()))
 
     recorder = Recorder()
-    callback = ProbeCallback(TEXTS, 2, tmp_path / "probe", max_length=MAX_LENGTH)
+    callback = ProbeCallback(TEXTS, 2, tmp_path / "probe", max_length=MAX_LENGTH, at_start=True)
     model = _tiny_mlm()
     trainer = _trainer(tmp_path, tokenizer, model, [recorder, callback])
+    model.save_pretrained(tmp_path / "train" / "checkpoint-0")  # the weights training starts from
+    tokenizer.save_pretrained(tmp_path / "train" / "checkpoint-0")
     trainer.train()
 
     logged = {step: logs for step, logs in recorder.logs if "probe/mean" in logs}
     assert sorted(logged) == [2, 4]
+    assert sorted(callback.logged) == [0, 2, 4]
+    logged[0] = callback.logged[0]  # before the first step: no Trainer log, an entry of log_history of its own
     assert recorder.training_after_measuring == [True] * 4  # train mode given back at every step
     assert model.config._attn_implementation == "sdpa"  # measured with eager attention, given back
     history = {entry["step"]: entry for entry in trainer.state.log_history if "probe/mean" in entry}
-    assert sorted(history) == [2, 4]
-    for step in (2, 4):
+    assert sorted(history) == [0, 2, 4]
+    for step in (0, 2, 4):
         separate = probe.run(tmp_path / "train" / f"checkpoint-{step}", texts=TEXTS, max_length=MAX_LENGTH,
                              out=tmp_path / "separate", progress=False)
         expected = _numbers_from_rows(separate.rows)
