@@ -187,3 +187,19 @@ def test_a_model_probe_cannot_measure_is_refused_before_training(tmp_path, token
         trainer.train()
     assert not (tmp_path / "probe").exists()
     assert not list((tmp_path / "train").glob("checkpoint-*"))  # refused before the first step
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_a_model_on_a_gpu_is_measured_there_and_agrees_with_the_cpu(tmp_path, tokenizer):
+    import torch
+
+    from probe.callbacks import measure
+
+    model = _tiny_mlm().double()
+    on_cpu = measure(model, tokenizer, TEXTS, tmp_path / "cpu", step=1, max_length=MAX_LENGTH)
+    model.to("cuda")
+    state = torch.cuda.get_rng_state()
+    on_gpu = measure(model, tokenizer, TEXTS, tmp_path / "gpu", step=1, max_length=MAX_LENGTH)
+    assert on_gpu.manifest["device"].startswith("cuda") and next(model.parameters()).is_cuda
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+    assert on_gpu.rows["rel_deviation"].to_numpy() == pytest.approx(on_cpu.rows["rel_deviation"].to_numpy(), abs=1e-9)
