@@ -392,9 +392,6 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
         return run_dir
     if "config" not in manifest or not (run_dir / storage.PARTS).is_dir():
         raise ProbeError(f"{run_dir} was written by an older probe that cannot resume runs. Start a new `probe run`.")
-    if (manifest.get("inputs") or {}).get("model_location", "") is None:
-        raise ProbeError(f"{run_dir} measured a model in memory (during training), whose weights were not kept: it "
-                         "cannot be resumed. Measure a saved checkpoint of it with `probe run` instead.")
     if manifest.get("status") == "running":
         alive, how = storage.writer_alive(manifest["process"])
         raise ProbeError(f"{run_dir} is still running ({how}). Stop that process first, or wait for it.")
@@ -427,6 +424,10 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
 
 def _prepare_resume(run_dir: Path, manifest: dict, config: RunConfig, device: str) -> _Job:
     """Check that the model files are the run's, load model and texts, and check the texts and batches."""
+    if manifest["inputs"].get("model_location", "") is None:  # probe.callbacks: no files to load the model from
+        raise ProbeError(f"{run_dir} measured a model in memory (during training), whose weights were not kept: it "
+                         "cannot be loaded again to resume the run or re-solve its rows. Measure a saved checkpoint "
+                         "with `probe run` instead (`probe verify --sample 0` checks the part files).")
     inputs = {key: naming.expand_path(value) if key.endswith("_location") else value  # naming.recorded_path's
               for key, value in manifest["inputs"].items()}
     try:

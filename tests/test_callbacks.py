@@ -146,8 +146,13 @@ def test_a_measurement_gives_back_modes_attention_and_random_state(tmp_path, tok
     tokenizer.save_pretrained(tmp_path / "saved")
     separate = probe.run(tmp_path / "saved", texts=TEXTS, max_length=MAX_LENGTH, out=tmp_path / "sep", progress=False)
     assert run.rows["rel_deviation"].to_numpy() == pytest.approx(separate.rows["rel_deviation"].to_numpy(), abs=1e-9)
-    with pytest.raises(ProbeError, match="cannot be resumed"):
+    with pytest.raises(ProbeError, match="measured a model in memory"):
         probe.resume(_interrupted_copy(run.run_dir, tmp_path / "copy"))
+    from probe.verify import verify
+
+    assert verify(run.run_dir, sample=0).parts.ok  # its part files are checked as any run's
+    with pytest.raises(ProbeError, match="cannot be loaded again to resume the run or re-solve its rows"):
+        verify(run.run_dir, sample=4)
 
 
 def _interrupted_copy(run_dir, to):
