@@ -358,6 +358,8 @@ def run(
     kept = _texts_file(_texts(texts)) if texts is not None else None
     _check_types(samples=samples, max_length=max_length, batch_size=batch_size, threads=threads, seed=seed,
                  **({} if step is None else {"step": step}))
+    if step is not None and step < 0:
+        raise ProbeError(f"{option('step')} is a training step, a whole number >= 0; got {step}.")
     if fidelity_tolerance is not None and not _is_number(fidelity_tolerance):
         raise ProbeError(f"{option('fidelity_tolerance')} takes a number, got {fidelity_tolerance!r}.")
     if model is None:

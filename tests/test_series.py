@@ -188,3 +188,10 @@ def test_checkpoints_reads_steps_from_names_when_no_state_says_them(tmp_path, mi
     with pytest.raises(ProbeError, match="revisions of one model"):
         checkpoints(["a/b", "c/d"], revisions="step1")
     assert math.isfinite(found[0].step)
+
+
+@pytest.mark.parametrize("step, match", [(-1, "whole number >= 0"), (1.5, "takes a whole number"), (True, "whole")])
+def test_a_run_refuses_a_step_that_is_not_one(tmp_path, tiny_bert_dir, step, match):
+    with pytest.raises(ProbeError, match=match):
+        probe.run(tiny_bert_dir, texts=TEXTS, step=step, out=tmp_path / "runs", progress=False)
+    assert not (tmp_path / "runs").exists()
