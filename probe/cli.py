@@ -228,6 +228,10 @@ def run(
         "into its unknown token (refused otherwise: the tokenizer does not know the texts). The share is recorded "
         "either way.",
     ),
+    step: Optional[int] = typer.Option(
+        None, "--step", metavar="N", help="The training step of the checkpoint, recorded in the manifest: `probe "
+        "compare` draws runs that each have one against it (docs: attention across training).",
+    ),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
     report_format: Optional[str] = typer.Option(
         None, "--format", metavar="FMT[,FMT]", help="With --report: figure formats, comma separated (png,pdf) "
@@ -260,6 +264,7 @@ def run(
             tokenizer=tokenizer, max_memory=max_memory, threads=threads, out=out, device=device, dtype=dtype,
             revision=revision, seed=seed, fidelity_tolerance=fidelity_tolerance, name=name, progress=progress,
             intervene=intervene, intervene_modes=intervene_modes, allow_unknown_tokens=allow_unknown_tokens,
+            step=step,
         )
     except ProbeError as error:
         _fail(error)
@@ -313,6 +318,10 @@ def resume_command(
         "for the newest run named NAME in DIR).",
     ),
     progress: bool = typer.Option(True, help="Show a progress bar."),
+    step: Optional[int] = typer.Option(
+        None, "--step", metavar="N", help="The training step of the checkpoint, recorded in the manifest: `probe "
+        "compare` draws runs that each have one against it (docs: attention across training).",
+    ),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
     report_format: str = typer.Option(
         "png", "--format", metavar="FMT[,FMT]", help="Report figure formats, comma separated (png,pdf)."

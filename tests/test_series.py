@@ -195,3 +195,27 @@ def test_a_run_refuses_a_step_that_is_not_one(tmp_path, tiny_bert_dir, step, mat
     with pytest.raises(ProbeError, match=match):
         probe.run(tiny_bert_dir, texts=TEXTS, step=step, out=tmp_path / "runs", progress=False)
     assert not (tmp_path / "runs").exists()
+
+
+def test_runs_made_one_by_one_with_a_step_are_drawn_as_a_series(training, tmp_path):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    out = tmp_path / "runs"
+    for step in (20, 10):
+        done = runner.invoke(app, ["run", str(training / f"checkpoint-{step}"), "--dataset", str(texts), "--step",
+                                   str(step), "--max-length", str(MAX_LENGTH), "--out", str(out), "--no-progress"])
+        assert done.exit_code == 0, done.output
+    runs = sorted(out.iterdir())
+    assert sorted(probe.load(run).manifest["config"]["step"] for run in runs) == [10, 20]
+    compared = runner.invoke(app, ["compare", *map(str, runs), "--out", str(tmp_path / "compare")])
+    assert compared.exit_code == 0, compared.output
+    table = pd.read_csv(tmp_path / "compare" / "series.csv")
+    assert list(table.drop_duplicates("step")["step"]) == [10, 20]
+    # without a step on every run, no series
+    plain = runner.invoke(app, ["run", str(training / "checkpoint-10"), "--dataset", str(texts), "--max-length",
+                                str(MAX_LENGTH), "--out", str(tmp_path / "plain"), "--no-progress"])
+    assert plain.exit_code == 0, plain.output
+    mixed = runner.invoke(app, ["compare", str(runs[0]), *map(str, (tmp_path / "plain").iterdir()),
+                                "--out", str(tmp_path / "mixed")])
+    assert mixed.exit_code == 0, mixed.output
+    assert not (tmp_path / "mixed" / "series.csv").exists()
