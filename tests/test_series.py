@@ -219,3 +219,22 @@ def test_runs_made_one_by_one_with_a_step_are_drawn_as_a_series(training, tmp_pa
                                 "--out", str(tmp_path / "mixed")])
     assert mixed.exit_code == 0, mixed.output
     assert not (tmp_path / "mixed" / "series.csv").exists()
+
+
+def test_a_run_of_many_examples_resamples_blocks_of_them(tiny_bert_dir, tmp_path, monkeypatch):
+    from probe.report import series as series_module
+    from probe.report.data import read_run
+
+    run = probe.run(tiny_bert_dir, texts=TEXTS, max_length=MAX_LENGTH, out=tmp_path / "runs", progress=False)
+    monkeypatch.setattr(series_module, "MAX_UNITS", 4)  # 6 examples: 3 blocks of 2
+    (whole, *_layers) = series_module.run_statistics(read_run(run.run_dir), "self", "run", 0)
+    rows = run.rows[~run.rows["trivial"]]
+    examples = np.sort(rows["example"].unique())
+    blocks = [examples[i:i + 2] for i in range(0, len(examples), 2)]
+    n = np.array([rows["example"].isin(b).sum() for b in blocks], dtype=float)
+    sums = np.array([rows.loc[rows["example"].isin(b), "rel_deviation"].sum() for b in blocks])
+    picks = np.random.default_rng(series_module.SEED).integers(0, 3, size=(series_module.REPLICATES, 3))
+    weights = np.stack([np.bincount(p, minlength=3) for p in picks])
+    low, high = np.quantile(weights @ sums / (weights @ n), [0.025, 0.975])
+    assert whole["examples"] == len(examples) == 6
+    assert whole["mean_low"] == pytest.approx(low, abs=1e-12) and whole["mean_high"] == pytest.approx(high, abs=1e-12)

@@ -8,7 +8,9 @@ a 95% bootstrap interval over the examples (the rows of one example are not inde
 (``rng.integers(0, E, size=(REPLICATES, E))`` over the examples sorted by id, one draw per run and attention
 type, shared by its layers); a replicate's mean and share are its examples' rows pooled, its p95 is read from
 the pooled histogram of :data:`P95_BINS` equal bins from 0 to the type's maximum (linear within a bin, so its
-interval is exact to one bin width); the interval is the 2.5th to 97.5th percentile of the replicates.
+interval is exact to one bin width); the interval is the 2.5th to 97.5th percentile of the replicates.  A run of
+more than :data:`MAX_UNITS` examples resamples blocks of consecutive examples instead, at most that many, so that
+memory stays bounded (``E`` is then the number of blocks).
 
 Written: ``series.csv`` (one row per run, attention type and layer, ``layer`` empty for the whole model),
 ``series_findings.csv`` (the report's findings, :mod:`probe.report.findings`, that appear or vanish from one step
@@ -33,6 +35,8 @@ REPLICATES = 1000
 SEED = 0
 #: the interval's level
 LEVEL = 0.95
+#: at most this many resampled units: a run of more examples resamples blocks of consecutive examples (by id)
+MAX_UNITS = 5000
 #: the equal bins, from 0 to the type's maximum, a replicate's p95 is read from
 P95_BINS = 1024
 SHARE = f"share_above_{FAR:g}"
@@ -101,8 +105,10 @@ def run_statistics(run: Run, attention_type: str, label: str, step: int) -> list
     if sums.empty:
         return []
     examples = np.sort(sums["example"].unique())
-    weights = draws(len(examples))
-    column = np.searchsorted(examples, sums["example"].to_numpy())
+    block = math.ceil(len(examples) / MAX_UNITS)  # examples per resampled unit: 1 up to MAX_UNITS examples
+    units = math.ceil(len(examples) / block)
+    weights = draws(units)
+    column = np.searchsorted(examples, sums["example"].to_numpy()) // block
     layer_stats = run.main_deviation("layer", attention_type).set_index("layer")
     whole = run.main_deviation("type", attention_type).iloc[0]
     x_max = float(whole["max"]) if float(whole["max"]) > 0 else 1.0
@@ -112,20 +118,21 @@ def run_statistics(run: Run, attention_type: str, label: str, step: int) -> list
     records = []
     for layer in [None, *layers]:
         pick = np.ones(len(sums), dtype=bool) if layer is None else (sums["layer"] == layer).to_numpy()
-        per_example = {key: np.bincount(column[pick], sums[key].to_numpy(dtype=float)[pick], len(examples))
+        per_example = {key: np.bincount(column[pick], sums[key].to_numpy(dtype=float)[pick], units)
                        for key in ("n", "sum", "above")}
         n = weights @ per_example["n"]
         with np.errstate(invalid="ignore", divide="ignore"):
             means, shares = (weights @ per_example["sum"]) / n, (weights @ per_example["above"]) / n
         part = counted if layer is None else counted[counted["layer"] == layer]
-        histogram = np.zeros((len(examples), P95_BINS))
-        np.add.at(histogram, (np.searchsorted(examples, part["example"].to_numpy()), part["bin"].to_numpy(dtype=int)),
+        histogram = np.zeros((units, P95_BINS))
+        np.add.at(histogram, (np.searchsorted(examples, part["example"].to_numpy()) // block,
+                              part["bin"].to_numpy(dtype=int)),
                   part["count"].to_numpy(dtype=float))
         pooled = weights @ histogram
         p95s = np.where(pooled.sum(axis=1) > 0, histogram_quantile(pooled, edges, 0.95), np.nan)
         point = whole if layer is None else layer_stats.loc[layer]
         record = {"step": step, "run": label, "run_dir": run.run_dir.name, "attention_type": attention_type,
-                  "layer": layer, "examples": int((per_example["n"] > 0).sum()), "count": int(point["count"])}
+                  "layer": layer, "examples": int(sums.loc[pick, "example"].nunique()), "count": int(point["count"])}
         for statistic, replicates in (("mean", means), ("p95", p95s), (SHARE, shares)):
             record[statistic] = float(point[statistic])
             record[f"{statistic}_low"], record[f"{statistic}_high"] = _interval(replicates)
