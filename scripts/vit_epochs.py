@@ -63,6 +63,8 @@ def figure(curve: list[dict], out: Path, title: str) -> None:
         right.plot(epochs, median, marker="o", color=color, label=f"{label}: median")
         right.plot(epochs, p90, marker="o", color=color, linestyle="--", label=f"{label}: 90th percentile")
     right.set_xlabel("epoch")
+    for ax in (left, right):
+        ax.set_xticks(epochs)
     right.set_ylim(bottom=0)
     right.set_title("final layer's class-token queries vs exact inference")
     right.legend(fontsize="small")
