@@ -69,3 +69,21 @@ def test_each_arm_records_the_gap_where_it_is_defined(tmp_path, attention, own):
     if own:
         assert gap["ot"]["certified"] == 1.0 and 0 <= gap["ot"]["tv_median"] <= 1
         assert torch.isfinite(torch.tensor(gap["ot"]["rel_deviation_max"]))
+
+
+def test_the_training_page_quotes_the_committed_epoch_series():
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    kept = json.loads((root / "reports" / "vit" / "epochs-softmax.json").read_text())
+    curve = kept["learning_curve"]
+    page = " ".join((root / "docs" / "training.md").read_text().split())
+    first, last = curve[0], curve[-1]
+    for number in (f"{first['final_layer_gap']['kl']['tv_median']:.4f}",
+                   f"{first['final_layer_gap']['kl']['rel_deviation_median']:.4f}",
+                   f"{last['final_layer_gap']['kl']['tv_median']:.4f}",
+                   f"{last['final_layer_gap']['kl']['rel_deviation_median']:.4f}",
+                   f"{first['test_accuracy']:.3f}", f"{last['test_accuracy']:.3f}"):
+        assert number in page, number
+    assert kept["committed_curve_matches"] is True and "changed nothing of the training" in page
