@@ -238,3 +238,31 @@ def test_a_run_of_many_examples_resamples_blocks_of_them(tiny_bert_dir, tmp_path
     low, high = np.quantile(weights @ sums / (weights @ n), [0.025, 0.975])
     assert whole["examples"] == len(examples) == 6
     assert whole["mean_low"] == pytest.approx(low, abs=1e-12) and whole["mean_high"] == pytest.approx(high, abs=1e-12)
+
+
+def test_the_training_page_quotes_the_committed_study():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    table = pd.read_csv(root / "reports" / "training" / "series.csv")
+    page = " ".join((root / "docs" / "training.md").read_text().split())
+    first, last = table["step"].min(), table["step"].max()
+
+    def row(step, layer=None):
+        part = table[table["step"] == step]
+        return (part[part["layer"].isna()] if layer is None else part[part["layer"] == layer]).iloc[0]
+
+    start, end = row(first), row(last)
+    quoted = [f"{100 * start[f'share_above_0.1{end_}']:.1f}%" for end_ in ("", "_low", "_high")]
+    quoted += [f"{100 * end[f'share_above_0.1{end_}']:.1f}%" for end_ in ("", "_low", "_high")]
+    quoted += [f"{start['mean']:.4f}", f"{end['mean']:.4f}", f"{last} steps"]
+    for layer in (5, 3):
+        quoted += [f"{100 * row(step, layer)['share_above_0.1']:.1f}%" for step in (first, last)]
+    for number in quoted:
+        assert number in page, number
+    assert round(100 * (1 - end["mean"] / start["mean"])) == 5 and "mean falls by 5%" in page
+    events = pd.read_csv(root / "reports" / "training" / "series_findings.csv")
+    assert set(events["event"]) == {"present"} and "none appears or vanishes" in page
+    results = (root / "reports" / "training" / "results.md").read_text()
+    assert "took 2494 s, of which the measurements took 62 s (2%)" in results and "62 s of the 2494 s" in page
+    assert results.count("within 0.0e+00") == 4 and "exactly" in page
