@@ -345,8 +345,9 @@ def run(
     A run whose tokenizer turns more than 10% of the tokens into its unknown token is refused before the
     model loads (the tokenizer does not know the texts: :mod:`probe.tokens`); ``allow_unknown_tokens=True``
     runs it anyway.  ``step``: the training step of the checkpoint, recorded in the manifest (``config.step``)
-    for a series over training (:mod:`probe.series`).  The other options are ``probe run``'s (``probe run --help``).  Every option is checked
-    before the model loads; a rejected run raises :class:`ProbeError`, naming the parameter, and writes nothing.
+    for a series over training (:mod:`probe.series`).  The other options are ``probe run``'s (``probe run
+    --help``).  Every option is checked before the model loads; a rejected run raises :class:`ProbeError`, naming
+    the parameter, and writes nothing.
     """
     from .config import RunConfig
     from .data import DatasetSpec

@@ -318,10 +318,6 @@ def resume_command(
         "for the newest run named NAME in DIR).",
     ),
     progress: bool = typer.Option(True, help="Show a progress bar."),
-    step: Optional[int] = typer.Option(
-        None, "--step", metavar="N", help="The training step of the checkpoint, recorded in the manifest: `probe "
-        "compare` draws runs that each have one against it (docs: attention across training).",
-    ),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
     report_format: str = typer.Option(
         "png", "--format", metavar="FMT[,FMT]", help="Report figure formats, comma separated (png,pdf)."

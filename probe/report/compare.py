@@ -275,7 +275,8 @@ def _compare(paths: list[Path], out_dir: Path, formats, names, allow_damaged: bo
     table.to_csv(out_dir / "compare.csv", index=False)
     series_part = ""
     with style():
-        drawn = [depth_figure(runs, labels, shared_types, x_max, title), ecdf_figure(runs, labels, shared_types, x_max, title)]
+        drawn = [depth_figure(runs, labels, shared_types, x_max, title),
+                 ecdf_figure(runs, labels, shared_types, x_max, title)]
         if is_series(runs):  # runs that record their training step: drawn against it (probe.report.series)
             series_part, more = write_series(runs, labels, shared_types, out_dir, title)
             drawn = more + drawn

@@ -17,8 +17,9 @@ Checkpoints are read with ``torch.load(weights_only=True)`` (:func:`read_checkpo
 plain data only, and a file that names any other Python object is refused, so a crafted checkpoint runs no
 code.  Every epoch's entry of the history records how far the final layer is from exact inference on the first
 test images (``final_layer_gap``: :mod:`probe.vit.gap`).  The exact-ViT's history also records, per epoch, its
-final layer's Newton iterations and certificates over the training steps (``exact_train``) and the evaluation (``exact_test``): the summaries of
-:class:`probe.exact.ExactCertificate`, merged by :func:`probe.exact.merge_summaries`.
+final layer's Newton iterations and certificates over the training steps (``exact_train``) and the evaluation
+(``exact_test``): the summaries of :class:`probe.exact.ExactCertificate`, merged by
+:func:`probe.exact.merge_summaries`.
 """
 
 from __future__ import annotations
