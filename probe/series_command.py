@@ -30,6 +30,8 @@ def series_command(
         None, metavar="FILE|NAME", help="Hub dataset name or a local .txt/.jsonl/.csv/.parquet file [default: the "
         "embedded corpus].",
     ),
+    config: Optional[str] = typer.Option(None, metavar="NAME", help="Hub dataset configuration."),
+    split: Optional[str] = typer.Option(None, metavar="NAME", help="Hub dataset split [default: train]."),
     column: Optional[str] = typer.Option(None, metavar="NAME", help="Column holding the texts [default: text]."),
     samples: Optional[int] = typer.Option(None, metavar="N", help="Use the first N non-empty texts."),
     max_length: int = typer.Option(128, metavar="N", help="Truncate texts to this many tokens."),
@@ -60,7 +62,8 @@ def series_command(
     try:
         series = run_series(
             checkpoints, revisions=revision, steps=steps, random_init=random_init, out=out, name=name,
-            compare=compare if compare is not None else True, dataset=dataset, column=column, samples=samples,
+            compare=compare if compare is not None else True, dataset=dataset, config=config, split=split,
+            column=column, samples=samples,
             max_length=max_length, batch_size=batch_size, alpha=alpha, space=space, device=device, dtype=dtype,
             formats=report_format, progress=progress,
         )
