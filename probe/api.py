@@ -327,6 +327,7 @@ def run(
     intervene: str | Sequence[str] | None = None,
     intervene_modes: str | Sequence[str] = "per-site,whole",
     allow_unknown_tokens: bool = False,
+    step: int | None = None,
 ) -> Run:
     """Solve the dual for every example, attention site, head and query token of ``model``; return the
     finished :class:`Run`.
@@ -343,8 +344,10 @@ def run(
     measured per site and for the whole model (``intervene_modes``); read them as :attr:`Run.interventions`.
     A run whose tokenizer turns more than 10% of the tokens into its unknown token is refused before the
     model loads (the tokenizer does not know the texts: :mod:`probe.capture.tokens`); ``allow_unknown_tokens=True``
-    runs it anyway.  The other options are ``probe run``'s (``probe run --help``).  Every option is checked
-    before the model loads; a rejected run raises :class:`ProbeError`, naming the parameter, and writes nothing.
+    runs it anyway.  ``step``: the training step of the checkpoint, recorded in the manifest (``config.step``)
+    for a series over training (:mod:`probe.training.series`).  The other options are ``probe run``'s (``probe run
+    --help``).  Every option is checked before the model loads; a rejected run raises :class:`ProbeError`, naming
+    the parameter, and writes nothing.
     """
     from probe.capture.data import DatasetSpec
     from probe.core.config import RunConfig
@@ -354,7 +357,10 @@ def run(
     if texts is not None and dataset is not None:
         raise ProbeError(f"Give {option('texts')} or {option('dataset')}, not both.")
     kept = _texts_file(_texts(texts)) if texts is not None else None
-    _check_types(samples=samples, max_length=max_length, batch_size=batch_size, threads=threads, seed=seed)
+    _check_types(samples=samples, max_length=max_length, batch_size=batch_size, threads=threads, seed=seed,
+                 **({} if step is None else {"step": step}))
+    if step is not None and step < 0:
+        raise ProbeError(f"{option('step')} is a training step, a whole number >= 0; got {step}.")
     if fidelity_tolerance is not None and not _is_number(fidelity_tolerance):
         raise ProbeError(f"{option('fidelity_tolerance')} takes a number, got {fidelity_tolerance!r}.")
     if model is None:
@@ -372,6 +378,7 @@ def run(
         threads=threads, device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance,
         progress=progress, name=name, intervene=_names(intervene, "intervene") or (),
         intervene_modes=_names(intervene_modes, "intervene_modes"), allow_unknown_tokens=bool(allow_unknown_tokens),
+        step=step,
     )
     check_options(settings)  # before torch loads: a mistyped option costs nothing
     if kept is not None:

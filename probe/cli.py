@@ -17,6 +17,7 @@ disk, a read-only or vanished run directory); 130 / 143 a run stopped by SIGINT 
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -97,6 +98,21 @@ def _every_command(
 from probe.vit.cli import app as _vit_app  # noqa: E402
 
 app.add_typer(_vit_app, name="vit")
+
+# `probe series`: one run per checkpoint of a training, compared against the step (probe/training/cli.py);
+# a stopped run is reported here, as `probe run` reports it
+from probe.training.cli import series_command as _series_command  # noqa: E402
+
+
+@functools.wraps(_series_command)
+def _series(*args, **kwargs):
+    try:
+        return _series_command(*args, **kwargs)
+    except _run_stopped() as stop:
+        _stopped(stop)
+
+
+app.command("series")(_series)
 
 
 
@@ -223,6 +239,10 @@ def run(
         "into its unknown token (refused otherwise: the tokenizer does not know the texts). The share is recorded "
         "either way.",
     ),
+    step: Optional[int] = typer.Option(
+        None, "--step", metavar="N", help="The training step of the checkpoint, recorded in the manifest: `probe "
+        "compare` draws runs that each have one against it (docs: attention across training).",
+    ),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
     report_format: Optional[str] = typer.Option(
         None, "--format", metavar="FMT[,FMT]", help="With --report: figure formats, comma separated (png,pdf) "
@@ -255,6 +275,7 @@ def run(
             tokenizer=tokenizer, max_memory=max_memory, threads=threads, out=out, device=device, dtype=dtype,
             revision=revision, seed=seed, fidelity_tolerance=fidelity_tolerance, name=name, progress=progress,
             intervene=intervene, intervene_modes=intervene_modes, allow_unknown_tokens=allow_unknown_tokens,
+            step=step,
         )
     except ProbeError as error:
         _fail(error)

@@ -98,6 +98,9 @@ class RunConfig:
     # --allow-unknown-tokens: run although the tokenizer turns more than probe.capture.tokens.UNKNOWN_LIMIT of the
     # tokens into its unknown token (refused otherwise, before the model loads)
     allow_unknown_tokens: bool = False
+    # the training step of the weights measured (a checkpoint of a series, probe.training.series; the model being trained,
+    # probe.callbacks); None: the run is not a step of training
+    step: int | None = None
 
 
 #: the settings that hold local paths, which the manifest records without this machine's layout

@@ -54,20 +54,22 @@ def plan_batches(loaded: LoadedModel, texts: Texts, batch_size: int, max_length:
 
 def prepare(
     config: RunConfig, device: str, model_location: str | None = None, dataset: DatasetSpec | None = None,
-    texts: Texts | None = None,
+    texts: Texts | None = None, loaded: LoadedModel | None = None,
 ) -> Job:
-    """Load the model (from ``model_location``, default ``config.model``) onto ``device`` and the texts
-    (``texts`` when already read, else from ``dataset``, default ``config.dataset``); plan the batches."""
+    """Load the model (from ``model_location``, default ``config.model``; ``loaded``: one already in memory,
+    taken as it is) onto ``device`` and the texts (``texts`` when already read, else from ``dataset``, default
+    ``config.dataset``); plan the batches."""
     torch.manual_seed(config.seed)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     started = time.perf_counter()
-    say(config, f"loading {naming.model_name(config.model)} ({config.init} weights, {config.dtype}) onto "
-                 f"{device_name(device)}")
-    loaded = load_model(
-        model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
-        init=config.init, seed=config.seed, tokenizer=config.tokenizer,
-    )
+    if loaded is None:
+        say(config, f"loading {naming.model_name(config.model)} ({config.init} weights, {config.dtype}) onto "
+                    f"{device_name(device)}")
+        loaded = load_model(
+            model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
+            init=config.init, seed=config.seed, tokenizer=config.tokenizer,
+        )
     unsupported = [space for space in config.spaces if space not in loaded.adapter.spaces]
     if unsupported:
         raise ProbeError(

@@ -49,9 +49,10 @@ def now() -> str:
 
 def new_manifest(job: Job, unknown_tokens: dict) -> dict:
     config, loaded, texts = job.config, job.loaded, job.texts
-    local_model = Path(config.model).expanduser().exists()
+    in_memory = bool(loaded.info.get("in_memory"))  # a model measured in memory has no files to record
+    local_model = not in_memory and Path(config.model).expanduser().exists()
     local_data = config.dataset.name is not None and Path(config.dataset.name).expanduser().exists()
-    model_directory = fingerprint.model_directory(config.model, config.revision)
+    model_directory = None if in_memory else fingerprint.model_directory(config.model, config.revision)
     return {
         "probe_version": __version__,
         "name": run_name(config),
@@ -98,11 +99,13 @@ def new_manifest(job: Job, unknown_tokens: dict) -> dict:
         "config": config_to_json(config),
         # what resume loads and checks: the same model files, texts and batch plan
         "inputs": {
-            "model_location": naming.recorded_path(model_directory) if local_model else config.model,
-            # a hub model's commit: its cache snapshot's name (the directory is named after it)
-            "model_revision": None if local_model else loaded.info.get("revision") or model_directory.name,
-            "model_directory": naming.recorded_path(model_directory),
-            "model_fingerprint": fingerprint.model_fingerprint(model_directory),
+            **({"model_location": None, "model_revision": None, "model_directory": None, "model_fingerprint": None}
+               if in_memory else {
+                "model_location": naming.recorded_path(model_directory) if local_model else config.model,
+                # a hub model's commit: its cache snapshot's name (the directory is named after it)
+                "model_revision": None if local_model else loaded.info.get("revision") or model_directory.name,
+                "model_directory": naming.recorded_path(model_directory),
+                "model_fingerprint": fingerprint.model_fingerprint(model_directory)}),
             "dataset_location": (naming.recorded_path(Path(config.dataset.name).expanduser().resolve()) if local_data
                                  else config.dataset.name),
             "batch_plan_sha256": plan_sha256(job.batches),

@@ -17,7 +17,7 @@ import errno
 import os
 import signal
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import torch
 
 from probe.batch.rows import Summary, process_batch
 from probe.capture.data import DatasetSpec
+from probe.capture.loading import LoadedModel
 from probe.core import naming
 from probe.core.config import RunConfig, config_from_json, config_to_json  # noqa: F401 (probe.pipeline.runner.RunConfig, as before)
 from probe.core.errors import ProbeError, RunIOError
@@ -96,12 +97,17 @@ REPORT_EVERY_S = 1.0
 # the run
 
 
-def run(config: RunConfig) -> Path:
-    """Run probe on a model and dataset; return the run directory."""
-    checked = check_run(config)  # every up-front check (probe.pipeline.validate): before any weights load or file is written
+def run(config: RunConfig, *, model: LoadedModel | None = None, checked=None) -> Path:
+    """Run probe on a model and dataset; return the run directory.
+
+    ``model``: a model already in memory (:mod:`probe.callbacks`: the model being trained), measured as it is,
+    in this process alone, with ``checked`` its up-front checks (:func:`probe.callbacks.check_in_memory`)."""
+    # every up-front check (probe.pipeline.validate): before any weights load or file is written
+    checked = check_run(config) if checked is None else checked
     config = checked.config  # defaults resolved: the adapter's space, the dtype's fidelity tolerance
-    with Stops() as stops, distributed.join(config.device) as group, ExitStack() as held:
-        job = group.agree(lambda: prepare(config, group.device(config.device), texts=checked.texts))
+    joined = distributed.join(config.device) if model is None else _alone()
+    with Stops() as stops, joined as group, ExitStack() as held:
+        job = group.agree(lambda: prepare(config, group.device(config.device), texts=checked.texts, loaded=model))
         stops.hold()
 
         def create() -> str:  # rank 0 creates the run directory and holds it
@@ -157,8 +163,18 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
         return _execute(run_dir, manifest, job, stops, group)
 
 
+@contextmanager
+def _alone():
+    """A group of this process only (a model in memory is measured where it is, whatever launched it)."""
+    yield distributed.Group(distributed.Ranks())
+
+
 def prepare_resume(run_dir: Path, manifest: dict, config: RunConfig, device: str) -> Job:
     """Check that the model files are the run's, load model and texts, and check the texts and batches."""
+    if manifest["inputs"].get("model_location", "") is None:  # probe.callbacks: no files to load the model from
+        raise ProbeError(f"{run_dir} measured a model in memory (during training), whose weights were not kept: it "
+                         "cannot be loaded again to resume the run or re-solve its rows. Measure a saved checkpoint "
+                         "with `probe run` instead (`probe verify --sample 0` checks the part files).")
     inputs = {key: naming.expand_path(value) if key.endswith("_location") else value  # naming.recorded_path's
               for key, value in manifest["inputs"].items()}
     try:

@@ -28,6 +28,7 @@ from probe.core.errors import ProbeError
 from probe.core.spelling import option
 from probe.query import connect
 from probe.report.data import FAR, Run, lookup, read_run, type_label
+from probe.report.series import is_series, write_series
 from probe.report.style import (
     DEVIATION_LABEL,
     ECDF_BINS,
@@ -280,9 +281,14 @@ def _compare(paths: list[Path], out_dir: Path, formats, names, allow_damaged: bo
         raise ProbeError(f"{out_dir} exists and is not a directory. Choose another {option('out')}.")
     out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(out_dir / "compare.csv", index=False)
+    series_part = ""
     with style():
-        saved = [save(drawn, out_dir, formats) for drawn in (depth_figure(runs, labels, shared_types, x_max, title),
-                                                              ecdf_figure(runs, labels, shared_types, x_max, title))]
+        drawn = [depth_figure(runs, labels, shared_types, x_max, title),
+                 ecdf_figure(runs, labels, shared_types, x_max, title)]
+        if is_series(runs):  # runs that record their training step: drawn against it (probe.report.series)
+            series_part, more = write_series(runs, labels, shared_types, out_dir, title)
+            drawn = more + drawn
+        saved = [save(each, out_dir, formats) for each in drawn]
     esc = html.escape
     images = "".join(
         f'<figure><img alt="{esc(s.caption)}" width="{s.size_px[0]}" height="{s.size_px[1]}" '
@@ -298,7 +304,7 @@ def _compare(paths: list[Path], out_dir: Path, formats, names, allow_damaged: bo
                  f"</tr>{run_rows}</table>")
     differences = "".join(f"<li>{esc(sentence)}</li>" for sentence in difference_sentences(table, labels, controls))
     table_html = numbers_html(table, labels, controls)
-    table_html += _interventions_html(runs, labels, out_dir, allow_damaged)
+    table_html += _interventions_html(runs, labels, out_dir, allow_damaged) + series_part
     (out_dir / "index.html").write_text(
         f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1"><title>probe compare: {esc(title)}</title>

@@ -15,9 +15,11 @@ itself) added to its candidate set; at test time only the input's own.
 
 Checkpoints are read with ``torch.load(weights_only=True)`` (:func:`read_checkpoint`): they hold tensors and
 plain data only, and a file that names any other Python object is refused, so a crafted checkpoint runs no
-code.  The exact-ViT's history also records, per epoch, its final layer's Newton iterations and certificates
-over the training steps (``exact_train``) and the evaluation (``exact_test``): the summaries of
-:class:`probe.solve.exact.ExactCertificate`, merged by :func:`probe.solve.exact.merge_summaries`.
+code.  Every epoch's entry of the history records how far the final layer is from exact inference on the first
+test images (``final_layer_gap``: :mod:`probe.vit.gap`).  The exact-ViT's history also records, per epoch, its
+final layer's Newton iterations and certificates over the training steps (``exact_train``) and the evaluation
+(``exact_test``): the summaries of :class:`probe.solve.exact.ExactCertificate`, merged by
+:func:`probe.solve.exact.merge_summaries`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from probe.core.version import __version__
 from probe.solve.exact import merge_summaries
 from probe.vit.attention import MultiHeadAttention
 from probe.vit.data import DATASETS, ImageData, load_data
+from probe.vit.gap import GAP_IMAGES, final_layer_gap, gap_line
 from probe.vit.model import ViT, ViTConfig, parameter_count
 
 __all__ = ["TrainSettings", "train", "validate_settings", "read_checkpoint", "CHECKPOINT", "RESULTS", "MODEL"]
@@ -320,6 +323,8 @@ def train(s: TrainSettings, *, log=None) -> dict:
         bar.close()
         train_s = time.perf_counter() - epoch_start
         metrics = evaluate(model, data, test_index, device)
+        gap_images = data.normalise(data.test_images[test_index[:GAP_IMAGES]]).to(device)
+        metrics["final_layer_gap"] = final_layer_gap(model, gap_images)  # probe.vit.gap
         history.append({
             "epoch": epoch + 1, "train_loss": total_loss / n, "train_accuracy": correct / n, **metrics,
             "train_s": train_s, "epoch_s": time.perf_counter() - epoch_start,
@@ -334,7 +339,8 @@ def train(s: TrainSettings, *, log=None) -> dict:
         }, run_dir / CHECKPOINT)
         if log is not None:
             log(f"epoch {epoch + 1}/{s.epochs}: train loss {history[-1]['train_loss']:.4f}, "
-                f"test accuracy {metrics['test_accuracy']:.4f} ({history[-1]['epoch_s']:.0f} s)")
+                f"test accuracy {metrics['test_accuracy']:.4f}, {gap_line(metrics['final_layer_gap'])} "
+                f"({history[-1]['epoch_s']:.0f} s)")
 
     wall = wall_before + time.perf_counter() - started
     _atomic_save({"format": "probe-vit-model", "config": config.to_dict(), "model": model.state_dict(),
