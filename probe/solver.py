@@ -58,7 +58,7 @@ from typing import Optional
 
 import torch
 
-from . import native
+from . import native, schedule
 from .parallel import cpu_workers, run_all, without_gil
 
 __all__ = ["DualProblems", "DualSolution", "solve_dual", "duality_gap_reduced", "factor_gram", "solve_spd_reduced"]
@@ -119,12 +119,23 @@ class DualSolution:
     converged: torch.Tensor
 
 
-def factor_gram(gram: torch.Tensor) -> torch.Tensor:
-    r"""Return :math:`A = Q\Gamma^{1/2}` with :math:`AA^\top = G` for each Gram matrix in ``(g, n, n)``.
+def factor_gram(gram: torch.Tensor, method: str | None = None) -> torch.Tensor:
+    r"""Return :math:`A` with :math:`AA^\top = G` for each Gram matrix in ``(g, n, n)``.
 
+    ``method="eigh"`` (the default on a CPU): :math:`A = Q\Gamma^{1/2}` from the eigendecomposition.
     Eigenvalues below ``n * eps * max_eigenvalue`` (rounding noise of a rank-deficient :math:`G`, e.g.
     duplicate templates) are treated as exact zeros; the corresponding columns of :math:`A` are zero.
+    ``method="cholesky"`` (the default elsewhere: batched on a GPU, where the eigendecomposition runs one
+    matrix at a time): the Cholesky factor where :math:`G` is positive definite, the eigendecomposition
+    for the other groups only (:func:`probe.schedule.factor_cholesky`).  Any :math:`A` with
+    :math:`AA^\top = G` gives the same problem (R-D), up to an orthogonal change of :math:`y`.
     """
+    if method is None:
+        method = "eigh" if gram.device.type == "cpu" else "cholesky"
+    if method == "cholesky":
+        return schedule.factor_cholesky(gram)
+    if method != "eigh":
+        raise ValueError(f"method must be 'eigh' or 'cholesky', got {method!r}")
     gram = 0.5 * (gram + gram.transpose(-1, -2))
     eigenvalues, eigenvectors = torch.linalg.eigh(gram)
     n = gram.shape[-1]
@@ -492,12 +503,22 @@ def _solve_tile(work, active, rtol, atol, max_iter, out=None):
         iterations = iterations.clamp(0, max_iter)
         state = work.state(y)
         max_iter -= int(iterations.max())
-    state, iterations, live, initial_norm, remaining = _newton(
-        work, work.initial_state() if state is None else state, iterations, active.clone(), None, rtol, atol,
-        max_iter,
-    )
+    if compiled is None and schedule.applies(work, max_iter):  # the fixed schedule, then what remains below
+        return schedule.solve_tile(work, active, rtol, atol, max_iter, out)
     if out is None:
-        out = _empty_solution(g_count, m, work.base.shape[-1], work.base.dtype, device)
+        out = schedule.empty_solution(g_count, m, work.base.shape[-1], work.base.dtype, device)
+    state = work.initial_state() if state is None else state
+    return _adaptive(work, state, iterations, active.clone(), None, active, rtol, atol, max_iter, out)
+
+
+def _adaptive(work, state, iterations, live, initial_norm, active, rtol, atol, max_iter, out):
+    """:func:`_newton` on the ``live`` problems of a tile from ``state``, compacting the working set as
+    problems finish (:func:`_solve_tile`); the tile's :class:`DualSolution`, written into ``out``."""
+    g_count, m, _ = work.base.shape
+    device = work.base.device
+    state, iterations, live, initial_norm, remaining = _newton(
+        work, state, iterations, live, initial_norm, rtol, atol, max_iter
+    )
     if remaining == 0 or not bool(live.any()):
         return _finish(work, state, active, rtol, atol, iterations, out)
     final, y = state, state.y
@@ -544,8 +565,7 @@ def _finish(work, state, active, rtol, atol, iterations, out):
 
 
 #: tile size of :func:`solve_dual` per device type: on a CPU, small enough for a tile's working set to
-#: stay in cache (the elementwise work is bound by memory traffic; bench/NOTES.md); on a GPU, large
-#: enough to fill the device
+#: stay in cache (bench/NOTES.md); on a GPU, the least (:func:`probe.schedule.tile_bytes`)
 TILE_BYTES = {"cpu": 1 << 24, "cuda": 1 << 29}
 
 #: a call of at least twice this many problems is cut into an even number (at least 2) of equal tiles, so
@@ -567,9 +587,11 @@ def solve_dual(
     r"""Solve every dual problem in ``problems`` (eq. (D) of the module docstring, reduced to (R-D)).
 
     Runs on the device of ``problems.gram`` in ``dtype`` (float64 by default).  Problems are processed
-    in tiles of whole groups (or slices of a group) whose working set stays within the device's
-    :data:`TILE_BYTES` (on a CPU, about its cache) and within ``memory_budget_bytes`` when given.
-    Beyond its inputs, the solver holds one tile's working set and its outputs.
+    in tiles of whole groups (or slices of a group) whose working set stays within
+    :func:`probe.schedule.tile_bytes` (on a CPU, about its cache; on a GPU, a share of its free memory)
+    and within ``memory_budget_bytes`` when given.  Beyond its inputs, the solver holds one tile's
+    working set and its outputs.  Where the compiled kernel (:mod:`probe.native`) does not run, each
+    tile is solved by the fixed schedule of :mod:`probe.schedule` first, with no host synchronisation.
 
     The Newton directions (the conjugate-gradient solves, most of the work) are computed in
     ``direction_dtype``; the gradient, the line search and the certificate stay in ``dtype``, so a
@@ -602,7 +624,7 @@ def solve_dual(
             f"log_preference {tuple(problems.log_preference.shape)}, "
             f"evidence_sqnorm {tuple(problems.evidence_sqnorm.shape)}"
         )
-    out = _empty_solution(n_groups, m, n, dtype, device)
+    out = schedule.empty_solution(n_groups, m, n, dtype, device)
     if m == 0 or n_groups == 0 or n == 0:
         return out
     if problems.factor is None:
@@ -614,96 +636,25 @@ def solve_dual(
         factor = factor[..., kept]
     factor_low = factor if direction_dtype == dtype else factor.to(direction_dtype)
 
-    # About 16 (m, n)-sized tensors of the solver's dtype per problem slice are live at once.
     # The tiles depend on the shapes and the budget only, not on ``workers``: a problem's answer is the
     # same whichever number of threads solves the batch.
-    tile_bytes = TILE_BYTES.get(device.type, TILE_BYTES["cuda"])
-    if memory_budget_bytes is not None:
-        tile_bytes = min(tile_bytes, memory_budget_bytes)
-    bytes_per_row = 16 * n * torch.finfo(dtype).bits // 8
-    rows_per_tile = max(1, tile_bytes // bytes_per_row)
-    workers = cpu_workers(device) if workers is None else max(0, workers)
-    if memory_budget_bytes is not None and workers > 1:  # each tile in flight holds its working set
-        workers = max(1, min(workers, memory_budget_bytes // (min(rows_per_tile, m * n_groups) * bytes_per_row)))
-    if rows_per_tile >= m:  # whole groups, in tiles of equal size
-        count = -(-n_groups // max(1, rows_per_tile // m))
-        if n_groups * m >= 2 * _MIN_TILE_ROWS:
-            count = min(n_groups, max(2, count + count % 2))
-        tiles = [(g0, g1, 0, m) for g0, g1 in _equal_parts(n_groups, count)]
-    else:  # slices of one group, of equal size
-        tiles = [(g, g + 1, j0, j1) for g in range(n_groups) for j0, j1 in _equal_parts(m, -(-m // rows_per_tile))]
+    tiles, workers = schedule.plan_tiles(
+        n_groups, m, n, device, dtype, schedule.runs(device, dtype, direction_dtype, max_iter), memory_budget_bytes,
+        cpu_workers(device) if workers is None else max(0, workers))
 
     def solve(g0, g1, j0, j1):  # one tile, written into its own slice of ``out``
-        logits, base, u, evidence_sqnorm, active = _tile_inputs(problems, g0, g1, j0, j1, dtype, device)
+        logits, base, u, evidence_sqnorm, active = schedule.tile_inputs(problems, g0, g1, j0, j1, dtype, device)
         work = _WorkingSet(factor[g0:g1], factor_low[g0:g1], logits, base, u, evidence_sqnorm, problems.alpha)
         tile = DualSolution(**{name: value[g0:g1, j0:j1] for name, value in vars(out).items()})
         _solve_tile(work, active, rtol, atol, max_iter, tile)
         inactive = ~active
-        if bool(inactive.any()):
-            for name, target in vars(tile).items():
-                if name != "converged":  # inactive problems: NaN (iterations 0)
-                    target[inactive] = 0 if name == "iterations" else float("nan")
+        for name, target in vars(tile).items():  # inactive problems: NaN (iterations 0), with no host read
+            if name != "converged":
+                mask = inactive.unsqueeze(-1) if target.dim() == 3 else inactive
+                target.masked_fill_(mask, 0 if name == "iterations" else float("nan"))
 
     run_all([lambda tile=tile: solve(*tile) for tile in tiles], workers)
     return out
-
-
-def _equal_parts(length: int, count: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` of ``count`` consecutive parts of ``range(length)`` whose sizes differ by at most 1."""
-    bounds = [round(i * length / count) for i in range(count + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def _tile_inputs(problems, g0, g1, j0, j1, dtype, device):
-    r"""(logits, :math:`\log u + \alpha s`, :math:`u`, :math:`\|z\|^2`, active) of one tile in the
-    solver's dtype, with :math:`u` normalised; inactive problems get a harmless uniform problem, so
-    that no NaN enters the batched products."""
-    alpha = problems.alpha
-    logits = problems.logits[g0:g1, j0:j1].to(device=device, dtype=dtype)
-    log_pref = problems.log_preference[g0:g1, j0:j1].to(device=device, dtype=dtype)
-    evidence_sqnorm = problems.evidence_sqnorm[g0:g1, j0:j1].to(device=device, dtype=dtype)
-    active = problems.active
-    if active is None:
-        active = torch.ones(logits.shape[:2], dtype=torch.bool, device=device)
-    else:
-        active = active[g0:g1, j0:j1].to(device)
-    # rows that share their group's preference by construction (a view: BERT-like models' masks) are
-    # normalised once per group, and keep sharing u
-    shared = shares_rows(log_pref)
-    row_pref = log_pref[:, :1] if shared else log_pref
-    has_key = torch.isfinite(row_pref).any(-1)
-    active = active & has_key  # a problem needs at least one key
-    if shared and not bool(has_key.all()):
-        row_pref = torch.where(has_key.unsqueeze(-1), row_pref, 0.0)  # a group without keys: uniform
-    log_u = torch.sub(row_pref, torch.logsumexp(row_pref, dim=-1, keepdim=True))  # normalise u
-    base = torch.add(log_u, logits, alpha=alpha)  # log u + alpha s
-    u = log_u.exp_().expand_as(logits) if shared else log_u.exp_()
-    inactive = ~active
-    if bool(inactive.any()):
-        base[inactive] = 0.0
-        if not shared:  # (a shared u is finite: the rows of a group without keys have a uniform one)
-            u[inactive] = 1.0 / logits.shape[-1]
-        logits = torch.where(active.unsqueeze(-1), logits, 0.0)  # a copy: the caller's logits stay as given
-        evidence_sqnorm = torch.where(active, evidence_sqnorm, 1.0)
-    return logits, base, u, evidence_sqnorm, active
-
-
-def _empty_solution(n_groups, m, n, dtype, device):
-    """The output of :func:`solve_dual`; the tiles write every entry (:func:`_finish`, then NaN on inactive
-    problems), so its two largest tensors are left unfilled."""
-    def full(shape, value, kind=dtype):
-        return torch.full(shape, value, dtype=kind, device=device)
-
-    return DualSolution(
-        coefficients=torch.empty((n_groups, m, n), dtype=dtype, device=device),
-        attention=torch.empty((n_groups, m, n), dtype=dtype, device=device),
-        rel_deviation=full((n_groups, m), float("nan")),
-        lambda_norm=full((n_groups, m), float("nan")),
-        duality_gap=full((n_groups, m), float("nan")),
-        error_bound=full((n_groups, m), float("nan")),
-        iterations=full((n_groups, m), 0, torch.int32),
-        converged=full((n_groups, m), False, torch.bool),
-    )
 
 
 def solve_spd_reduced(
