@@ -335,11 +335,20 @@ def captured_problems(model: str, length: int, count: int, device: str, dtype: s
 
 
 def _moved(problems, device: str):
+    """The problems on ``device``; a preference shared by every row of a group (a stride-0 view) moves as
+    one row per group and is expanded there, not on the host."""
     from dataclasses import fields, replace
 
     import torch
 
-    return replace(problems, **{f.name: getattr(problems, f.name).to(device) for f in fields(problems)
+    from probe.solver import shares_rows
+
+    def move(tensor):
+        if shares_rows(tensor):
+            return tensor[:, :1].to(device).expand(tensor.shape)
+        return tensor.to(device)
+
+    return replace(problems, **{f.name: move(getattr(problems, f.name)) for f in fields(problems)
                                 if isinstance(getattr(problems, f.name), torch.Tensor)})
 
 
