@@ -28,6 +28,7 @@ matrices (:func:`factor_cholesky`).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -39,9 +40,10 @@ __all__ = [
     "tile_inputs",
 ]
 
-#: CG steps of each Newton iteration of the fixed schedule (on captured problems with 128 keys the
-#: adaptive iterations took 3 Newton iterations of 2, 3 and 3 CG steps)
-CG_STEPS = (2, 3, 4)
+#: CG steps of each Newton iteration of the fixed schedule: on the pretrained MiniLM at 128 tokens,
+#: (1, 2, 3, 5) brings 98% of the rows within their goal, (2, 3, 4) 31% and (1, 2, 3, 4) 72%
+#: (measured on one batch, every layer; bench/results_gpu_ready.md gives the share this one reaches)
+CG_STEPS = (1, 2, 3, 5)
 #: Armijo trial steps evaluated together: 1, 1/2, ..., 2^(1 - TRIAL_STEPS)
 TRIAL_STEPS = 4
 #: Armijo's sufficient-increase constant, as in :func:`probe.solver._newton_step_python`
@@ -69,18 +71,19 @@ def runs(device: torch.device, dtype: torch.dtype, direction_dtype: torch.dtype,
     return not (kernel and native.available())
 
 
-def tile_bytes(device: torch.device, dtype: torch.dtype, schedule: bool) -> int:
-    """Bytes of one tile's working set on ``device``.
+def tile_bytes(device: torch.device, schedule: bool, group_bytes: int) -> int:
+    """Bytes of one tile's working set on ``device`` (``group_bytes``: one group's).
 
-    On a CPU, :data:`probe.solver.TILE_BYTES` (a working set near the cache) for the compiled kernel
-    and the adaptive loops; four times that for the fixed schedule, whose fixed cost per tile (its
-    operators and its one read of the host) is paid once per tile (tiles of 16 to 64 MiB solved
-    alike fast with the torch loops: bench/NOTES.md).  On a GPU, a quarter of the device's free memory,
-    and at least :data:`probe.solver.TILE_BYTES`'s entry for it: one tile where the call fits.
+    On a CPU, :data:`probe.solver.TILE_BYTES` (a working set near the cache) for the compiled kernel and
+    the adaptive loops; for the fixed schedule at least one whole group, whose fixed cost per tile (its
+    operators and its one read of the host) would otherwise be paid for every slice of a group (tiles
+    of 16 to 64 MiB solved alike fast with the torch loops: bench/NOTES.md).  On a GPU, a quarter of
+    the device's free memory, and at least :data:`probe.solver.TILE_BYTES`'s entry for it: one tile
+    where the call fits.
     """
     base = solver.TILE_BYTES.get(device.type, solver.TILE_BYTES["cuda"])
     if device.type == "cpu":
-        return 4 * base if schedule else base
+        return max(base, group_bytes) if schedule else base
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return max(base, free // 4)
@@ -91,10 +94,10 @@ def plan_tiles(n_groups, m, n, device, dtype, schedule, memory_budget_bytes, wor
     """``(tiles, workers)`` of a :func:`probe.solver.solve_dual` call: tiles ``(g0, g1, j0, j1)`` of whole
     groups, or slices of one group, of equal size, each within :func:`tile_bytes` (and the memory budget,
     if any), and the number of workers whose tiles fit in the budget together."""
-    tile = tile_bytes(device, dtype, schedule)
+    per_row = bytes_per_row(n, dtype)
+    tile = tile_bytes(device, schedule, m * per_row)
     if memory_budget_bytes is not None:
         tile = min(tile, memory_budget_bytes)
-    per_row = bytes_per_row(n, dtype, schedule)
     rows_per_tile = max(1, tile // per_row)
     if memory_budget_bytes is not None and workers > 1:  # each tile in flight holds its working set
         workers = max(1, min(workers, memory_budget_bytes // (min(rows_per_tile, m * n_groups) * per_row)))
@@ -112,11 +115,10 @@ def _equal_parts(length: int, count: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def bytes_per_row(n: int, dtype: torch.dtype, schedule: bool) -> int:
-    """Working-set bytes per problem: about 16 (m, n)-sized tensors of the solver's dtype, and for the
-    fixed schedule the line search's trial points and their exponentials (2 per trial step)."""
-    tensors = 16 + (2 * TRIAL_STEPS if schedule else 0)
-    return tensors * n * torch.finfo(dtype).bits // 8
+def bytes_per_row(n: int, dtype: torch.dtype) -> int:
+    """Working-set bytes per problem: about 16 (m, n)-sized tensors of the solver's dtype are live at once
+    (in the fixed schedule, the line search's trial points are 4 of them)."""
+    return 16 * n * torch.finfo(dtype).bits // 8
 
 
 def factor_cholesky(gram: torch.Tensor) -> torch.Tensor:
@@ -189,8 +191,8 @@ def tile_inputs(problems, g0, g1, j0, j1, dtype, device):
 
 def _dot(a: torch.Tensor, b: torch.Tensor, plus: torch.Tensor) -> torch.Tensor:
     """Row-wise inner products of contiguous ``(..., k)`` rows plus the 0-d ``plus``, in one operator."""
-    k = a.shape[-1]
-    return torch.baddbmm(plus, a.reshape(-1, 1, k), b.reshape(-1, k, 1)).view(a.shape[:-1])
+    rows, k = math.prod(a.shape[:-1]), a.shape[-1]
+    return torch.baddbmm(plus, a.reshape(rows, 1, k), b.reshape(rows, k, 1)).view(a.shape[:-1])
 
 
 def _conjugate_gradient(A_low, At_low, alpha: float, p, rhs, steps: int, tiny):
@@ -198,9 +200,8 @@ def _conjugate_gradient(A_low, At_low, alpha: float, p, rhs, steps: int, tiny):
     for every row, with no stopping test.  Every inner product carries ``tiny`` (the smallest normal
     number of the direction's precision, 0-d): a row whose residual vanished takes steps of
     :math:`\mathrm{tiny}/\mathrm{tiny}` along a zero direction, which leave it where it is, instead of
-    :math:`0/0`.  ``rhs`` is overwritten (it becomes the residual)."""
-    r = rhs
-    d = r.clone()
+    :math:`0/0`."""
+    r = d = rhs
     rz = _dot(r, r, tiny)
     x = None
     for step_index in range(steps):
@@ -212,29 +213,11 @@ def _conjugate_gradient(A_low, At_low, alpha: float, p, rhs, steps: int, tiny):
         x = step * d if x is None else x.addcmul_(step, d)
         if step_index == steps - 1:
             break
-        r.addcmul_(step, Hd, value=-1.0)
+        r = torch.addcmul(r, step, Hd, value=-1.0) if step_index == 0 else r.addcmul_(step, Hd, value=-1.0)
         rz_new = _dot(r, r, tiny)
         d = torch.addcmul(r, (rz_new / rz).unsqueeze(-1), d)
         rz = rz_new
     return x
-
-
-def _state_terms(A, m, u, logits, evidence_sqnorm, alpha: float, y, p, lse, zero):
-    r"""(gradient, :math:`\|g\|^2`, objective, :math:`y^\top m`, :math:`\|y\|^2`, :math:`\|\hat\lambda\|`,
-    :math:`A^\top(u - p)`) at ``y`` (``None``: :math:`y = 0`), the fields of :class:`probe.solver._State`
-    as :func:`probe.solver._state_terms_python` computes them; ``zero``: a 0-d zero."""
-    u_minus_p = u - p
-    spread = torch.bmm(u_minus_p, A)  # A^T (u - p)
-    lambda_sq = torch.add(evidence_sqnorm, _dot(logits, u_minus_p, zero), alpha=2).add_(_dot(spread, spread, zero))
-    lambda_norm = lambda_sq.clamp_min_(0).sqrt_().mul_(alpha)  # ||lambda_hat|| = alpha ||z + T^T (u - p)||
-    if y is None:
-        y_dot_m = y_sq = torch.zeros_like(lse)
-        gradient, objective = spread, -lse
-    else:
-        gradient = torch.sub(spread, y, alpha=1.0 / alpha)
-        y_dot_m, y_sq = _dot(y, m, zero), _dot(y, y, zero)
-        objective = torch.sub(y_dot_m, y_sq, alpha=0.5 / alpha).sub_(lse)
-    return gradient, _dot(gradient, gradient, zero), objective, y_dot_m, y_sq, lambda_norm, spread
 
 
 def fixed_newton(
@@ -246,55 +229,82 @@ def fixed_newton(
     Arguments as the fields of :class:`probe.solver._WorkingSet` (``A_low``: :math:`A` in the Newton
     direction's precision); ``live``: the active rows.  Returns ``(y, theta, p, gradient, gradient_sq,
     objective, y_dot_m, y_sq, lambda_norm, deviation, iterations, live, initial_norm)``: the fields of
-    :class:`probe.solver._State` at the final point, the Newton iterations each row took, the rows still
-    above their goal :math:`\|g\| > \tfrac14(\mathrm{rtol}\,\|\hat\lambda\| + \mathrm{atol})/(2\alpha)`
-    (those :func:`probe.solver._newton` continues) and :math:`\|g\|` at :math:`y = 0` (its forcing
-    term's reference).  No host synchronisation and no data-dependent branch.
+    :class:`probe.solver._State` at the final point (as :func:`probe.solver._state_terms_python` forms
+    them), the Newton iterations each row took, the rows still above their goal
+    :math:`\|g\| > \tfrac14(\mathrm{rtol}\,\|\hat\lambda\| + \mathrm{atol})/(2\alpha)` (those
+    :func:`probe.solver._newton` continues) and :math:`\|g\|` at :math:`y = 0` (its forcing term's
+    reference).  No host synchronisation and no data-dependent branch.
 
-    The line search compares the increase of (R-D) along the direction,
+    Between iterations a row stops at its goal judged with the lower bound
+    :math:`\|\hat\lambda\| \ge \alpha(\|z\| - \|A^\top(u-p)\|)` (the triangle inequality), so no earlier
+    than with :math:`\|\hat\lambda\|` itself, which is formed at the end only.
+
+    The line search compares the increase of (R-D) along the direction :math:`dy`,
     :math:`t\,(dy^\top m - y^\top dy/\alpha) - t^2\|dy\|^2/(2\alpha) - (\mathrm{LSE}_t - \mathrm{LSE}_0)`,
-    with Armijo's :math:`10^{-4}\,t\,g^\top dy`, for all trial steps :math:`t` at once.
+    with Armijo's :math:`10^{-4}\,t\,g^\top dy`, for all trial steps :math:`t` at once: the polynomial
+    part as two small products (the inner products by their coefficients, then by :math:`(t, t^2)`),
+    :math:`\mathrm{LSE}_t - \mathrm{LSE}_0` as the log-sum-exp of :math:`\log p + t\,A\,dy`.  A full
+    step whose predicted increase :math:`g^\top dy` is below that difference's rounding,
+    :math:`64\epsilon(|\mathrm{LSE}| + 1)` with the log-sum-exp at :math:`y = 0`, is taken in full (as
+    in :func:`probe.solver._newton`, whose rows that stall there the adaptive iterations then handle).
     """
     dtype, low = base.dtype, A_low.dtype
-    eps = torch.finfo(dtype).eps
+    eps, smallest = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
     At, At_low = A.transpose(1, 2), A_low.transpose(1, 2)
-    constants = torch.tensor([0.0, torch.finfo(low).tiny] + [0.5**k for k in range(trials)], dtype=dtype,
+    steps_t = [0.5**k for k in range(trials)]
+    # coefficients of (g^T dy, dy^T m, y^T dy, ||dy||^2) in the increase's t and t^2 terms, less Armijo's
+    coefficients = [-ARMIJO, 0.0, 1.0, 0.0, -1.0 / alpha, 0.0, 0.0, -0.5 / alpha]
+    constants = torch.tensor([0.0] + steps_t + [t * t for t in steps_t] + coefficients, dtype=dtype,
                              device=base.device)
-    zero, tiny, t = constants[0], constants[1].to(low), constants[2:].view(-1, 1, 1)
-    t_sq, t_armijo = t * t, ARMIJO * t
+    zero, t = constants[0], constants[1:1 + trials]
+    powers = constants[1:1 + 2 * trials].view(2, trials)
+    weights = constants[1 + 2 * trials:].view(4, 2)
+    tiny = torch.full((), torch.finfo(low).tiny, dtype=low, device=base.device)
     goal_scale = 0.25 / (2 * alpha)  # the goal: ||g|| <= goal_scale (rtol ||lambda_hat|| + atol)
-    theta, (p, lse) = base, solver._softmax_and_lse(base)  # y = 0: lambda = alpha z, p the model's attention
-    gradient, gradient_sq, objective, y_dot_m, y_sq, lambda_norm, spread = _state_terms(
-        A, m, u, logits, evidence_sqnorm, alpha, None, p, lse, zero)
+    alpha_z = evidence_sqnorm.sqrt().mul_(alpha)  # ||alpha z||
+
+    def within_goal(gradient_norm, spread_sq):  # rows at their goal with ||lambda_hat|| >= its lower bound
+        lower = torch.sub(alpha_z, spread_sq.sqrt(), alpha=alpha)
+        return torch.sub(gradient_norm, lower, alpha=rtol * goal_scale) <= atol * goal_scale
+
+    # y = 0: lambda = alpha z, p the model's attention, g = A^T (u - p)
+    theta, (p, lse) = base, solver._softmax_and_lse(base)
     y = torch.zeros_like(m)
+    u_minus_p = u - p
+    gradient = torch.bmm(u_minus_p, A)
+    gradient_sq = spread_sq = _dot(gradient, gradient, zero)
     gradient_norm = gradient_sq.sqrt()
-    initial_norm = gradient_norm.clamp_min(torch.finfo(dtype).tiny)
+    initial_norm = gradient_norm.clamp_min(smallest)
+    floor = lse.abs().add_(1).mul_(64 * eps)  # the rounding of LSE_t - LSE_0, at y = 0
     iterations = torch.zeros(live.shape, dtype=torch.int32, device=live.device)
     for steps in cg_steps:
-        live = live & (torch.sub(gradient_norm, lambda_norm, alpha=rtol * goal_scale) > atol * goal_scale)
+        live = live & ~within_goal(gradient_norm, spread_sq)
         iterations.add_(live)
         rhs = torch.where(live.unsqueeze(-1), gradient, 0.0).to(low)  # rows at their goal: no step
         direction = _conjugate_gradient(A_low, At_low, alpha, p.to(low), rhs, steps, tiny).to(dtype)
         a_direction = torch.bmm(direction, At)  # A dy
         dots = torch.matmul(torch.stack((gradient, m, y, direction), dim=-2), direction.unsqueeze(-1))
-        slope, dir_dot_m, y_dot_dir, dir_sq = dots.squeeze(-1).unbind(-1)
-        trial = torch.addcmul(theta, t.unsqueeze(-1), a_direction)  # every trial step at once
-        top = trial.amax(-1)
-        trial_lse = trial.sub_(top.unsqueeze(-1)).exp_().sum(-1).log_().add_(top)
-        gain = t * torch.sub(dir_dot_m, y_dot_dir, alpha=1.0 / alpha)
-        gain.addcmul_(t_sq, dir_sq, value=-0.5 / alpha).sub_(trial_lse).add_(lse).addcmul_(t_armijo, slope, value=-1)
-        # a full step whose predicted increase is below the objective's rounding is taken in full
-        gain[0].masked_fill_(torch.sub(slope, objective.abs(), alpha=64 * eps) <= 64 * eps, 0.0)
-        accepted = gain >= 0
-        taken = (accepted * t).amax(0).unsqueeze(-1)  # the longest accepted step; 0 if none
+        increase = torch.matmul(torch.matmul(dots.squeeze(-1), weights), powers).permute(2, 0, 1)
+        trial = torch.addcmul(theta, t.view(-1, 1, 1, 1), a_direction)  # every trial step at once
+        lse_change = trial.sub_(lse.unsqueeze(-1)).exp_().sum(-1).clamp_min_(smallest).log_()
+        gain = increase - lse_change  # the increase of (R-D) less Armijo's, per trial step
+        gain[0].masked_fill_(dots[..., 0, 0] <= floor, 0.0)  # g^T dy below the rounding: the full step
+        taken = ((gain >= 0) * t.view(-1, 1, 1)).amax(0).unsqueeze(-1)  # the longest accepted step; 0 if none
         y = torch.addcmul(y, taken, direction)
         theta = torch.addcmul(theta, taken, a_direction)
         p, lse = solver._softmax_and_lse(theta)
-        gradient, gradient_sq, objective, y_dot_m, y_sq, lambda_norm, spread = _state_terms(
-            A, m, u, logits, evidence_sqnorm, alpha, y, p, lse, zero)
+        u_minus_p = u - p
+        spread = torch.bmm(u_minus_p, A)  # A^T (u - p)
+        gradient = torch.sub(spread, y, alpha=1.0 / alpha)
+        gradient_sq, spread_sq = _dot(gradient, gradient, zero), _dot(spread, spread, zero)
         gradient_norm = gradient_sq.sqrt()
+    # ||lambda_hat|| = alpha ||z + T^T (u - p)||, the objective (R-D) and the rows still above their goal
+    lambda_sq = torch.add(evidence_sqnorm, _dot(logits, u_minus_p, zero), alpha=2).add_(spread_sq)
+    lambda_norm = lambda_sq.clamp_min_(0).sqrt_().mul_(alpha)
     live = live & (torch.sub(gradient_norm, lambda_norm, alpha=rtol * goal_scale) > atol * goal_scale)
-    deviation = _dot(spread, spread, zero).sqrt_().mul_(alpha)
+    y_dot_m, y_sq = _dot(y, m, zero), _dot(y, y, zero)
+    objective = torch.sub(y_dot_m, y_sq, alpha=0.5 / alpha).sub_(lse)
+    deviation = spread_sq.sqrt().mul_(alpha)
     return (y, theta, p, gradient, gradient_sq, objective, y_dot_m, y_sq, lambda_norm, deviation, iterations,
             live, initial_norm)
 
@@ -304,7 +314,7 @@ def solve_tile(work, active, rtol, atol, max_iter, out):
     not yet within their goal, if any (one read of the host); its :class:`probe.solver.DualSolution`,
     written into ``out``."""
     *fields, iterations, live, initial_norm = fixed_newton(
-        work.A, work.A_low, work.base, work.u, work.m, work.logits, work.evidence_sqnorm, active.clone(),
+        work.A, work.A_low, work.base, work.u, work.m, work.logits, work.evidence_sqnorm, active,
         float(work.alpha), float(rtol), float(atol))
     state = solver._State(*fields)
     if out is None:
