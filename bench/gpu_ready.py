@@ -240,6 +240,24 @@ def fixed_schedule_share(work, active, rtol: float = 1e-9, atol: float = 1e-12) 
     return {"rows": rows, "within_goal": int((active & ~live).sum()) / rows, "certified": int(certified.sum()) / rows}
 
 
+#: the rates "what the arithmetic allows" assumes: about an H100's float32 and float64 rates (FLOP/s)
+FLOAT32_RATE, FLOAT64_RATE = 60e12, 30e12
+
+
+def schedule_flops(n: int, r: int, cg_steps=None) -> dict:
+    """The fixed schedule's matrix-product flops per row (elementwise work not counted), by precision: per CG
+    step two products with the group's n x r factor (float32, the direction's), per Newton iteration
+    two (A dy for the line search and A^T (u - p) for the gradient, float64), and one at y = 0; and the
+    rows per second they allow at :data:`FLOAT32_RATE` and :data:`FLOAT64_RATE`."""
+    from probe import schedule
+
+    steps = schedule.CG_STEPS if cg_steps is None else cg_steps
+    float32 = 4 * n * r * sum(steps)
+    float64 = 4 * n * r * len(steps) + 2 * n * r
+    return {"float32": float32, "float64": float64, "total": float32 + float64,
+            "rows_per_s_at_the_rates": 1 / (float32 / FLOAT32_RATE + float64 / FLOAT64_RATE)}
+
+
 def seconds(function, repeats: int = 2) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -293,6 +311,7 @@ def measure(keys: int, layers: int, before) -> dict:
     finally:
         before._newton_step = saved
     out["now"]["fixed_schedule"] = fixed_schedule_share(work, active)
+    out["arithmetic"] = schedule_flops(keys, int(factor.shape[-1]))
     difference = (answers["now"].rel_deviation - answers["before"].rel_deviation).abs()
     out["max_rel_deviation_difference"] = float(difference.max())
     return out
@@ -404,6 +423,14 @@ def markdown(results: dict) -> str:
         share = size["now"]["fixed_schedule"]
         lines.append(f"| {size['keys']} | {share['within_goal']:.4f} | {share['certified']:.4f} "
                      f"| {size['max_rel_deviation_difference']:.1e} |")
+    lines += ["", f"What the arithmetic allows: the fixed schedule's matrix products per row (elementwise work not "
+              f"counted), at {FLOAT32_RATE / 1e12:.0f} TFLOP/s in float32 (the CG steps) and "
+              f"{FLOAT64_RATE / 1e12:.0f} TFLOP/s in float64 (about an H100's):", "",
+              "| keys | float32 MFLOP per row | float64 MFLOP per row | rows/s at those rates |", "|---:|---:|---:|---:|"]
+    for size in results["sizes"]:
+        flops = size["arithmetic"]
+        lines.append(f"| {size['keys']} | {flops['float32'] / 1e6:.2f} | {flops['float64'] / 1e6:.2f} "
+                     f"| {flops['rows_per_s_at_the_rates']:,.0f} |")
     lines += ["", "The pretrained MiniLM (one batch, every layer stacked as `probe run` stacks them): the fixed "
               "schedule's share, and the default CPU path (the compiled kernel `probe/newton.c`, all workers) "
               "before and now, alternating in one process.", "",
@@ -437,7 +464,8 @@ def main(argv=None) -> int:
     before = solver_before()
     sizes = [measure(keys, 2 if args.quick else 12, before) for keys in ((128,) if args.quick else (128, 512))]
     lengths = ((128, 2),) if args.quick else ((128, 8), (512, 2))
-    pretrained = [minilm(tokens, texts, before, 1 if args.quick else 5) for tokens, texts in lengths]
+    pretrained = [minilm(tokens, texts, before, 1 if args.quick else (5 if tokens <= 128 else 3))
+                  for tokens, texts in lengths]
     results = {
         "environment": {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_model(),
                         "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -220,9 +220,33 @@ def _conjugate_gradient(A_low, At_low, alpha: float, p, rhs, steps: int, tiny):
     return x
 
 
+def schedule_constants(alpha: float, trials: int, dtype: torch.dtype, low: torch.dtype, device) -> tuple:
+    """The fixed schedule's constant tensors: 0, the trial steps :math:`t`, :math:`(t, t^2)`, the
+    coefficients of :math:`(g^\top dy, dy^\top m, y^\top dy, \|dy\|^2)` in the increase's :math:`t` and
+    :math:`t^2` terms less Armijo's, and the smallest normal number of the direction's precision."""
+    steps_t = [0.5**k for k in range(trials)]
+    coefficients = [-ARMIJO, 0.0, 1.0, 0.0, -1.0 / alpha, 0.0, 0.0, -0.5 / alpha]
+    values = torch.tensor([0.0] + steps_t + [t * t for t in steps_t] + coefficients, dtype=dtype, device=device)
+    tiny = torch.full((), torch.finfo(low).tiny, dtype=low, device=device)
+    return (values[0], values[1:1 + trials], values[1:1 + 2 * trials].view(2, trials),
+            values[1 + 2 * trials:].view(4, 2), tiny)
+
+
+_CONSTANTS: dict = {}
+
+
+def _cached_constants(alpha: float, trials: int, dtype: torch.dtype, low: torch.dtype, device) -> tuple:
+    """:func:`schedule_constants`, made once per process and settings: on a GPU each is a copy from the
+    host, which would wait for the device."""
+    key = (alpha, trials, dtype, low, str(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = schedule_constants(alpha, trials, dtype, low, device)
+    return _CONSTANTS[key]
+
+
 def fixed_newton(
     A, A_low, base, u, m, logits, evidence_sqnorm, live, alpha: float, rtol: float, atol: float,
-    cg_steps: tuple = CG_STEPS, trials: int = TRIAL_STEPS,
+    cg_steps: tuple = CG_STEPS, trials: int = TRIAL_STEPS, constants: tuple | None = None,
 ):
     r"""The fixed schedule (module docstring) on the rows of one working set, from :math:`y = 0`.
 
@@ -233,7 +257,8 @@ def fixed_newton(
     them), the Newton iterations each row took, the rows still above their goal
     :math:`\|g\| > \tfrac14(\mathrm{rtol}\,\|\hat\lambda\| + \mathrm{atol})/(2\alpha)` (those
     :func:`probe.solver._newton` continues) and :math:`\|g\|` at :math:`y = 0` (its forcing term's
-    reference).  No host synchronisation and no data-dependent branch.
+    reference).  No host synchronisation and no data-dependent branch.  ``constants``: those of
+    :func:`schedule_constants` (made here if not given).
 
     Between iterations a row stops at its goal judged with the lower bound
     :math:`\|\hat\lambda\| \ge \alpha(\|z\| - \|A^\top(u-p)\|)` (the triangle inequality), so no earlier
@@ -251,15 +276,9 @@ def fixed_newton(
     dtype, low = base.dtype, A_low.dtype
     eps, smallest = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
     At, At_low = A.transpose(1, 2), A_low.transpose(1, 2)
-    steps_t = [0.5**k for k in range(trials)]
-    # coefficients of (g^T dy, dy^T m, y^T dy, ||dy||^2) in the increase's t and t^2 terms, less Armijo's
-    coefficients = [-ARMIJO, 0.0, 1.0, 0.0, -1.0 / alpha, 0.0, 0.0, -0.5 / alpha]
-    constants = torch.tensor([0.0] + steps_t + [t * t for t in steps_t] + coefficients, dtype=dtype,
-                             device=base.device)
-    zero, t = constants[0], constants[1:1 + trials]
-    powers = constants[1:1 + 2 * trials].view(2, trials)
-    weights = constants[1 + 2 * trials:].view(4, 2)
-    tiny = torch.full((), torch.finfo(low).tiny, dtype=low, device=base.device)
+    if constants is None:
+        constants = schedule_constants(alpha, trials, dtype, low, base.device)
+    zero, t, powers, weights, tiny = constants
     goal_scale = 0.25 / (2 * alpha)  # the goal: ||g|| <= goal_scale (rtol ||lambda_hat|| + atol)
     alpha_z = evidence_sqnorm.sqrt().mul_(alpha)  # ||alpha z||
 
@@ -313,9 +332,10 @@ def solve_tile(work, active, rtol, atol, max_iter, out):
     """A tile by the fixed schedule, then the adaptive iterations of :mod:`probe.solver` for the problems
     not yet within their goal, if any (one read of the host); its :class:`probe.solver.DualSolution`,
     written into ``out``."""
+    constants = _cached_constants(float(work.alpha), TRIAL_STEPS, work.A.dtype, work.A_low.dtype, work.A.device)
     *fields, iterations, live, initial_norm = fixed_newton(
         work.A, work.A_low, work.base, work.u, work.m, work.logits, work.evidence_sqnorm, active,
-        float(work.alpha), float(rtol), float(atol))
+        float(work.alpha), float(rtol), float(atol), constants=constants)
     state = solver._State(*fields)
     if out is None:
         g_count, m, n = work.base.shape
