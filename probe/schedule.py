@@ -221,7 +221,7 @@ def _conjugate_gradient(A_low, At_low, alpha: float, p, rhs, steps: int, tiny):
 
 
 def schedule_constants(alpha: float, trials: int, dtype: torch.dtype, low: torch.dtype, device) -> tuple:
-    """The fixed schedule's constant tensors: 0, the trial steps :math:`t`, :math:`(t, t^2)`, the
+    r"""The fixed schedule's constant tensors: 0, the trial steps :math:`t`, :math:`(t, t^2)`, the
     coefficients of :math:`(g^\top dy, dy^\top m, y^\top dy, \|dy\|^2)` in the increase's :math:`t` and
     :math:`t^2` terms less Armijo's, and the smallest normal number of the direction's precision."""
     steps_t = [0.5**k for k in range(trials)]

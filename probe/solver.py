@@ -479,7 +479,8 @@ def _solve_tile(work, active, rtol, atol, max_iter, out=None):
     On a CPU the iterations run in compiled C where it is available (:mod:`probe.native`, the same method
     in blocks of rows that stay in cache); its iterates come back here, where their state and certificate
     are computed afresh and the iterations below go on for any problem not yet within its tolerance.
-    Elsewhere (or without it) they all run below.
+    Elsewhere (or without it) the fixed schedule of :mod:`probe.schedule` runs first, with no host
+    synchronisation, and the iterations below (:func:`_adaptive`) only for the problems it leaves.
 
     Problems finish after different numbers of Newton iterations.  Once the live problems fit in a
     working set below ``_COMPACT_BELOW`` of the current one, they are gathered into it (the groups
