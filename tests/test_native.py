@@ -61,9 +61,9 @@ def test_the_kernel_is_built_where_a_c_compiler_is():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kernel_and_torch_loops_agree_and_match_the_previous_solver(family, monkeypatch):
     """The same problems by the kernel, by the torch loops (the fixed schedule first, then the adaptive
-    iterations) and by the solver before issue 10 (float64 directions): the same certified answers; and
-    about the same Newton iteration counts for the kernel and the torch loops' adaptive iterations alone
-    (``PROBE_SCHEDULE=0``: the same method)."""
+    iterations) and by the solver before its speed work (tests/previous_solver.py, float64 directions):
+    the same certified answers; and about the same Newton iteration counts for the kernel and the torch
+    loops' adaptive iterations alone (``PROBE_SCHEDULE=0``: the same method)."""
     from tests import previous_solver
 
     _needs_kernel()
