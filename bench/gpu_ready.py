@@ -46,7 +46,6 @@ from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
-os.environ["PROBE_NATIVE"] = "0"  # the torch path, which a GPU runs
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
@@ -229,18 +228,22 @@ def moved_bytes_per_row(problems, keep_shared: bool) -> float:
     return total / rows
 
 
-def fixed_schedule_share(work, active, rtol: float = 1e-9, atol: float = 1e-12) -> dict:
-    """The share of the active rows within their goal after the fixed schedule alone, and certified."""
+def fixed_schedule_share(work, active, rtol: float = 1e-9, atol: float = 1e-12, cg_steps=None) -> dict:
+    """The share of the active rows within their goal after the fixed schedule alone (``cg_steps``: another
+    schedule than :data:`probe.schedule.CG_STEPS`), and certified."""
     from probe import schedule
 
     out = schedule.fixed_newton(work.A, work.A_low, work.base, work.u, work.m, work.logits, work.evidence_sqnorm,
-                                active.clone(), float(work.alpha), rtol, atol)
+                                active.clone(), float(work.alpha), rtol, atol,
+                                cg_steps=schedule.CG_STEPS if cg_steps is None else cg_steps)
     gradient_sq, lambda_norm, live = out[4], out[8], out[11]
     certified = (2 * work.alpha * gradient_sq.sqrt() <= rtol * lambda_norm + atol) & active
     rows = int(active.sum())
     return {"rows": rows, "within_goal": int((active & ~live).sum()) / rows, "certified": int(certified.sum()) / rows}
 
 
+#: schedules of CG steps per Newton iteration compared with probe.schedule.CG_STEPS on the pretrained model
+OTHER_SCHEDULES = ((2, 3, 4), (3, 4, 6), (1, 2, 3, 4), (1, 2, 4, 4), (2, 3, 4, 6))
 #: the rates "what the arithmetic allows" assumes: about an H100's float32 and float64 rates (FLOP/s)
 FLOAT32_RATE, FLOAT64_RATE = 60e12, 30e12
 
@@ -353,17 +356,23 @@ def minilm(tokens: int, texts: int, before, repeats: int) -> dict:
 
     loaded = load_model(e2e.minilm_path(), device="cpu")
     problems = captured_problems(loaded, tokens, texts)
-    within = certified = rows = 0
-    for g in range(problems.logits.shape[0]):
-        group = solver.DualProblems(**{k: (v[g:g + 1] if isinstance(v, torch.Tensor) else v)
-                                       for k, v in vars(problems).items()})
-        work, active = _working_set(solver, group, group.factor)
-        share = fixed_schedule_share(work, active)
-        rows += share["rows"]
-        within += share["within_goal"] * share["rows"]
-        certified += share["certified"] * share["rows"]
-    out = {"tokens": tokens, "texts": texts, "groups": problems.logits.shape[0], "rows": rows,
-           "fixed_schedule": {"within_goal": within / rows, "certified": certified / rows}}
+
+    def share(cg_steps=None):  # group by group, weighted by rows
+        within = certified = rows = 0
+        for g in range(problems.logits.shape[0]):
+            group = solver.DualProblems(**{k: (v[g:g + 1] if isinstance(v, torch.Tensor) else v)
+                                           for k, v in vars(problems).items()})
+            work, active = _working_set(solver, group, group.factor)
+            part = fixed_schedule_share(work, active, cg_steps=cg_steps)
+            rows += part["rows"]
+            within += part["within_goal"] * part["rows"]
+            certified += part["certified"] * part["rows"]
+        return rows, {"within_goal": within / rows, "certified": certified / rows}
+
+    rows, fixed = share()
+    out = {"tokens": tokens, "texts": texts, "groups": problems.logits.shape[0], "rows": rows, "fixed_schedule": fixed}
+    if tokens <= 128:  # other schedules of CG steps, for the choice of probe.schedule.CG_STEPS
+        out["other_schedules"] = {",".join(map(str, steps)): share(steps)[1] for steps in OTHER_SCHEDULES}
     with _kernel():
         times = {"before": [], "now": []}
         answers = {}
@@ -441,6 +450,18 @@ def markdown(results: dict) -> str:
                      f"| {entry['fixed_schedule']['within_goal']:.4f} | {entry['fixed_schedule']['certified']:.4f} "
                      f"| {kernel['seconds_before']:.3f} | {kernel['seconds_now']:.3f} | {kernel['now_over_before']:.3f} "
                      f"| {kernel['max_rel_deviation_difference']:.1e} |")
+    for entry in results["minilm"]:
+        if entry.get("other_schedules"):
+            from probe import schedule
+
+            lines += ["", f"Other schedules on the same MiniLM batch ({entry['tokens']} tokens): the share of rows "
+                      "within their goal and certified after the fixed schedule alone, by its CG steps per Newton "
+                      "iteration.", "", "| CG steps | within the goal | certified |", "|---|---:|---:|"]
+            mine = ",".join(map(str, schedule.CG_STEPS))
+            lines.append(f"| {mine} (probe's) | {entry['fixed_schedule']['within_goal']:.4f} "
+                         f"| {entry['fixed_schedule']['certified']:.4f} |")
+            for steps, value in entry["other_schedules"].items():
+                lines.append(f"| {steps} | {value['within_goal']:.4f} | {value['certified']:.4f} |")
     lines += [
         "",
         "- Graph breaks: `torch._dynamo.explain` of the fixed schedule (`probe.schedule.fixed_newton`, now) and of "
@@ -460,7 +481,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="128 keys, a 2-layer model")
     parser.add_argument("--out", type=Path, default=HERE, help="directory for results_gpu_ready.{json,md}")
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    from probe import native
+
+    os.environ["PROBE_NATIVE"] = "0"  # the torch path, which a GPU runs (the kernel only inside _kernel)
+    native._state.clear()
     before = solver_before()
     sizes = [measure(keys, 2 if args.quick else 12, before) for keys in ((128,) if args.quick else (128, 512))]
     lengths = ((128, 2),) if args.quick else ((128, 8), (512, 2))

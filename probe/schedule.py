@@ -2,8 +2,8 @@ r"""The solver's fixed schedule: Newton-CG on (R-D) with no host synchronisation
 
 :func:`probe.solver._newton` decides, after every conjugate-gradient step and every line-search trial,
 whether any problem still needs the next one.  Each decision reads a tensor on the host: on a GPU the
-host waits for the device there, and the device then waits for the host's next launch.  A tile of
-1,536 problems with 128 keys made about 70 such waits and 1,300 operators.
+host waits for the device there, and the device then waits for the host's next launch
+(bench/results_gpu_ready.md counts them).
 
 :func:`fixed_newton` runs the same method with every decision taken in advance:
 
@@ -40,9 +40,9 @@ __all__ = [
     "tile_inputs",
 ]
 
-#: CG steps of each Newton iteration of the fixed schedule: on the pretrained MiniLM at 128 tokens,
-#: (1, 2, 3, 5) brings 98% of the rows within their goal, (2, 3, 4) 31% and (1, 2, 3, 4) 72%
-#: (measured on one batch, every layer; bench/results_gpu_ready.md gives the share this one reaches)
+#: CG steps of each Newton iteration of the fixed schedule: of the schedules of about as many CG steps,
+#: the one that brings the most rows of the pretrained MiniLM within their goal (bench/results_gpu_ready.md
+#: compares them)
 CG_STEPS = (1, 2, 3, 5)
 #: Armijo trial steps evaluated together: 1, 1/2, ..., 2^(1 - TRIAL_STEPS)
 TRIAL_STEPS = 4
