@@ -1,11 +1,11 @@
 """Experiment (evidence for a solver choice; not used by probe): the CG loop of the Newton directions, run
 four ways, on one thread and on two threads side by side.
 
-``probe.solve.dual._conjugate_gradient_steps`` runs a fixed number of CG steps (``forcing`` 0, so no row stops
+``probe.solve.newton_cg._conjugate_gradient_steps`` runs a fixed number of CG steps (``forcing`` 0, so no row stops
 early) on random problems of the solver's tile shapes, in float32 like the Newton directions:
 
 * **python**: the function as written, each operation dispatched from Python;
-* **torchscript**: ``probe.solve.dual._conjugate_gradient``, the same function compiled by TorchScript
+* **torchscript**: ``probe.solve.newton_cg._conjugate_gradient``, the same function compiled by TorchScript
   (what the solver runs; its interpreter releases the GIL);
 * **inductor**: ``torch.compile`` of one CG step (Inductor fuses the elementwise kernels into C++ loops;
   the loop's data-dependent stop stays in Python);
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import cpu_model, load_average  # noqa: E402
 
-from probe.solve import dual as solver  # noqa: E402
+from probe.solve import newton_cg
 
 STEPS = 10
 SHAPES = [(48, 192, 16, 16), (1, 768, 128, 128), (1, 192, 512, 384)]  # (groups, m, n, r): corpus, 128, 512 tokens
@@ -54,7 +54,7 @@ def problem(g, m, n, r):
 
 def cg_step(factor, p, x, r, d, rz):
     """One step of ``_conjugate_gradient_steps`` (no preconditioner, every row running)."""
-    Hd = solver._hessian_times(factor, 1.0, p, d)
+    Hd = newton_cg._hessian_times(factor, 1.0, p, d)
     step = (rz / torch.linalg.vecdot(d, Hd)).unsqueeze(-1)
     x = x + step * d
     r = r - step * Hd
@@ -69,10 +69,10 @@ def ways(factor, p, rhs, inductor=True):
     compiled_step = torch.compile(cg_step, dynamic=False) if inductor else None
 
     def python():
-        solver._conjugate_gradient_steps(factor, 1.0, p, rhs.clone(), zero, STEPS, live)
+        newton_cg._conjugate_gradient_steps(factor, 1.0, p, rhs.clone(), zero, STEPS, live)
 
     def torchscript():
-        solver._conjugate_gradient(factor, 1.0, p, rhs.clone(), zero, STEPS, live)
+        newton_cg._conjugate_gradient(factor, 1.0, p, rhs.clone(), zero, STEPS, live)
 
     def inductor():
         x, r, d = torch.zeros_like(rhs), rhs.clone(), rhs.clone()

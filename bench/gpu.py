@@ -335,11 +335,20 @@ def captured_problems(model: str, length: int, count: int, device: str, dtype: s
 
 
 def _moved(problems, device: str):
+    """The problems on ``device``; a preference shared by every row of a group (a stride-0 view) moves as
+    one row per group and is expanded there, not on the host."""
     from dataclasses import fields, replace
 
     import torch
 
-    return replace(problems, **{f.name: getattr(problems, f.name).to(device) for f in fields(problems)
+    from probe.solve.problems import shares_rows
+
+    def move(tensor):
+        if shares_rows(tensor):
+            return tensor[:, :1].to(device).expand(tensor.shape)
+        return tensor.to(device)
+
+    return replace(problems, **{f.name: move(getattr(problems, f.name)) for f in fields(problems)
                                 if isinstance(getattr(problems, f.name), torch.Tensor)})
 
 
@@ -372,7 +381,7 @@ def compare_solutions(calls, gpu, cpu) -> dict:
 
 
 def part_agreement(args, log: Log, models: dict, workdir: Path, deadline: float) -> dict:
-    from probe.pipeline.runner import run
+    from probe.pipeline.runner.runner import run
 
     lengths = (16,) if args.quick else LENGTHS
     count = 2 if args.quick else 4
@@ -412,9 +421,9 @@ def part_agreement(args, log: Log, models: dict, workdir: Path, deadline: float)
 def forward_seconds(loaded, config, device: str, repeats: int = 2) -> float:
     """The plain eager forward over the run's batches (tokenised beforehand), best of ``repeats``."""
     import torch
+    from probe.pipeline.runner.job import plan_batches
 
     from probe.capture.data import load_texts
-    from probe.pipeline.job import plan_batches
 
     source = load_texts(config.dataset)
     batches, _ = plan_batches(loaded, source, config.batch_size, config.max_length)
@@ -446,9 +455,9 @@ def analysis_seconds(run_dir: Path) -> dict:
 
 def part_speed(args, log: Log, models: dict, workdir: Path, deadline: float) -> dict:
     import torch
+    from probe.pipeline.runner.runner import run
 
     from probe.capture.loading import load_model
-    from probe.pipeline.runner import run
 
     lengths = (16,) if args.quick else LENGTHS
     batch = 4 if args.quick else 64
@@ -483,23 +492,31 @@ def part_speed(args, log: Log, models: dict, workdir: Path, deadline: float) -> 
             f"{forward:.3f} s = {entry['ratio']:.1f}x; {measured['rows']:,} rows"
             + (f"; peak GPU memory {peak:.2f} GiB" if peak is not None else ""))
     del loaded
-    calls = captured_problems(model, lengths[0] if args.quick else 128, 4 if args.quick else 8, "cpu", "float64",
-                              args.quick)
-    rows = sum(int(torch.isfinite(p.log_preference).any(-1).sum()) for p in calls)
-    timings = {}
-    for device in (args.device, "cpu"):
-        solve_all(calls[:1], device)  # warm-up
-        _sync(device)
-        start = time.perf_counter()
-        solve_all(calls, device)
-        _sync(device)
-        timings[device] = time.perf_counter() - start
-    out["solver"] = {"rows": rows, "gpu_s": timings[args.device], "cpu_s": timings["cpu"],
-                     "gpu_rows_per_s": rows / timings[args.device], "cpu_rows_per_s": rows / timings["cpu"],
-                     "gpu_over_cpu": timings["cpu"] / timings[args.device], "cpu_threads": torch.get_num_threads()}
-    log(f"solver: {out['solver']['gpu_rows_per_s']:,.0f} rows/s on {args.device}, "
-        f"{out['solver']['cpu_rows_per_s']:,.0f} on the CPU ({torch.get_num_threads()} threads): "
-        f"{out['solver']['gpu_over_cpu']:.1f}x")
+    out["solver"] = {"per_tokens": {}}
+    for length in lengths:  # the same captured problems on the device and on this machine's CPU
+        if time.monotonic() > deadline:
+            out["solver"]["per_tokens"][str(length)] = {"skipped": "out of this part's time"}
+            continue
+        texts = 4 if args.quick else (8 if length <= 128 else 2)
+        calls = captured_problems(model, length, texts, "cpu", "float64", args.quick)
+        rows = sum(int(torch.isfinite(p.log_preference).any(-1).sum()) for p in calls)
+        timings = {}
+        for device in (args.device, "cpu"):
+            solve_all(calls[:1], device)  # warm-up
+            _sync(device)
+            start = time.perf_counter()
+            solve_all(calls, device)
+            _sync(device)
+            timings[device] = time.perf_counter() - start
+        entry = {"rows": rows, "texts": texts, "gpu_s": timings[args.device], "cpu_s": timings["cpu"],
+                 "gpu_rows_per_s": rows / timings[args.device], "cpu_rows_per_s": rows / timings["cpu"],
+                 "gpu_over_cpu": timings["cpu"] / timings[args.device], "cpu_threads": torch.get_num_threads()}
+        out["solver"]["per_tokens"][str(length)] = entry
+        log(f"solver, {length} tokens: {entry['gpu_rows_per_s']:,.0f} rows/s on {args.device}, "
+            f"{entry['cpu_rows_per_s']:,.0f} on the CPU ({torch.get_num_threads()} threads): {entry['gpu_over_cpu']:.1f}x")
+    first = out["solver"]["per_tokens"].get(str(lengths[0]), {})
+    if "rows" in first:  # the shortest length's figures also at the top, where earlier results had them
+        out["solver"].update({k: v for k, v in first.items() if k != "texts"})
     return out
 
 
@@ -719,10 +736,14 @@ def markdown(results: dict) -> str:
                      f"{r['seconds']:.2f} | {r['forward_s']:.3f} | {r['ratio']:.1f}x | "
                      f"{'n/a' if peak is None else f'{peak:.2f}'} |")
     solver = speed.get("solver")
-    if solver:
-        lines += ["", f"Solver, the same {solver['rows']:,} problems: {solver['gpu_rows_per_s']:,.0f} rows/s on the "
-                  f"device against {solver['cpu_rows_per_s']:,.0f} rows/s on the CPU ({solver['cpu_threads']} threads): "
-                  f"**{solver['gpu_over_cpu']:.1f}x**."]
+    per_tokens = (solver or {}).get("per_tokens") or ({"128": solver} if solver and "rows" in solver else {})
+    for tokens, entry in per_tokens.items():
+        if "rows" not in entry:
+            lines += ["", f"Solver at {tokens} tokens: {entry.get('skipped', 'not measured')}."]
+            continue
+        lines += ["", f"Solver at {tokens} tokens, the same {entry['rows']:,} problems: {entry['gpu_rows_per_s']:,.0f} "
+                  f"rows/s on the device against {entry['cpu_rows_per_s']:,.0f} rows/s on the CPU "
+                  f"({entry['cpu_threads']} threads): **{entry['gpu_over_cpu']:.1f}x**."]
     vit = results.get("vit") or {}
     if vit and "error" not in vit:
         lines += ["", "## 4. The OT-ViT comparison at the full protocol", "",

@@ -60,11 +60,11 @@ def main(argv=None):
 
     from probe.capture.loading import load_model
     from probe.solve import dual as solver
-    from probe.solve import native
+    from probe.solve import native, newton_cg
     from probe.solve.dual import solve_dual
 
-    compiled = {name: getattr(solver, name) for name in solver.COMPILED_LOOPS}
-    python = {name: getattr(solver, source) for name, source in solver.COMPILED_LOOPS.items()}
+    compiled = {name: getattr(solver, name) for name in newton_cg.COMPILED_LOOPS}
+    python = {name: getattr(solver, source) for name, source in newton_cg.COMPILED_LOOPS.items()}
 
     native._state.update(kernel=None, reason="bench/parallel.py measures the torch loops")
     cores = torch.get_num_threads()

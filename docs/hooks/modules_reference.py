@@ -14,6 +14,9 @@ from pathlib import Path
 from mkdocs.structure.files import File
 
 PAGE = "modules.md"
+#: modules that re-export another module's public names under a stable path (``probe.solver`` is
+#: ``probe.solve.dual``'s): shown by their docstring only, so that no object is documented twice
+PUBLIC_PATHS = {"probe.solver", "probe.exact", "probe.ot"}
 #: a page's mkdocstrings directive: ``::: probe.solve.dual``
 DIRECTIVE = re.compile(r"^:::\s+(probe[\w.]*)\s*$", re.M)
 
@@ -40,6 +43,9 @@ def render(root: Path, documented: set[str]) -> str:
     ]
     for name in modules(root):
         if name in documented:
+            continue
+        if name in PUBLIC_PATHS:  # their objects are documented where they live, once
+            parts.append(f"\n::: {name}\n    options:\n      members: false\n")
             continue
         # every public object, documented or not: a docstring may refer to any of them
         parts.append(f"\n::: {name}\n    options:\n      show_if_no_docstring: true\n")

@@ -25,14 +25,9 @@ from probe.capture.adapters import SiteCapture
 from probe.capture.adapters.base import SpaceProblems, space_problems
 from probe.core.schema import DEVIATION_SCHEMA
 from probe.solve import derived
-from probe.solve.dual import (
-    DualProblems,
-    DualSolution,
-    factor_gram,
-    shares_rows,
-    solve_dual,
-)
+from probe.solve.dual import DualProblems, DualSolution, factor_gram, solve_dual
 from probe.solve.parallel import cpu_workers, run_all
+from probe.solve.problems import shares_rows
 
 #: default bound on the float64 logits held at once (one stack of pieces)
 STACK_BYTES = 1 << 28
@@ -119,7 +114,7 @@ def stacked_problems(problems: list[DualProblems]) -> DualProblems:
 
 def _stacked_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat`` along the group axis, keeping rows that share their group's values by construction
-    (:func:`probe.solve.dual.shares_rows`, as an expanded preference) shared, so that the solver computes
+    (:func:`probe.solve.problems.shares_rows`, as an expanded preference) shared, so that the solver computes
     with them once per group."""
     if all(shares_rows(t) for t in tensors):
         first = torch.cat([t[:, :1] for t in tensors])

@@ -1,8 +1,8 @@
 r"""Quantities derived from a dual solution, each with a certified bound on its numerical error.
 
 Pure tensor math, like :mod:`probe.solve.dual` (notation and the reduced form are in its docstring): every
-function takes the batched reduced quantities of :class:`probe.solve.dual.DualProblems` and
-:class:`probe.solve.dual.DualSolution`, ``(g, m, ...)`` with ``g`` groups sharing one Gram matrix and ``m``
+function takes the batched reduced quantities of :class:`probe.solve.problems.DualProblems` and
+:class:`probe.solve.problems.DualSolution`, ``(g, m, ...)`` with ``g`` groups sharing one Gram matrix and ``m``
 rows (problems) per group, and returns float64 tensors ``(g, m)`` on the inputs' device.  Rows that are
 inactive (NaN in a solution, all-``-inf`` preference, or masked by ``active``) come out NaN.  Within a
 group the rows are head-major: with ``H`` heads and ``Q = m / H`` rows per head, row ``j`` belongs to
@@ -136,7 +136,8 @@ import math
 
 import torch
 
-from probe.solve.dual import row_dot, shares_rows, solve_spd_reduced
+from probe.solve.dual import solve_spd_reduced
+from probe.solve.problems import row_dot, shares_rows
 
 __all__ = [
     "second_order_point",
@@ -175,7 +176,7 @@ def second_order_point(
     (module docstring, "Solving the systems").
 
     Args:
-        factor: :math:`A` with :math:`AA^\top = G`, ``(g, n, r)``, from :func:`probe.solve.dual.factor_gram`.
+        factor: :math:`A` with :math:`AA^\top = G`, ``(g, n, r)``, from :func:`probe.solve.gram.factor_gram`.
         logits: the solver's logits :math:`s = Tz`, ``(g, m, n)`` (the pipeline's :math:`s/\alpha`).
         log_preference: :math:`\log u` up to a constant per row, ``-inf`` for excluded keys, ``(g, m, n)``.
         alpha: strength :math:`\alpha > 0`.
@@ -263,7 +264,7 @@ def _direct_min_rows(n: int, r: int) -> int:
 
 def _used_columns(factor):
     r"""The columns of the factor that are nonzero in some group, ``(r,)`` bool, or ``None`` when all are
-    (:func:`probe.solve.dual.factor_gram` zeroes those of null eigenvalues): the others add :math:`x_k/\alpha`
+    (:func:`probe.solve.gram.factor_gram` zeroes those of null eigenvalues): the others add :math:`x_k/\alpha`
     to :math:`Hx` and nothing to :math:`b`, so :math:`x_k = 0` exactly and they can be dropped."""
     used = (factor != 0).flatten(0, 1).any(0)
     return None if bool(used.all()) else used

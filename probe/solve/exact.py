@@ -19,7 +19,7 @@ Forward
 :func:`probe.solve.dual.solve_dual`, the rows' certified batched Newton solver, with its conventions: one
 problem per group, the factor :math:`A = T` when :math:`d \le n` (then :math:`\lambda = \alpha z + y`
 with :math:`y \in R^d`: the dual itself) and the reduced factor :math:`A = Q\Gamma^{1/2}` of
-:math:`G = TT^\top` (:func:`probe.solve.dual.factor_gram`) when :math:`d > n`.  The certificate is the
+:math:`G = TT^\top` (:func:`probe.solve.gram.factor_gram`) when :math:`d > n`.  The certificate is the
 solver's: ``error_bound`` :math:`\ge \|\hat\lambda - \lambda^*\|`.  Computed in float64 whatever the
 inputs' dtype; ``p`` comes back in the inputs' dtype.
 
@@ -59,13 +59,8 @@ from dataclasses import dataclass
 import torch
 
 from probe.core.errors import ProbeError
-from probe.solve.dual import (
-    DualProblems,
-    factor_gram,
-    row_dot,
-    solve_dual,
-    solve_spd_reduced,
-)
+from probe.solve.dual import DualProblems, factor_gram, solve_dual, solve_spd_reduced
+from probe.solve.problems import row_dot
 
 __all__ = ["exact_attention", "ExactCertificate", "merge_summaries"]
 
@@ -235,7 +230,7 @@ def _check(templates, evidence, log_preference, alpha) -> tuple[torch.Size, int,
 
 def _factor(T: torch.Tensor) -> torch.Tensor:
     r""":math:`A` with :math:`AA^\top = TT^\top`: :math:`T` itself when :math:`d \le n` (the dual in its own
-    coordinates), else the reduced factor of the Gram matrix (:func:`probe.solve.dual.factor_gram`)."""
+    coordinates), else the reduced factor of the Gram matrix (:func:`probe.solve.gram.factor_gram`)."""
     n, d = T.shape[-2:]
     return T if d <= n else factor_gram(T @ T.transpose(-1, -2))
 

@@ -2,7 +2,7 @@
 
 On a CPU, most of a solve's time in batched torch operations goes to elementwise passes over tensors
 too large for the cache, and to the overhead of issuing them (``bench/NOTES.md``).  ``newton.c`` runs
-the same method (:func:`probe.solve.dual._newton`) over blocks of a few dozen rows at a time, so that each
+the same method (:func:`probe.solve.newton_cg._newton`) over blocks of a few dozen rows at a time, so that each
 block's elementwise work is fused into a few loops over data in cache, with the products by the BLAS
 torch itself uses.  The whole solve is 1.1x (512 tokens) to 2.7x (16 tokens) faster than with the torch
 loops (``bench/results_native.md``).
@@ -180,10 +180,10 @@ def block_rows(n: int, r: int) -> int:
 
 
 def newton_tile(work, active: torch.Tensor, rtol: float, atol: float, max_iter: int, forcing_floor: float):
-    """Newton-CG (:func:`probe.solve.dual._newton`'s method) on every active problem of a tile by the
+    """Newton-CG (:func:`probe.solve.newton_cg._newton`'s method) on every active problem of a tile by the
     compiled kernel: ``(y, iterations)``, or None where the kernel does not apply (not a CPU, not
     float64 with float32 directions, or not available).  ``work`` is the tile's
-    :class:`probe.solve.dual._WorkingSet`."""
+    :class:`probe.solve.newton_cg._WorkingSet`."""
     A = work.A
     if A.device.type != "cpu" or A.dtype != torch.float64 or work.A_low.dtype != torch.float32:
         return None

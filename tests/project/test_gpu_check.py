@@ -42,6 +42,8 @@ def test_the_cpu_dry_run_writes_every_result(dry_run):
         assert r["rows"] > 0 and r["rows_unmatched"] == 0 and r["max_difference"] == 0.0
     assert results["agreement"]["same_problems"]["rows_over_bound"] == 0
     assert results["speed"]["ratio"][0]["rows"] > 0 and results["speed"]["solver"]["rows"] > 0
+    per_tokens = results["speed"]["solver"]["per_tokens"]  # rows/s per length, the same problems on both
+    assert set(per_tokens) == {"16"} and all(per_tokens["16"][k] > 0 for k in ("gpu_rows_per_s", "cpu_rows_per_s"))
     vit = results["vit"]
     assert not vit["failed"] and vit["epochs_compared"] == 1 and vit["report_exit_code"] == 0
     report = json.loads((out / "vit" / "results.json").read_text())

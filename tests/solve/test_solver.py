@@ -489,7 +489,7 @@ def test_rows_sharing_their_preference_by_construction(workers):
     normalised once per group; its answers are CVXPY's, with an inactive row and a group without keys
     (all -inf: NaN rows, not converged) beside it, also through stacking."""
     from probe.batch.rows import stacked_problems
-    from probe.solve.dual import shares_rows
+    from probe.solve.problems import shares_rows
 
     T = RNG.normal(size=(7, 5))
     Z = RNG.normal(size=(4, 5))

@@ -1,0 +1,53 @@
+"""The Gram matrix :math:`G = TT^\top` factored once per group, :math:`G = AA^\top` (:func:`factor_gram`):
+batched Cholesky where :math:`G` is positive definite, the eigendecomposition where it is not (duplicate
+templates, more templates than dimensions).  Notation: :mod:`probe.solve.dual`."""
+
+from __future__ import annotations
+
+import torch
+
+
+def factor_gram(gram: torch.Tensor, method: str | None = None) -> torch.Tensor:
+    r"""Return :math:`A` with :math:`AA^\top = G` for each Gram matrix in ``(g, n, n)``.
+
+    ``method="eigh"`` (the default on a CPU): :math:`A = Q\Gamma^{1/2}` from the eigendecomposition.
+    Eigenvalues below ``n * eps * max_eigenvalue`` (rounding noise of a rank-deficient :math:`G`, e.g.
+    duplicate templates) are treated as exact zeros; the corresponding columns of :math:`A` are zero.
+    ``method="cholesky"`` (the default elsewhere: batched on a GPU, where the eigendecomposition runs one
+    matrix at a time): the Cholesky factor where :math:`G` is positive definite, the eigendecomposition
+    for the other groups only (:func:`factor_cholesky`).  Any :math:`A` with
+    :math:`AA^\top = G` gives the same problem (R-D), up to an orthogonal change of :math:`y`.
+    """
+    if method is None:
+        method = "eigh" if gram.device.type == "cpu" else "cholesky"
+    if method == "cholesky":
+        return factor_cholesky(gram)
+    if method != "eigh":
+        raise ValueError(f"method must be 'eigh' or 'cholesky', got {method!r}")
+    gram = 0.5 * (gram + gram.transpose(-1, -2))
+    eigenvalues, eigenvectors = torch.linalg.eigh(gram)
+    n = gram.shape[-1]
+    top = eigenvalues.abs().amax(dim=-1, keepdim=True)
+    floor = n * torch.finfo(gram.dtype).eps * top
+    kept = torch.where(eigenvalues > floor, eigenvalues, torch.zeros_like(eigenvalues))
+    return eigenvectors * kept.sqrt().unsqueeze(-2)
+
+
+def factor_cholesky(gram: torch.Tensor) -> torch.Tensor:
+    r""":math:`A` with :math:`AA^\top = G` for each Gram matrix in ``(g, n, n)``, batched: the Cholesky
+    factor :math:`L` (:math:`G = LL^\top`) of every group at once, and the eigendecomposition
+    (:func:`factor_gram`, ``method="eigh"``) only for the groups where Cholesky fails or
+    finds a pivot :math:`\ell_{kk}^2 \le n\,\epsilon\,\max_i G_{ii}`: numerically rank-deficient ones
+    (duplicate templates, more keys than dimensions), whose null directions the eigendecomposition
+    drops.  One read of the host (whether any group needs the eigendecomposition)."""
+    gram = 0.5 * (gram + gram.transpose(-1, -2))
+    factor, info = torch.linalg.cholesky_ex(gram)
+    n = gram.shape[-1]
+    floor = n * torch.finfo(gram.dtype).eps * gram.diagonal(dim1=-2, dim2=-1).amax(-1)
+    pivots = factor.diagonal(dim1=-2, dim2=-1).square().amin(-1)
+    deficient = (info != 0) | ~(pivots > floor)  # NaN pivots included
+    if bool(deficient.any()):
+        groups = deficient.nonzero().squeeze(-1)
+        factor[groups] = factor_gram(gram[groups], method="eigh")
+    return factor
+
