@@ -125,7 +125,7 @@ def _damaged_banner(run_dir: Path, manifest: dict | None, allow_damaged: bool) -
         from probe.store.integrity import check_parts
 
         try:
-            check = check_parts(run_dir, manifest)
+            check = check_parts(run_dir, manifest, checksums=True, cached=True)  # hashed once, by the reader
         except ProbeError:  # no readable manifest: nothing to check the parts against
             return
         if check.damaged:
