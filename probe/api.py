@@ -409,9 +409,11 @@ def load(run_dir: str | Path, *, allow_damaged: bool = False) -> Run:
     Its part files are checked against the manifest's records (:func:`probe.store.integrity.require_intact`): a
     damaged run (a part missing, truncated or not the one recorded) is refused by name, unless
     ``allow_damaged``, which reads the intact parts only, with a warning.  ``probe resume`` repairs it."""
+    from probe.core.environment import check_environment
     from probe.store.integrity import require_intact
     from probe.store.storage import run_tables
 
+    check_environment()
     loaded = Run(_run_path(run_dir), allow_damaged=allow_damaged)
     manifest = loaded.manifest
     for table in run_tables(manifest):  # the deviations, and the interventions of a run with --intervene

@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
@@ -61,6 +59,8 @@ from probe.core.config import (  # noqa: F401 (INITS: probe.pipeline.validate.IN
     INTERVENTION_SUBSTITUTES,
     SPACES,
 )
+from probe.core.destination import check_destination
+from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.spelling import option
 
@@ -161,7 +161,8 @@ def parse_memory(text: str) -> int:
 
 def check_options(config) -> None:
     """Values of the run's options on their own (no file is looked at, and nothing heavy is imported:
-    torch loads only to check a device other than auto or cpu)."""
+    torch loads only to check a device other than auto or cpu), and probe's environment variables."""
+    check_environment()
 
     if not config.alphas:
         raise ProbeError(f"{option('alpha')} needs at least one value.")
@@ -234,26 +235,14 @@ def check_report_formats(formats: str) -> list[str]:
 # 2. output
 
 
+#: the room ``--out`` must have before a run starts (a few batches' part files; a full disk later is exit 74)
+RUN_MIN_FREE_BYTES = 64 << 10
+
+
 def check_output(out: Path) -> None:
-    """``out`` is, or can become, a folder in which probe can create a run directory."""
-    out = out.expanduser()
-    if out.exists() and not out.is_dir():
-        raise ProbeError(
-            f"{option('out', str(out))} is a file, not a folder. Pass the folder that should hold run directories.")
-    existing = out
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ProbeError(f"{option('out', str(out))} cannot be created: '{existing}' is a file. Pass another folder.")
-    try:
-        handle, name = tempfile.mkstemp(prefix=".probe-write-test-", dir=existing)
-        os.close(handle)
-        os.remove(name)
-    except OSError as error:
-        raise ProbeError(
-            f"{option('out', str(out))} is not writable: probe cannot create files in '{existing}' ({error.strerror}). "
-            "Pass a folder you can write to."
-        ) from None
+    """``out`` is, or can become, a folder in which probe can create a run directory, with room
+    (:func:`probe.core.destination.check_destination`, the check every writer makes)."""
+    check_destination(out, "out", room=RUN_MIN_FREE_BYTES)
 
 
 # --------------------------------------------------------------------------------------------------
