@@ -319,12 +319,17 @@ def resume_command(
     an uninterrupted one; resuming a complete run does nothing.
     """
     from probe import api
+    from probe.core.environment import check_environment
     from probe.core.errors import ProbeError
+    from probe.pipeline.validate import check_report_formats
     from probe.store.integrity import check_parts
     from probe.store.storage import read_manifest, run_tables
 
     run_dir = _run_dir(run_dir)
     try:
+        check_environment()
+        if report:  # the report's formats before the run goes on, not after it
+            check_report_formats(report_format)
         manifest = read_manifest(run_dir)
         if manifest.get("status") == "complete":
             checks = [check_parts(run_dir, manifest, checksums=True, table=table) for table in run_tables(manifest)]
@@ -490,7 +495,9 @@ def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
         typer.echo(f"interventions: {interventions['records']:,} records in interventions.parquet/"
                    + (f"; whole-model mean hidden_change: {effects}" if effects else ""))
     dataset, unknown = manifest.get("dataset") or {}, manifest.get("unknown_tokens")
+    truncated = dataset.get("truncated_examples")
     typer.echo(f"texts: {dataset.get('n_examples', 0):,} ({dataset.get('description')})"
+               + (f"; {truncated:,} cut to {dataset.get('max_length')} tokens (--max-length)" if truncated else "")
                + (f"; {describe(unknown)}" if unknown else ""))  # no count in a run of an older probe
     typer.echo(f"run directory: {run_dir}")
     if report_next:

@@ -42,9 +42,17 @@ class Texts:
     targets: list[str] | None = None
     skipped_empty: int = 0
     spec: DatasetSpec = field(default_factory=DatasetSpec)
+    #: the hash of the texts as read, kept when they are cut to ``--max-length`` (:mod:`probe.capture.truncation`)
+    read_sha256: str | None = None
+    #: the ``--max-length`` the texts were cut for (None: as read), and how many of them it truncates
+    cut_to: int | None = None
+    truncated: int | None = None
 
     @property
     def sha256(self) -> str:
+        """The texts' hash (with their indices and targets), as read: cutting them does not change it."""
+        if self.read_sha256 is not None:
+            return self.read_sha256
         digest = hashlib.sha256()
         for i, text in zip(self.indices, self.texts):
             digest.update(f"{i}\0{text}\0".encode())

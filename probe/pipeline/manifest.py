@@ -71,7 +71,8 @@ def new_manifest(job: Job, unknown_tokens: dict) -> dict:
             "skipped_empty": texts.skipped_empty,
             "texts_sha256": texts.sha256,
             "max_length": config.max_length,
-            "truncated_examples": sum(length >= config.max_length for length in job.lengths),
+            "truncated_examples": texts.truncated if texts.truncated is not None else
+            sum(length >= config.max_length for length in job.lengths),
         },
         "unknown_tokens": unknown_tokens,  # probe.capture.tokens: how much of the texts the tokenizer does not know
         "alpha": list(config.alphas),

@@ -18,7 +18,8 @@ says what is wrong and what to do:
    encoder-decoder), read from the config before any weights load.  A hub id needs the Hub, probed
    once and quickly (:mod:`probe.capture.hub`);
 5. **max length**: ``--max-length`` at most the model's position limit (an error that says the
-   limit; probe never changes a setting behind the user's back) and at least its special tokens;
+   limit; probe never changes a setting behind the user's back) and at least its special tokens; and
+   **the vocabulary**: the tokenizer's largest id within the model's embedding rows;
 6. **options that do not apply** to the chosen input: ``--split``/``--config`` on a local file,
    ``--column``/``--split``/``--config`` with the embedded corpus, ``--revision`` with a local
    model directory;
@@ -52,6 +53,7 @@ from probe.capture.hub import (
     no_connection,
 )
 from probe.capture.tokens import check_unknown_tokens, unknown_tokens
+from probe.capture.truncation import cut_texts
 from probe.core.config import (  # noqa: F401 (INITS: probe.pipeline.validate.INITS, as before)
     DTYPE_NAMES,
     INITS,
@@ -102,7 +104,9 @@ def check_run(config) -> Checked:
     load_data_s = time.perf_counter() - started
     model_config, tokenizer, spaces = check_model(config)
     check_max_length(config, model_config, tokenizer)
+    check_vocabulary(config, model_config, tokenizer)
     check_not_applicable(config)
+    texts = cut_texts(texts, tokenizer, config.max_length)  # a long text is tokenized only as far as it is kept
     unknown = unknown_tokens(tokenizer, texts.texts, config.max_length)
     check_unknown_tokens(unknown, config.model, config.allow_unknown_tokens)
     from dataclasses import replace
@@ -414,6 +418,29 @@ def check_max_length(config, model_config, tokenizer) -> None:
         raise ProbeError(
             f"{option('max_length', config.max_length)} is too small for this tokenizer: it adds {special} special "
             f"tokens to every text, which are never truncated. Use a larger {option('max_length')}."
+        )
+
+
+def check_vocabulary(config, model_config, tokenizer) -> None:
+    """Every id the tokenizer can produce has a row in the model's input embeddings: the largest id (its
+    vocabulary with the added tokens) is below ``vocab_size`` of config.json, which the checkpoint's
+    embedding matrix must match when the weights load.  A tokenizer of another model would otherwise
+    fail mid-run, at the first text with a word beyond the table."""
+    rows = getattr(model_config, "vocab_size", None)
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows <= 0:
+        return  # a config that does not say (the weights' shapes are checked when they load)
+    try:
+        ids = max(tokenizer.get_vocab().values(), default=-1) + 1
+    except (AttributeError, NotImplementedError, TypeError):
+        ids = 0
+    ids = max(ids, len(tokenizer))
+    if ids > rows:
+        given = f"the tokenizer given with {option('tokenizer')}" if config.tokenizer else "its tokenizer"
+        raise ProbeError(
+            f"The tokenizer does not fit '{config.model}': {given} produces ids up to {ids - 1:,} ({ids:,} tokens), "
+            f"but the model's input embeddings have {rows:,} rows (vocab_size in config.json), so any text with a "
+            "token beyond them would fail. Use the tokenizer the model was trained with "
+            f"({option('tokenizer', 'PATH')} names another one)."
         )
 
 
