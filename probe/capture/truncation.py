@@ -11,6 +11,11 @@ token offsets).  :func:`cut_texts` replaces each long text by a prefix that stil
    prefix holds every token the run keeps, followed by some the truncation drops;
 3. otherwise the prefix grows fourfold, up to the whole text.
 
+Before that, a local ``.txt`` file is read in pieces, each text keeping only its first
+:func:`kept_characters` characters (:func:`probe.capture.data.load_texts`): 1,024 per token of
+``--max-length``, far more than any tokenizer needs for that many tokens of text, so that reading a long
+line costs no more memory than that either.
+
 The texts' hash (:attr:`probe.capture.data.Texts.sha256`, which ``probe resume`` compares) stays that of
 the texts as read, and the count of texts the truncation cuts (their own tokens with the special ones
 beyond ``max_length``) is recorded in the manifest and said in the run's final lines.
@@ -27,7 +32,14 @@ from probe.capture.data import Texts
 CHARS_PER_TOKEN = 16
 #: tokens beyond ``max_length`` a prefix must yield: the last words' tokens are then past the cut
 MARGIN_TOKENS = 8
+#: characters of each text kept while a text file is read, per token ``--max-length`` allows
+KEPT_CHARS_PER_TOKEN = 1024
 _LAST_SPACE = re.compile(r"\s(?=\S*$)")
+
+
+def kept_characters(max_length: int) -> int:
+    """How many characters of each text are read and kept, for ``max_length`` tokens."""
+    return KEPT_CHARS_PER_TOKEN * max_length + 1024
 
 
 def _prefix(text: str, length: int) -> str:

@@ -53,7 +53,7 @@ from probe.capture.hub import (
     no_connection,
 )
 from probe.capture.tokens import check_unknown_tokens, unknown_tokens
-from probe.capture.truncation import cut_texts
+from probe.capture.truncation import cut_texts, kept_characters
 from probe.core.config import (  # noqa: F401 (INITS: probe.pipeline.validate.INITS, as before)
     DTYPE_NAMES,
     INITS,
@@ -100,7 +100,7 @@ def check_run(config) -> Checked:
     check_options(config)
     check_output(Path(config.out))
     started = time.perf_counter()
-    texts = load_texts(config.dataset)
+    texts = load_texts(config.dataset, kept_characters(config.max_length))  # a long line is read only so far
     load_data_s = time.perf_counter() - started
     model_config, tokenizer, spaces = check_model(config)
     check_max_length(config, model_config, tokenizer)

@@ -67,3 +67,50 @@ def test_the_final_lines_say_how_many_texts_were_cut(tiny_bert_dir, tmp_path):
     (run_dir,) = (tmp_path / "runs").iterdir()
     dataset = json.loads(Path(run_dir / "manifest.json").read_text())["dataset"]
     assert dataset["truncated_examples"] == 2 and dataset["max_length"] == 8
+
+
+CONTENTS = [
+    "one\ntwo\n",
+    "no line end at the end",
+    "crlf\r\nlines\r\nand a lone\rreturn\n",
+    "\n\n  \nblank lines first\n\t\n",
+    "  leading spaces kept\ntrailing spaces kept  \n",
+    "separators \u2028 and \x0c and \x85 stay inside a line\n",
+    "a\n" * 3 + "x" * 50_000 + " long\n" + "b\n",
+    "\ufeffa byte order mark\n",
+]
+
+
+@pytest.mark.parametrize("content", CONTENTS, ids=range(len(CONTENTS)))
+@pytest.mark.parametrize("samples", [None, 2])
+def test_text_files_read_in_pieces_are_the_texts_datasets_reads(tmp_path, content, samples, monkeypatch):
+    """The piecewise reader against `datasets`' text builder (the reader without ``keep_chars``): the same
+    texts, indices, skipped rows and hash; with ``keep_chars`` each text is the same text's prefix and the hash
+    is still that of the whole texts."""
+    import probe.capture.data as data
+    from probe.capture.data import load_texts
+    from probe.core.config import DatasetSpec
+
+    monkeypatch.setattr(data, "TEXT_PIECE", 7)  # many pieces per line
+    file = tmp_path / "texts.txt"
+    file.write_bytes(content.encode("utf-8"))
+    spec = DatasetSpec(name=str(file), samples=samples)
+    reference = load_texts(spec)
+    assert reference.read_sha256 is None  # read by datasets
+    whole = load_texts(spec, keep_chars=10**9)
+    assert (whole.texts, whole.indices, whole.skipped_empty) == (reference.texts, reference.indices,
+                                                                 reference.skipped_empty)
+    assert whole.sha256 == reference.sha256
+    short = load_texts(spec, keep_chars=5)
+    assert short.texts == [text[:5] for text in reference.texts] and short.sha256 == reference.sha256
+
+
+def test_a_folder_of_text_files_reads_as_datasets_reads_it(tmp_path):
+    from probe.capture.data import load_texts
+    from probe.core.config import DatasetSpec
+
+    (tmp_path / "a.txt").write_text("first\n\nsecond")
+    (tmp_path / "b.txt").write_text("third\n")
+    spec = DatasetSpec(name=str(tmp_path))
+    reference, read = load_texts(spec), load_texts(spec, keep_chars=1000)
+    assert (read.texts, read.indices, read.sha256) == (reference.texts, reference.indices, reference.sha256)
