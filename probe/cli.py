@@ -556,9 +556,30 @@ def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Option
         _fail(error)
     if (Path(run_dir) / "manifest.json").is_file():
         _damaged_banner(run_dir, None, allow_damaged)
+        _not_finished(run_dir)
     typer.echo(f"report: {where / 'index.html'}")
     typer.echo("next: open it in a browser; `probe compare RUN_DIR RUN_DIR` sets two runs side by side (e.g. "
                "against an --init random control)")
+
+
+def _not_finished(run_dir: Path) -> None:
+    """Say on stderr that a report covers a run that is still running or was stopped: what it covers."""
+    from probe.core.errors import ProbeError
+    from probe.store.storage import read_manifest
+
+    try:
+        manifest = read_manifest(run_dir)  # a "running" run whose process is gone reads as interrupted
+    except ProbeError:
+        return
+    status = manifest.get("status")
+    if status != "complete":
+        more = "is still being written" if status == "running" else f"is {status}"
+        typer.secho(
+            f"probe: the run {more}: the report covers the {manifest.get('batches_done', 0)} of "
+            f"{manifest.get('batches_total', '?')} batches finished when it was read"
+            + ("" if status == "running" else f"; continue it with: probe resume {run_dir}"),
+            err=True, fg=typer.colors.YELLOW,
+        )
 
 
 @app.command("compare")
