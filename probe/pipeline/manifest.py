@@ -39,8 +39,9 @@ def package_versions() -> dict:
 
 
 def run_name(config: RunConfig) -> str:
-    """``--name``, or the model's real name (``-random`` for a random-initialisation control)."""
-    return naming.run_name(config.model, config.init, config.name)
+    """``--name``, or the model's real name (``-random`` for a random-initialisation control, ``-texts`` for
+    texts given in memory: :func:`probe.core.naming.run_name`)."""
+    return naming.run_name(config.model, config.init, config.name, texts=naming.is_texts_file(config.dataset.name))
 
 
 def now() -> str:
