@@ -17,9 +17,9 @@ says what is wrong and what to do:
    tokenizer has a vocabulary; ``--target-column`` only for a model with a decoder input (an
    encoder-decoder), read from the config before any weights load.  A hub id needs the Hub, probed
    once and quickly (:mod:`probe.capture.hub`);
-5. **max length**: ``--max-length`` at most the model's position limit (an error that says the
-   limit; probe never changes a setting behind the user's back) and at least its special tokens; and
-   **the vocabulary**: the tokenizer's largest id within the model's embedding rows;
+5. **the vocabulary**: the tokenizer's largest id within the model's embedding rows; **max length**:
+   ``--max-length`` at most the model's position limit (an error that says the limit; probe never changes
+   a setting behind the user's back) and at least its special tokens;
 6. **options that do not apply** to the chosen input: ``--split``/``--config`` on a local file,
    ``--column``/``--split``/``--config`` with the embedded corpus, ``--revision`` with a local
    model directory;
@@ -103,8 +103,8 @@ def check_run(config) -> Checked:
     texts = load_texts(config.dataset, kept_characters(config.max_length))  # a long line is read only so far
     load_data_s = time.perf_counter() - started
     model_config, tokenizer, spaces = check_model(config)
-    check_max_length(config, model_config, tokenizer)
     check_vocabulary(config, model_config, tokenizer)
+    check_max_length(config, model_config, tokenizer)
     check_not_applicable(config)
     texts = cut_texts(texts, tokenizer, config.max_length)  # a long text is tokenized only as far as it is kept
     unknown = unknown_tokens(tokenizer, texts.texts, config.max_length)
