@@ -508,6 +508,9 @@ COMMANDS = [
             ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
     Command("verify with a bad memory budget", lambda b: ["verify", b.run, "--sample", "0"],
             ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+    # settings checked before the work, not after it
+    Command("resume with an unknown report format", lambda b: ["resume", b.run, "--report", "--format", "svg"],
+            ("Unknown figure format", "svg")),
     Command("vit training with a bad memory budget", lambda b: ["vit", "train", "--out", "{tmp}/vit"],
             ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
 ]
