@@ -498,12 +498,6 @@ COMMANDS = [
     Command("compare of a flipped byte", lambda b: ["compare", b.run, b.flipped, "--out", "{tmp}/compare"], DAMAGED),
     Command("export of a flipped byte", lambda b: ["export", b.flipped, "--to", "{tmp}/rows.parquet"], DAMAGED),
     # environment variables, before any work
-    Command("report with a bad memory budget", lambda b: ["report", b.run, "--out", "{tmp}/report"],
-            ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
-    Command("compare with a bad memory budget", lambda b: ["compare", b.run, b.run2, "--out", "{tmp}/compare"],
-            ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
-    Command("export with a bad memory budget", lambda b: ["export", b.run, "--to", "{tmp}/rows.parquet"],
-            ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
     Command("resume with a bad memory budget", lambda b: ["resume", b.run, "--no-progress"],
             ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
     Command("verify with a bad memory budget", lambda b: ["verify", b.run, "--sample", "0"],
@@ -512,6 +506,18 @@ COMMANDS = [
     Command("resume with an unknown report format", lambda b: ["resume", b.run, "--report", "--format", "svg"],
             ("Unknown figure format", "svg")),
     Command("vit training with a bad memory budget", lambda b: ["vit", "train", "--out", "{tmp}/vit"],
+            ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+]
+
+
+#: refusals the readers made before the rows above were added: kept as guards, outside the table (whose
+#: every row is a case that once failed)
+GUARDS = [
+    Command("report with a bad memory budget", lambda b: ["report", b.run, "--out", "{tmp}/report"],
+            ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+    Command("compare with a bad memory budget", lambda b: ["compare", b.run, b.run2, "--out", "{tmp}/compare"],
+            ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+    Command("export with a bad memory budget", lambda b: ["export", b.run, "--to", "{tmp}/rows.parquet"],
             ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
 ]
 
@@ -543,7 +549,7 @@ def runs(bad: Bad) -> Bad:
     return bad
 
 
-@pytest.mark.parametrize("case", COMMANDS, ids=[case.id for case in COMMANDS])
+@pytest.mark.parametrize("case", COMMANDS + GUARDS, ids=[case.id for case in COMMANDS + GUARDS])
 def test_bad_command(case: Command, runs: Bad, tmp_path, monkeypatch):
     argv = [str(a).replace("{tmp}", str(tmp_path)) for a in case.argv(runs)]
     if any("{read_only}" in arg for arg in argv):
