@@ -281,8 +281,9 @@ def _texts_file(texts: list[str]) -> tuple[Path, bytes]:
     (``$PROBE_CACHE_DIR``, else ``~/.cache/probe``), named by their SHA-256, so that the run records a file
     that resume can read (written by :func:`_keep`, once the options are checked)."""
     content = "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in texts).encode()
-    directory = Path(os.environ.get("PROBE_CACHE_DIR") or Path.home() / ".cache" / "probe") / "texts"
-    return directory / f"{hashlib.sha256(content).hexdigest()[:20]}.jsonl", content
+    from probe.core.naming import texts_folder
+
+    return texts_folder() / f"{hashlib.sha256(content).hexdigest()[:20]}.jsonl", content
 
 
 def _keep(path: Path, content: bytes) -> None:
@@ -339,7 +340,9 @@ def run(
     once, as JSON lines named by their SHA-256, into probe's cache, ``$PROBE_CACHE_DIR`` or
     ``~/.cache/probe``, so that :func:`resume` can read them again).  ``alpha`` and ``space`` take one
     value, a list, or a comma-separated string; ``max_memory`` bytes or a size such as ``"4GB"``.  ``name`` names the run
-    directory and the report (default: the model's real name, ``-random`` added for ``init="random"``).
+    directory and the report (default: the model's real name, ``-random`` added for ``init="random"``; the
+    directory of a run of ``texts`` is named ``MODEL-texts-<time>``, so that ``load("runs/MODEL")`` never picks
+    a few texts tried out: ``load("runs/MODEL-texts")`` does).
     ``intervene``: substitutes to put into the forward pass (``"exact,second-order,null"``; :mod:`probe.interventions`),
     measured per site and for the whole model (``intervene_modes``); read them as :attr:`Run.interventions`.
     A run whose tokenizer turns more than 10% of the tokens into its unknown token is refused before the
@@ -416,9 +419,11 @@ def load(run_dir: str | Path, *, allow_damaged: bool = False) -> Run:
     Its part files are checked against the manifest's records (:func:`probe.store.integrity.require_intact`): a
     damaged run (a part missing, truncated or not the one recorded) is refused by name, unless
     ``allow_damaged``, which reads the intact parts only, with a warning.  ``probe resume`` repairs it."""
+    from probe.core.environment import check_environment
     from probe.store.integrity import require_intact
     from probe.store.storage import run_tables
 
+    check_environment()
     loaded = Run(_run_path(run_dir), allow_damaged=allow_damaged)
     manifest = loaded.manifest
     for table in run_tables(manifest):  # the deviations, and the interventions of a run with --intervene

@@ -141,7 +141,7 @@ def _damaged_banner(run_dir: Path, manifest: dict | None, allow_damaged: bool) -
         from probe.store.integrity import check_parts
 
         try:
-            check = check_parts(run_dir, manifest)
+            check = check_parts(run_dir, manifest, checksums=True, cached=True)  # hashed once, by the reader
         except ProbeError:  # no readable manifest: nothing to check the parts against
             return
         if check.damaged:
@@ -340,12 +340,17 @@ def resume_command(
     an uninterrupted one; resuming a complete run does nothing.
     """
     from probe import api
+    from probe.core.environment import check_environment
     from probe.core.errors import ProbeError
+    from probe.pipeline.validate import check_report_formats
     from probe.store.integrity import check_parts
     from probe.store.storage import read_manifest, run_tables
 
     run_dir = _run_dir(run_dir)
     try:
+        check_environment()
+        if report:  # the report's formats before the run goes on, not after it
+            check_report_formats(report_format)
         manifest = read_manifest(run_dir)
         if manifest.get("status") == "complete":
             checks = [check_parts(run_dir, manifest, checksums=True, table=table) for table in run_tables(manifest)]
@@ -511,7 +516,9 @@ def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
         typer.echo(f"interventions: {interventions['records']:,} records in interventions.parquet/"
                    + (f"; whole-model mean hidden_change: {effects}" if effects else ""))
     dataset, unknown = manifest.get("dataset") or {}, manifest.get("unknown_tokens")
+    truncated = dataset.get("truncated_examples")
     typer.echo(f"texts: {dataset.get('n_examples', 0):,} ({dataset.get('description')})"
+               + (f"; {truncated:,} cut to {dataset.get('max_length')} tokens (--max-length)" if truncated else "")
                + (f"; {describe(unknown)}" if unknown else ""))  # no count in a run of an older probe
     typer.echo(f"run directory: {run_dir}")
     if report_next:
@@ -570,9 +577,30 @@ def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Option
         _fail(error)
     if (Path(run_dir) / "manifest.json").is_file():
         _damaged_banner(run_dir, None, allow_damaged)
+        _not_finished(run_dir)
     typer.echo(f"report: {where / 'index.html'}")
     typer.echo("next: open it in a browser; `probe compare RUN_DIR RUN_DIR` sets two runs side by side (e.g. "
                "against an --init random control)")
+
+
+def _not_finished(run_dir: Path) -> None:
+    """Say on stderr that a report covers a run that is still running or was stopped: what it covers."""
+    from probe.core.errors import ProbeError
+    from probe.store.storage import read_manifest
+
+    try:
+        manifest = read_manifest(run_dir)  # a "running" run whose process is gone reads as interrupted
+    except ProbeError:
+        return
+    status = manifest.get("status")
+    if status != "complete":
+        more = "is still being written" if status == "running" else f"is {status}"
+        typer.secho(
+            f"probe: the run {more}: the report covers the {manifest.get('batches_done', 0)} of "
+            f"{manifest.get('batches_total', '?')} batches finished when it was read"
+            + ("" if status == "running" else f"; continue it with: probe resume {run_dir}"),
+            err=True, fg=typer.colors.YELLOW,
+        )
 
 
 @app.command("compare")

@@ -42,9 +42,17 @@ class Texts:
     targets: list[str] | None = None
     skipped_empty: int = 0
     spec: DatasetSpec = field(default_factory=DatasetSpec)
+    #: the hash of the texts as read, kept when they are cut to ``--max-length`` (:mod:`probe.capture.truncation`)
+    read_sha256: str | None = None
+    #: the ``--max-length`` the texts were cut for (None: as read), and how many of them it truncates
+    cut_to: int | None = None
+    truncated: int | None = None
 
     @property
     def sha256(self) -> str:
+        """The texts' hash (with their indices and targets), as read: cutting them does not change it."""
+        if self.read_sha256 is not None:
+            return self.read_sha256
         digest = hashlib.sha256()
         for i, text in zip(self.indices, self.texts):
             digest.update(f"{i}\0{text}\0".encode())
@@ -347,13 +355,87 @@ def _dataset_rows(spec: DatasetSpec):
         yield from zip(dataset[spec.text_column], dataset[spec.target_column] if spec.target_column else repeat(None))
 
 
-def load_texts(spec: DatasetSpec) -> Texts:
+#: characters read from a text file at a time: a long line is read in pieces of this size
+TEXT_PIECE = 1 << 20
+
+
+def _read_text_files(spec: DatasetSpec, files: list[Path], keep_chars: int) -> Texts:
+    """The texts of local ``.txt`` files, one per line, as ``datasets``' text builder reads them (UTF-8,
+    universal newlines, split at each line end), read in pieces of :data:`TEXT_PIECE` characters: each text
+    keeps its first ``keep_chars`` characters only, so that a long line costs no more memory than that,
+    while the texts' hash (:attr:`Texts.sha256`) is computed over every character as read."""
+    digest = hashlib.sha256()
+    texts, indices, skipped, index = [], [], 0, 0
+    kept: list[str] = []
+    pending: list[str] = []  # a line's leading whitespace, until it shows whether the line is blank
+    state = {"length": 0, "blank": True, "open": False}
+
+    def add(piece: str) -> None:
+        state["open"] = True
+        if state["blank"]:
+            if not piece.strip():
+                pending.append(piece)
+                return
+            state["blank"] = False
+            digest.update(f"{index}\0".encode())
+            pieces, pending[:] = [*pending, piece], []
+        else:
+            pieces = [piece]
+        for part in pieces:
+            digest.update(part.encode())
+            room = keep_chars - state["length"]
+            if room > 0:
+                kept.append(part[:room])
+                state["length"] += min(room, len(part))
+
+    def end_line() -> None:
+        nonlocal index, skipped
+        if state["blank"]:
+            skipped += 1
+        else:
+            digest.update(b"\0")
+            texts.append("".join(kept))
+            indices.append(index)
+        index += 1
+        kept.clear()
+        pending.clear()
+        state.update(length=0, blank=True, open=False)
+
+    try:
+        for file in files:
+            with open(file, encoding="utf-8") as handle:  # universal newlines, as datasets opens it
+                while piece := handle.readline(TEXT_PIECE):
+                    ends = piece.endswith("\n")
+                    add(piece[:-1] if ends else piece)
+                    if ends:
+                        end_line()
+                        if spec.samples is not None and len(texts) >= spec.samples:
+                            break
+                if state["open"]:  # the last line, without a line end
+                    end_line()
+            if spec.samples is not None and len(texts) >= spec.samples:
+                break
+    except (UnicodeDecodeError, OSError) as error:
+        raise unreadable(spec, files, error) from None
+    return Texts(texts=texts, indices=indices, skipped_empty=skipped, spec=spec, read_sha256=digest.hexdigest())
+
+
+def load_texts(spec: DatasetSpec, keep_chars: int | None = None) -> Texts:
     """Load the texts (and targets, if asked) described by ``spec``; empty texts are skipped.
 
-    A value that is neither text nor missing (a number, a list) is an error naming its row.
+    A value that is neither text nor missing (a number, a list) is an error naming its row.  ``keep_chars``:
+    local ``.txt`` files are read in pieces, and each text keeps only its first ``keep_chars`` characters
+    (:func:`_read_text_files`: memory does not grow with a line's length; the hash is of the whole texts).
     """
     if spec.samples is not None and spec.samples < 1:
         raise ProbeError(f"{option('samples')} must be at least 1, got {spec.samples}.")
+    if keep_chars is not None and spec.local_path is not None and spec.target_column is None:
+        files = local_files(spec.local_path)
+        if files[0].suffix == ".txt":
+            texts = _read_text_files(spec, files, keep_chars)
+            if texts.texts:
+                return texts
+            # no text: the reader below says why, as for any file
     if spec.name is None:
         if spec.target_column:
             raise ProbeError(f"{option('target_column')} needs {option('dataset')}: the embedded corpus has only a "

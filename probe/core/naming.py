@@ -12,6 +12,7 @@ Nothing here imports torch or transformers: run names are decided before anythin
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -72,13 +73,33 @@ def model_name(model: str) -> str:
     return path.resolve().name or str(model)
 
 
-def run_name(model: str, init: str = "pretrained", name: str | None = None) -> str:
+#: what the default name of a run of texts given in memory (``probe.run(texts=[...])``) ends with
+TEXTS_SUFFIX = "-texts"
+
+
+def texts_folder() -> Path:
+    """Where ``probe.run(texts=[...])`` keeps the texts it is given, as JSON lines named by their SHA-256:
+    probe's cache (``$PROBE_CACHE_DIR``, else ``~/.cache/probe``), folder ``texts``."""
+    return Path(os.environ.get("PROBE_CACHE_DIR") or Path.home() / ".cache" / "probe") / "texts"
+
+
+def is_texts_file(dataset: str | None) -> bool:
+    """Whether a run's dataset is texts given in memory (a file of :func:`texts_folder`)."""
+    if not dataset:
+        return False
+    path = Path(dataset).expanduser()
+    return path.suffix == ".jsonl" and path.parent.resolve() == texts_folder().resolve()
+
+
+def run_name(model: str, init: str = "pretrained", name: str | None = None, *, texts: bool = False) -> str:
     """The run's name: ``name`` when given (``--name``); else the model's name (its last part, for
-    ``org/name``), with ``-random`` for a random-initialisation control."""
+    ``org/name``), with ``-random`` for a random-initialisation control, and :data:`TEXTS_SUFFIX` for a run
+    of texts given in memory (``texts``): a few texts tried out are not the run that ``runs/MODEL`` (the
+    newest run named MODEL) finds, but ``runs/MODEL-texts``."""
     if name:
         return name
     base = model_name(model).rstrip("/").split("/")[-1]
-    return base + ("-random" if init == "random" else "")
+    return base + ("-random" if init == "random" else "") + (TEXTS_SUFFIX if texts else "")
 
 
 def slug(name: str) -> str:

@@ -11,6 +11,7 @@ import torch
 from probe.batch.rows import RowContext
 from probe.capture.data import DatasetSpec, Texts, load_texts
 from probe.capture.loading import LoadedModel, device_name, load_model
+from probe.capture.truncation import cut_texts, kept_characters
 from probe.core import naming
 from probe.core.config import RunConfig
 from probe.core.errors import ProbeError
@@ -83,7 +84,9 @@ def prepare(
         loaded = with_lm_head(loaded)
         require_intervention(loaded)
     loaded_at = time.perf_counter()
-    texts = texts if texts is not None else load_texts(dataset or config.dataset)
+    if texts is None:  # a long line is read only as far as --max-length needs
+        texts = load_texts(dataset or config.dataset, kept_characters(config.max_length))
+    texts = cut_texts(texts, loaded.tokenizer, config.max_length)  # tokenized only as far as it is kept
     timings = {"load_model_s": loaded_at - started, "load_data_s": time.perf_counter() - loaded_at}
     say(config, f"planning the batches of {len(texts.texts):,} texts (tokenizing them)")
     batches, lengths = plan_batches(loaded, texts, config.batch_size, config.max_length)

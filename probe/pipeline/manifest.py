@@ -39,8 +39,9 @@ def package_versions() -> dict:
 
 
 def run_name(config: RunConfig) -> str:
-    """``--name``, or the model's real name (``-random`` for a random-initialisation control)."""
-    return naming.run_name(config.model, config.init, config.name)
+    """``--name``, or the model's real name (``-random`` for a random-initialisation control, ``-texts`` for
+    texts given in memory: :func:`probe.core.naming.run_name`)."""
+    return naming.run_name(config.model, config.init, config.name, texts=naming.is_texts_file(config.dataset.name))
 
 
 def now() -> str:
@@ -72,7 +73,8 @@ def new_manifest(job: Job, unknown_tokens: dict) -> dict:
             "skipped_empty": texts.skipped_empty,
             "texts_sha256": texts.sha256,
             "max_length": config.max_length,
-            "truncated_examples": sum(length >= config.max_length for length in job.lengths),
+            "truncated_examples": texts.truncated if texts.truncated is not None else
+            sum(length >= config.max_length for length in job.lengths),
         },
         "unknown_tokens": unknown_tokens,  # probe.capture.tokens: how much of the texts the tokenizer does not know
         "alpha": list(config.alphas),

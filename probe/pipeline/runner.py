@@ -29,6 +29,7 @@ from probe.capture.data import DatasetSpec
 from probe.capture.loading import LoadedModel
 from probe.core import naming
 from probe.core.config import RunConfig, config_from_json, config_to_json  # noqa: F401 (probe.pipeline.runner.RunConfig, as before)
+from probe.core.environment import check_environment
 from probe.core.errors import ProbeError, RunIOError
 from probe.pipeline import allocator, distributed, fingerprint
 from probe.pipeline.job import Job, prepare
@@ -125,6 +126,7 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
     """Continue a stopped run with its recorded settings, and repair a damaged one: part files that are
     missing or do not match their records (size, footer, rows, SHA-256) are moved to ``RUN_DIR/quarantine``
     and recomputed (:func:`probe.store.integrity.repair_parts`).  A complete, intact run is returned untouched."""
+    check_environment()
     run_dir = Path(run_dir)
     manifest = storage.read_manifest(run_dir)
     if manifest.get("status") == "complete" and all(

@@ -17,8 +17,9 @@ says what is wrong and what to do:
    tokenizer has a vocabulary; ``--target-column`` only for a model with a decoder input (an
    encoder-decoder), read from the config before any weights load.  A hub id needs the Hub, probed
    once and quickly (:mod:`probe.capture.hub`);
-5. **max length**: ``--max-length`` at most the model's position limit (an error that says the
-   limit; probe never changes a setting behind the user's back) and at least its special tokens;
+5. **the vocabulary**: the tokenizer's largest id within the model's embedding rows; **max length**:
+   ``--max-length`` at most the model's position limit (an error that says the limit; probe never changes
+   a setting behind the user's back) and at least its special tokens;
 6. **options that do not apply** to the chosen input: ``--split``/``--config`` on a local file,
    ``--column``/``--split``/``--config`` with the embedded corpus, ``--revision`` with a local
    model directory;
@@ -38,9 +39,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from probe.capture.hub import (
     no_connection,
 )
 from probe.capture.tokens import check_unknown_tokens, unknown_tokens
+from probe.capture.truncation import cut_texts, kept_characters
 from probe.core.config import (  # noqa: F401 (INITS: probe.pipeline.validate.INITS, as before)
     DTYPE_NAMES,
     INITS,
@@ -61,6 +61,8 @@ from probe.core.config import (  # noqa: F401 (INITS: probe.pipeline.validate.IN
     INTERVENTION_SUBSTITUTES,
     SPACES,
 )
+from probe.core.destination import check_destination
+from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.spelling import option
 
@@ -98,11 +100,13 @@ def check_run(config) -> Checked:
     check_options(config)
     check_output(Path(config.out))
     started = time.perf_counter()
-    texts = load_texts(config.dataset)
+    texts = load_texts(config.dataset, kept_characters(config.max_length))  # a long line is read only so far
     load_data_s = time.perf_counter() - started
     model_config, tokenizer, spaces = check_model(config)
+    check_vocabulary(config, model_config, tokenizer)
     check_max_length(config, model_config, tokenizer)
     check_not_applicable(config)
+    texts = cut_texts(texts, tokenizer, config.max_length)  # a long text is tokenized only as far as it is kept
     unknown = unknown_tokens(tokenizer, texts.texts, config.max_length)
     check_unknown_tokens(unknown, config.model, config.allow_unknown_tokens)
     from dataclasses import replace
@@ -161,7 +165,8 @@ def parse_memory(text: str) -> int:
 
 def check_options(config) -> None:
     """Values of the run's options on their own (no file is looked at, and nothing heavy is imported:
-    torch loads only to check a device other than auto or cpu)."""
+    torch loads only to check a device other than auto or cpu), and probe's environment variables."""
+    check_environment()
 
     if not config.alphas:
         raise ProbeError(f"{option('alpha')} needs at least one value.")
@@ -234,26 +239,14 @@ def check_report_formats(formats: str) -> list[str]:
 # 2. output
 
 
+#: the room ``--out`` must have before a run starts (a few batches' part files; a full disk later is exit 74)
+RUN_MIN_FREE_BYTES = 64 << 10
+
+
 def check_output(out: Path) -> None:
-    """``out`` is, or can become, a folder in which probe can create a run directory."""
-    out = out.expanduser()
-    if out.exists() and not out.is_dir():
-        raise ProbeError(
-            f"{option('out', str(out))} is a file, not a folder. Pass the folder that should hold run directories.")
-    existing = out
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ProbeError(f"{option('out', str(out))} cannot be created: '{existing}' is a file. Pass another folder.")
-    try:
-        handle, name = tempfile.mkstemp(prefix=".probe-write-test-", dir=existing)
-        os.close(handle)
-        os.remove(name)
-    except OSError as error:
-        raise ProbeError(
-            f"{option('out', str(out))} is not writable: probe cannot create files in '{existing}' ({error.strerror}). "
-            "Pass a folder you can write to."
-        ) from None
+    """``out`` is, or can become, a folder in which probe can create a run directory, with room
+    (:func:`probe.core.destination.check_destination`, the check every writer makes)."""
+    check_destination(out, "out", room=RUN_MIN_FREE_BYTES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -425,6 +418,29 @@ def check_max_length(config, model_config, tokenizer) -> None:
         raise ProbeError(
             f"{option('max_length', config.max_length)} is too small for this tokenizer: it adds {special} special "
             f"tokens to every text, which are never truncated. Use a larger {option('max_length')}."
+        )
+
+
+def check_vocabulary(config, model_config, tokenizer) -> None:
+    """Every id the tokenizer can produce has a row in the model's input embeddings: the largest id (its
+    vocabulary with the added tokens) is below ``vocab_size`` of config.json, which the checkpoint's
+    embedding matrix must match when the weights load.  A tokenizer of another model would otherwise
+    fail mid-run, at the first text with a word beyond the table."""
+    rows = getattr(model_config, "vocab_size", None)
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows <= 0:
+        return  # a config that does not say (the weights' shapes are checked when they load)
+    try:
+        ids = max(tokenizer.get_vocab().values(), default=-1) + 1
+    except (AttributeError, NotImplementedError, TypeError):
+        ids = 0
+    ids = max(ids, len(tokenizer))
+    if ids > rows:
+        given = f"the tokenizer given with {option('tokenizer')}" if config.tokenizer else "its tokenizer"
+        raise ProbeError(
+            f"The tokenizer does not fit '{config.model}': {given} produces ids up to {ids - 1:,} ({ids:,} tokens), "
+            f"but the model's input embeddings have {rows:,} rows (vocab_size in config.json), so any text with a "
+            "token beyond them would fail. Use the tokenizer the model was trained with "
+            f"({option('tokenizer', 'PATH')} names another one)."
         )
 
 

@@ -169,6 +169,12 @@ class RunTable(Table):
         source = parquet_source(self.files, union_by_name=not self._same_columns)
         return int(self.execute(f"SELECT count(*) FROM {source}").fetchall()[0][0])
 
+    @property
+    def view_columns(self) -> list[str]:
+        """The columns of the view ``rows``, in its order (every column of the schema, and legacy ones present)."""
+        with self._guard():
+            return [column[0] for column in self.connection.sql(f"SELECT * FROM {self.relation_name} LIMIT 0").description]
+
     def estimated_bytes(self, rows: int, columns: Sequence[str] | None = None) -> int:
         """What ``rows`` rows of ``columns`` (default: every stored column) take as a pandas DataFrame."""
         if columns is None:
@@ -185,6 +191,12 @@ class RunTable(Table):
         from probe.core.schema import ROW_KEY
 
         columns = list(columns) if columns is not None else self.stored_columns
+        available = self.view_columns
+        unknown = [column for column in columns if column not in available]
+        if unknown:
+            raise ProbeError(
+                f"The rows have no column {', '.join(map(repr, unknown))}. Their columns: {', '.join(available)}."
+            )
         order = list(ROW_KEY if order is None else order)
         rows = self.count(where_sql)
         self.require_fits(rows, columns, what)

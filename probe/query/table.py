@@ -128,12 +128,21 @@ class Table:
             f"{', ' + keys_sql if union else ''}, {selected} "
             f"FROM (SELECT *, 0 AS _all FROM {self._from(where, columns)}) GROUP BY GROUPING SETS ({sets})"
         )
-        result = self.frame(query)
+        with self._guard():
+            arrow = self.connection.sql(query).to_arrow_table()
+        result = arrow.to_pandas()
+        import pyarrow as pa
+
+        # a key is null in the other groupings' rows, so pandas reads an integer key as float: back to integers
+        integers = {key for key in union if pa.types.is_integer(arrow.schema.field(key).type)}
         out = []
         for keys in groupings:
             part = result[result["_gid"] == _grouping_id(union, keys)]
-            out.append(part[list(keys) + list(aggregates)].sort_values(list(keys)).reset_index(drop=True)
-                       if keys else part[list(aggregates)].reset_index(drop=True))
+            part = part[list(keys) + list(aggregates)].copy()
+            for key in keys:
+                if key in integers and not part[key].isna().any():
+                    part[key] = part[key].astype("int64")
+            out.append(part.sort_values(list(keys)).reset_index(drop=True) if keys else part.reset_index(drop=True))
         return out
 
     # ---- exact statistics

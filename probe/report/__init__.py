@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from probe.core.destination import check_destination, writing
+from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.spelling import option
 from probe.report import explorer
@@ -153,6 +155,7 @@ def build_report(
     missing, unreadable or incomplete deviations table and unknown formats.  A missing or invalid
     ``manifest.json`` only warns; a table without rows gives a report that says there is no data.
     """
+    check_environment()
     formats = check_formats(formats)
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
@@ -160,11 +163,17 @@ def build_report(
     if control is not None and not Path(control).is_dir():  # said before the run is read
         raise ProbeError(f"The control run {control} ({option('control')}) does not exist or is not a directory. "
                          "Pass the run directory printed by `probe run --init random`, or leave it out.")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ProbeError(f"Report directory {out_dir} exists and is not a directory. "
+                         f"Choose another {option('out')}.")
+    check_destination(out_dir, "out")  # before the run is read: writable, with room
     run = read_run(run_dir, name=name, allow_damaged=allow_damaged)
+    with writing("the report", out_dir):
+        return _build(run, run_dir, out_dir, formats, control, allow_damaged, say)
+
+
+def _build(run, run_dir: Path, out_dir: Path, formats, control, allow_damaged: bool, say) -> Path:
     try:
-        if out_dir.exists() and not out_dir.is_dir():
-            raise ProbeError(f"Report directory {out_dir} exists and is not a directory. "
-                             f"Choose another {option('out')}.")
         counts = run.counts(main=False)
         say(f"read {run_dir} ({counts['rows']:,} rows in {len(run.table.files):,} part file(s), "
             f"{len(run.types)} attention type(s))")

@@ -24,6 +24,8 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from probe.core.destination import check_destination, writing
+from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.spelling import option
 from probe.query import connect
@@ -244,6 +246,7 @@ def compare_runs(
     Raises :class:`ProbeError` for fewer than two runs, a run given twice, runs that share no attention
     type or no (space, alpha) slice, and for everything :func:`probe.report.data.read_run` rejects.
     """
+    check_environment()
     formats = check_formats(formats)
     paths = [Path(p) for p in run_dirs]
     if len(paths) < 2:
@@ -252,9 +255,11 @@ def compare_runs(
     resolved = [p.resolve() for p in paths]
     if len(set(resolved)) < len(resolved):
         raise ProbeError("A run directory is given twice; give each run once.")
+    check_destination(out_dir, "out")  # before any run is read: writable, with room
     connection = connect()  # one DuckDB, one memory budget, for every run
     try:
-        return _compare(paths, Path(out_dir), formats, names, allow_damaged, connection)
+        with writing("the comparison", out_dir):
+            return _compare(paths, Path(out_dir), formats, names, allow_damaged, connection)
     finally:
         connection.close()
 

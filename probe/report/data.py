@@ -384,14 +384,17 @@ def model_name(manifest: dict, rows: pd.DataFrame | None = None) -> str:
     return name or model_id
 
 
-def dataset_text(manifest: dict) -> str:
-    """The data in one phrase: source (a local file by its name), config, split, text and target columns."""
+def dataset_text(manifest: dict, covered: int | None = None) -> str:
+    """The data in one phrase: source (a local file by its name), config, split, text and target columns,
+    and the texts: ``covered`` of them (a run not finished: the texts its finished batches hold) of all."""
     spec = lookup(manifest, "dataset")
     if not isinstance(spec, dict):
         return "unknown dataset"
     source = spec.get("name")
     n = spec.get("n_examples")
     count = f", {n:,} texts" if isinstance(n, int) and not isinstance(n, bool) else ""
+    if covered is not None and count and covered != n:
+        count = f", {covered:,} of {n:,} texts"
     if source is None:
         description = spec.get("description")
         if isinstance(description, str) and spec.get("column") in (None, "text") and "[" not in description:
@@ -461,6 +464,13 @@ def open_table(run_dir: Path, manifest: dict, problem: str | None, *, allow_dama
     return RunTable(table_path, connection=connection, view=view), notes
 
 
+def _texts_covered(table: RunTable, manifest: dict) -> int | None:
+    """The texts a run not (yet) complete has rows of (None for a complete run: all of them)."""
+    if lookup(manifest, "status") == "complete" or not table.files:
+        return None
+    return int(table.frame(f"SELECT count(DISTINCT example) AS n FROM {table.relation_name}")["n"].iloc[0])
+
+
 def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: bool = False, connection=None,
              view: str = "rows") -> Run:
     """Read a run directory (``deviations.parquet`` file or directory, and ``manifest.json``) as a query.
@@ -499,7 +509,7 @@ def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: boo
         run_dir=run_dir,
         manifest=manifest,
         name=name.strip() if name and name.strip() else model_name(manifest, legacy),
-        dataset=dataset_text(manifest),
+        dataset=dataset_text(manifest, _texts_covered(table, manifest)),
         table=table,
         census=counted,
         space=space,

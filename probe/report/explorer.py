@@ -160,7 +160,7 @@ def heatmap_tables(run: Run, head_stats: pd.DataFrame, scale: Scale) -> str:
         parts.append(
             f'<div class="heatmap" data-type="{esc(attention_type)}"><h3>{esc(type_label(attention_type))}: mean '
             f"per layer (rows) and head (columns)</h3>"
-            f'<table class="heat"><thead><tr><th>layer \\ head</th>{header}</tr></thead>'
+            f'<table class="heat{"" if show_values else " dense"}"><thead><tr><th>layer \\ head</th>{header}</tr></thead>'
             f"<tbody>{''.join(body)}</tbody></table></div>"
         )
     legend = _legend(scale)

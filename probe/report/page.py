@@ -47,12 +47,16 @@ nav { margin: 0.8em 0; font-size: 0.9em; } nav a { margin-right: 1em; }
 .filters span { margin: 0 0.3em 0 0.8em; color: #555; }
 button.filter { border: 1px solid #bbb; background: #f7f7f7; border-radius: 3px; margin: 0 0.1em; cursor: pointer; }
 button.filter.active { background: #4c72b0; color: #fff; border-color: #4c72b0; }
-.explorer { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 1em; align-items: start; }
+.explorer { display: grid; grid-template-columns: minmax(0, min-content) minmax(320px, 1fr); gap: 1em;
+            align-items: start; }
+.explorer:has(#head-panel[hidden]) { grid-template-columns: minmax(0, 1fr); }
 .explorer > div:first-child { overflow-x: auto; }
 @media (max-width: 1000px) { .explorer { grid-template-columns: minmax(0, 1fr); } }
 @media (max-width: 720px) { .landing { grid-template-columns: minmax(0, 1fr); } }
 table.heat td.cell { cursor: pointer; min-width: 2.6em; height: 1.5em; text-align: center; font-size: 0.85em;
                      border: 1px solid #fff; }
+table.heat th, table.heat td { padding: 0.15em 0.25em; } table.heat th { white-space: nowrap; }
+table.heat.dense th, table.heat.dense td { padding: 0.15em 0.1em; } table.heat.dense td.cell { min-width: 1.4em; }
 table.heat td.cell.selected { outline: 3px solid #d62728; outline-offset: -3px; }
 .legend .ramp { display: inline-block; width: 160px; height: 0.8em; vertical-align: middle; }
 #head-panel { border: 1px solid #ddd; padding: 0.5em 0.8em; position: sticky; top: 2.6em; min-width: 0;

@@ -1,6 +1,6 @@
 r"""Batched, certified solver for the Fenchel dual of attention.
 
-Pure tensor math: nothing here knows about models.  Notation follows DEVELOPERS.md.
+Pure tensor math: nothing here knows about models.  Notation follows the documentation's math page (docs/math.md).
 
 Templates :math:`t_1..t_n \in R^d` (rows of :math:`T`), preference :math:`u` over them with mean
 :math:`\mu = T^\top u`, evidence :math:`z`, strength :math:`\alpha`.

@@ -9,42 +9,18 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from probe.core.environment import MEMORY_BUDGET_ENV, parse_size  # noqa: F401 (re-exported)
 from probe.core.errors import ProbeError
 
-#: the environment variable that sets the memory budget of one reader
-MEMORY_BUDGET_ENV = "PROBE_MEMORY_BUDGET"
 #: the memory budget when ``PROBE_MEMORY_BUDGET`` is not set (bytes)
 DEFAULT_MEMORY_BUDGET = 1 << 30
 #: the share of the budget DuckDB may use for its own buffers (the rest: Python, pandas slices, figures)
 DUCKDB_SHARE = 0.5
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str, *, what: str = MEMORY_BUDGET_ENV) -> int:
-    """Bytes from ``"600MB"``, ``"1.5GiB"``, ``"2g"`` or a plain number of bytes; a clear error otherwise."""
-    match = _SIZE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS:
-        raise ProbeError(
-            f"{what}={text!r} is not a size. Give bytes, or a number with a unit: 600MB, 1.5GiB, 2G."
-        )
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise ProbeError(f"{what}={text!r} must be positive.")
-    return size
 
 
 def memory_budget() -> int:

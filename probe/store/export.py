@@ -9,6 +9,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from probe.core.destination import MIN_FREE_BYTES, check_destination, writing
+from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.schema import (
     DEVIATION_SCHEMA,
@@ -93,6 +95,7 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
 
     The parts are checked first (:func:`require_intact`): a damaged run is refused unless
     ``allow_damaged``, and then a Parquet file's metadata carries the banner under ``probe.damaged``."""
+    check_environment()
     run_dir, to = Path(run_dir), Path(to)
     if to.suffix.lower() not in EXPORT_FORMATS:
         raise ProbeError(
@@ -111,6 +114,8 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
         raise ProbeError(f"The directory of --to ({to.parent}) does not exist. Create it first.")
     if to.resolve().is_relative_to(parts.resolve()):
         raise ProbeError(f"--to {to} is inside the run's parts directory; choose a file outside {parts}.")
+    # writable, with room for about the parts' bytes, before the parts are read
+    check_destination(to, "to", kind="file", room=max(MIN_FREE_BYTES, sum(p.stat().st_size for p in parts.iterdir())))
     check = require_intact(run_dir, manifest, allow_damaged=allow_damaged, table=table)
     files = sorted(check.readable.values())
     if files:
@@ -146,5 +151,6 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
             if group:
                 writer.write_table(pa.Table.from_batches(group), row_group_size=EXPORT_ROW_GROUP_ROWS)
 
-    replace_atomically(to, write)
+    with writing("the export", to):
+        replace_atomically(to, write)
     return rows

@@ -1,7 +1,11 @@
 """A run's part files checked against their records in the manifest, before any reader trusts them.
 
 :func:`check_parts` (presence, size, footer row count; SHA-256 on request) is what every reader calls;
-:func:`require_intact` refuses a damaged run (:class:`DamagedRunError`) unless told to read what is left;
+:func:`require_intact` refuses a damaged run (:class:`DamagedRunError`) unless told to read what is left.
+Readers check every recorded part's SHA-256 before they first read it in a process: a byte changed inside
+a value, which leaves the size, footer and row count as they were, is caught before any number is trusted.
+A part whose checksum matched is not hashed again while its file stays the same (path, size, modification
+time, inode), so a process that asks many questions of one run hashes each part once;
 :func:`quarantine` and :func:`repair_parts` are ``probe resume``'s repair.
 """
 
@@ -30,6 +34,23 @@ from probe.store.storage import (
     part_records,
     read_manifest,
 )
+
+#: parts whose SHA-256 matched their record in this process: (path, size, mtime_ns, inode, recorded sha256)
+_VERIFIED: set[tuple] = set()
+
+
+def _checksum_matches(path: Path, recorded: str, *, cached: bool) -> bool:
+    """Whether ``path``'s SHA-256 is ``recorded``; with ``cached``, a file verified before in this process and
+    unchanged since (same size, modification time and inode) is not read again."""
+    stat = path.stat()
+    key = (str(path.absolute()), stat.st_size, stat.st_mtime_ns, stat.st_ino, recorded)
+    if cached and key in _VERIFIED:
+        return True
+    if file_sha256(path) != recorded:
+        _VERIFIED.discard(key)
+        return False
+    _VERIFIED.add(key)
+    return True
 
 
 class DamagedRunWarning(UserWarning):
@@ -109,15 +130,16 @@ def _footer_problem(path: Path, expected_rows: int | None, batch: int) -> tuple[
 
 
 def check_parts(run_dir: Path, manifest: dict | None = None, *, checksums: bool = False,
-                table: str = PARTS) -> PartsCheck:
+                table: str = PARTS, cached: bool = False) -> PartsCheck:
     """Check a run's part files against the manifest's records: the one check every reader makes.
 
     Cheap (a directory listing, one ``stat`` and one footer read per part): each recorded part must be
     present with its recorded size and row count; a part present but unrecorded must have a sound footer
     whose row count and batch number agree with its own ``probe.batch`` record; a complete run must have
     a part for every batch of its plan.  ``checksums=True`` also compares every recorded part's SHA-256
-    (reads every byte: ``probe resume`` and ``probe verify`` do).  ``table``: which of the run's tables
-    (:data:`~probe.store.storage.PARTS`, :data:`~probe.store.storage.INTERVENTIONS`).
+    (reads every byte: ``probe resume`` and ``probe verify`` always do); with ``cached`` a part verified
+    before in this process and unchanged since is not read again (what readers do).  ``table``: which of
+    the run's tables (:data:`~probe.store.storage.PARTS`, :data:`~probe.store.storage.INTERVENTIONS`).
     """
     run_dir = Path(run_dir)
     if manifest is None:  # a run directory whose first manifest is not written yet has no records
@@ -145,7 +167,8 @@ def check_parts(run_dir: Path, manifest: dict | None = None, *, checksums: bool 
                     check.damaged[batch] = f"{size:,} bytes, recorded {record['bytes']:,}"
                     continue
             problem, _ = _footer_problem(path, record["rows"] if record else None, batch)
-            if problem is None and record is not None and checksums and file_sha256(path) != record["sha256"]:
+            if problem is None and record is not None and checksums and record.get("sha256") and \
+                    not _checksum_matches(path, record["sha256"], cached=cached):
                 problem = "SHA-256 differs from the recorded one"
         except OSError as error:  # unreadable (permissions, an I/O error) or gone since the listing
             problem = f"unreadable: {error.strerror or error}"
@@ -159,18 +182,19 @@ def check_parts(run_dir: Path, manifest: dict | None = None, *, checksums: bool 
 
 
 def require_intact(run_dir: Path, manifest: dict | None = None, *, allow_damaged: bool = False,
-                   checksums: bool = False, table: str = PARTS) -> PartsCheck:
-    """:func:`check_parts`, refusing a damaged run with a message that names the batches and what is wrong
+                   checksums: bool = True, table: str = PARTS) -> PartsCheck:
+    """:func:`check_parts` with the checksums (each part hashed once per process while it stays the same),
+    refusing a damaged run with a message that names the batches and what is wrong
     (:class:`DamagedRunError`), unless ``allow_damaged``: then the caller reads ``check.readable`` and
     shows ``check.banner()``."""
-    check = check_parts(run_dir, manifest, checksums=checksums, table=table)
+    check = check_parts(run_dir, manifest, checksums=checksums, table=table, cached=True)
     if check.damaged and not allow_damaged:
         what = "" if table == PARTS else f" (its {table})"
         raise DamagedRunError(
             f"{run_dir} is damaged{what}: {check.describe()}. Its other parts are intact, but reading it now would "
             f"silently leave these batches out. Repair it with `probe resume {run_dir}` (it moves the damaged "
-            f"parts to {Path(run_dir) / QUARANTINE} and recomputes them), or pass --allow-damaged to read "
-            "what is left, marked as such.",
+            f"parts to {Path(run_dir) / QUARANTINE} and recomputes them; `probe verify {run_dir}` checks every "
+            "part and a sample of rows), or pass --allow-damaged to read what is left, marked as such.",
             check,
         )
     return check

@@ -57,7 +57,10 @@ def train(
             device=device, out=None if out is None else str(out), threads=threads, progress=progress,
             sinkhorn_iterations=sinkhorn_iterations,
         )
-        results = run_training(settings, log=lambda line: typer.echo(line, err=True))
+        from probe.core.destination import writing
+
+        with writing("the training run", settings.run_dir()):  # a disk that fills up while training: exit 74
+            results = run_training(settings, log=lambda line: typer.echo(line, err=True))
     except ProbeError as error:
         _fail(error)
     typer.echo(

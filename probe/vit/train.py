@@ -39,6 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from probe.core.destination import check_destination
+from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.version import __version__
 from probe.solve.exact import merge_summaries
@@ -89,7 +91,9 @@ class TrainSettings:
 
 
 def validate_settings(s: TrainSettings) -> None:
-    """Every check on the options that needs no data: raises :class:`ProbeError`."""
+    """Every check on the options that needs no data (and on probe's environment variables): raises
+    :class:`ProbeError`."""
+    check_environment()
     if s.data not in DATASETS:
         raise ProbeError(f"unknown data set {s.data!r}: --data must be one of {', '.join(DATASETS)}.")
     if s.attention not in MultiHeadAttention.KINDS:
@@ -228,6 +232,7 @@ def evaluate(model: ViT, data: ImageData, index: torch.Tensor, device, batch_siz
 def prepare(s: TrainSettings):
     """All checks before training (options, data, run directory): returns what :func:`train` needs."""
     validate_settings(s)
+    check_destination(s.run_dir(), "out")  # before the data loads: writable, with room
     if s.data != "fashion-mnist" and s.data_dir is None:
         raise ProbeError(f"--data {s.data} needs --data-dir: the directory holding its python batches.")
     data = load_data(s.data, s.data_dir)

@@ -65,6 +65,17 @@ def test_the_model_is_named_once_in_the_manifest(api_run, tiny_bert_dir):
     assert api_run.run_dir.name.startswith(f"{Path(tiny_bert_dir).name}-")
 
 
+def test_a_run_of_texts_given_in_memory_is_not_the_run_runs_model_finds(api_run, tiny_bert_dir):
+    """probe.run(texts=[...]) names its directory MODEL-texts-<time>: `runs/MODEL` does not pick it, and
+    `runs/MODEL-texts` does."""
+    name, folder = Path(tiny_bert_dir).name, api_run.run_dir.parent
+    assert api_run.run_dir.name.startswith(f"{name}-texts-")
+    assert probe.load(folder / f"{name}-texts").run_dir == api_run.run_dir
+    with pytest.raises(probe.ProbeError):
+        probe.load(folder / name)  # no run of the model on a dataset in that folder
+    assert api_run.name == name  # titles still name the model
+
+
 def test_texts_are_the_examples_in_order(api_run):
     assert sorted(api_run.rows["example"].unique()) == list(range(len(TEXTS)))
     assert api_run.manifest["dataset"]["n_examples"] == len(TEXTS)

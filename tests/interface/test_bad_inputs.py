@@ -1,4 +1,5 @@
-"""The catalogue of bad inputs to `probe run` (issue 9): one table, one row per case.
+"""The catalogue of bad inputs to `probe run`: one table, one row per case; and of every other command
+(report, compare, export, resume, verify, vit train): a second table, ``COMMANDS``.
 
 Every case must give exit status 2, a message containing the row's fragments, no traceback, and
 leave nothing on disk (no run directory, no --out folder).  Rows marked ``LOAD`` are found while the
@@ -6,7 +7,13 @@ weights load (only loading can tell): still before the run directory exists.
 
 To add a case, add a row to ``CASES``: ``Case(id, args, fragments)``, where ``args(b)`` builds the
 arguments after ``run`` from ``b``, the broken models and files built once below (``b.out`` is the
-run's --out unless the row gives its own).
+run's --out unless the row gives its own); ``env``: environment variables the command runs with.
+
+``COMMANDS`` rows give a whole command line, from ``b`` and the test's own folder: exit status 2 (74 for
+an I/O error while writing), one line (the error), no traceback, and nothing written where the check
+comes first.  Rows marked ``read_only`` run in a subprocess under ``unshare`` where their folder is a
+read-only bind mount (root passes permission bits, not a read-only mount); they are skipped, saying why,
+where this machine cannot make one.
 """
 
 from __future__ import annotations
@@ -117,6 +124,19 @@ def _torch_bin_truncated(directory):
     _truncate("pytorch_model.bin")(directory)
 
 
+def _tokenizer_larger_than_the_embeddings(directory):
+    """A WordPiece vocabulary of 50,522 entries (20,000 new ones first, so the usual words get ids beyond the
+    model's 30,522 embedding rows) beside the tiny BERT's 30,522-row embedding."""
+    from transformers import AutoTokenizer
+
+    vocabulary = AutoTokenizer.from_pretrained(directory).get_vocab()
+    words = [word for word, _ in sorted(vocabulary.items(), key=lambda item: item[1])]
+    (directory / "tokenizer.json").unlink()
+    (directory / "vocab.txt").write_text("\n".join([f"zzextra{i}" for i in range(20_000)] + words) + "\n")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer",
+                                                                 "do_lower_case": True}))
+
+
 def _vocabulary_of_special_tokens_only(directory):
     (directory / "tokenizer.json").unlink()
     (directory / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
@@ -131,6 +151,7 @@ def bad(tmp_path_factory, tiny_bert_dir):
     m = b.model
     b.no_tokenizer = m("no-tokenizer", remove=TOKENIZER)
     b.no_vocabulary = m("no-vocabulary", edit=_vocabulary_of_special_tokens_only)
+    b.big_vocabulary = m("big-vocabulary", edit=_tokenizer_larger_than_the_embeddings)
     b.no_weights = m("no-weights", remove=["model.safetensors"])
     b.no_config = m("no-config", remove=["config.json"])
     b.broken_config = m("broken-config", edit=lambda d: (d / "config.json").write_text('{"model_type": "bert",'))
@@ -337,6 +358,20 @@ CASES = [
     Case("split with the embedded corpus", lambda b: [b.tiny, "--split", "test"], ("--split applies to --dataset",)),
     Case("revision with a local model", lambda b: [b.tiny, "--revision", "main"],
          ("--revision applies to hub ids", "local directory")),
+    # 7. the tokenizer against the model: every id it produces has an embedding row
+    Case("tokenizer larger than the embeddings", lambda b: [b.big_vocabulary],
+         ("The tokenizer does not fit", "ids up to 50,521", "30,522 rows")),
+    # 8. environment variables, checked with the options (not after the run)
+    Case("memory budget not a size", lambda b: [b.tiny], ("PROBE_MEMORY_BUDGET='garbage' is not a size",),
+         env={"PROBE_MEMORY_BUDGET": "garbage"}),
+    Case("memory budget zero", lambda b: [b.tiny], ("PROBE_MEMORY_BUDGET='0' must be positive",),
+         env={"PROBE_MEMORY_BUDGET": "0"}),
+    Case("memory budget negative", lambda b: [b.tiny], ("PROBE_MEMORY_BUDGET='-5' is not a size",),
+         env={"PROBE_MEMORY_BUDGET": "-5"}),
+    Case("native switch not 0 or 1", lambda b: [b.tiny], ("PROBE_NATIVE='yes'",), env={"PROBE_NATIVE": "yes"}),
+    # 2. output location, as root too: a path below a file, and a read-only file system
+    Case("out on a read-only mount", lambda b: [b.tiny, "--out", "{read_only}/runs"],
+         ("is not writable", "Read-only file system")),
 ]
 
 
@@ -364,13 +399,182 @@ def test_bad_input(case: Case, bad: Bad, tmp_path):
     args = [str(a) for a in case.args(bad)]
     if "--out" not in args:
         args += ["--out", str(bad.out)]
+    if any("{read_only}" in arg for arg in args):
+        (tmp_path / "read-only").mkdir()
     before = _tree(bad.root, tmp_path)
-    result = CliRunner().invoke(app, ["run", *args, "--no-progress"])
+    if any("{read_only}" in arg for arg in args):
+        code, output = _in_read_only_mount(tmp_path, ["run", *args, "--no-progress"], case.env)
+        assert code == 2 and "Traceback" not in output, output
+        for fragment in case.fragments:
+            assert fragment in output, output
+        assert _tree(bad.root, tmp_path) == before, "a rejected run left files behind"
+        return
+    result = CliRunner().invoke(app, ["run", *args, "--no-progress"], env=case.env)
     assert isinstance(result.exception, SystemExit) and result.exit_code == 2, (result.output, result.exception)
     assert "Traceback" not in result.output
     for fragment in case.fragments:
         assert fragment in result.output, result.output
     assert _tree(bad.root, tmp_path) == before, "a rejected run left files behind"
+
+
+# ------------------------------------------------------------------------- a read-only file system
+
+
+def _read_only_mounts() -> str | None:
+    """None where this machine lets a process make a read-only bind mount in its own mount namespace
+    (``unshare -rm``: as root, or where unprivileged user namespaces are allowed); else why not."""
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        return "no unshare or mount command here"
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        script = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} && ! touch {folder}/x"
+        done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True)
+    return None if done.returncode == 0 else f"cannot make a read-only bind mount here ({done.stderr.strip()[:100]})"
+
+
+READ_ONLY_SKIP = _read_only_mounts()
+
+
+def _in_read_only_mount(tmp_path: Path, argv: list[str], env: dict | None = None) -> tuple[int, str]:
+    """``probe ARGV`` in a subprocess whose ``{read_only}`` (a folder of ``tmp_path``) is a read-only bind
+    mount: the way a read-only disk refuses root too."""
+    if READ_ONLY_SKIP:
+        pytest.skip(READ_ONLY_SKIP)
+    folder = tmp_path / "read-only"  # made before the test takes stock of the files
+    argv = [arg.replace("{read_only}", str(folder)) for arg in argv]
+    import shlex
+
+    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "probe", *argv])
+    script = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} && exec {command}"
+    environment = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=environment,
+                          timeout=300)
+    return done.returncode, done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------------------ every other command
+
+
+@dataclass
+class Command:
+    id: str
+    argv: Callable[["Bad"], list]  # the whole command line after `probe`; "{read_only}": a read-only mount
+    fragments: tuple[str, ...]
+    code: int = 2
+    env: dict = field(default_factory=dict)
+    fail: tuple[str, OSError] | None = None  # (what to patch, the OSError it raises): a write that fails
+
+
+ENOSPC = OSError(28, "No space left on device")
+GARBAGE = {"PROBE_MEMORY_BUDGET": "garbage"}
+DAMAGED = ("is damaged: batch 1 (SHA-256 differs from the recorded one)", "probe resume", "probe verify")
+
+COMMANDS = [
+    # destinations: checked before any work, as root too
+    Command("report on a read-only mount", lambda b: ["report", b.run, "--out", "{read_only}/report"],
+            ("is not writable", "Read-only file system")),
+    Command("compare on a read-only mount", lambda b: ["compare", b.run, b.run2, "--out", "{read_only}/compare"],
+            ("is not writable", "Read-only file system")),
+    Command("export on a read-only mount", lambda b: ["export", b.run, "--to", "{read_only}/rows.parquet"],
+            ("is not writable", "Read-only file system")),
+    Command("report below a file", lambda b: ["report", b.run, "--out", b.a_file / "report"],
+            ("cannot be created", "is a file")),
+    Command("compare below a file", lambda b: ["compare", b.run, b.run2, "--out", b.a_file / "compare"],
+            ("cannot be created", "is a file")),
+    Command("report into /proc", lambda b: ["report", b.run, "--out", "/proc/probe-report"], ("is not writable",)),
+    Command("export into /proc", lambda b: ["export", b.run, "--to", "/proc/probe-rows.parquet"], ("is not writable",)),
+    Command("vit training below a file", lambda b: ["vit", "train", "--epochs", "1", "--out", b.a_file / "vit"],
+            ("cannot be created", "is a file")),
+    # a write that fails half-way: one line, exit 74
+    Command("report write fails", lambda b: ["report", b.run, "--out", "{tmp}/report"],
+            ("Writing the report", "No space left on device (ENOSPC)"), code=74, fail=("probe.report.page", ENOSPC)),
+    Command("compare write fails", lambda b: ["compare", b.run, b.run2, "--out", "{tmp}/compare"],
+            ("Writing the comparison", "(ENOSPC)"), code=74, fail=("probe.report.compare.save", ENOSPC)),
+    Command("export write fails", lambda b: ["export", b.run, "--to", "{tmp}/rows.parquet"],
+            ("Writing the export", "(ENOSPC)"), code=74, fail=("probe.store.export.replace_atomically", ENOSPC)),
+    # a byte changed inside a value of a part: every reader refuses the run by name
+    Command("report of a flipped byte", lambda b: ["report", b.flipped, "--out", "{tmp}/report"], DAMAGED),
+    Command("compare of a flipped byte", lambda b: ["compare", b.run, b.flipped, "--out", "{tmp}/compare"], DAMAGED),
+    Command("export of a flipped byte", lambda b: ["export", b.flipped, "--to", "{tmp}/rows.parquet"], DAMAGED),
+    # environment variables, before any work
+    Command("resume with a bad memory budget", lambda b: ["resume", b.run, "--no-progress"],
+            ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+    Command("verify with a bad memory budget", lambda b: ["verify", b.run, "--sample", "0"],
+            ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+    # settings checked before the work, not after it
+    Command("resume with an unknown report format", lambda b: ["resume", b.run, "--report", "--format", "svg"],
+            ("Unknown figure format", "svg")),
+    Command("vit training with a bad memory budget", lambda b: ["vit", "train", "--out", "{tmp}/vit"],
+            ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+]
+
+
+#: refusals the readers made before the rows above were added: kept as guards, outside the table (whose
+#: every row is a case that once failed)
+GUARDS = [
+    Command("report with a bad memory budget", lambda b: ["report", b.run, "--out", "{tmp}/report"],
+            ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+    Command("compare with a bad memory budget", lambda b: ["compare", b.run, b.run2, "--out", "{tmp}/compare"],
+            ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+    Command("export with a bad memory budget", lambda b: ["export", b.run, "--to", "{tmp}/rows.parquet"],
+            ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+]
+
+
+def _flip_a_value_byte(path: Path) -> None:
+    """Flip one byte in the middle of the first column's data pages: size, footer and row count unchanged."""
+    import pyarrow.parquet as pq
+
+    column = pq.ParquetFile(path).metadata.row_group(0).column(0)
+    offset = column.data_page_offset + column.total_compressed_size // 2
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def runs(bad: Bad) -> Bad:
+    """Two finished tiny runs (``b.run``, ``b.run2``) and a copy of the first with a byte flipped in a
+    value of its part 1 (``b.flipped``)."""
+    args = ["--samples", "4", "--batch-size", "2", "--max-length", "16", "--no-progress"]
+    for attribute, seed in (("run", "0"), ("run2", "1")):
+        out = bad.root / f"runs-{attribute}"
+        result = CliRunner().invoke(app, ["run", str(bad.tiny), *args, "--seed", seed, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        (run_dir,) = out.iterdir()
+        setattr(bad, attribute, run_dir)
+    bad.flipped = Path(shutil.copytree(bad.run, bad.root / "flipped" / bad.run.name))
+    _flip_a_value_byte(bad.flipped / "deviations.parquet" / "part-000001.parquet")
+    return bad
+
+
+@pytest.mark.parametrize("case", COMMANDS + GUARDS, ids=[case.id for case in COMMANDS + GUARDS])
+def test_bad_command(case: Command, runs: Bad, tmp_path, monkeypatch):
+    argv = [str(a).replace("{tmp}", str(tmp_path)) for a in case.argv(runs)]
+    if any("{read_only}" in arg for arg in argv):
+        (tmp_path / "read-only").mkdir()
+    before = _tree(runs.root, tmp_path)
+    if any("{read_only}" in arg for arg in argv):
+        code, output = _in_read_only_mount(tmp_path, argv, case.env)
+    else:
+        if case.fail is not None:
+            target, error = case.fail
+
+            def fail(*args, **kwargs):
+                raise error
+
+            monkeypatch.setattr(target, fail)
+        result = CliRunner().invoke(app, argv, env=case.env)
+        code, output = result.exit_code, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit), (output, result.exception)
+    assert code == case.code and "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if line.strip() and not line.startswith("probe report: ")]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), output  # one line (after the report's progress)
+    for fragment in case.fragments:
+        assert fragment in output, output
+    if case.code == 2:
+        assert _tree(runs.root, tmp_path) == before, "a refused command left files behind"
 
 
 # ------------------------------------------------------------------------------- the ways out work

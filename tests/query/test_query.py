@@ -249,6 +249,25 @@ def test_rows_keep_their_contract_when_they_fit(budget_run):
     pd.testing.assert_frame_equal(got, want, check_dtype=False)
 
 
+def test_select_of_an_unknown_column_names_it_and_the_columns(budget_run):
+    run = probe.load(budget_run[0])
+    with pytest.raises(ProbeError) as error:
+        run.select(layer=0, columns=["example", "nope"])
+    message = str(error.value)
+    assert "no column 'nope'" in message and "rel_deviation" in message and "example," in message
+
+
+def test_aggregates_keep_integer_keys_integers(budget_run):
+    """Grouping sets leave a key null in the other groupings' rows; each grouping's own keys come back as
+    integers, with pandas' own groupby's counts."""
+    run_dir, rows = budget_run
+    by_head, by_layer = probe.load(run_dir).query.aggregate({"rows": "count(*)"}, [("layer", "head"), ("layer",)])
+    assert by_head["head"].dtype == "int64" and by_head["layer"].dtype == "int64"
+    assert by_layer["layer"].dtype == "int64"
+    want = rows.groupby(["layer", "head"]).size().reset_index(name="rows")
+    pd.testing.assert_frame_equal(by_head, want, check_dtype=False)
+
+
 def test_load_reads_no_rows(budget_run, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("load read rows")

@@ -109,3 +109,48 @@ def test_clicking_a_heatmap_cell_shows_that_heads_histogram_and_worst_rows(repor
         browser.click("#overview img")
         assert browser.evaluate("document.getElementById('lightbox').hidden") is False
         assert browser.external_requests() == []
+
+
+#: what the heatmaps' fit is checked in: each heatmap wholly in view (no part scrolled away sideways), the
+#: page not wider than the window, and the heatmap's last column inside the window
+FIT = """(() => {
+  const maps = Array.from(document.querySelectorAll('div.heatmap')).filter(d => !d.hidden);
+  const boxes = maps.map(d => {
+    const scroller = d.closest('.explorer > div');
+    const table = d.querySelector('table.heat').getBoundingClientRect();
+    return {cut: scroller.scrollWidth - scroller.clientWidth, right: table.right};
+  });
+  return {cut: Math.max(...boxes.map(b => b.cut)), right: Math.max(...boxes.map(b => b.right)),
+          page: document.documentElement.scrollWidth, window: window.innerWidth, maps: maps.length};
+})()"""
+
+
+@pytest.fixture(scope="module")
+def reports_by_heads(tmp_path_factory):
+    """Reports of models with 12, 16 and 32 heads (6 layers, one attention type)."""
+    made = {}
+    for heads in (12, 16, 32):
+        rows = deviation_rows({"self": (6, heads)}, examples=2, queries=4, non_converged=0)
+        run_dir = write_run(tmp_path_factory.mktemp("runs") / f"heads-{heads}", rows, manifest_for())
+        made[heads] = build_report(run_dir)
+    return made
+
+
+@needs_chromium
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [1280, 1920])
+def test_the_head_heatmap_fits_the_window_with_12_16_and_32_heads(reports_by_heads, width):
+    """At 1280 px (and wider) no heatmap of 12, 16 or 32 heads is cut off behind a sideways scrollbar, before
+    and after a click opens the head panel beside it."""
+    check_html = load_check_html()
+    for heads, out in reports_by_heads.items():
+        with check_html.Browser(size=(width, 900)) as browser:
+            browser.open(out / "index.html")
+            for state in ("closed", "open"):
+                if state == "open":
+                    browser.click(f'td.cell[data-layer="5"][data-head="{heads - 1}"]')
+                    assert browser.evaluate("document.getElementById('head-panel').hidden") is False
+                fit = browser.evaluate(FIT)
+                assert fit["maps"] == 1
+                assert fit["cut"] <= 0 and fit["right"] <= fit["window"] and fit["page"] <= fit["window"], \
+                    (heads, width, state, fit)

@@ -11,7 +11,7 @@ BERT :math:`1/\sqrt{d'}`, T5 1) and the rest, whatever the model adds to the con
 and causal masks, T5's or MPNet's relative position bias, ALiBi, DeBERTa's position terms), as the
 preference :math:`\log u` (``-inf`` for excluded keys).
 
-From a capture, :func:`space_problems` builds the reduced dual problems of DEVELOPERS.md (for
+From a capture, :func:`space_problems` builds the reduced dual problems of docs/math.md (for
 :math:`\alpha = 1`) in one of two parameterisations (*spaces*):
 
 * ``hidden`` (the paper's): templates :math:`t_i = x_i/\sqrt{d'}` with :math:`x_i` the hidden state
