@@ -86,9 +86,11 @@ def check_in_memory(config, loaded):
     from probe.batch.rows import FIDELITY_TOLERANCE
     from probe.capture.data import load_texts
     from probe.capture.tokens import check_unknown_tokens, unknown_tokens
+    from probe.core.environment import check_environment
     from probe.core.spelling import option
     from probe.pipeline.validate import Checked, check_max_length, check_options, check_output
 
+    check_environment()
     check_options(config)
     check_output(Path(config.out))
     started = time.perf_counter()

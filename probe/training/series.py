@@ -221,8 +221,10 @@ def run_series(models: str | Sequence[str], *, revisions: str | Sequence[str] | 
     import sys
 
     from probe import api
+    from probe.core.environment import check_environment
     from probe.core.naming import slug
 
+    check_environment()  # probe's environment variables, before any checkpoint is read
     series = checkpoints(models, revisions=revisions, steps=steps, random_init=random_init)
     if options.get("init") is not None or options.get("revision") is not None or options.get("step") is not None:
         raise ProbeError("A series sets each run's init, revision and step itself: use --random-init, --revision "

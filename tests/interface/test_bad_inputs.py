@@ -507,6 +507,9 @@ COMMANDS = [
             ("Unknown figure format", "svg")),
     Command("vit training with a bad memory budget", lambda b: ["vit", "train", "--out", "{tmp}/vit"],
             ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+    Command("series with a bad memory budget",
+            lambda b: ["series", b.tiny, "--steps", "10", "--out", "{tmp}/series", "--no-progress"],
+            ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
 ]
 
 
