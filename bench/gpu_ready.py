@@ -9,7 +9,7 @@ The problems: one example, one layer of a random BERT of bert-base's shape (hidd
 12 layers, built from its config), captured by probe's own adapter, in hidden space: one group of
 12 heads x ``keys`` queries with ``keys`` keys, at 128 and 512 keys.
 
-Beside the current solver, today's code before the fixed schedule: ``probe/solve/dual.py`` as of commit
+Beside the current solver, today's code before the fixed schedule: ``probe/solver.py`` (as the solver was named then) as of commit
 :data:`BEFORE`, read with ``git show`` and loaded as a module of probe.
 
 What it records, for each:
@@ -57,7 +57,7 @@ sys.path.insert(0, str(HERE))
 
 from common import cpu_model, load_average  # noqa: E402
 
-#: the commit whose probe/solve/dual.py is "before": the solver without the fixed schedule
+#: the commit whose probe/solver.py is "before": the solver without the fixed schedule
 BEFORE = "49c550d"
 #: operators that read a tensor on the host
 SYNCS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"})
@@ -94,7 +94,7 @@ def bert_group(keys: int, layers: int = 12, layer: int | None = None, seed: int 
 
 
 def solver_before(commit: str = BEFORE):
-    """``probe/solver.py`` as of ``commit`` (before the solver moved to probe/solve/), loaded as the module ``probe.solve._solver_before``."""
+    """``probe/solver.py`` as of ``commit``, loaded as the module ``probe.solve._solver_before``."""
     source = subprocess.run(["git", "show", f"{commit}:probe/solver.py"], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout
     path = Path(tempfile.mkdtemp(prefix="probe-before-")) / "_solver_before.py"
@@ -406,7 +406,7 @@ def markdown(results: dict) -> str:
         "",
         f"{env['date']}; {env['cpu']}, torch {env['torch']}, load {env['load_average']}. One example and one layer "
         "of a random bert-base-shaped BERT in hidden space (12 heads x keys problems, one group), "
-        "`PROBE_NATIVE=0`, `workers=0` (the tiles in this thread, as on a GPU). *Before*: `probe/solve/dual.py` "
+        "`PROBE_NATIVE=0`, `workers=0` (the tiles in this thread, as on a GPU). *Before*: `probe/solver.py` "
         f"of commit {results['before_commit']}; *now*: this checkout. Counted with `torch.profiler` on this CPU; "
         "every operator is one kernel launch on a GPU and every sync one wait of the host for the device.",
         "",
