@@ -98,18 +98,15 @@ def plan_epoch(seed: int, epoch: int, n: int, batch_size: int, partners: Optiona
     if partners is None:
         return EpochPlan(order.to(device), steps, batch_size)
     trick = generator(seed, epoch, 1)
-    uses, chosen, within, bounds, total = [], [], [], [], 0
-    for step in range(steps):
-        pos = order[step * batch_size : (step + 1) * batch_size]
-        partner, use = partners.draw(pos, trick)
-        rows = use.nonzero().squeeze(1)  # the host's tensors: no device involved
-        uses.append(use)
-        chosen.append(partner[rows])
-        within.append(rows)
-        bounds.append((total, total + rows.shape[0]))
-        total += rows.shape[0]
-    return EpochPlan(order.to(device), steps, batch_size, torch.cat(uses).to(device), torch.cat(chosen).to(device),
-                     torch.cat(within).to(device), bounds)
+    drawn = [partners.draw(order[step * batch_size : (step + 1) * batch_size], trick) for step in range(steps)]
+    use = torch.cat([u for _, u in drawn])
+    rows = use.nonzero().squeeze(1)  # one pass over the epoch, on the host's tensors
+    step_of = rows // batch_size
+    bounds = torch.cumsum(torch.bincount(step_of, minlength=steps), 0).tolist()
+    bounds = list(zip([0] + bounds[:-1], bounds))
+    partner = torch.cat([p for p, _ in drawn])[rows]
+    return EpochPlan(order.to(device), steps, batch_size, use.to(device), partner.to(device),
+                     (rows - step_of * batch_size).to(device), bounds)
 
 
 def autocast(device: torch.device, precision: str):
