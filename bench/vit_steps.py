@@ -120,7 +120,7 @@ def flops_per_step(batch: int, attention: str) -> float:
 def main(argv=None) -> int:
     parser = common.parser(__doc__, "results_vit_steps.json", quick="a tiny model and 2 steps: seconds")
     parser.add_argument("--steps", type=int, default=4, help="steps per timed epoch [default: 4]")
-    parser.add_argument("--repeats", type=int, default=2, help="timed epochs per loop and arm [default: 2]")
+    parser.add_argument("--repeats", type=int, default=3, help="timed epochs per loop and arm [default: 3]")
     parser.add_argument("--threads", type=int, default=1, help="torch threads [default: 1, the machine is shared]")
     args = parser.parse_args(argv)
     import torch
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     results = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": common.cpu_model(),
                "load_average_before": common.load_average(), "torch": torch.__version__, "threads": args.threads,
                "quick": args.quick, "batch_size": 128, "steps_per_epoch_timed": steps, "repeats": repeats,
-               "model": "small" if args.quick else "the paper's (3,183,114 parameters)"}
+               "model": "a small model" if args.quick else "the paper-size model, 3,183,114 parameters"}
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         results["syncs_per_step"] = {
