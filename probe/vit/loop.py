@@ -16,7 +16,8 @@ host sync in a training step, mixed precision and ``torch.compile`` as options.
   the exact solve in float64.  bfloat16 needs no loss scaling (a loss scaler reads its overflow flag back every
   step).  The default, ``"fp32"``, computes what the step-by-step loop computed, to the bit on the CPU.
 * **torch.compile** (``compile=True``): the model's forward compiled (dynamic shapes: the OT-ViT's batch
-  of partners changes size from step to step).  Off by default.
+  of partners changes size from step to step).  Off by default.  Compiled dropout draws its own random
+  numbers (Inductor's), so a compiled run is the eager run only up to its dropout masks.
 
 :func:`plateau_epoch` is the stopping rule of the full protocol (no improvement for ``patience`` epochs).
 """

@@ -5,6 +5,8 @@ RNG state, the learning curve so far), and at the end ``model.pt`` (weights and 
 :func:`probe.vit.load_checkpoint` reads) and ``results.json``.  A killed run started again with the same
 settings continues from its last finished epoch and ends exactly where an uninterrupted run would (the data
 order and the trick's draws come from generators seeded by (seed, epoch); the dropout RNG is restored).
+The steps themselves run in :mod:`probe.vit.loop` (the data resident on the device, no host sync per step,
+``precision`` and ``compile`` as options).
 
 The same settings give every attention the same initial weights (the parameters are the same), the same
 training subset, the same data order, batch size, epochs and learning rate: only the final layer's

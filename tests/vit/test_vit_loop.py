@@ -152,3 +152,21 @@ def test_bf16_trains_the_ot_vit_with_float32_transport(tmp_path):
 ])
 def test_the_plateau_rule_against_hand_made_curves(curve, patience, expected):
     assert plateau_epoch(curve, patience) == expected
+
+
+@pytest.mark.slow
+def test_compile_trains_the_vit_as_eager_does(tmp_path, monkeypatch):
+    """--compile (torch.compile of the forward, about a minute to compile here): the same epoch as eager, to
+    float32 rounding (the compiled kernels may order sums differently), once the compiled dropout draws its
+    masks from torch's generator as eager does (Inductor's own random numbers differ)."""
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
+    data_dir = write_mnist(tmp_path / "data")
+    runs = {}
+    for compiled in (False, True):
+        runs[compiled] = train(TrainSettings(data_dir=str(data_dir), attention="softmax", epochs=1, batch_size=16,
+                                             threads=1, progress=False, out=str(tmp_path / f"c{compiled}"),
+                                             compile=compiled, **TINY))["learning_curve"][0]
+    assert runs[True]["train_loss"] == pytest.approx(runs[False]["train_loss"], rel=1e-4)
+    assert runs[True]["test_loss"] == pytest.approx(runs[False]["test_loss"], rel=1e-4)
