@@ -42,7 +42,7 @@ def train(
         None, metavar="DIR", help="Run directory (checkpoints, model.pt, results.json) [default: runs/vit-DATA-ATTENTION-seedS]."),
     threads: Optional[int] = typer.Option(None, metavar="N", help="torch CPU threads [default: torch's]."),
     sinkhorn_iterations: int = typer.Option(3, metavar="K", help="Row normalisations of the Sinkhorn attention."),
-    precision: str = typer.Option("fp32", metavar="P", help="fp32, or bf16: the steps under bfloat16 autocast (the "
+    precision: str = typer.Option("fp32", "--precision", metavar="P", help="fp32, or bf16: the steps under bfloat16 autocast (the "
                                   "OT, Sinkhorn and exact weights stay float32, the exact solve float64)."),
     compile: bool = typer.Option(False, "--compile", help="Compile the model's forward with torch.compile."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
