@@ -115,16 +115,18 @@ def test_the_previous_loop_read_the_device_every_step(tmp_path):
     assert (counts[8] - counts[4]) / 4 == 3
 
 
-def test_bf16_trains_the_ot_vit_with_float32_transport(tmp_path):
-    """--precision bf16: a finite loss, a fingerprint that differs from fp32's, and the OT layer's weights still
-    float32 under autocast."""
+@pytest.mark.parametrize("attention", ["softmax", "ot", "sinkhorn", "exact"])
+def test_bf16_trains_every_arm_with_float32_transport(tmp_path, attention):
+    """--precision bf16: every arm trains to a finite loss (the exact layer's solves all certified), the
+    fingerprint differs from fp32's, and the OT layer's weights stay float32 under autocast."""
     from probe.vit.attention import MultiHeadAttention
 
     data_dir = write_mnist(tmp_path / "data")
-    s = TrainSettings(data_dir=str(data_dir), attention="ot", epochs=1, batch_size=16, threads=1, progress=False,
-                      out=str(tmp_path / "bf16"), precision="bf16", **TINY)
-    results = train(s)
-    assert torch.isfinite(torch.tensor(results["learning_curve"][0]["train_loss"]))
+    s = TrainSettings(data_dir=str(data_dir), attention=attention, epochs=1, batch_size=16, threads=1,
+                      progress=False, out=str(tmp_path / "bf16"), precision="bf16", **TINY)
+    epoch = train(s)["learning_curve"][0]
+    assert torch.isfinite(torch.tensor(epoch["train_loss"])) and 0 <= epoch["test_accuracy"] <= 1
+    assert epoch.get("exact_train", {"not_converged": 0})["not_converged"] == 0
     assert s.fingerprint()["precision"] == "bf16"
     assert "precision" not in dataclasses.replace(s, precision="fp32").fingerprint()
     seen = {}
