@@ -1,4 +1,4 @@
-"""The GPU check (issue 32): one prepared command that proves the solver on a real GPU and runs the
+"""The GPU check: one prepared command that proves the solver on a real GPU and runs the
 OT-ViT comparison at the paper's full protocol, within one call of the lent machine.
 
 What it runs, in order, each part within its share of ``--budget-s`` (default 480 s: the call's 9 minutes
@@ -20,12 +20,16 @@ less installation and the copy back), each writing what it measured before the n
    the run's ``total_s - load_model_s - load_data_s``, as bench/e2e.py times it; forward: the model's own
    eager forward over the same batches), the solver's rows per second on the GPU against the CPU (the
    problems of 2b, in one process), and peak GPU memory at batch 64.
-4. **OT-ViT, full protocol**: ``probe vit train`` for every attention the installed probe knows
-   (``MultiHeadAttention.KINDS``: softmax, ot, sinkhorn, and exact once that arm exists) and seeds 0, 1, 2,
-   on all 60,000 training and 10,000 test images, every run a concurrent process on the one GPU.  Epochs:
-   one first, to time an epoch with every process running; then as many more as fit in the remaining
-   budget (every run resumes to the same epoch count, so the arms stay comparable).  The report comes from
-   ``scripts/vit_experiment.py --report-only`` over these runs.
+4. **OT-ViT, full protocol**: ``probe vit train`` (the device-resident loop; ``--precision`` the faster of
+   fp32 and bf16 in a short measurement on the device first, :func:`calibrate_precision`) on all 60,000 training and 10,000 test images, seeds 0, 1, 2.  First
+   the paper's two arms, softmax and OT, each run a process of its own, side by side, trained toward
+   :data:`MAX_EPOCHS` and watched epoch by epoch through their checkpoints: they stop once the softmax ViT's
+   mean test accuracy over the seeds has not improved for :data:`PATIENCE` epochs (``probe.vit.loop.plateau_epoch``;
+   at least :data:`MIN_EPOCHS` are wanted) and every run has reached that epoch, or when the budget runs out;
+   every run's results are then written at its last finished epoch.  Then Sinkhorn and exact, to the same
+   epoch, if the rest of the budget allows it at the main arms' pace.  The report comes from
+   ``scripts/vit_experiment.py --report-only`` over these runs, compared at the epoch every run reached, with
+   why the runs stopped (``--stopped-by``).
 
 Everything goes to ``--out`` (on the lent machine: ``$OUT``): ``results_gpu.json`` / ``.md``,
 ``vit/results.json`` / ``.md`` and ``log.txt``.  ``--collect DIR`` (here, after the call) copies them to
@@ -534,6 +538,8 @@ def _train_command(args, attention: str, seed: int, epochs: int, runs: Path) -> 
     command = [sys.executable, "-m", "probe", "vit", "train", "--attention", attention, "--seed", str(seed),
                "--epochs", str(epochs), "--device", args.device, "--out", str(runs / f"{attention}-seed{seed}"),
                "--threads", "1", "--no-progress"]
+    if getattr(args, "vit_precision", "fp32") != "fp32":
+        command += ["--precision", args.vit_precision]
     if args.data_dir:
         command += ["--data-dir", str(args.data_dir)]
     if args.quick:
@@ -598,50 +604,221 @@ def _epochs_done(runs: Path, attention: str, seed: int) -> int:
     return int(json.loads(results.read_text())["epochs_done"]) if results.exists() else 0
 
 
+#: the full protocol's epochs: at least MIN_EPOCHS, or until the softmax ViT's mean test accuracy has not
+#: improved for PATIENCE epochs (probe.vit.loop.plateau_epoch); MAX_EPOCHS caps a run that keeps improving
+MIN_EPOCHS, PATIENCE, MAX_EPOCHS = 30, 5, 80
+#: seconds kept for writing every stopped run's results (one short process per run, side by side)
+FINALISE_S = 40.0
+
+
+_SEEN: dict = {}
+
+
+def _run_epochs(runs: Path, attention: str, seed: int) -> list[float]:
+    """The test accuracies of a run's finished epochs, from its checkpoint (rewritten atomically per epoch; read
+    again only when it has changed)."""
+    from probe.vit.train import read_checkpoint
+
+    path = runs / f"{attention}-seed{seed}" / "checkpoint.pt"
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return []
+    if _SEEN.get(path, (None,))[0] != stamp:
+        try:
+            history = read_checkpoint(path, "")["history"]
+        except Exception:  # noqa: BLE001 (a checkpoint being replaced: read it at the next look)
+            return _SEEN.get(path, (None, []))[1]
+        _SEEN[path] = (stamp, [e["test_accuracy"] for e in history])
+    return _SEEN[path][1]
+
+
+def softmax_curve(curves: dict, seeds) -> list[float]:
+    """The softmax ViT's mean test accuracy per epoch, over the epochs every seed has finished."""
+    done = [curves.get(("softmax", s), []) for s in seeds]
+    return [sum(c[e] for c in done) / len(done) for e in range(min(map(len, done), default=0))]
+
+
+def stop_epoch(curve: list[float], patience: int, max_epochs: int):
+    """Where the main arms stop, and why: the plateau rule's epoch, or ``max_epochs``; (None, None) while
+    neither is reached."""
+    from probe.vit.loop import plateau_epoch
+
+    plateau = plateau_epoch(curve, patience)
+    if plateau is not None:
+        return plateau, "plateau"
+    return (max_epochs, "max_epochs") if len(curve) >= max_epochs else (None, None)
+
+
+def _stop(processes: dict) -> dict:
+    codes = {}
+    for process, _ in processes.values():
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    for key, (process, log_file) in processes.items():
+        try:
+            codes[key] = process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            codes[key] = process.wait()
+        log_file.close()
+    return codes
+
+
+def _popen(args, runs: Path, attention: str, seed: int, epochs: int):
+    log_file = open(runs / f"{attention}-seed{seed}.log", "a", encoding="utf-8")
+    process = subprocess.Popen(
+        _train_command(args, attention, seed, epochs, runs), cwd=ROOT, stdout=log_file, stderr=log_file,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+        start_new_session=True)
+    return process, log_file
+
+
+def train_until_plateau(args, runs: Path, seeds, log: Log, deadline: float) -> dict:
+    """The main arms' runs side by side, each trained toward ``args.max_epochs``, watched epoch by epoch: they stop
+    when the softmax ViT's mean test accuracy has plateaued (:func:`stop_epoch`) and every run has reached that
+    epoch, or at ``deadline``.  Every run's results are then written at its last finished epoch (the same
+    command with ``--epochs`` set to it), so that the report compares them at the epoch they all reached."""
+    keys = [(a, s) for a in MAIN_ARMS for s in seeds]
+    processes = {key: _popen(args, runs, *key, args.max_epochs) for key in keys}
+    start, stopped_by, target, curves, codes = time.monotonic(), "deadline", None, {}, {}
+    first_epoch_s, reported = None, 0
+    while processes:
+        time.sleep(2.0)
+        curves = {key: _run_epochs(runs, *key) for key in keys}
+        least = min(len(c) for c in curves.values())
+        if least >= 1 and first_epoch_s is None:
+            first_epoch_s = time.monotonic() - start
+            fit = int((deadline - time.monotonic() - FINALISE_S) // first_epoch_s) + 1
+            log(f"vit: every main run finished epoch 1 after {first_epoch_s:.0f} s; about {fit} epochs fit the budget"
+                f" (at least {args.min_epochs} wanted, or the plateau rule)")
+        if least > reported:
+            reported = least
+            curve = softmax_curve(curves, seeds)
+            log(f"vit: epoch {least} done by every main run ({time.monotonic() - start:.0f} s); softmax mean test "
+                f"accuracy per epoch {[round(x, 4) for x in curve]}")
+        target, why = stop_epoch(softmax_curve(curves, seeds), args.patience, args.max_epochs)
+        for key, (process, log_file) in list(processes.items()):
+            if process.poll() is not None:
+                codes[key] = process.returncode
+                log_file.close()
+                del processes[key]
+        if target is not None and least >= target:
+            stopped_by = why
+            log(f"vit: stopping the main runs at epoch {least} ({why}: epoch {target})")
+            codes.update(_stop(processes))
+            processes = {}
+        elif processes and time.monotonic() > deadline - FINALISE_S:
+            log(f"vit: stopping the main runs at the budget's end (every run has {least} epochs or more)")
+            codes.update(_stop(processes))
+            processes = {}
+    curves = {key: _run_epochs(runs, *key) for key in keys}
+    # every run's results.json at its last finished epoch: the same command with --epochs set to it
+    finalising = {key: _popen(args, runs, *key, len(c)) for key, c in curves.items()
+                  if c and _epochs_done(runs, *key) != len(c)}
+    for process, _ in finalising.values():
+        try:
+            process.wait(timeout=max(deadline - time.monotonic(), 10.0))
+        except subprocess.TimeoutExpired:
+            pass
+    _stop(finalising)
+    failed = {f"{a}-seed{s}": c for (a, s), c in codes.items() if c not in (0, -signal.SIGTERM) and not curves.get((a, s))}
+    return {"stopped_by": stopped_by, "stop_epoch": target, "first_epoch_s": first_epoch_s,
+            "seconds": time.monotonic() - start, "softmax_mean_curve": softmax_curve(curves, seeds),
+            "epochs_done": {f"{a}-seed{s}": len(c) for (a, s), c in curves.items()}, "failed": failed}
+
+
+def stopped_by_words(vit: dict) -> str:
+    """Why the runs stopped where they did, in the report's words."""
+    curve, patience = vit["softmax_mean_curve"], vit["patience"]
+    if vit["stopped_by"] == "plateau":
+        best = max(range(vit["stop_epoch"]), key=lambda e: (curve[e], -e)) + 1
+        return (f"the plateau rule, the softmax ViT's mean test accuracy over the seeds not improved for {patience} "
+                f"epochs after its best, {curve[best - 1]:.4f} at epoch {best}")
+    if vit["stopped_by"] == "max_epochs":
+        return f"the cap of {vit['max_epochs']} epochs, the softmax ViT still improving"
+    wanted = "" if vit["epochs_compared"] >= vit["min_epochs"] else f", fewer than the {vit['min_epochs']} wanted"
+    return f"the call's time ran out with the softmax ViT still improving (the plateau rule had not stopped it){wanted}"
+
+
+def calibrate_precision(args, log: Log, steps: int = 40) -> dict:
+    """Training steps per second of the softmax ViT in float32 and in bfloat16 on this device (the resident loop
+    in this process, ``steps`` steps of batch 128 after as many to warm up): which precision the runs take with
+    ``--vit-precision auto``.  In a run whose steps are bound by kernel launches, autocast's extra casts can cost
+    more than its faster matrix products save."""
+    import torch
+
+    from probe.vit.data import load_data
+    from probe.vit.loop import Resident, plan_epoch, train_epoch
+    from probe.vit.model import ViT, ViTConfig
+
+    data = load_data("fashion-mnist", args.data_dir)
+    device = torch.device(args.device)
+    size = dict(dim=32, depth=2, heads=2, head_dim=16, mlp_dim=64) if args.quick else {}
+    steps = 4 if args.quick else steps
+    n = 128 * steps
+    resident = Resident(data, torch.arange(n), torch.arange(128), device)
+    plan = plan_epoch(0, 0, n, 128, None, device)
+    rates = {}
+    for precision in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        model = ViT(ViTConfig(**size)).to(device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-4)
+        train_epoch(model, model, optimizer, resident, plan, precision=precision)  # warm-up
+        _sync(args.device)
+        start = time.perf_counter()
+        train_epoch(model, model, optimizer, resident, plan, precision=precision)
+        _sync(args.device)
+        rates[precision] = steps / (time.perf_counter() - start)
+    chosen = max(rates, key=rates.get)
+    log(f"vit: softmax ViT training steps/s in this process: fp32 {rates['fp32']:.1f}, bf16 {rates['bf16']:.1f}")
+    return {"steps_per_s": rates, "faster": chosen}
+
+
 def part_vit(args, log: Log, workdir: Path, deadline: float) -> dict:
-    attentions = vit_attentions()
+    """Softmax and OT first (:func:`train_until_plateau`); then Sinkhorn and exact to the same epoch if the
+    budget's rest allows it at the main arms' pace (exact at twice their time per epoch); then the report."""
+    args.min_epochs, args.patience, args.max_epochs = (MIN_EPOCHS, PATIENCE, MAX_EPOCHS) if not args.quick else (2, 1, 4)
     seeds = SEEDS[:1] if args.quick else SEEDS
     runs = workdir / "vit"
     runs.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    log(f"vit: {len(attentions)} attentions ({', '.join(attentions)}) x {len(seeds)} seeds, epoch 1")
-    codes, seconds = _launch_all(args, runs, 1, seeds, attentions, log, deadline,
-                                 gate=() if args.quick else MAIN_ARMS)
-    failed = {f"{a}-seed{s}": c for (a, s), c in codes.items() if c != 0}
-    # an arm goes on (and into the table) only when every one of its seeds finished the first epoch
-    finished = tuple(a for a in attentions if all(codes.get((a, s)) == 0 for s in seeds))
-    first = max((seconds[(a, s)] for a in finished for s in seeds), default=time.monotonic() - start)
-    left_out = [a for a in attentions if a not in finished]
-    if left_out:
-        log(f"vit: left out of the comparison (a run did not finish epoch 1): {', '.join(left_out)}")
-    epochs = 1
-    if finished and not args.quick:
-        left = deadline - time.monotonic()
-        # every later epoch costs about the first one less the processes' start-up (a few seconds); keep a
-        # margin so that every run finishes (a run stopped at the deadline counts with its first epoch only)
-        per_epoch = max(first - 10.0, 1.0)
-        more = int(0.85 * left // per_epoch)
-        if more >= 1:
-            epochs = 1 + more
-            log(f"vit: epoch 1 took {first:.0f} s with every run at once; training on to {epochs} epochs")
-            codes, _ = _launch_all(args, runs, epochs, seeds, finished, log, deadline)
-            failed.update({f"{a}-seed{s}": c for (a, s), c in codes.items() if c != 0})
-    done = {f"{a}-seed{s}": _epochs_done(runs, a, s) for a in attentions for s in seeds}
-    common = min((done[f"{a}-seed{s}"] for a in finished for s in seeds), default=0)
-    log(f"vit: epochs finished per run {done}; compared at {common}")
-    result = {"attentions": list(attentions), "compared": list(finished), "left_out": left_out,
-              "seeds": list(seeds), "epochs_planned": epochs, "epochs_done": done, "epochs_compared": common,
-              "first_epoch_s": first, "first_epoch_s_per_run": {f"{a}-seed{s}": t for (a, s), t in seconds.items()},
-              "failed": failed}
-    if not common:
+    calibration = calibrate_precision(args, log)
+    if args.vit_precision == "auto":
+        args.vit_precision = calibration["faster"]
+    log(f"vit: softmax and ot x {len(seeds)} seeds side by side, precision {args.vit_precision}, toward "
+        f"{args.max_epochs} epochs or the plateau rule (patience {args.patience})")
+    main = train_until_plateau(args, runs, seeds, log, deadline)
+    done = {f"{a}-seed{s}": _epochs_done(runs, a, s) for a in MAIN_ARMS for s in seeds}
+    common = min(done.values(), default=0)
+    log(f"vit: main runs' results at epochs {done}; compared at {common}")
+    others, extra = [a for a in vit_attentions() if a not in MAIN_ARMS], {}
+    per_epoch = main["seconds"] / max(common, 1)
+    for attention in others:
+        needed = per_epoch * common * (2.0 if attention == "exact" else 1.0)
+        left = deadline - time.monotonic() - FINALISE_S
+        if not common or needed > left:
+            extra[attention] = f"left out: needs about {needed:.0f} s at the main arms' pace, {max(left, 0):.0f} s left"
+            log(f"vit: {attention} {extra[attention]}")
+            continue
+        codes, _ = _launch_all(args, runs, common, seeds, (attention,), log, deadline - FINALISE_S)
+        extra[attention] = "done" if all(_epochs_done(runs, attention, s) == common for s in seeds) else \
+            f"stopped before epoch {common} (exit codes {sorted(codes.values())})"
+        log(f"vit: {attention}: {extra[attention]}")
+    compared = [a for a in vit_attentions() if all(_epochs_done(runs, a, s) >= common for s in seeds)] if common else []
+    result = {"attentions": list(vit_attentions()), "compared": compared, "seeds": list(seeds),
+              "precision": args.vit_precision, "calibration": calibration, "min_epochs": args.min_epochs, "patience": args.patience,
+              "max_epochs": args.max_epochs, **main, "results_epochs": done, "epochs_compared": common,
+              "other_arms": extra, "left_out": [a for a in vit_attentions() if a not in compared]}
+    if not common or "softmax" not in compared:
         return {**result, "report_exit_code": None}
     report_dir = Path(args.out) / "vit"
     report_dir.mkdir(parents=True, exist_ok=True)
     report = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "vit_experiment.py"), "--report-only", "--runs-dir", str(runs),
-         "--report-dir", str(report_dir), "--attentions", *finished, "--seeds", *map(str, seeds),
-         "--epochs", str(common), "--keep-checkpoint", "", "--jobs", str(len(finished) * len(seeds)),
-         "--machine", f"{args.device_name} ({args.device}), every run a process of its own"]
+         "--report-dir", str(report_dir), "--attentions", *compared, "--seeds", *map(str, seeds),
+         "--epochs", str(common), "--keep-checkpoint", "", "--jobs", str(len(MAIN_ARMS) * len(seeds)),
+         "--machine", f"{args.device_name} ({args.device}), softmax and OT runs side by side, a process each, "
+                      f"precision {args.vit_precision}", "--stopped-by", stopped_by_words(result)]
         + (["--data-dir", str(args.data_dir)] if args.data_dir else []),
         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if report.returncode != 0:
@@ -745,7 +922,16 @@ def markdown(results: dict) -> str:
                   f"rows/s on the device against {entry['cpu_rows_per_s']:,.0f} rows/s on the CPU "
                   f"({entry['cpu_threads']} threads): **{entry['gpu_over_cpu']:.1f}x**."]
     vit = results.get("vit") or {}
-    if vit and "error" not in vit:
+    if vit and "error" not in vit and "stopped_by" in vit:
+        lines += ["", "## 4. The OT-ViT comparison at the full protocol", "",
+                  f"Softmax and OT, {len(vit['seeds'])} seed(s) each, side by side (precision {vit['precision']}); "
+                  + (f"every run had finished epoch 1 after {vit['first_epoch_s']:.0f} s; " if vit.get("first_epoch_s")
+                     else "")
+                  + f"stopped by {stopped_by_words(vit)}; {vit['epochs_compared']} epoch(s) compared (per run: "
+                  + ", ".join(f"{k} {v}" for k, v in vit["results_epochs"].items()) + "). Other arms: "
+                  + ("; ".join(f"{a} {v}" for a, v in vit["other_arms"].items()) or "none") + ". "
+                  "The table: `reports/vit/results-full.md`."]
+    elif vit and "error" not in vit:  # a call made before the plateau rule
         lines += ["", "## 4. The OT-ViT comparison at the full protocol", "",
                   f"{len(vit['attentions'])} attentions x {len(vit['seeds'])} seeds as concurrent processes"
                   + (f" ({', '.join(vit['left_out'])} left out: a run did not finish epoch 1)" if vit.get("left_out")
@@ -810,6 +996,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for all four parts together")
     parser.add_argument("--data-dir", type=Path, default=None, help="Fashion-MNIST's idx files")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: OUT/../gpu-work)")
+    parser.add_argument("--vit-precision", default="auto", choices=("auto", "fp32", "bf16"),
+                        help="the ViT runs' --precision; auto: the faster on this device (calibrate_precision)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: tests,agreement,speed,vit")
     parser.add_argument("--collect", type=Path, nargs="+", default=None, metavar="DIR",
                         help="copy the results of one or more calls (oldest first) into the repository")
@@ -856,7 +1044,7 @@ def main(argv=None) -> int:
 
     if "tests" not in skip:
         part("tests", lambda: part_tests(args, log, SHARES["tests"] * args.budget_s))
-    models = build_models(workdir / "models", args.quick)
+    models = build_models(workdir / "models", args.quick) if {"agreement", "speed"} - skip else {}
     if "agreement" not in skip:
         part("agreement", lambda: part_agreement(args, log, models, workdir, deadline(SHARES["agreement"])))
     if "speed" not in skip:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command of a lent GPU machine's call (issue 32): unpack what scripts/gpu_prepare.sh put in .gpu/,
+# The one command of a lent GPU machine's call: unpack what scripts/gpu_prepare.sh put in .gpu/,
 # then run bench/gpu.py on CUDA into $OUT (the folder that comes back). Everything bench/gpu.py measures is
 # written as it goes, so a call cut short still brings back what finished.
 #   GPU_BUDGET_S   seconds for the whole command (default 530: inside a 560 s call, with the copy back)

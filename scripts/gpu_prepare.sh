@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepare, here, what one call of a lent GPU machine needs and that machine lacks (issue 32; bench/gpu.py).
+# Prepare, here, what one call of a lent GPU machine needs and that machine lacks (bench/gpu.py).
 #
 # The lent machine has no network, torch and most of probe's dependencies, but a transformers older than
 # probe's floor, no `datasets` (probe reads every text file through it) and no Fashion-MNIST. A call carries

@@ -1,7 +1,7 @@
 r"""Interventions: put a substitute for the model's attention weights into the forward pass and measure
 what the model outputs then.
 
-The question (issue 24): the exact posterior :math:`p^*` of an attention site's inference problem moves
+The question: the exact posterior :math:`p^*` of an attention site's inference problem moves
 the head's output by a lot (``output_deviation``); does it change what the *model* computes, once
 residual connections, layer norms and later layers have had their say?
 

@@ -6,6 +6,7 @@ data, training.
 * :mod:`probe.vit.model`     -- the ViT (``ViTConfig``, ``ViT``, ``parameter_count``);
 * :mod:`probe.vit.data`      -- Fashion-MNIST idx files, CIFAR-10/100 python batches;
 * :mod:`probe.vit.train`     -- one resumable training run (checkpoints, results file);
+* :mod:`probe.vit.loop`      -- its steps: the data on the device, no host sync per step, the plateau rule;
 * :mod:`probe.vit.cli`       -- the typer sub-app (``probe vit train``).
 
 Public contract for analyses of a trained OT-ViT::

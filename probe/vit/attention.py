@@ -255,6 +255,15 @@ class MultiHeadAttention(nn.Module):
         return w, v
 
     def forward(self, x, mask=None, extra=None, extra_mask=None, query_index=None):
+        if self.kind != "softmax" and torch.is_autocast_enabled(x.device.type):
+            # under mixed precision the OT, Sinkhorn and exact layers compute their queries, keys, values and
+            # weights in float32 (the exact solve itself in float64, as without autocast); only their output
+            # projection runs in the lower precision
+            with torch.autocast(x.device.type, enabled=False):
+                w, v = self.weights(x.float(), mask, None if extra is None else extra.float(), extra_mask,
+                                    query_index)
+                out = (w @ v).transpose(1, 2).flatten(2)
+            return self.dropout(self.proj(out))
         w, v = self.weights(x, mask, extra, extra_mask, query_index)
         out = (w @ v).transpose(1, 2).flatten(2)  # (B, Q, H * dh)
         return self.dropout(self.proj(out))

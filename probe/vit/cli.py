@@ -42,6 +42,9 @@ def train(
         None, metavar="DIR", help="Run directory (checkpoints, model.pt, results.json) [default: runs/vit-DATA-ATTENTION-seedS]."),
     threads: Optional[int] = typer.Option(None, metavar="N", help="torch CPU threads [default: torch's]."),
     sinkhorn_iterations: int = typer.Option(3, metavar="K", help="Row normalisations of the Sinkhorn attention."),
+    precision: str = typer.Option("fp32", "--precision", metavar="P", help="fp32, or bf16: the steps under bfloat16 autocast (the "
+                                  "OT, Sinkhorn and exact weights stay float32, the exact solve float64)."),
+    compile: bool = typer.Option(False, "--compile", help="Compile the model's forward with torch.compile."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ):
     """Train one model (or resume a killed run with the same settings) and write results.json."""
@@ -55,7 +58,7 @@ def train(
             data=data, data_dir=None if data_dir is None else str(data_dir), attention=attention, seed=seed,
             epochs=epochs, lr=lr, batch_size=batch_size, train_subset=train_subset, test_subset=test_subset,
             device=device, out=None if out is None else str(out), threads=threads, progress=progress,
-            sinkhorn_iterations=sinkhorn_iterations,
+            sinkhorn_iterations=sinkhorn_iterations, precision=precision, compile=compile,
         )
         from probe.core.destination import writing
 

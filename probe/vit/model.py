@@ -94,6 +94,10 @@ class ViT(nn.Module):
     final-layer templates join sample ``b``'s candidate set when ``extra_mask[b]`` (the paper's trick; rows
     with a False mask are ignored).  The extra images go through the first ``depth - 1`` blocks in the same
     batch as the inputs (gradients flow through both).
+
+    With ``extra_index (k,)`` (the positions where ``extra_mask`` is True, found beforehand), ``extra_images``
+    holds only those ``k`` partners, in that order: the same computation, with the same dropout draws, and no
+    host sync (the mask is not read on the host).  ``k`` may be 0.
     """
 
     def __init__(self, config: ViTConfig):
@@ -122,8 +126,10 @@ class ViT(nn.Module):
             x = block(x)
         return x
 
-    def forward(self, images, extra_images=None, extra_mask=None):
+    def forward(self, images, extra_images=None, extra_mask=None, extra_index=None):
         extra = None
+        if extra_index is not None:  # the trick with its partners chosen beforehand: no host sync
+            return self._forward_chosen(images, extra_images, extra_mask, extra_index)
         if extra_images is not None and extra_mask is not None and bool(extra_mask.any()):
             if self.config.attention != "ot":
                 raise ValueError("extra candidates (the training trick) exist only for the OT-ViT")
@@ -136,4 +142,16 @@ class ViT(nn.Module):
             x = self.hidden_before_final(images)
             token_mask = None
         x = self.blocks[-1](x, extra, token_mask, query_index=0)  # (B, 1, dim): the class token
+        return self.head(self.norm(x[:, 0]))
+
+    def _forward_chosen(self, images, extra_images, extra_mask, extra_index):
+        if self.config.attention != "ot":
+            raise ValueError("extra candidates (the training trick) exist only for the OT-ViT")
+        if extra_images.shape[0] == 0:
+            return self.head(self.norm(self.blocks[-1](self.hidden_before_final(images), query_index=0)[:, 0]))
+        h = self.hidden_before_final(torch.cat([images, extra_images]))
+        x, h_extra = h[: images.shape[0]], h[images.shape[0] :]
+        extra = x.new_zeros(x.shape).index_copy(0, extra_index, h_extra)
+        token_mask = extra_mask[:, None].expand(-1, x.shape[1])
+        x = self.blocks[-1](x, extra, token_mask, query_index=0)
         return self.head(self.norm(x[:, 0]))

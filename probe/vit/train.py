@@ -5,6 +5,8 @@ RNG state, the learning curve so far), and at the end ``model.pt`` (weights and 
 :func:`probe.vit.load_checkpoint` reads) and ``results.json``.  A killed run started again with the same
 settings continues from its last finished epoch and ends exactly where an uninterrupted run would (the data
 order and the trick's draws come from generators seeded by (seed, epoch); the dropout RNG is restored).
+The steps themselves run in :mod:`probe.vit.loop` (the data resident on the device, no host sync per step,
+``precision`` and ``compile`` as options).
 
 The same settings give every attention the same initial weights (the parameters are the same), the same
 training subset, the same data order, batch size, epochs and learning rate: only the final layer's
@@ -37,7 +39,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from probe.core.destination import check_destination
 from probe.core.environment import check_environment
@@ -47,12 +48,12 @@ from probe.solve.exact import merge_summaries
 from probe.vit.attention import MultiHeadAttention
 from probe.vit.data import DATASETS, ImageData, load_data
 from probe.vit.gap import GAP_IMAGES, final_layer_gap, gap_line
+from probe.vit.loop import PRECISIONS, TRICK_PROBABILITY, Partners, Resident, evaluate_resident, plan_epoch, train_epoch
 from probe.vit.model import ViT, ViTConfig, parameter_count
 
 __all__ = ["TrainSettings", "train", "validate_settings", "read_checkpoint", "CHECKPOINT", "RESULTS", "MODEL"]
 
 CHECKPOINT, RESULTS, MODEL = "checkpoint.pt", "results.json", "model.pt"
-TRICK_PROBABILITY = 0.5
 _SUBSET_SEED = 20240527  # the training/test subsets: fixed, the same for every seed and attention
 
 
@@ -80,13 +81,19 @@ class TrainSettings:
     patch: int = ViTConfig.patch
     dropout: float = ViTConfig.dropout
     sinkhorn_iterations: int = ViTConfig.sinkhorn_iterations
+    # how the steps run (probe.vit.loop): "bf16" changes the arithmetic, so it is part of the fingerprint
+    precision: str = "fp32"
+    compile: bool = False
 
     def run_dir(self) -> Path:
         return Path(self.out) if self.out else Path("runs") / f"vit-{self.data}-{self.attention}-seed{self.seed}"
 
-    # what must match for a run directory to be resumed (epochs may grow, device/threads/progress may change)
+    # what must match for a run directory to be resumed (epochs may grow, device/threads/progress/compile may
+    # change); the precision counts only when it is not the default, so runs made before it existed resume
     def fingerprint(self) -> dict:
-        skip = {"epochs", "device", "out", "threads", "progress", "data_dir"}
+        skip = {"epochs", "device", "out", "threads", "progress", "data_dir", "compile"}
+        if self.precision == "fp32":
+            skip.add("precision")
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
 
@@ -110,6 +117,8 @@ def validate_settings(s: TrainSettings) -> None:
             raise ProbeError(f"{name} must be a positive integer (or left out), got {value}.")
     if not (math.isfinite(s.lr) and s.lr > 0):
         raise ProbeError(f"--lr must be a positive number, got {s.lr} (the paper's is 3e-4).")
+    if s.precision not in PRECISIONS:
+        raise ProbeError(f"unknown precision {s.precision!r}: --precision must be one of {', '.join(PRECISIONS)}.")
     if not 0 <= s.dropout < 1:
         raise ProbeError(f"--dropout must be in [0, 1), got {s.dropout}.")
     if s.device not in ("cpu", "cuda") and not s.device.startswith("cuda:"):
@@ -125,33 +134,6 @@ def _subset(n: int, size: Optional[int], what: str, option: str) -> torch.Tensor
         raise ProbeError(f"{option} {size} is larger than the {n} {what} images: give at most {n} or leave it out.")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(_SUBSET_SEED))
     return order[:size].sort().values
-
-
-def _generator(seed: int, epoch: int, stream: int) -> torch.Generator:
-    return torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 7 + stream) % (2**63))
-
-
-class _Partners:
-    """Draws, for each sample, another training image of the same class (the OT training trick)."""
-
-    def __init__(self, labels: torch.Tensor, num_classes: int):
-        n = labels.shape[0]
-        counts = torch.bincount(labels, minlength=num_classes)
-        order = torch.argsort(labels, stable=True)
-        starts = torch.cumsum(counts, 0) - counts
-        position = torch.empty(n, dtype=torch.long)
-        position[order] = torch.arange(n) - starts[labels[order]]
-        self.labels, self.counts, self.order, self.starts, self.position = labels, counts, order, starts, position
-
-    def draw(self, index: torch.Tensor, generator: torch.Generator):
-        """``index (B,)`` positions in the training subset -> (partner positions, use mask)."""
-        c = self.labels[index]
-        others = self.counts[c] - 1
-        coin = torch.rand(index.shape[0], generator=generator) < TRICK_PROBABILITY
-        r = (torch.rand(index.shape[0], generator=generator) * others.clamp_min(1)).long()
-        r = r + (r >= self.position[index]).long()  # skip the image itself
-        partner = self.order[self.starts[c] + r.clamp_max(self.counts[c] - 1)]
-        return partner, coin & (others > 0)
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -209,21 +191,11 @@ def _exact_layer(model: ViT):
     return attention if attention.kind == "exact" else None
 
 
-@torch.no_grad()
-def evaluate(model: ViT, data: ImageData, index: torch.Tensor, device, batch_size: int = 500) -> dict:
-    model.eval()
-    correct, loss = 0, 0.0
-    exact, certificates = _exact_layer(model), []
-    for start in range(0, index.shape[0], batch_size):
-        i = index[start : start + batch_size]
-        x = data.normalise(data.test_images[i]).to(device)
-        y = data.test_labels[i].to(device)
-        logits = model(x)
-        loss += float(F.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(-1) == y).sum())
-        if exact is not None:
-            certificates.append(exact.last_certificate.summary())
-    metrics = {"test_accuracy": correct / index.shape[0], "test_loss": loss / index.shape[0]}
+def evaluate(model: ViT, resident: Resident, precision: str = "fp32") -> dict:
+    """Test accuracy and loss over the run's test images (:func:`probe.vit.loop.evaluate_resident`), and the exact
+    layer's certificates merged (``exact_test``)."""
+    exact = _exact_layer(model)
+    metrics, certificates = evaluate_resident(model, resident, precision=precision, exact=exact)
     if exact is not None:
         metrics["exact_test"] = merge_summaries(certificates)
     return metrics
@@ -290,48 +262,28 @@ def train(s: TrainSettings, *, log=None) -> dict:
             return results
 
     labels = data.train_labels[train_index]
-    partners = _Partners(labels, data.num_classes) if s.attention == "ot" else None
+    partners = Partners(labels, data.num_classes) if s.attention == "ot" else None
     n, bs = train_index.shape[0], s.batch_size
     steps_per_epoch = math.ceil(n / bs)
+    resident = Resident(data, train_index, test_index, device)  # probe.vit.loop: the data, once, on the device
+    forward = torch.compile(model, dynamic=True) if s.compile else model
     started = time.perf_counter()
     from tqdm.auto import tqdm
 
     exact = _exact_layer(model)
     for epoch in range(start_epoch, s.epochs):
         epoch_start = time.perf_counter()
-        model.train()
-        certificates = []
-        order = torch.randperm(n, generator=_generator(s.seed, epoch, 0))
-        trick = _generator(s.seed, epoch, 1)
-        total_loss, correct = 0.0, 0
-        bar = tqdm(range(steps_per_epoch), desc=f"{s.attention} seed {s.seed} epoch {epoch + 1}/{s.epochs}",
-                   disable=not s.progress, leave=False, mininterval=1.0, file=sys.stderr)
-        for step in bar:
-            pos = order[step * bs : (step + 1) * bs]
-            x = data.normalise(data.train_images[train_index[pos]]).to(device)
-            y = labels[pos].to(device)
-            if partners is not None:
-                partner, use = partners.draw(pos, trick)
-                extra = data.normalise(data.train_images[train_index[partner]]).to(device)
-                logits = model(x, extra, use.to(device))
-            else:
-                logits = model(x)
-            if exact is not None:
-                certificates.append(exact.last_certificate.summary())
-            loss = F.cross_entropy(logits, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total_loss += float(loss.detach()) * pos.shape[0]
-            correct += int((logits.argmax(-1) == y).sum())
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", refresh=False)
-        bar.close()
+        plan = plan_epoch(s.seed, epoch, n, bs, partners, device)
+        with tqdm(total=steps_per_epoch, desc=f"{s.attention} seed {s.seed} epoch {epoch + 1}/{s.epochs}",
+                  disable=not s.progress, leave=False, mininterval=1.0, file=sys.stderr) as bar:
+            done = train_epoch(model, forward, optimizer, resident, plan, precision=s.precision, exact=exact,
+                               on_step=None if bar.disable else lambda: bar.update())
         train_s = time.perf_counter() - epoch_start
-        metrics = evaluate(model, data, test_index, device)
-        gap_images = data.normalise(data.test_images[test_index[:GAP_IMAGES]]).to(device)
-        metrics["final_layer_gap"] = final_layer_gap(model, gap_images)  # probe.vit.gap
+        metrics = evaluate(model, resident, s.precision)
+        metrics["final_layer_gap"] = final_layer_gap(model, resident.test_x[:GAP_IMAGES])  # probe.vit.gap
+        certificates = done["certificates"]
         history.append({
-            "epoch": epoch + 1, "train_loss": total_loss / n, "train_accuracy": correct / n, **metrics,
+            "epoch": epoch + 1, "train_loss": done["train_loss"], "train_accuracy": done["train_accuracy"], **metrics,
             "train_s": train_s, "epoch_s": time.perf_counter() - epoch_start,
             **({"exact_train": merge_summaries(certificates)} if exact is not None else {}),
         })

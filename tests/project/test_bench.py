@@ -95,3 +95,19 @@ def test_the_e2e_benchmark_does_not_count_a_target_met_by_a_slowed_forward(measu
     row = {"ratio_median": measured, **({"target_ratio": target} if target is not None else {}),
            **({"arithmetic": {"ratio": counted}} if counted is not None else {})}
     assert e2e._verdict(row).startswith(verdict) and (verdict or not e2e._verdict(row))
+
+
+def test_vit_steps_quick_mode(tmp_path):
+    """bench/vit_steps.py: the resident loop reads nothing back per step where the previous loop read 3 or more
+    times, and both loops give the same training loss."""
+    out = tmp_path / "results_vit_steps.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "vit_steps.py"), "--quick", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=600, env={**__import__("os").environ,
+                                                                                 "PYTHONPATH": str(ROOT)})
+    results = json.loads(out.read_text())
+    for attention in ("softmax", "ot", "sinkhorn"):
+        counts = results["syncs_per_step"][attention]
+        assert counts["after"] == 0 and counts["before"] >= 3, attention
+    assert all(t["same_train_loss"] for t in results["steps_per_s"].values())
+    assert 0.5 < results["gpu"]["gflop_per_image"]["softmax"] < 2
+    assert out.with_suffix(".md").exists()

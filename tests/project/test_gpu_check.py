@@ -1,4 +1,4 @@
-"""The prepared GPU check (bench/gpu.py, issue 32) works before a GPU is lent: its CPU dry run writes every
+"""The prepared GPU check (bench/gpu.py) works before a GPU is lent: its CPU dry run writes every
 result file, and its row-by-row comparison of two runs flags a difference larger than the certificates."""
 
 from __future__ import annotations
@@ -45,9 +45,22 @@ def test_the_cpu_dry_run_writes_every_result(dry_run):
     per_tokens = results["speed"]["solver"]["per_tokens"]  # rows/s per length, the same problems on both
     assert set(per_tokens) == {"16"} and all(per_tokens["16"][k] > 0 for k in ("gpu_rows_per_s", "cpu_rows_per_s"))
     vit = results["vit"]
-    assert not vit["failed"] and vit["epochs_compared"] == 1 and vit["report_exit_code"] == 0
+    assert not vit["failed"] and vit["report_exit_code"] == 0
+    assert vit["precision"] == vit["calibration"]["faster"] in ("fp32", "bf16")
+    # the quick protocol: toward 4 epochs, patience 1; the stop is the plateau rule's epoch or the cap
+    curve, stop = vit["softmax_mean_curve"], vit["stop_epoch"]
+    assert vit["stopped_by"] in ("plateau", "max_epochs") and len(curve) >= stop
+    if vit["stopped_by"] == "plateau":
+        assert max(curve[: stop - 1]) >= curve[stop - 1]  # epoch `stop` did not improve on the best before it
+    else:
+        assert stop == 4 and all(b > a for a, b in zip(curve, curve[1:4]))
+    assert vit["epochs_compared"] == min(vit["results_epochs"].values()) >= stop
     report = json.loads((out / "vit" / "results.json").read_text())
-    assert set(report["summary"]) == set(vit["attentions"]) and "softmax" in vit["attentions"]
+    assert set(report["summary"]) == set(vit["compared"]) >= {"softmax", "ot"}
+    assert len(report["summary"]["softmax"]["mean_test_accuracy_per_epoch"]) == vit["epochs_compared"]
+    assert report["protocol"]["stopped_by"].startswith("the plateau rule" if vit["stopped_by"] == "plateau"
+                                                       else "the cap")
+    assert report["paper_distance"]["softmax"]["paper"] == 0.928
     text = (out / "results_gpu.md").read_text()
     assert "A dry run" in text and "bert-base-shape" in text
 
@@ -155,3 +168,17 @@ def test_the_vit_report_is_rendered_again_from_its_results(tmp_path):
     expected = "confirmed" if low > 0 else "reversed" if high < 0 else "not confirmed"
     assert after["paper_gap"].startswith(expected + " at this budget:")
     assert (tmp_path / "results.md").read_text() == (ROOT / "reports" / "vit" / "results-full.md").read_text()
+
+
+@pytest.mark.parametrize("curves, stop", [
+    ({("softmax", 0): [0.5, 0.6, 0.7], ("softmax", 1): [0.7, 0.8]}, (None, None)),  # still improving
+    ({("softmax", 0): [0.5, 0.7, 0.6], ("softmax", 1): [0.7, 0.9, 0.6]}, (3, "plateau")),  # mean 0.6, 0.8, 0.6
+    ({("softmax", 0): [0.1, 0.2, 0.3, 0.4], ("softmax", 1): [0.1, 0.2, 0.3, 0.4, 0.5]}, (4, "max_epochs")),
+])
+def test_the_main_arms_stop_where_the_seeds_mean_plateaus_or_at_the_cap(curves, stop):
+    """The softmax ViT's mean over the seeds, over the epochs every seed has finished; patience 1, cap 4."""
+    import gpu
+
+    curve = gpu.softmax_curve(curves, [0, 1])
+    assert len(curve) == min(len(c) for c in curves.values())
+    assert gpu.stop_epoch(curve, 1, 4) == stop
