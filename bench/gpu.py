@@ -385,7 +385,7 @@ def compare_solutions(calls, gpu, cpu) -> dict:
 
 
 def part_agreement(args, log: Log, models: dict, workdir: Path, deadline: float) -> dict:
-    from probe.pipeline.runner.runner import run
+    from probe.pipeline.runner import run
 
     lengths = (16,) if args.quick else LENGTHS
     count = 2 if args.quick else 4
@@ -425,7 +425,7 @@ def part_agreement(args, log: Log, models: dict, workdir: Path, deadline: float)
 def forward_seconds(loaded, config, device: str, repeats: int = 2) -> float:
     """The plain eager forward over the run's batches (tokenised beforehand), best of ``repeats``."""
     import torch
-    from probe.pipeline.runner.job import plan_batches
+    from probe.pipeline.job import plan_batches
 
     from probe.capture.data import load_texts
 
@@ -459,7 +459,7 @@ def analysis_seconds(run_dir: Path) -> dict:
 
 def part_speed(args, log: Log, models: dict, workdir: Path, deadline: float) -> dict:
     import torch
-    from probe.pipeline.runner.runner import run
+    from probe.pipeline.runner import run
 
     from probe.capture.loading import load_model
 

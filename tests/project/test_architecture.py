@@ -171,3 +171,23 @@ def test_the_public_paths_are_the_solvers_own_objects():
         assert public.__all__ == home.__all__
         for name in home.__all__:
             assert getattr(public, name) is getattr(home, name), name
+
+
+def test_every_import_of_probe_in_the_repository_resolves():
+    """Every ``from probe.x import y`` and ``import probe.x`` in probe/, tests/, bench/ and scripts/, imports
+    inside functions included (a benchmark's or a test's import that names a module that moved fails only
+    when that code runs, which may be on a GPU machine)."""
+    import ast
+
+    broken = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").glob("*.py"),
+                        *(ROOT / "scripts").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "probe":
+                names = [f"{node.module}.{alias.name}" for alias in node.names if alias.name != "*"] or [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names if alias.name.split(".")[0] == "probe"]
+            else:
+                continue
+            broken += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in names if not resolves(name)]
+    assert not broken, broken
