@@ -425,9 +425,9 @@ def part_agreement(args, log: Log, models: dict, workdir: Path, deadline: float)
 def forward_seconds(loaded, config, device: str, repeats: int = 2) -> float:
     """The plain eager forward over the run's batches (tokenised beforehand), best of ``repeats``."""
     import torch
-    from probe.pipeline.job import plan_batches
 
     from probe.capture.data import load_texts
+    from probe.pipeline.job import plan_batches
 
     source = load_texts(config.dataset)
     batches, _ = plan_batches(loaded, source, config.batch_size, config.max_length)
@@ -459,9 +459,9 @@ def analysis_seconds(run_dir: Path) -> dict:
 
 def part_speed(args, log: Log, models: dict, workdir: Path, deadline: float) -> dict:
     import torch
-    from probe.pipeline.runner import run
 
     from probe.capture.loading import load_model
+    from probe.pipeline.runner import run
 
     lengths = (16,) if args.quick else LENGTHS
     batch = 4 if args.quick else 64
@@ -582,16 +582,8 @@ def _launch_all(args, runs: Path, epochs: int, seeds, attentions, log: Log, dead
             gate = ()
         if processes and time.monotonic() > deadline:
             log(f"vit: stopping {len(processes)} run(s) at the deadline")
-            for process, _ in processes.values():
-                os.killpg(process.pid, signal.SIGTERM)
-            for key, (process, log_file) in processes.items():
-                try:
-                    codes[key] = process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    codes[key] = process.wait()
-                log_file.close()
-                seconds[key] = time.monotonic() - start
+            codes.update(_stop(processes))
+            seconds.update({key: time.monotonic() - start for key in processes})
             processes = {}
         time.sleep(0.5)
     return codes, seconds
