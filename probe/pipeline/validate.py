@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 import zipfile
 from dataclasses import dataclass
@@ -74,13 +73,6 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", 
 POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 #: A tokenizer's model_max_length at or above this means "no limit" (transformers' placeholder is 1e30).
 NO_LIMIT = 10**9
-
-#: Units of ``--max-memory`` (SI and binary), in bytes.
-MEMORY_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-
 
 @dataclass
 class Checked:
@@ -121,46 +113,6 @@ def check_run(config) -> Checked:
 
 # --------------------------------------------------------------------------------------------------
 # 1. options
-
-
-def parse_numbers(text: str, name: str) -> tuple[float, ...]:
-    """``"0.25,0.5,1"`` -> ``(0.25, 0.5, 1.0)``; one value or a comma-separated list (``name``: the
-    option's parameter name, for the message)."""
-    items = [item.strip() for item in str(text).split(",")]
-    values = []
-    for item in items:
-        try:
-            values.append(float(item))
-        except ValueError:
-            raise ProbeError(
-                f"{option(name)} takes a number or comma-separated numbers (e.g. {option(name, '0.5,1,2')}); "
-                f"{item!r} in {text!r} is not a number."
-            ) from None
-    return tuple(values)
-
-
-def parse_names(text: str, name: str) -> tuple[str, ...]:
-    """``"hidden, key"`` -> ``("hidden", "key")``."""
-    names = tuple(item.strip() for item in str(text).split(","))
-    if any(not each for each in names):
-        raise ProbeError(f"{option(name, text)} has an empty entry; separate names by single commas.")
-    return names
-
-
-def parse_memory(text: str) -> int:
-    """``"4GB"`` -> 4_000_000_000 bytes; units B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB,
-    TiB (powers of 1024), case-insensitive."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", str(text), re.IGNORECASE)
-    unit = match and match.group(2).lower()
-    if not match or unit not in MEMORY_UNITS:
-        raise ProbeError(
-            f"{option('max_memory', text)} is not a memory size. Give a number and a unit, e.g. 4GB, 512MB or 8GiB "
-            f"(units: {', '.join(u.upper().replace('I', 'i') for u in MEMORY_UNITS)})."
-        )
-    size = float(match.group(1)) * MEMORY_UNITS[unit]
-    if not math.isfinite(size) or size < 1:
-        raise ProbeError(f"{option('max_memory')} must be a finite size of at least 1 byte, got {text!r}.")
-    return int(size)
 
 
 def check_options(config) -> None:
@@ -211,8 +163,18 @@ def check_options(config) -> None:
 
 
 def check_intervention_options(config) -> None:
-    """``--intervene`` and ``--intervene-modes`` (probe.interventions): known names, each once."""
+    """``--intervene`` and ``--intervene-modes`` (probe.interventions): known names, each once; and no selection
+    with ``--intervene``, which substitutes whole sites (every head and query) into the forward pass."""
     intervene = tuple(getattr(config, "intervene", ()) or ())
+    if intervene and config.selects:
+        from probe.capture.selection import describe_config
+
+        raise ProbeError(
+            f"{option('intervene')} puts each site's exact posterior into the forward pass for every head and query, "
+            f"so it measures the whole model, but this run selects part of it ({describe_config(config)}). Remove "
+            f"{option('intervene')}, or the selection ({option('layers')}, {option('heads')}, "
+            f"{option('attention_types')}, {option('queries')})."
+        )
     modes = tuple(getattr(config, "intervene_modes", INTERVENTION_MODES) or ())
     for name, values, choices in (("intervene", intervene, INTERVENTION_SUBSTITUTES),
                                   ("intervene_modes", modes, INTERVENTION_MODES)):
@@ -344,6 +306,9 @@ def check_model(config):
     adapter = adapter_for(model_config.model_type)  # an architecture without adapter fails before anything else
     adapter.model_class(model_config)  # the adapter may refuse a checkpoint (an encoder-only T5, for example)
     check_family_options(config, model_config, adapter)
+    from probe.capture.selection import resolve as resolve_selection
+
+    resolve_selection(config, adapter.stacks(model_config))  # --layers, --heads, --attention-types against the model
     spaces = tuple(config.spaces or adapter.spaces[:1])  # None: the adapter's default (rotary models: key)
     unsupported = [space for space in spaces if space not in adapter.spaces]
     if unsupported:
