@@ -62,7 +62,7 @@ def reported_attentions(model, inputs, kind):
 def test_capture_reproduces_model_attention(family, loaded):
     family_spec, _ = family
     assert family_spec.model_type in REGISTRY
-    assert loaded.model.config._attn_implementation == "eager"
+    assert loaded.model.config._attn_implementation == "probe"  # the family's eager attention, through probe
     inputs = encode(loaded, family_spec.texts)
     assert inputs["attention_mask"].sum(-1).unique().numel() > 2  # really padded
     sites = loaded.adapter.sites(loaded.model, inputs)
