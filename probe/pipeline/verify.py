@@ -178,7 +178,8 @@ def _sample_rows(check: integrity.PartsCheck, sample: int, seed: int) -> pa.Tabl
 
 def _load_job(run_dir: Path, manifest: dict):
     """The model, texts and batch plan as resume loads them (refused if the model files or texts changed)."""
-    from probe.pipeline.runner import config_from_json, prepare_resume
+    from probe.core.config import config_from_json
+    from probe.pipeline.runner import prepare_resume
 
     if "config" not in manifest or "inputs" not in manifest:
         raise ProbeError(f"{run_dir} was written by an older probe that did not record its inputs: cannot re-solve.")
