@@ -208,9 +208,19 @@ def _batch_sites(job, batch: int, needed: set[tuple[str, int]]) -> dict:
     return sites, [job.texts.indices[i] for i in positions]
 
 
-def _row_problem(site, space: str, alpha: float, position: int, head: int, query: int):
-    """The reduced problem of one row: Gram matrix, logits s (alpha = 1), ||z||^2 (alpha = 1), log u, and
-    the values v_i of the row's head (k, d_v)."""
+@dataclass
+class RowProblem:
+    """The reduced problem of one row, as the reference solve takes it."""
+
+    gram: np.ndarray  #: the Gram matrix of the templates, (k, k)
+    logits: np.ndarray  #: s = T z at alpha = 1, (k,)
+    evidence_sqnorm: float  #: ||z||^2 at alpha = 1
+    log_u: np.ndarray  #: log u, -inf where a key is excluded, (k,)
+    values: np.ndarray  #: the values v_i of the row's head, (k, d_v)
+
+
+def _row_problem(site, space: str, alpha: float, position: int, head: int, query: int) -> RowProblem:
+    """The reduced problem of one row."""
     import torch
 
     from probe.capture.adapters.base import space_problems
@@ -228,9 +238,9 @@ def _row_problem(site, space: str, alpha: float, position: int, head: int, query
         gram = gram[head // (h // gram.shape[0])]
     log_u = site.log_preference.expand(b, h, q, k)[position, head, column]
     values = site.values[position, head // (h // site.values.shape[1])]  # query head -> its value head
-    return (gram.cpu().numpy(), problems.logits[0, head, column].cpu().numpy(),
-            float(problems.evidence_sqnorm[0, head, column]), log_u.to(dtype=gram.dtype).cpu().numpy(),
-            values.to(torch.float64).cpu().numpy())
+    return RowProblem(gram.cpu().numpy(), problems.logits[0, head, column].cpu().numpy(),
+                      float(problems.evidence_sqnorm[0, head, column]), log_u.to(dtype=gram.dtype).cpu().numpy(),
+                      values.to(torch.float64).cpu().numpy())
 
 
 def _reference(gram, logits, evidence_sqnorm, log_u, alpha, values=None):
@@ -404,8 +414,8 @@ def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
                 )
             problem = _row_problem(site, row["space"], row["alpha"], example_ids.index(row["example"]),
                                    row["head"], row["query"])
-            *problem, values = problem
-            ref = _reference(*problem, row["alpha"], values)
+            ref = _reference(problem.gram, problem.logits, problem.evidence_sqnorm, problem.log_u, row["alpha"],
+                             problem.values)
             if not ref["converged"]:
                 report.reference_not_converged += 1
             bounds = _bounds(row, ref, derived_bounds)
