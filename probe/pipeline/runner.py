@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -290,6 +291,8 @@ class BatchLoop:
         self.lane: Lane | None = None
         self.longest_batch_s = 0.0
         self.reported_at, self.report_every_s = time.perf_counter(), REPORT_EVERY_S
+        self.rows_in_flight = 0  # rank 0: rows solved in batches not written yet
+        self.showing = threading.Lock()  # the progress is told from the lane's thread too
 
     def run(self) -> Path:
         """Compute and write the batches left; record the segment's stop or the run's completion."""
@@ -372,7 +375,7 @@ class BatchLoop:
         for number in batches:
             started = time.perf_counter()
             with self.stops.interruptible():
-                finish = _start_batch(self.job, number, self.lane)
+                finish = _start_batch(self.job, number, self.lane, self.solved if self.group.main else None)
             if in_flight is not None:
                 self.commit(in_flight)
             in_flight = BatchInFlight(number, started, finish)
@@ -389,6 +392,8 @@ class BatchLoop:
         if self.group.main:
             self.segment["timings_s"]["write_s"] += time.perf_counter() - written
             self.index.add(batch.number, path, written=True)
+            with self.showing:
+                self.rows_in_flight -= outputs.rows.num_rows
             self.show_progress()
             if time.perf_counter() - self.reported_at >= self.report_every_s:
                 self.report()
@@ -412,9 +417,17 @@ class BatchLoop:
         }, name)
 
     def show_progress(self) -> None:
-        """Rank 0: the batches finished and every row written so far."""
-        self.progress.set_postfix(rows=f"{self.index.summary.rows:,}", refresh=False)
-        self.progress.update(len(self.index.records) - self.progress.n)
+        """Rank 0: the batches finished, and every row written or solved so far."""
+        with self.showing:
+            self.progress.set_postfix(rows=f"{self.index.summary.rows + self.rows_in_flight:,}", refresh=False)
+            self.progress.update(len(self.index.records) - self.progress.n)
+
+    def solved(self, rows: int) -> None:
+        """Rank 0: ``rows`` more rows solved within a batch (a long batch's progress moves with them)."""
+        with self.showing:
+            self.rows_in_flight += rows
+            self.progress.set_postfix(rows=f"{self.index.summary.rows + self.rows_in_flight:,}", refresh=False)
+            self.progress.tick()
 
     def report(self) -> None:
         """Rank 0: progress, totals and heartbeat into the manifest."""
@@ -453,9 +466,10 @@ class BatchLoop:
             self.lane.close()
 
 
-def _start_batch(job: Job, batch: int, lane=None) -> Callable[[], BatchOutputs]:
+def _start_batch(job: Job, batch: int, lane=None, on_rows: Callable[[int], None] | None = None,
+                 ) -> Callable[[], BatchOutputs]:
     """Capture one batch of the plan and start its solves (in ``lane``, if any); returns a function that
-    waits for them and returns the batch's outputs."""
+    waits for them and returns the batch's outputs.  ``on_rows``: told the rows of each site as they are solved."""
     positions = job.batches[batch]
     texts = [job.texts.texts[i] for i in positions]
     targets = [job.texts.targets[i] for i in positions] if job.texts.targets is not None else None
@@ -474,7 +488,7 @@ def _start_batch(job: Job, batch: int, lane=None) -> Callable[[], BatchOutputs]:
             records.extend(batch_records(job.loaded, inputs, example_ids, intervention_config, emit))
             records.append(time.perf_counter() - started)
 
-    wait = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context, lane, capture)
+    wait = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context, lane, capture, on_rows)
 
     def finish() -> BatchOutputs:
         tables, seconds = wait()
