@@ -76,9 +76,9 @@ class Run:
     @property
     def name(self) -> str:
         """The run's name as titles show it (``--name``, or the model's real name)."""
-        from probe.report.data import model_name
+        from probe.report.data import run_title
 
-        return model_name(self.manifest)
+        return run_title(self.manifest)
 
     def _open(self):
         """A fresh query over the run's checked part files (a damaged run refused, or read with a warning)."""

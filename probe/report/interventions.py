@@ -93,7 +93,7 @@ def effects(records: Table) -> tuple[pd.DataFrame, dict]:
 
 
 def effects_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """:func:`effects` of intervention records given as a DataFrame (``Run.interventions``)."""
+    """:func:`effects` of intervention records given as a DataFrame (``probe.Run.interventions``)."""
     import pyarrow as pa
 
     connection = connect()

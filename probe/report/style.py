@@ -159,7 +159,7 @@ def counts_on(edges: np.ndarray, histogram, *keys) -> np.ndarray:
 
 def layer_boxes(ax, stats, layers) -> list[float]:
     """One box per layer from its statistics (``stats``: a frame with ``layer``, ``q1``, ``median``, ``q3``,
-    ``whislo``, ``whishi``, ``mean``, ``max``, as :class:`probe.report.data.Run` computes them exactly): the
+    ``whislo``, ``whishi``, ``mean``, ``max``, as :class:`probe.report.data.ReportRun` computes them exactly): the
     box the quartiles, whiskers at the smallest value at or above the 5th percentile and the largest at or
     below the 95th (``boxplot(whis=(5, 95))``), the mean as a diamond, and each layer's maximum as a
     triangle; a layer without values gets an empty box.  Returns the maxima (NaN for an empty layer)."""

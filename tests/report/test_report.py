@@ -26,7 +26,7 @@ from matplotlib.patches import StepPatch
 from probe.core.errors import ProbeError
 from probe.core.schema import DEVIATION_SCHEMA
 from probe.report import build_report, draw_figures, read_run
-from probe.report.data import dataset_text, model_name
+from probe.report.data import dataset_text, run_title
 from probe.report.figures import heads_figure, layers_figure, report_scale
 from probe.report.findings import analyse
 from probe.report.quantities import alpha_figure, spaces_figure
@@ -472,7 +472,7 @@ def test_findings_without_an_effect_have_ratios_near_one(tmp_path):
 def test_model_names_never_show_a_temporary_path(model, rows_model, want):
     """Defect 7: the committed report named the model by a deleted temp path."""
     rows = pd.DataFrame({"model": [rows_model] if rows_model else []})
-    assert model_name({"model": model} if model else {}, rows) == want
+    assert run_title({"model": model} if model else {}, rows) == want
 
 
 @pytest.mark.parametrize(
