@@ -310,7 +310,7 @@ def intervention_totals(run_dir: Path, manifest: dict) -> dict:
     together; whole) the records, solves not converged and mean effects (over the values that are numbers:
     ``None`` where there is none, as for the LM loss without an LM head).  On one thread, so that the sums
     are taken in one order and a resumed run's totals equal an uninterrupted one's."""
-    from probe.query import connect, parquet_source
+    from probe.store.engine import connect, parquet_source
 
     files = list(storage.part_files(run_dir, storage.INTERVENTIONS).values())
     if not files:

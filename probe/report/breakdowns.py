@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import LogNorm
 
-from probe.query import Table, both, cut_bin, edges_bin, edges_guess, literal, where
+from probe.query import Table, both, where
+from probe.query.sql import cut_bin, edges_bin, edges_guess
 from probe.report.data import DRIVER_QUANTILES, DRIVERS, ReportRun, type_label
 from probe.report.style import (
     CMAP,
@@ -25,6 +26,7 @@ from probe.report.style import (
     new_figure,
     suptitle,
 )
+from probe.store.engine import literal
 
 #: A (layer, position) cell of the position heatmap needs this many rows, or it is left blank.
 MIN_POSITION_ROWS = 20

@@ -28,7 +28,6 @@ from probe.core.destination import check_destination, writing
 from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.spelling import option
-from probe.query import connect
 from probe.report.data import FAR, ReportRun, lookup, read_run, type_label
 from probe.report.series import is_series, write_series
 from probe.report.style import (
@@ -42,6 +41,7 @@ from probe.report.style import (
     style,
     suptitle,
 )
+from probe.store.engine import connect
 
 COMPARE_COLUMNS = ("run", "model", "run_dir", "attention_type", "layers", "rows", "trivial", "count", "mean", "median",
                    "p95", "max", f"share_above_{FAR:g}")

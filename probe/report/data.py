@@ -23,18 +23,9 @@ import numpy as np
 import pandas as pd
 
 from probe.core.errors import ProbeError
-from probe.query import (
-    LEGACY_COLUMNS,
-    NEEDED_COLUMNS,
-    OPTIONAL_COLUMNS,
-    RUN_HINT,
-    Rank,
-    RunTable,
-    Table,
-    both,
-    literal,
-    where,
-)
+from probe.query import Rank, RunTable, Table, both, where
+from probe.query.runs import LEGACY_COLUMNS, NEEDED_COLUMNS, OPTIONAL_COLUMNS, RUN_HINT
+from probe.store.engine import literal
 from probe.store.integrity import DamagedRunWarning, require_intact
 from probe.store.storage import MANIFEST, with_liveness
 

@@ -26,8 +26,9 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 
-from probe.query import both, literal, name, where
+from probe.query import both, where
 from probe.report.data import ReportRun, type_label
+from probe.store.engine import literal, name
 
 #: the groupings a finding can name, by kind: the :attr:`ReportRun.groups` frame and its keys
 KINDS = {"token_role": ("token_role",), "query_position": ("query",), "token": ("token",), "head": ("layer", "head")}

@@ -16,8 +16,9 @@ import numpy as np
 import pandas as pd
 
 from probe.core.schema import INTERVENTION_KEY, INTERVENTION_SCHEMA
-from probe.query import Table, connect, name, parquet_source
+from probe.query import Table
 from probe.report.style import Drawn
+from probe.store.engine import connect, name, parquet_source
 
 #: the effects shown, with how the table names their means
 EFFECTS = {

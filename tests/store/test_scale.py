@@ -90,7 +90,7 @@ def arrow_peak(code: str, *args) -> tuple[int, str]:
 
 
 def test_the_large_run_is_larger_than_the_budget(large_run):
-    from probe.query import parse_size
+    from probe.store.engine import parse_size
 
     run_dir, size = large_run
     assert size > 2 * parse_size(BUDGET)
