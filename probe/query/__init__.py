@@ -34,13 +34,13 @@ statistics in two passes instead.  Pass 1 counts each group's values in fine log
 octave) together with each bin's minimum, maximum, sum and counts above thresholds, which also give the
 count, mean, min, max and shares; the cumulative counts name the one bin that holds each wanted rank.  Pass
 2 reads only the values of those bins (about 0.5% of a group each), sorts them and picks the ranks.  When
-those values are more than :func:`read_limit` (a share of the budget), the largest bins are first split
-into :data:`SPLIT_BINS` equal sub-bins, all in one more pass, until they fit.  Every quantile is then
+those values are more than :func:`probe.query.sql.read_limit` (a share of the budget), the largest bins are first split
+into :data:`probe.query.sql.SPLIT_BINS` equal sub-bins, all in one more pass, until they fit.  Every quantile is then
 exactly numpy's and pandas' (the "linear" method: ``x[k] + (x[k+1] - x[k]) * f`` at ``k + f = q (n - 1)``),
 and every order statistic the rank-th smallest value: no sketch, no rank error.
 
 The memory budget.  :func:`memory_budget` is what one reader may hold: ``PROBE_MEMORY_BUDGET`` (bytes, or
-with a unit: ``600MB``, ``1.5GiB``) or :data:`DEFAULT_MEMORY_BUDGET`.  DuckDB gets a share of it as its
+with a unit: ``600MB``, ``1.5GiB``) or :data:`probe.store.engine.DEFAULT_MEMORY_BUDGET`.  DuckDB gets a share of it as its
 ``memory_limit``; readers that would materialise rows in pandas (``Run.rows``, :meth:`RunTable.select`)
 compare their estimate with it and refuse, naming the lazy way, instead of being killed for memory.
 """
