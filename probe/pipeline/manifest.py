@@ -55,6 +55,7 @@ def new_manifest(job: Job, unknown_tokens: dict) -> dict:
     local_data = config.dataset.name is not None and Path(config.dataset.name).expanduser().exists()
     model_directory = None if in_memory else fingerprint.model_directory(config.model, config.revision)
     return {
+        "format_version": storage.FORMAT_VERSION,
         "probe_version": __version__,
         "name": run_name(config),
         "status": "running",

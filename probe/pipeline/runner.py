@@ -100,7 +100,8 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
             for table in storage.run_tables(manifest)):
         return run_dir
     if "config" not in manifest or not (run_dir / storage.PARTS).is_dir():
-        raise ProbeError(f"{run_dir} was written by an older probe that cannot resume runs. Start a new `probe run`.")
+        raise ProbeError(f"{run_dir} does not record the settings a resume needs (a version-1 run without them). "
+                         "Start a new `probe run`.")
     if manifest.get("status") == "running":
         alive, how = storage.writer_alive(manifest["process"])
         raise ProbeError(f"{run_dir} is still running ({how}). Stop that process first, or wait for it.")

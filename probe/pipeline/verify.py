@@ -182,7 +182,8 @@ def _load_job(run_dir: Path, manifest: dict):
     from probe.pipeline.runner import prepare_resume
 
     if "config" not in manifest or "inputs" not in manifest:
-        raise ProbeError(f"{run_dir} was written by an older probe that did not record its inputs: cannot re-solve.")
+        raise ProbeError(f"{run_dir} does not record the settings and inputs it was computed from (a version-1 run "
+                         "without them), so its rows cannot be re-solved; `probe verify --sample 0` checks its parts.")
     config = config_from_json(manifest["config"])
     config.progress = False
     return prepare_resume(run_dir, manifest, config, config.device)

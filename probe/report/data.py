@@ -27,7 +27,7 @@ from probe.query import Rank, RunTable, Table, both, where
 from probe.query.runs import LEGACY_COLUMNS, NEEDED_COLUMNS, OPTIONAL_COLUMNS, RUN_HINT
 from probe.store.engine import literal
 from probe.store.integrity import DamagedRunWarning, require_intact
-from probe.store.storage import MANIFEST, with_liveness
+from probe.store.storage import MANIFEST, check_format, with_liveness
 
 __all__ = ["NEEDED_COLUMNS", "OPTIONAL_COLUMNS", "LEGACY_COLUMNS", "RUN_HINT", "ReportRun", "read_run"]
 
@@ -86,7 +86,7 @@ def ordered_types(types) -> list[str]:
 
 def in_slice(frame: pd.DataFrame, space: str | None, alpha: float | None) -> pd.DataFrame:
     """The rows of a statistics frame (with ``space`` and ``alpha`` columns) in one slice; a ``None`` key
-    matches every row (old runs have one slice), alpha within a relative 1e-12 as :func:`probe.query.where`."""
+    matches every row (a version-1 run may have one slice), alpha within a relative 1e-12 as :func:`probe.query.where`."""
     keep = np.ones(len(frame), dtype=bool)
     if space is not None:
         keep &= (frame["space"] == space).fillna(False).to_numpy(dtype=bool)
@@ -351,9 +351,9 @@ def _looks_like_path(text: str) -> bool:
 def run_title(manifest: dict, rows: pd.DataFrame | None = None) -> str:
     """The run as a reader knows it: the name given with ``probe run --name``; else the model's real
     name as the run recorded it (``model.name``, read from its files by :mod:`probe.core.naming`), its hub id,
-    or the name of its directory for a local model (runs written before names were recorded); for the
-    oldest runs, the ``model`` column of ``rows`` (a frame with at least one of its values).  A
-    random-initialisation control (``init`` in the manifest) is marked as such."""
+    or the name of its directory for a local model; for a version-1 run that records neither
+    (:data:`probe.store.storage.FORMAT_VERSION`), the ``model`` column of ``rows`` (a frame with at least one
+    of its values).  A random-initialisation control (``init`` in the manifest) is marked as such."""
     given = lookup(manifest, "config", "name")
     if isinstance(given, str) and given.strip():
         return given
@@ -485,6 +485,7 @@ def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: boo
             "Pass the run directory printed by `probe run` (it holds deviations.parquet and manifest.json)."
         )
     manifest, problem = load_manifest(run_dir / MANIFEST)
+    check_format(manifest, run_dir / MANIFEST)  # a run of a newer format is refused, not misread
     manifest = with_liveness(manifest)  # a "running" run whose process is gone was interrupted
     table, notes = open_table(run_dir, manifest, problem, allow_damaged=allow_damaged, connection=connection,
                               view=view)

@@ -189,7 +189,7 @@ def _facts(run: ReportRun) -> list[tuple[str, str]]:
         ("revision", lookup(manifest, "model", "revision")),
         ("dataset", run.dataset),
         ("dataset spec", {k: v for k, v in (lookup(manifest, "dataset") or {}).items() if k != "texts_sha256"}),
-        ("unknown tokens", describe_unknown(lookup(manifest, "unknown_tokens"))),  # probe.capture.tokens; None: older run
+        ("unknown tokens", describe_unknown(lookup(manifest, "unknown_tokens"))),  # probe.capture.tokens; None: a version-1 run
         ("alpha", run.alphas or lookup(manifest, "alpha")),
         ("spaces", run.spaces or None),
         ("attention types", ", ".join(type_label(t) for t in run.types) or "none"),

@@ -7,8 +7,8 @@
 * ``attention_tv`` and ``output_deviation``: per layer box plots of the attention's total variation
   distance from the exact solution and of the resulting deviation of the head's output.
 
-A figure is skipped when its column is absent or entirely null (old runs, or a pipeline that does
-not compute it yet).  Trivial rows are left out throughout.
+A figure is skipped when its column is absent or entirely null (a version-1 run may lack it:
+:data:`probe.store.storage.FORMAT_VERSION`).  Trivial rows are left out throughout.
 """
 
 from __future__ import annotations

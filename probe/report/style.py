@@ -63,9 +63,9 @@ def wrap(text: str, width_inches: float) -> str:
 
 
 def suptitle(figure: Figure, short: str, *details: str) -> str:
-    """A figure's own title, ``short`` (wrapped to the figure's width, no larger than its axis labels), and
-    what used to be the lines under it (``details``: counts, legend, shared scales) as one sentence for the
-    figure's caption on the page, which is returned."""
+    """A figure's own title, ``short`` (wrapped to the figure's width, no larger than its axis labels); the
+    ``details`` (counts, legend, shared scales) go into one sentence for the figure's caption on the page,
+    which is returned."""
     figure.suptitle(wrap(short, figure.get_figwidth()), fontsize=mpl.rcParams["axes.labelsize"])
     return caption_sentence(*details)
 

@@ -89,7 +89,7 @@ class TrainSettings:
         return Path(self.out) if self.out else Path("runs") / f"vit-{self.data}-{self.attention}-seed{self.seed}"
 
     # what must match for a run directory to be resumed (epochs may grow, device/threads/progress/compile may
-    # change); the precision counts only when it is not the default, so runs made before it existed resume
+    # change); the precision counts only when it is not the default (a checkpoint that records none is fp32)
     def fingerprint(self) -> dict:
         skip = {"epochs", "device", "out", "threads", "progress", "data_dir", "compile"}
         if self.precision == "fp32":
