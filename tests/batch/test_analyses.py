@@ -1,4 +1,4 @@
-"""The analyses of issue 12 through `probe run`: alpha sweeps and parameter spaces from one capture,
+"""The analyses beyond the first deviation through `probe run`: alpha sweeps and parameter spaces from one capture,
 the random-init control, token roles and trivial rows, and the alpha -> 0 limit on the real MiniLM."""
 
 from __future__ import annotations

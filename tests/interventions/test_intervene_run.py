@@ -1,4 +1,4 @@
-"""`probe run --intervene` (issue 24, phase 2): the interventions computed in the same run as the rows,
+"""`probe run --intervene`: the interventions computed in the same run as the rows,
 written as a second crash-safe table, resumed with the rows, checked by every reader, exported, and
 totalled in the manifest.  Tiny random BERT; seconds."""
 

@@ -1,5 +1,4 @@
-"""What a new user meets first (issue 25): each defect found by trying probe as a newcomer, as a test
-that failed before its fix.  Export by extension; options that do not apply to the model's family;
+"""What a new user meets first, each as a test: export by extension; options that do not apply to the model's family;
 the progress bar and the final lines; silence under --no-progress; fast option errors; help text; one
 error prefix; no top-level module but probe; figures that keep their aspect ratio in a browser; the
 landing table and the histograms saying which statistic each shows.
@@ -289,7 +288,7 @@ def test_each_statistic_is_labelled_where_it_is_shown(finished_run, tmp_path):
 
 
 # ==================================================================================================
-# issue 33: silent wrong answers, and the console and files of a newcomer's second try
+# silent wrong answers, and the console and files of a second try
 
 
 def _tokens(model_dir, text: str) -> int:
@@ -489,7 +488,7 @@ def test_the_share_counts_the_texts_own_tokens(tiny_bert_dir, minilm_dir):
 
 
 def test_a_reaction_smiles_vocabulary_on_english_is_refused(tmp_path):
-    """The issue's case: an rxnfp-style BERT tokenizer (WordPiece over rxnmapper's reaction-SMILES vocab.txt)
+    """An rxnfp-style BERT tokenizer (WordPiece over rxnmapper's reaction-SMILES vocab.txt)
     on the embedded English corpus, with rxnmapper's ALBERT; refused before its weights load."""
     from transformers import BertTokenizer
 

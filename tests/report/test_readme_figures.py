@@ -253,7 +253,7 @@ def test_the_interventions_speed_figure_is_the_results_files():
     docs = (ROOT / "docs" / "interventions.md").read_text()
     quoted = re.search(r"both modes together cost \*\*([0-9.]+) times\*\* a plain run", docs)
     assert quoted is not None and quoted.group(1) == f"{ratio:.2f}"
-    assert ratio <= results["target_ratio"]  # the target, as the results file records it
+    assert ratio <= results["target_ratio"]  # the target, as the results file records it
 
 
 def test_the_gpu_figures_in_the_docs_are_the_gpu_calls():

@@ -3,8 +3,7 @@ fonts, provenance, findings on runs with planted effects, and the errors users s
 
 Run directories are synthetic: a deviations table with the exact schema of ``probe.core.schema`` (a parquet
 file, or a directory of part files) filled with reproducible random deviations and planted effects,
-plus a manifest.json.  Each defect of issue 11 has a test here or in test_report_page.py that fails on
-the report before it.
+plus a manifest.json.
 """
 
 from __future__ import annotations
@@ -421,7 +420,7 @@ def test_findings_name_the_planted_outlier_role_and_position(tmp_path):
     shown, below = analyse(run)
     found = {f["kind"]: f for f in shown + below}
     assert found["query_position"]["value"] == 0 and found["query_position"] in shown
-    # the role and the token select the same rows: named in the position's finding (issue 33)
+    # the role and the token select the same rows: named in the position's finding
     assert {d["kind"]: d["value"] for d in found["query_position"]["same_rows"]} == {
         "token_role": "special", "token": "[CLS]"}
     assert found["query_position"]["most_common_token"] == "[CLS]"
@@ -454,7 +453,7 @@ def test_findings_without_an_effect_have_ratios_near_one(tmp_path):
     shown, below = analyse(run)
     found = {f["kind"]: f for f in shown + below}
     assert found["query_position"]["ratio"] < 1.5
-    assert found["query_position"] in below  # not shown: it does not clear the noise (issue 33)
+    assert found["query_position"] in below  # not shown: it does not clear the noise
 
 
 @pytest.mark.parametrize(

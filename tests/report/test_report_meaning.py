@@ -1,4 +1,4 @@
-"""The report's first screen says what the numbers mean (issue 33): the scale in words and a control run's
+"""The report's first screen says what the numbers mean: the scale in words and a control run's
 numbers beside the run's, findings shown only when they clear the noise (a confidence interval over examples)
 and merged when they describe the same rows, captions instead of title boilerplate, a log axis where one
 extreme row would squash the boxes, a page that fits 800 px, and a compare page that states the difference.

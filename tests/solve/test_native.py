@@ -1,6 +1,6 @@
 """The solver's Newton iterations in compiled C (probe.solve.native, probe/solve/newton.c): built where a C compiler
-is, the same certified answers as the torch loops and the solver before issue 10, and unable to turn a
-fault of its own into a wrong number."""
+is, the same certified answers as the torch loops and the previous solver (tests/support/previous_solver.py),
+and unable to turn a fault of its own into a wrong number."""
 
 from __future__ import annotations
 

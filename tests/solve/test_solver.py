@@ -332,7 +332,7 @@ def test_property_certificate_is_never_wrong(n, d, scale, alpha, duplicates, zer
 
 
 # --------------------------------------------------------------------------------------------------
-# the speed work of issue 10 changed how the solver gets to its answers, not the answers
+# the speed work changed how the solver gets to its answers, not the answers
 
 
 def _agree(new, old, active):
@@ -369,7 +369,7 @@ def _random_groups(groups, per_group, n, d, template_scale, logit_std, seed):
 
 @pytest.mark.parametrize("n,d,template_scale,logit_std", [(16, 384, 1 / 8, 2.0), (48, 32, 1 / 2, 8.0), (40, 24, 1.0, 3.0)])
 def test_answers_agree_with_the_previous_solver(n, d, template_scale, logit_std):
-    """The same problems solved today's way (the solver before issue 10, tests/support/previous_solver.py, with a
+    """The same problems solved today's way (the previous solver, tests/support/previous_solver.py, with a
     float64 direction) and by the current solver (float32 and float64 directions): the same certified
     answers.  Families: MiniLM-like, ill-conditioned (condition number bound ~ 64), more templates than
     dimensions (rank-deficient Gram matrices)."""
