@@ -12,7 +12,8 @@ import pytest
 from probe.capture.data import DatasetSpec
 from probe.core.schema import ROW_KEY
 from probe.pipeline.runner import RunConfig, run
-from tests.capture.test_t5 import TARGETS, TEXTS, save_tiny_t5
+
+from ..support.tiny_t5 import TARGETS, TEXTS, save_tiny_t5
 
 
 def run_frame(model_dir, out, texts_path, **settings) -> tuple[pd.DataFrame, dict]:

@@ -24,7 +24,8 @@ from probe.capture.adapters import REGISTRY, space_problems
 from probe.capture.loading import load_model
 from probe.cli import app
 from probe.solve.reference import cvxpy_primal, relative_deviation
-from tests.support.families import ALL, CORPUS, ROTARY_TYPES, TARGETS, save_tiny, spec
+
+from ..support.families import ALL, CORPUS, ROTARY_TYPES, TARGETS, save_tiny, spec
 
 
 @pytest.fixture(scope="module", params=ALL)

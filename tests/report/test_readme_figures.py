@@ -10,6 +10,8 @@ import json
 import re
 from pathlib import Path
 
+from ..support.committed_results import ot_quality_sentence
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -202,18 +204,6 @@ def exact_vit_sentence() -> str:
             f"{bench['step']['layer_extra_over_softmax_step']:.0%} of a training step. The trained final layer stays "
             f"close to softmax: its exact posterior is within a median total variation of {tv:.3f} of the softmax "
             "of the same queries and keys")
-
-
-def ot_quality_sentence() -> str:
-    """The README's reading of the OT approximation at the trained OT-ViT's own setting."""
-    quality = json.loads((ROOT / "reports" / "ot" / "quality_model.json").read_text())
-    meta = quality["meta"]
-    row = next(r for r in quality["rows"]
-               if r["alpha"] == meta["model_alpha"] and abs(r["gamma"] - meta["model_gamma"]) < 1e-9)
-    assert row["certified_fraction"] == 1.0
-    return (f"median relative deviation {row['rel_deviation_median']:.3f} (10th to 90th percentile "
-            f"{row['rel_deviation_p10']:.3f} to {row['rel_deviation_p90']:.3f}) and median attention total "
-            f"variation {row['tv_median']:.3f} over {row['problems']:,} certified problems")
 
 
 def test_the_readme_interventions_table_is_recomputed_from_the_committed_results():

@@ -22,10 +22,9 @@ from probe.report import build_report, compare_runs, read_run
 from probe.report.findings import MIN_EXAMPLES, MIN_RATIO, RULE, analyse, z_value
 from probe.report.quantities import quantity_figure
 from probe.report.style import style
-from tests.report.test_report import deviation_rows, manifest_for, write_run
-from tests.report.test_report_page import CHROMIUM, load_check_html
 
-needs_chromium = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install chromium)")
+from ..support.browser import load_check_html, needs_chromium
+from ..support.synthetic_runs import deviation_rows, manifest_for, write_run
 
 
 def measured(rows: pd.DataFrame) -> pd.DataFrame:
