@@ -409,13 +409,16 @@ class BatchLoop:
 
     def write_part(self, number: int, table: pa.Table, summary: dict, seconds: dict, name: str = storage.PARTS) -> Path:
         """One part file of table ``name`` (atomically), with the record resume and the readers check."""
-        return storage.write_part(self.run_dir, number, table, {
+        record = {
             "examples": [self.job.texts.indices[i] for i in self.job.batches[number]],
             "segment": self.segment_number,
             "rank": self.ranks.rank,
             "summary": summary,
             "seconds": seconds,
-        }, name)
+        }
+        if name == storage.PARTS:  # write_part's own default: the call that wrappers of it (samplers) take
+            return storage.write_part(self.run_dir, number, table, record)
+        return storage.write_part(self.run_dir, number, table, record, name)
 
     def show_progress(self) -> None:
         """Rank 0: the batches finished, and every row written or solved so far."""
