@@ -343,8 +343,8 @@ class BatchLoop:
         run_dir, manifest, job = self.run_dir, self.manifest, self.job
         storage.remove_temporaries(run_dir)
         done = set(storage.part_files(run_dir))
-        if self.config.intervene:  # a batch is done when both of its parts are (the interventions' is written first)
-            done &= set(storage.part_files(run_dir, storage.INTERVENTIONS))
+        for table in storage.run_tables(manifest):  # a batch is done when each of its parts is (write_outputs)
+            done &= set(storage.part_files(run_dir, table))
         manifest["segments"].append({
             "segment": len(manifest["segments"]),
             **storage.process_identity(),
