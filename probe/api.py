@@ -74,9 +74,9 @@ class Run:
     @property
     def name(self) -> str:
         """The run's name as titles show it (``--name``, or the model's real name)."""
-        from probe.report.data import model_name
+        from probe.report.data import run_title
 
-        return model_name(self.manifest)
+        return run_title(self.manifest)
 
     def _open(self):
         """A fresh query over the run's checked part files (a damaged run refused, or read with a warning)."""
@@ -115,10 +115,27 @@ class Run:
     def select(self, *, space: str | None = None, alpha: float | None = None, attention_type: str | None = None,
                layer: int | None = None, head: int | None = None, example: int | Sequence[int] | None = None,
                trivial: bool | None = None, columns: Sequence[str] | None = None) -> "pd.DataFrame":
-        """The rows of one slice as a pandas DataFrame, sorted by the row key: any of ``space``, ``alpha``
-        (within a relative 1e-12), ``attention_type``, ``layer``, ``head``, ``example`` (one or several),
-        ``trivial`` (False: leave out rows with one key); ``columns`` (default: every stored column).
-        Refused with a :class:`ProbeError` when the slice would exceed the memory budget."""
+        """The rows of one slice as a pandas DataFrame, sorted by the row key; every argument left out
+        (``None``) selects all of its values.
+
+        Args:
+            space: the parameterisation, ``"hidden"`` or ``"key"``.
+            alpha: the strength, matched within a relative 1e-12.
+            attention_type: ``"self"``, ``"causal_self"``, ``"encoder_self"``, ``"decoder_self"`` or ``"cross"``.
+            layer: the layer, from 0 within its attention type.
+            head: the query head, from 0.
+            example: one example's index in the dataset, or several.
+            trivial: ``False`` leaves out the rows with one key (``lambda* = alpha z`` by construction),
+                ``True`` keeps only them.
+            columns: the columns to read (default: every stored column).
+
+        Returns:
+            The slice's rows, with a fresh index.
+
+        Raises:
+            ProbeError: the slice would exceed the memory budget (``PROBE_MEMORY_BUDGET``); the message
+                names the lazy ways (:meth:`sql`, :attr:`query`).
+        """
         from probe.query import where
 
         equal = {k: v for k, v in dict(attention_type=attention_type, layer=layer, head=head).items() if v is not None}

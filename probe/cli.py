@@ -29,9 +29,9 @@ from probe.core.errors import exit_with  # light: no torch
 from probe.run_options import with_run_options
 
 # Idle OpenMP threads sleep instead of spinning: on a machine shared with other work, spinning threads
-# fight the neighbours for cores (bench/results_e2e_threads.md).  The solver's many small operations
-# would pay for waking the sleeping threads each time, so it runs its tiles side by side instead, one
-# thread each (probe/solve/parallel.py, bench/results_parallel.md).  It must be set before
+# fight the neighbours for cores.  The solver's many small operations would pay for waking the sleeping
+# threads each time, so it runs its tiles side by side instead, one thread each (probe/solve/parallel.py).
+# It must be set before
 # torch loads its OpenMP runtime, so here, before any probe module imports torch (they are imported in
 # the commands); a value already in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -443,7 +443,7 @@ def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
     truncated = dataset.get("truncated_examples")
     typer.echo(f"texts: {dataset.get('n_examples', 0):,} ({dataset.get('description')})"
                + (f"; {truncated:,} cut to {dataset.get('max_length')} tokens (--max-length)" if truncated else "")
-               + (f"; {describe(unknown)}" if unknown else ""))  # no count in a run of an older probe
+               + (f"; {describe(unknown)}" if unknown else ""))  # none in a version-1 run (storage.FORMAT_VERSION)
     typer.echo(f"run directory: {run_dir}")
     if report_next:
         typer.echo(f"next: probe report {shlex.quote(str(run_dir))}   (figures, tables and index.html)")

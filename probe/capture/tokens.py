@@ -61,7 +61,7 @@ def unknown_tokens(tokenizer, texts: list[str], max_length: int) -> dict:
 
 def describe(record: dict | None) -> str | None:
     """``5,067 tokens, 12 of them [UNK] (0.2%)`` (or why none is unknown), for the final lines and the report;
-    None for a run recorded before the count."""
+    None for a run that records no count (a version-1 run may not)."""
     if not isinstance(record, dict):
         return None
     if record.get("token") is None:

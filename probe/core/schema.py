@@ -6,8 +6,8 @@ reads them.  The row key is ``(space, alpha, attention_type, layer, head, exampl
 
 import pyarrow as pa
 
-#: Columns, in order, with their Arrow types.  The model is named once, in the run's manifest (``model``);
-#: runs written before that have a ``model`` column first, which readers ignore.
+#: Columns, in order, with their Arrow types.  The model is named once, in the run's manifest (``model``); a
+#: version-1 run may have a ``model`` column first, which readers ignore (probe.store.storage.FORMAT_VERSION).
 DEVIATION_SCHEMA = pa.schema(
     [
         # "self" (encoders); "encoder_self" / "decoder_self" / "cross" (encoder-decoders); "causal_self"

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from contextlib import contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -157,161 +158,233 @@ def _cloned(value):
     return value
 
 
-@contextmanager
-def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | None = None,
-                  start_at: int | None = None, record: Trace | None = None, record_until: int | None = None):
-    """Within the block, every eager attention call of ``loaded.model`` runs the family's own eager
-    attention, builds the call's :class:`SiteCapture` (as the adapter's capture does) and hands it to
-    ``at_site``; weights it returns replace the call's attention weights (module docstring).  A site
-    function with an ``only`` attribute (the name of the one site it substitutes) gets ``None`` for the
-    site: it needs no :class:`SiteCapture`, and none is built.
+class Substitution:
+    """Within ``with Substitution(loaded, inputs, at_site):``, every eager attention call of ``loaded.model``
+    runs the family's own eager attention, builds the call's :class:`SiteCapture` (as the adapter's capture
+    does) and hands it to ``at_site``; weights it returns replace the call's attention weights (module
+    docstring).  A site function with an ``only`` attribute (the name of the one site it substitutes) gets
+    ``None`` for the site: it needs no :class:`SiteCapture`, and none is built.
 
     ``trace`` with ``start_at``: block calls before that index return their recorded outputs (their sites
-    count as called).  ``record`` (an empty :class:`Trace`): the block calls of this forward are recorded
-    into it, replayed ones included; only those before ``record_until`` when given."""
-    adapter = loaded.adapter
-    layout = layout_of(loaded)
-    sites, names = layout.sites, layout.names
-    roles = adapter._roles(inputs)
-    key_inputs: dict = {}
-    handles = []
-    if adapter.family.key is not None:
-        for module in sites:
-            handles.append(getattr(module, adapter.family.key).register_forward_pre_hook(
-                lambda _, args, module=module: key_inputs.__setitem__(module, args[0].detach())
-            ))
-    per_type: dict[str, int] = {}
-    called: set = set()
-    block_calls = {"count": 0, "current": None}  # block calls so far; the recorded one now running
-    replay = trace is not None and start_at is not None
-    patched: list = []
-    recent: dict = {}  # recording: projection -> [calls in this block call, its last output]
-    only = getattr(at_site, "only", None)
-    pending: dict = {}  # replaying: projection -> the output it gave in the traced forward
-    if replay and start_at < len(trace.sites) and trace.sites[start_at]:  # up to the block's first attention call
-        pending = dict(trace.projections.get(trace.sites[start_at][0], {}))
-    if replay or record is not None:
-        if layout.blocks is None:
-            raise ValueError("this model's sites are not in ModuleList blocks: no trace")
-        if record is not None:
-            def projected(module, _args, output):
-                if block_calls["current"] is not None:
-                    entry = recent.setdefault(module, [0, None])
-                    entry[0] += 1
-                    entry[1] = output.detach().clone() if isinstance(output, torch.Tensor) else None
+    count as called), and so do the projections of the first site's module computed before its attention
+    call in the block call it starts at.  ``record`` (an empty :class:`Trace`): the block calls of this
+    forward are recorded into it, replayed ones included; only those before ``record_until`` when given.
 
-            for projections in layout.projections.values():
-                for projection in projections:
-                    handles.append(projection.register_forward_hook(projected))
-        for projection in pending:
+    On exit every hook and wrapper is removed (also after an exception); after a forward that went
+    through, a site that never called the eager attention function is an error (its weights could not
+    be substituted).
+    """
+
+    def __init__(self, loaded, inputs: dict, at_site: SiteFunction, trace: Trace | None = None,
+                 start_at: int | None = None, record: Trace | None = None, record_until: int | None = None):
+        self.adapter, self.layout = loaded.adapter, layout_of(loaded)
+        self.roles = self.adapter._roles(inputs)
+        self.at_site, self.only = at_site, getattr(at_site, "only", None)
+        self.trace, self.start_at = trace, start_at
+        self.replay = trace is not None and start_at is not None
+        self.record, self.record_until = record, record_until
+        self.key_inputs: dict = {}  # site module -> the hidden state its key projection took
+        self.per_type: dict[str, int] = {}  # attention type -> its sites called so far (the next one's layer)
+        self.called: set = set()  # the site modules called (or replayed)
+        self.block_calls = 0  # block calls so far
+        self.recording: int | None = None  # the index of the recorded block call now running
+        self.recent: dict = {}  # recording: projection -> [calls in this block call, its last output]
+        self.pending: dict = {}  # replaying: projection -> the output it gave in the traced forward
+        self.handles: list = []  # hooks to remove
+        self.patched: list = []  # (module, its own ``forward`` attribute or None) to put back
+        self.registration = ExitStack()
+
+    def __enter__(self) -> "Substitution":
+        if (self.replay or self.record is not None) and self.layout.blocks is None:
+            raise ValueError("this model's sites are not in ModuleList blocks: no trace")
+        try:
+            self.hook_key_inputs()
+            if self.record is not None:
+                self.hook_projections()
+            if self.replay:
+                self.answer_projections()
+            if self.replay or self.record is not None:
+                for block in self.layout.blocks:
+                    self.patch(block, self.block_forward(block.forward))
+            # the model runs probe's attention function; this thread's calls go to the substitution
+            self.registration.enter_context(runs_probe_attention(self.loaded.model))
+            self.registration.enter_context(attention_handler(partial(Substitution.attention, self),
+                                                              "attention substitution and capture blocks"))
+        except BaseException:
+            self.undo()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        self.undo()
+        if exc_type is None:
+            self.check_every_site_called()
+        return False
+
+    def undo(self) -> None:
+        """The model as it was: the registration, hooks and wrapped ``forward`` methods removed."""
+        self.registration.close()
+        for handle in self.handles:
+            handle.remove()
+        for module, previous_forward in reversed(self.patched):
+            if previous_forward is None:
+                del module.forward
+            else:
+                module.forward = previous_forward
+        self.handles, self.patched = [], []
+
+    def patch(self, module: torch.nn.Module, forward: Callable) -> None:
+        self.patched.append((module, module.__dict__.get("forward")))
+        module.forward = forward
+
+    # -- what the sites take in
+
+    def hook_key_inputs(self) -> None:
+        """Keep the hidden state each site's key projection takes (the hidden space's templates)."""
+        key = self.adapter.family.key
+        if key is None:
+            return
+        for module in self.layout.sites:
+            self.handles.append(getattr(module, key).register_forward_pre_hook(
+                lambda _, args, module=module: self.key_inputs.__setitem__(module, args[0].detach())
+            ))
+
+    def hook_projections(self) -> None:
+        """Recording: each projection's calls within the running block call, and its last output."""
+
+        def projected(module, _args, output):
+            if self.recording is not None:
+                entry = self.recent.setdefault(module, [0, None])
+                entry[0] += 1
+                entry[1] = output.detach().clone() if isinstance(output, torch.Tensor) else None
+
+        for projections in self.layout.projections.values():
+            for projection in projections:
+                self.handles.append(projection.register_forward_hook(projected))
+
+    def answer_projections(self) -> None:
+        """Replaying: the projections computed before the first attention call of the block call the
+        forward starts at give their recorded outputs (once each)."""
+        trace, start_at = self.trace, self.start_at
+        if start_at < len(trace.sites) and trace.sites[start_at]:
+            self.pending = dict(trace.projections.get(trace.sites[start_at][0], {}))
+        for projection in self.pending:
             def answering(*args, projection=projection, original=projection.forward, **kwargs):
-                answer = pending.pop(projection, None)
+                answer = self.pending.pop(projection, None)
                 return original(*args, **kwargs) if answer is None else answer.clone()
 
-            patched.append((projection, projection.__dict__.get("forward")))
-            projection.forward = answering
+            self.patch(projection, answering)
 
-        def through(original):
-            def forward(*args, **kwargs):
-                index = block_calls["count"]
-                block_calls["count"] += 1
-                keep = record is not None and (record_until is None or index < record_until)
-                if replay and index < start_at:
-                    for name in trace.sites[index]:
-                        kind = name.rsplit(":", 1)[0]
-                        per_type[kind] = per_type.get(kind, 0) + 1
-                        called.add(trace.modules[name])
-                    if keep:
-                        record.outputs.append(_cloned(trace.outputs[index]))
-                        record.sites.append(list(trace.sites[index]))
-                        for name in trace.sites[index]:
-                            record.block_of[name], record.modules[name] = index, trace.modules[name]
-                    return _cloned(trace.outputs[index])
-                if keep:
-                    record.outputs.append(None)
-                    record.sites.append([])
-                    recent.clear()
-                outer, block_calls["current"] = block_calls["current"], index if keep else None
-                try:
-                    output = original(*args, **kwargs)
-                finally:
-                    block_calls["current"] = outer
-                if keep:
-                    record.outputs[index] = _cloned(output)  # later layers may change it in place
-                return output
-            return forward
+    # -- block calls: replayed or recorded
 
-        for block in layout.blocks:
-            patched.append((block, block.__dict__.get("forward")))
-            block.forward = through(block.forward)
+    def block_forward(self, original: Callable) -> Callable:
+        """A block's ``forward``: replayed from the trace before ``start_at``, recorded when recording."""
 
-    def substituting_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        def forward(*args, **kwargs):
+            index = self.block_calls
+            self.block_calls += 1
+            keep = self.record is not None and (self.record_until is None or index < self.record_until)
+            if self.replay and index < self.start_at:
+                return self.replayed(index, keep)
+            if keep:
+                self.record.outputs.append(None)
+                self.record.sites.append([])
+                self.recent.clear()
+            outer, self.recording = self.recording, index if keep else None
+            try:
+                output = original(*args, **kwargs)
+            finally:
+                self.recording = outer
+            if keep:
+                self.record.outputs[index] = _cloned(output)  # later layers may change it in place
+            return output
+
+        return forward
+
+    def replayed(self, index: int, keep: bool):
+        """The recorded output of block call ``index``, its sites counted as called (and recorded again)."""
+        trace = self.trace
+        for name in trace.sites[index]:
+            kind = name.rsplit(":", 1)[0]
+            self.per_type[kind] = self.per_type.get(kind, 0) + 1
+            self.called.add(trace.modules[name])
+        if keep:
+            self.record.outputs.append(_cloned(trace.outputs[index]))
+            self.record.sites.append(list(trace.sites[index]))
+            for name in trace.sites[index]:
+                self.record.block_of[name], self.record.modules[name] = index, trace.modules[name]
+        return _cloned(trace.outputs[index])
+
+    def record_site(self, name: str, module: torch.nn.Module) -> None:
+        """Recording: the site called in the running block call, with its projections computed once in
+        that block call before this attention call."""
+        current, record, projections = self.recording, self.record, self.layout.projections[module]
+        record.sites[current].append(name)
+        record.block_of[name], record.modules[name] = current, module
+        record.projections[name] = {
+            projection: self.recent[projection][1] for projection in projections
+            if self.recent.get(projection, [0])[0] == 1 and self.recent[projection][1] is not None
+        }
+        for projection in projections:
+            self.recent.pop(projection, None)
+
+    # -- the attention calls
+
+    def attention(self, module, query, key, value, attention_mask, *args, **kwargs):
+        """The eager attention function while substituting: the family's own, then ``at_site``'s weights
+        (if any) times the values."""
         output, probs, call = eager_call(module, query, key, value, attention_mask, *args, **kwargs)
-        attention_type = sites.get(module)
+        attention_type = self.layout.sites.get(module)
         if attention_type is None:
             raise ProbeError(
-                f"{names.get(module, type(module).__name__)} computed attention but is not declared as a site of "
-                f"{adapter.family.name}: add it to the family's sites."
+                f"{self.layout.names.get(module, type(module).__name__)} computed attention but is not declared as "
+                f"a site of {self.adapter.family.name}: add it to the family's sites."
             )
-        layer = per_type.get(attention_type, 0)
-        per_type[attention_type] = layer + 1
-        called.add(module)
+        layer = self.per_type.get(attention_type, 0)
+        self.per_type[attention_type] = layer + 1
+        self.called.add(module)
         name = site_name(attention_type, layer)
-        current = block_calls["current"]
-        if current is not None:
-            record.sites[current].append(name)
-            record.block_of[name], record.modules[name] = current, module
-            record.projections[name] = {  # computed once in this block call, before this attention call
-                projection: recent[projection][1] for projection in layout.projections[module]
-                if recent.get(projection, [0])[0] == 1 and recent[projection][1] is not None
-            }
-            for projection in layout.projections[module]:
-                recent.pop(projection, None)
-        pending.clear()  # an attention call: the projections before it are done
-        if only is not None:  # a function that substitutes one site: no SiteCapture anywhere
-            key_inputs.pop(module, None)
-            if name != only:
+        if self.recording is not None:
+            self.record_site(name, module)
+        self.pending.clear()  # an attention call: the projections before it are done
+        if self.only is not None:  # a function that substitutes one site: no SiteCapture anywhere
+            self.key_inputs.pop(module, None)
+            if name != self.only:
                 return output, probs
-            weights = at_site(name, None)
+            weights = self.at_site(name, None)
         else:
-            site = adapter._site(call, attention_type, layer, roles[attention_type], key_inputs.pop(module, None))
-            weights = at_site(name, site)
+            site = self.adapter._site(call, attention_type, layer, self.roles[attention_type],
+                                      self.key_inputs.pop(module, None))
+            weights = self.at_site(name, site)
         if weights is None:
             return output, probs
         values = _repeat_kv(value, query.shape[1])
-        if type(module) not in layout.checked:
-            expected = torch.matmul(probs, values).transpose(1, 2)
-            tolerance = 64 * torch.finfo(output.dtype).eps  # the same product as eager's: rounding at most
-            scale = float(output.abs().max()) if output.numel() else 0.0
-            close = expected.shape == output.shape and torch.allclose(
-                expected, output, rtol=0, atol=tolerance * (1 + scale))
-            if not close:
-                raise ProbeError(
-                    f"{type(module).__name__}'s eager attention does not return (probs @ values) in the form probe "
-                    "substitutes, so its attention weights cannot be replaced; this family cannot intervene."
-                )
-            layout.checked.add(type(module))
+        self.check_output_form(module, output, probs, values)
         weights = weights.to(device=value.device, dtype=value.dtype)
         return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
 
-    try:
-        with runs_probe_attention(loaded.model), attention_handler(substituting_attention,
-                                                              "attention substitution and capture blocks"):
-            yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        for block, previous_forward in patched:
-            if previous_forward is None:
-                del block.forward
-            else:
-                block.forward = previous_forward
-    silent = [names[module] for module in sites if module not in called]
-    if silent:
-        raise ProbeError(
-            f"{', '.join(silent[:3])} computed attention without transformers' eager attention function, so "
-            "probe could not substitute its weights: its family computes attention in code of its own."
-        )
+    def check_output_form(self, module, output: torch.Tensor, probs: torch.Tensor, values: torch.Tensor) -> None:
+        """Once per attention class: its eager output is ``probs @ values`` (what substitution replaces)."""
+        if type(module) in self.layout.checked:
+            return
+        expected = torch.matmul(probs, values).transpose(1, 2)
+        tolerance = 64 * torch.finfo(output.dtype).eps  # the same product as eager's: rounding at most
+        scale = float(output.abs().max()) if output.numel() else 0.0
+        close = expected.shape == output.shape and torch.allclose(expected, output, rtol=0, atol=tolerance * (1 + scale))
+        if not close:
+            raise ProbeError(
+                f"{type(module).__name__}'s eager attention does not return (probs @ values) in the form probe "
+                "substitutes, so its attention weights cannot be replaced; this family cannot intervene."
+            )
+        self.layout.checked.add(type(module))
+
+    def check_every_site_called(self) -> None:
+        silent = [self.layout.names[module] for module in self.layout.sites if module not in self.called]
+        if silent:
+            raise ProbeError(
+                f"{', '.join(silent[:3])} computed attention without transformers' eager attention function, so "
+                "probe could not substitute its weights: its family computes attention in code of its own."
+            )
 
 
 @torch.no_grad()
@@ -334,8 +407,8 @@ def run_forward(loaded, inputs: dict, at_site: SiteFunction | None = None, *, tr
     grabbed = {}
     handle = target.register_forward_hook(lambda _m, _a, output: grabbed.__setitem__("hidden", output[0]))
     try:
-        with _substituting(loaded, inputs, at_site or (lambda name, site: None), trace, start_at, record,
-                           record_until):
+        with Substitution(loaded, inputs, at_site or (lambda name, site: None), trace, start_at, record,
+                          record_until):
             output = model(**inputs, **layout_of(loaded).extra)
     finally:
         handle.remove()

@@ -7,8 +7,7 @@ pages of the system, and returns free memory at the top of its heap beyond its t
 way the next tensor of that size pays for page faults and for pages zeroed again.  :func:`kept_heap`
 sets both thresholds for the duration of a run (mmap above 32 MiB only, trim beyond 1 GiB) and
 restores glibc's defaults afterwards, releasing what was kept.  Measured on captured MiniLM sites at
-128 tokens (one thread, every step of a site): 0.65 to 0.70 s a site against 0.73 to 1.03 s
-(``bench/NOTES.md``).
+128 tokens (one thread, every step of a site): 0.65 to 0.70 s a site against 0.73 to 1.03 s.
 
 Nothing changes where the C library is not glibc, or where the user set glibc's own ``MALLOC_*``
 variables (their settings stand).

@@ -55,6 +55,7 @@ def new_manifest(job: Job, unknown_tokens: dict) -> dict:
     local_data = config.dataset.name is not None and Path(config.dataset.name).expanduser().exists()
     model_directory = None if in_memory else fingerprint.model_directory(config.model, config.revision)
     return {
+        "format_version": storage.FORMAT_VERSION,
         "probe_version": __version__,
         "name": run_name(config),
         "status": "running",
@@ -313,7 +314,7 @@ def intervention_totals(run_dir: Path, manifest: dict) -> dict:
     together; whole) the records, solves not converged and mean effects (over the values that are numbers:
     ``None`` where there is none, as for the LM loss without an LM head).  On one thread, so that the sums
     are taken in one order and a resumed run's totals equal an uninterrupted one's."""
-    from probe.query import connect, parquet_source
+    from probe.store.engine import connect, parquet_source
 
     files = list(storage.part_files(run_dir, storage.INTERVENTIONS).values())
     if not files:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import pyarrow as pa
 import torch
@@ -28,7 +30,7 @@ from probe.batch.rows import Summary, process_batch
 from probe.capture.data import DatasetSpec
 from probe.capture.loading import LoadedModel
 from probe.core import naming
-from probe.core.config import RunConfig, config_from_json, config_to_json  # noqa: F401 (probe.pipeline.runner.RunConfig, as before)
+from probe.core.config import RunConfig, config_from_json
 from probe.core.environment import check_environment
 from probe.core.errors import ProbeError, RunIOError
 from probe.pipeline import allocator, distributed, fingerprint
@@ -56,42 +58,6 @@ from probe.store import integrity, storage
 #: at the end.  The part files are the record of what is finished (resume reads them); the manifest's
 #: running totals and heartbeat (stale after at least 600 s) are for whoever watches the run.
 REPORT_EVERY_S = 1.0
-
-
-# --------------------------------------------------------------------------------------------------
-# preparing a run: model, texts, batch plan
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-# --------------------------------------------------------------------------------------------------
-# the manifest
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -134,7 +100,8 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
             for table in storage.run_tables(manifest)):
         return run_dir
     if "config" not in manifest or not (run_dir / storage.PARTS).is_dir():
-        raise ProbeError(f"{run_dir} was written by an older probe that cannot resume runs. Start a new `probe run`.")
+        raise ProbeError(f"{run_dir} does not record the settings a resume needs (a version-1 run without them). "
+                         "Start a new `probe run`.")
     if manifest.get("status") == "running":
         alive, how = storage.writer_alive(manifest["process"])
         raise ProbeError(f"{run_dir} is still running ({how}). Stop that process first, or wait for it.")
@@ -227,7 +194,7 @@ def _execute(run_dir: Path, manifest: dict | None, job: Job, stops: Stops, group
     freed memory for reuse meanwhile (:mod:`probe.pipeline.allocator`)."""
     with allocator.kept_heap():
         try:
-            return _execute_batches(run_dir, manifest, job, stops, group)
+            return BatchLoop(run_dir, manifest, job, stops, group).run()
         except OSError as error:  # the disk, not the input: one paragraph and its own exit status
             if not _is_run_io_error(run_dir, error):
                 raise
@@ -283,19 +250,101 @@ def _io_error(run_dir: Path, error: OSError, manifest: dict | None) -> RunIOErro
     )
 
 
-def _execute_batches(run_dir: Path, manifest: dict | None, job: Job, stops: Stops, group: distributed.Group) -> Path:
-    config, ranks = job.config, group.ranks
-    rank_info = group.gather({
-        "rank": ranks.rank, **storage.process_identity(), "device": str(job.device),
-        "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "newton_iterations": native.describe(job.device), **job.timings,
-    })
+@dataclass
+class BatchOutputs:
+    """What one batch of the plan gives: its rows, their summary, the seconds spent capturing and solving,
+    and, with ``--intervene``, its interventions table."""
 
-    def start() -> tuple[list[int], int]:  # rank 0: the batches left, and a new segment in the manifest
+    rows: pa.Table
+    summary: Summary
+    seconds: dict
+    interventions: pa.Table | None = None
+
+
+@dataclass
+class BatchInFlight:
+    """A batch whose capture is done and whose last solves may still be running (in the lane)."""
+
+    number: int
+    started: float  #: ``time.perf_counter()`` when its capture started
+    finish: Callable[[], BatchOutputs]  #: waits for its solves
+
+
+class BatchLoop:
+    """One segment of a run: every batch of the plan that has no part file yet, computed and written.
+
+    With several processes, rank r takes every world-th of those batches.  Batch k + 1 is captured while
+    batch k's last stack is solved in the lane (a CPU run on several threads without a memory budget; on
+    one thread, as with one process per core, the two would only take turns); each batch's outputs are
+    written once both are done, in the plan's order (:meth:`commit`).  Rank 0 keeps the manifest: it
+    opens the segment (:meth:`start_segment`), folds every part written into the run's totals and
+    rewrites the manifest at most every :data:`REPORT_EVERY_S` (:meth:`report`), follows the other ranks
+    until every batch has its part, and records the stop or the completion.
+    """
+
+    def __init__(self, run_dir: Path, manifest: dict | None, job: Job, stops: Stops, group: distributed.Group):
+        self.run_dir, self.manifest, self.job, self.stops, self.group = run_dir, manifest, job, stops, group
+        self.config, self.ranks = job.config, group.ranks
+        self.segment: dict | None = None  # rank 0: this segment's entry in the manifest
+        self.segment_number = 0
+        self.index: PartIndex | None = None  # rank 0: every part file of the run read so far
+        self.progress = None
+        self.lane: Lane | None = None
+        self.longest_batch_s = 0.0
+        self.reported_at, self.report_every_s = time.perf_counter(), REPORT_EVERY_S
+        self.rows_in_flight = 0  # rank 0: rows solved in batches not written yet
+        self.showing = threading.Lock()  # the progress is told from the lane's thread too
+
+    def run(self) -> Path:
+        """Compute and write the batches left; record the segment's stop or the run's completion."""
+        rank_info = self.group.gather(self.rank_info())
+        todo, self.segment_number = self.group.from_main(lambda: self.start_segment(rank_info))
+        if self.group.main:
+            self.segment = self.manifest["segments"][-1]
+            self.index = PartIndex(self.run_dir, self.config.fidelity_tolerance, storage.part_records(self.manifest))
+            if self.config.intervene:
+                self.index.with_interventions(storage.part_records(self.manifest, storage.INTERVENTIONS))
+            self.index.refresh()  # the parts of earlier segments (resume); later, this process's own
+        total = len(self.job.batches)
+        self.progress = _progress(total, total - len(todo), self.config.progress and self.group.main)
+        if self.group.main:  # a resumed run's bar counts the rows of its earlier segments too
+            self.progress.set_postfix(rows=f"{self.index.summary.rows:,}", refresh=False)
+        self.lane = self.new_lane()
+        try:
+            self.compute(todo[self.ranks.rank :: self.ranks.world])
+            if self.group.main:
+                self.follow_other_ranks()
+            with self.stops.interruptible():  # a stop that arrived while the last batch was written
+                pass
+        except BaseException as error:
+            self.close()
+            if self.group.main:
+                record_stop(self.run_dir, self.manifest, self.segment, self.index, error, self.job.started)
+            if isinstance(error, KeyboardInterrupt):  # Ctrl-C before our handler, or raised by a library
+                raise RunStopped(signal.SIGINT, self.run_dir, self.manifest, self.ranks.rank) from error
+            if isinstance(error, RunStopped):
+                error.run_dir, error.manifest, error.rank = self.run_dir, self.manifest, self.ranks.rank
+            raise
+        self.close()
+        if self.group.main:
+            record_completion(self.run_dir, self.manifest, self.segment, self.index, self.config, self.job.started)
+        return self.run_dir
+
+    def rank_info(self) -> dict:
+        """This process, as the segment's ``ranks`` entry records it."""
+        return {
+            "rank": self.ranks.rank, **storage.process_identity(), "device": str(self.job.device),
+            "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "newton_iterations": native.describe(self.job.device), **self.job.timings,
+        }
+
+    def start_segment(self, rank_info: list[dict]) -> tuple[list[int], int]:
+        """Rank 0: the batches left, and the number of the new segment it adds to the manifest."""
+        run_dir, manifest, job = self.run_dir, self.manifest, self.job
         storage.remove_temporaries(run_dir)
         done = set(storage.part_files(run_dir))
-        if config.intervene:  # a batch is done when both of its parts are (the interventions' is written first)
-            done &= set(storage.part_files(run_dir, storage.INTERVENTIONS))
+        for table in storage.run_tables(manifest):  # a batch is done when each of its parts is (write_outputs)
+            done &= set(storage.part_files(run_dir, table))
         manifest["segments"].append({
             "segment": len(manifest["segments"]),
             **storage.process_identity(),
@@ -303,7 +352,7 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: Job, stops: Stop
             "started_at": now(),
             "device": str(job.device),
             "versions": package_versions(),
-            "processes": ranks.world,
+            "processes": self.ranks.world,
             "ranks": rank_info,
             "batches": 0,
             "timings_s": {**job.timings, "capture_s": 0.0, "solve_s": 0.0, "write_s": 0.0, "total_s": 0.0},
@@ -315,114 +364,116 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: Job, stops: Stop
         storage.write_manifest(run_dir, manifest)
         return [batch for batch in range(len(job.batches)) if batch not in done], len(manifest["segments"]) - 1
 
-    todo, segment_number = group.from_main(start)
-    index = PartIndex(run_dir, config.fidelity_tolerance, storage.part_records(manifest)) if group.main else None
-    if group.main and config.intervene:
-        index.with_interventions(storage.part_records(manifest, storage.INTERVENTIONS))
-    if group.main:
-        index.refresh()  # the parts of earlier segments (resume); later, this process's own as it writes them
-    segment = manifest["segments"][-1] if group.main else None
-    longest_batch_s, reported_at, report_every_s = 0.0, time.perf_counter(), REPORT_EVERY_S
-    progress = _progress(len(job.batches), len(job.batches) - len(todo), config.progress and group.main)
-    if group.main:  # a resumed run's bar counts the rows of its earlier segments too
-        index.refresh()
-        progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)
+    def new_lane(self) -> Lane | None:
+        """The lane that solves a batch's last stack while the next batch is captured, where it pays."""
+        threads = torch.get_num_threads()
+        on_cpu = self.job.device.type == "cpu"
+        return Lane(threads) if on_cpu and threads > 1 and self.config.max_memory_bytes is None else None
 
-    def report() -> None:  # rank 0: progress, totals and heartbeat into the manifest
-        nonlocal reported_at, report_every_s
-        if ranks.world > 1:
+    def compute(self, batches: list[int]) -> None:
+        """Capture each batch (its solves start), then commit the one before it."""
+        in_flight = None
+        for number in batches:
+            started = time.perf_counter()
+            with self.stops.interruptible():
+                finish = _start_batch(self.job, number, self.lane, self.solved if self.group.main else None)
+            if in_flight is not None:
+                self.commit(in_flight)
+            in_flight = BatchInFlight(number, started, finish)
+        if in_flight is not None:
+            self.commit(in_flight)
+
+    def commit(self, batch: BatchInFlight) -> None:
+        """Wait for the batch's solves and write its outputs; rank 0 counts it and reports when due."""
+        with self.stops.interruptible():  # a stop while the batch is computed drops it
+            outputs = batch.finish()
+        written = time.perf_counter()
+        path = self.write_outputs(batch.number, outputs)
+        self.longest_batch_s = max(self.longest_batch_s, time.perf_counter() - batch.started)
+        if self.group.main:
+            self.segment["timings_s"]["write_s"] += time.perf_counter() - written
+            self.index.add(batch.number, path, written=True)
+            with self.showing:
+                self.rows_in_flight -= outputs.rows.num_rows
+            self.show_progress()
+            if time.perf_counter() - self.reported_at >= self.report_every_s:
+                self.report()
+
+    def write_outputs(self, number: int, outputs: BatchOutputs) -> Path:
+        """Write the batch's part files, one per table; returns the deviations' part, written last: a batch
+        whose deviations part exists has all of its parts (what resume counts as done)."""
+        if outputs.interventions is not None:
+            self.write_part(number, outputs.interventions, {"rows": outputs.interventions.num_rows}, outputs.seconds,
+                            storage.INTERVENTIONS)
+        return self.write_part(number, outputs.rows, outputs.summary.state(), outputs.seconds)
+
+    def write_part(self, number: int, table: pa.Table, summary: dict, seconds: dict, name: str = storage.PARTS) -> Path:
+        """One part file of table ``name`` (atomically), with the record resume and the readers check."""
+        record = {
+            "examples": [self.job.texts.indices[i] for i in self.job.batches[number]],
+            "segment": self.segment_number,
+            "rank": self.ranks.rank,
+            "summary": summary,
+            "seconds": seconds,
+        }
+        if name == storage.PARTS:  # write_part's own default: the call that wrappers of it (samplers) take
+            return storage.write_part(self.run_dir, number, table, record)
+        return storage.write_part(self.run_dir, number, table, record, name)
+
+    def show_progress(self) -> None:
+        """Rank 0: the batches finished, and every row written or solved so far."""
+        with self.showing:
+            self.progress.set_postfix(rows=f"{self.index.summary.rows + self.rows_in_flight:,}", refresh=False)
+            self.progress.update(len(self.index.records) - self.progress.n)
+
+    def solved(self, rows: int) -> None:
+        """Rank 0: ``rows`` more rows solved within a batch (a long batch's progress moves with them)."""
+        with self.showing:
+            self.rows_in_flight += rows
+            self.progress.set_postfix(rows=f"{self.index.summary.rows + self.rows_in_flight:,}", refresh=False)
+            self.progress.tick()
+
+    def report(self) -> None:
+        """Rank 0: progress, totals and heartbeat into the manifest."""
+        index, manifest = self.index, self.manifest
+        if self.ranks.world > 1:
             index.refresh()  # the other ranks' parts
-        index.fold_into(segment)
-        segment["timings_s"]["total_s"] = time.perf_counter() - job.started
+        index.fold_into(self.segment)
+        self.segment["timings_s"]["total_s"] = time.perf_counter() - self.job.started
         manifest.update(
             batches_done=len(index.records),
             **index.tables(manifest),
-            process=storage.heartbeat(storage.process_identity(), max(600.0, 10 * longest_batch_s)),
+            process=storage.heartbeat(storage.process_identity(), max(600.0, 10 * self.longest_batch_s)),
             solver=index.summary.solver(),
             deviations=index.summary.settings(),
             fidelity=index.summary.fidelity_summary(),
             timings_s=timings_of(manifest),
         )
         written = time.perf_counter()
-        storage.write_manifest(run_dir, manifest)
-        progress.update(len(index.records) - progress.n)
-        progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)
-        reported_at = time.perf_counter()
+        storage.write_manifest(self.run_dir, manifest)
+        self.show_progress()
+        self.reported_at = time.perf_counter()
         # the manifest grows by a part record per batch: at most 1% of the time goes into rewriting it
-        report_every_s = max(REPORT_EVERY_S, 100 * (reported_at - written))
+        self.report_every_s = max(REPORT_EVERY_S, 100 * (self.reported_at - written))
 
-    def commit(batch, finish, batch_started) -> None:  # wait for the batch's solves and write its part file
-        nonlocal longest_batch_s
-        with stops.interruptible():  # a stop while the batch is computed drops it
-            table, batch_summary, seconds, interventions = finish()
-        written = time.perf_counter()
-        if interventions is not None:  # first: a batch whose deviations part exists has its interventions too
-            storage.write_part(run_dir, batch, interventions, {
-                "examples": [job.texts.indices[i] for i in job.batches[batch]], "segment": segment_number,
-                "rank": ranks.rank, "summary": {"rows": interventions.num_rows}, "seconds": seconds,
-            }, storage.INTERVENTIONS)
-        path = storage.write_part(run_dir, batch, table, {
-            "examples": [job.texts.indices[i] for i in job.batches[batch]],
-            "segment": segment_number,
-            "rank": ranks.rank,
-            "summary": batch_summary.state(),
-            "seconds": seconds,
-        })
-        longest_batch_s = max(longest_batch_s, time.perf_counter() - batch_started)
-        if group.main:
-            segment["timings_s"]["write_s"] += time.perf_counter() - written
-            index.add(batch, path, written=True)
-            progress.set_postfix(rows=f"{index.summary.rows:,}", refresh=False)  # every row written so far
-            progress.update(len(index.records) - progress.n)
-            if time.perf_counter() - reported_at >= report_every_s:
-                report()
+    def follow_other_ranks(self) -> None:
+        """Rank 0: wait until every batch of the plan has its part file, reporting as the others write."""
+        while (finished := self.index.refresh()) < len(self.job.batches):
+            if finished > self.progress.n or time.perf_counter() - self.reported_at > 10:
+                self.report()
+            with self.stops.interruptible():
+                time.sleep(0.1)
 
-    # Batch k + 1 is captured while batch k's last stack is solved in the lane (a CPU run on several
-    # threads without a memory budget; on one thread, as with one process per core, the two would only
-    # take turns); its part file is written once both are done, in the plan's order.
-    threads = torch.get_num_threads()
-    lane = Lane(threads) if job.device.type == "cpu" and threads > 1 and config.max_memory_bytes is None else None
-    try:
-        in_flight = None  # (batch, finish, started) of the batch whose solves may still be running
-        for batch in todo[ranks.rank :: ranks.world]:
-            batch_started = time.perf_counter()
-            with stops.interruptible():
-                finish = _start_batch(job, batch, lane)
-            if in_flight is not None:
-                commit(*in_flight)
-            in_flight = (batch, finish, batch_started)
-        if in_flight is not None:
-            commit(*in_flight)
-        if group.main:  # follow the other ranks until every batch has its part file
-            while (finished := index.refresh()) < len(job.batches):
-                if finished > progress.n or time.perf_counter() - reported_at > 10:
-                    report()
-                with stops.interruptible():
-                    time.sleep(0.1)
-        with stops.interruptible():  # a stop that arrived while the last batch was written
-            pass
-    except BaseException as error:
-        progress.close()
-        if lane is not None:
-            lane.close()
-        if group.main:
-            record_stop(run_dir, manifest, segment, index, error, job.started)
-        if isinstance(error, KeyboardInterrupt):  # Ctrl-C before our handler, or raised by a library
-            raise RunStopped(signal.SIGINT, run_dir, manifest, ranks.rank) from error
-        if isinstance(error, RunStopped):
-            error.run_dir, error.manifest, error.rank = run_dir, manifest, ranks.rank
-        raise
-    progress.close()
-    if lane is not None:
-        lane.close()
-    if group.main:
-        record_completion(run_dir, manifest, segment, index, config, job.started)
-    return run_dir
+    def close(self) -> None:
+        self.progress.close()
+        if self.lane is not None:
+            self.lane.close()
 
 
-def _start_batch(job: Job, batch: int, lane=None):
+def _start_batch(job: Job, batch: int, lane=None, on_rows: Callable[[int], None] | None = None,
+                 ) -> Callable[[], BatchOutputs]:
     """Capture one batch of the plan and start its solves (in ``lane``, if any); returns a function that
-    waits for them and returns the batch's rows, its summary and the seconds spent capturing and solving."""
+    waits for them and returns the batch's outputs.  ``on_rows``: told the rows of each site as they are solved."""
     positions = job.batches[batch]
     texts = [job.texts.texts[i] for i in positions]
     targets = [job.texts.targets[i] for i in positions] if job.texts.targets is not None else None
@@ -441,27 +492,19 @@ def _start_batch(job: Job, batch: int, lane=None):
             records.extend(batch_records(job.loaded, inputs, example_ids, intervention_config, emit))
             records.append(time.perf_counter() - started)
 
-    wait = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context, lane, capture,
+    wait = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context, lane, capture, on_rows,
                          selection=job.selection)
 
-    def finish() -> tuple[pa.Table, Summary, dict, pa.Table | None]:
+    def finish() -> BatchOutputs:
         tables, seconds = wait()
         if records is None:
-            return pa.concat_tables(tables), summary, seconds, None
+            return BatchOutputs(pa.concat_tables(tables), summary, seconds)
         from probe.interventions import records_table
 
         seconds = dict(seconds, intervene=records[-1])  # the whole forward work, row capture included
-        return pa.concat_tables(tables), summary, seconds, records_table(records[:-1])
+        return BatchOutputs(pa.concat_tables(tables), summary, seconds, records_table(records[:-1]))
 
     return finish
-
-
-
-
-
-
-
-
 
 
 def _progress(total: int, initial: int, enabled: bool):

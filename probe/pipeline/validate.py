@@ -53,7 +53,7 @@ from probe.capture.hub import (
 )
 from probe.capture.tokens import check_unknown_tokens, unknown_tokens
 from probe.capture.truncation import cut_texts, kept_characters
-from probe.core.config import (  # noqa: F401 (INITS: probe.pipeline.validate.INITS, as before)
+from probe.core.config import (
     DTYPE_NAMES,
     INITS,
     INTERVENTION_MODES,

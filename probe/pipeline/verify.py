@@ -178,10 +178,12 @@ def _sample_rows(check: integrity.PartsCheck, sample: int, seed: int) -> pa.Tabl
 
 def _load_job(run_dir: Path, manifest: dict):
     """The model, texts and batch plan as resume loads them (refused if the model files or texts changed)."""
-    from probe.pipeline.runner import config_from_json, prepare_resume
+    from probe.core.config import config_from_json
+    from probe.pipeline.runner import prepare_resume
 
     if "config" not in manifest or "inputs" not in manifest:
-        raise ProbeError(f"{run_dir} was written by an older probe that did not record its inputs: cannot re-solve.")
+        raise ProbeError(f"{run_dir} does not record the settings and inputs it was computed from (a version-1 run "
+                         "without them), so its rows cannot be re-solved; `probe verify --sample 0` checks its parts.")
     config = config_from_json(manifest["config"])
     config.progress = False
     return prepare_resume(run_dir, manifest, config, config.device)
@@ -207,9 +209,19 @@ def _batch_sites(job, batch: int, needed: set[tuple[str, int]]) -> dict:
     return sites, [job.texts.indices[i] for i in positions]
 
 
-def _row_problem(site, space: str, alpha: float, position: int, head: int, query: int):
-    """The reduced problem of one row: Gram matrix, logits s (alpha = 1), ||z||^2 (alpha = 1), log u, and
-    the values v_i of the row's head (k, d_v)."""
+@dataclass
+class RowProblem:
+    """The reduced problem of one row, as the reference solve takes it."""
+
+    gram: np.ndarray  #: the Gram matrix of the templates, (k, k)
+    logits: np.ndarray  #: s = T z at alpha = 1, (k,)
+    evidence_sqnorm: float  #: ||z||^2 at alpha = 1
+    log_u: np.ndarray  #: log u, -inf where a key is excluded, (k,)
+    values: np.ndarray  #: the values v_i of the row's head, (k, d_v)
+
+
+def _row_problem(site, space: str, alpha: float, position: int, head: int, query: int) -> RowProblem:
+    """The reduced problem of one row."""
     import torch
 
     from probe.capture.adapters.base import space_problems
@@ -227,9 +239,9 @@ def _row_problem(site, space: str, alpha: float, position: int, head: int, query
         gram = gram[head // (h // gram.shape[0])]
     log_u = site.log_preference.expand(b, h, q, k)[position, head, column]
     values = site.values[position, head // (h // site.values.shape[1])]  # query head -> its value head
-    return (gram.cpu().numpy(), problems.logits[0, head, column].cpu().numpy(),
-            float(problems.evidence_sqnorm[0, head, column]), log_u.to(dtype=gram.dtype).cpu().numpy(),
-            values.to(torch.float64).cpu().numpy())
+    return RowProblem(gram.cpu().numpy(), problems.logits[0, head, column].cpu().numpy(),
+                      float(problems.evidence_sqnorm[0, head, column]), log_u.to(dtype=gram.dtype).cpu().numpy(),
+                      values.to(torch.float64).cpu().numpy())
 
 
 def _reference(gram, logits, evidence_sqnorm, log_u, alpha, values=None):
@@ -403,8 +415,8 @@ def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
                 )
             problem = _row_problem(site, row["space"], row["alpha"], example_ids.index(row["example"]),
                                    row["head"], row["query"])
-            *problem, values = problem
-            ref = _reference(*problem, row["alpha"], values)
+            ref = _reference(problem.gram, problem.logits, problem.evidence_sqnorm, problem.log_u, row["alpha"],
+                             problem.values)
             if not ref["converged"]:
                 report.reference_not_converged += 1
             bounds = _bounds(row, ref, derived_bounds)

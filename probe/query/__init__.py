@@ -34,56 +34,22 @@ statistics in two passes instead.  Pass 1 counts each group's values in fine log
 octave) together with each bin's minimum, maximum, sum and counts above thresholds, which also give the
 count, mean, min, max and shares; the cumulative counts name the one bin that holds each wanted rank.  Pass
 2 reads only the values of those bins (about 0.5% of a group each), sorts them and picks the ranks.  When
-those values are more than :func:`read_limit` (a share of the budget), the largest bins are first split
-into :data:`SPLIT_BINS` equal sub-bins, all in one more pass, until they fit.  Every quantile is then
+those values are more than :func:`probe.query.sql.read_limit` (a share of the budget), the largest bins are first split
+into :data:`probe.query.sql.SPLIT_BINS` equal sub-bins, all in one more pass, until they fit.  Every quantile is then
 exactly numpy's and pandas' (the "linear" method: ``x[k] + (x[k+1] - x[k]) * f`` at ``k + f = q (n - 1)``),
 and every order statistic the rank-th smallest value: no sketch, no rank error.
 
 The memory budget.  :func:`memory_budget` is what one reader may hold: ``PROBE_MEMORY_BUDGET`` (bytes, or
-with a unit: ``600MB``, ``1.5GiB``) or :data:`DEFAULT_MEMORY_BUDGET`.  DuckDB gets a share of it as its
+with a unit: ``600MB``, ``1.5GiB``) or :data:`probe.store.engine.DEFAULT_MEMORY_BUDGET`.  DuckDB gets a share of it as its
 ``memory_limit``; readers that would materialise rows in pandas (``Run.rows``, :meth:`RunTable.select`)
 compare their estimate with it and refuse, naming the lazy way, instead of being killed for memory.
 """
 
-from probe.query.runs import (
-    LEGACY_COLUMNS,
-    NEEDED_COLUMNS,
-    OPTIONAL_COLUMNS,
-    ROW_BYTES,
-    ROWS,
-    RUN_HINT,
-    RunTable,
-)
-from probe.query.sql import (
-    BINS_PER_OCTAVE,
-    SPLIT_BINS,
-    both,
-    cut_bin,
-    edges_bin,
-    edges_guess,
-    read_limit,
-    where,
-)
-from probe.query.table import Rank, Table, lerp, quantile_ranks
-from probe.store.engine import (
-    DEFAULT_MEMORY_BUDGET,
-    DUCKDB_SHARE,
-    MEMORY_BUDGET_ENV,
-    connect,
-    equals,
-    literal,
-    memory_budget,
-    name,
-    over_budget,
-    parquet_source,
-    parse_size,
-    same_columns,
-)
+from probe.query.runs import RunTable
+from probe.query.sql import both, where
+from probe.query.table import Rank, Table
+from probe.store.engine import memory_budget
 
-__all__ = [
-    "RunTable", "Table", "Rank", "where", "both", "literal", "name", "equals", "connect", "memory_budget",
-    "parse_size", "over_budget", "parquet_source", "same_columns", "cut_bin", "edges_bin", "edges_guess",
-    "read_limit", "quantile_ranks", "lerp", "MEMORY_BUDGET_ENV", "DEFAULT_MEMORY_BUDGET", "DUCKDB_SHARE",
-    "BINS_PER_OCTAVE", "SPLIT_BINS", "NEEDED_COLUMNS", "OPTIONAL_COLUMNS", "LEGACY_COLUMNS", "ROWS", "ROW_BYTES",
-    "RUN_HINT",
-]
+#: what a reader calls; probe's own modules import the rest (columns, SQL helpers, the engine's settings)
+#: from the modules that define them
+__all__ = ["RunTable", "Table", "Rank", "where", "both", "memory_budget"]

@@ -27,13 +27,14 @@ from probe.store.engine import (
 
 #: columns the report cannot do without
 NEEDED_COLUMNS = ("attention_type", "layer", "head", "example", "query", "rel_deviation", "converged")
-#: columns runs written by older versions lack (read as nulls; ``trivial`` then comes from ``n_keys``)
+#: columns a version-1 run may lack (:data:`probe.store.storage.FORMAT_VERSION`; read as nulls, ``trivial``
+#: then from ``n_keys``)
 OPTIONAL_COLUMNS = (
     "alpha", "space", "n_keys", "trivial", "token", "token_role", "second_order_deviation",
     "attention_tv", "output_deviation", "evidence_norm", "attention_entropy",
 )
-#: columns of runs written by older versions, read when present: ``model`` (the model on every row; runs
-#: now name it once, in the manifest)
+#: columns of a version-1 run, read when present: ``model`` (the model on every row, where a run of version 2
+#: names it once, in the manifest)
 LEGACY_COLUMNS = ("model",)
 #: the view's name for readers' SQL
 ROWS = "rows"
@@ -104,7 +105,7 @@ class RunTable(Table):
              connection=None, view: str = ROWS) -> "RunTable":
         """A run directory's table after :func:`probe.store.integrity.require_intact`: a damaged run is refused
         unless ``allow_damaged`` (then its intact parts are read and :attr:`check` says what is left out).
-        A single ``deviations.parquet`` file (runs of older versions, exports) is read as it is."""
+        A single ``deviations.parquet`` file (a version-1 run's, an export) is read as it is."""
         from probe.store.integrity import require_intact
         from probe.store.storage import PARTS
 
@@ -155,7 +156,7 @@ class RunTable(Table):
 
     @property
     def stored_columns(self) -> list[str]:
-        """The columns the part files hold, in their order (the ``model`` column of old runs left out)."""
+        """The columns the part files hold, in their order (a version-1 run's ``model`` column left out)."""
         return [c for c in (self.schema.names if self.schema is not None else []) if c not in LEGACY_COLUMNS]
 
     def count(self, where_sql: str = "TRUE") -> int:

@@ -13,7 +13,7 @@ from probe.store.engine import equals, literal, memory_budget, name
 def where(*, space=..., alpha=..., trivial: bool | None = None, **equal) -> str:
     """A SQL predicate over the ``rows`` view: the one place that says what a slice and trivial rows are.
 
-    ``space`` and ``alpha`` select one (space, alpha) slice; ``None`` (an old run without the column)
+    ``space`` and ``alpha`` select one (space, alpha) slice; ``None`` (a version-1 run without the column)
     matches every row, as the report always has; alpha matches within a relative 1e-12, like
     ``numpy.isclose(alpha, value, rtol=1e-12, atol=0)``.  ``trivial=False`` leaves out the rows with one key
     (``lambda* = alpha z`` by construction), ``True`` keeps only them.  Other keywords are equalities

@@ -30,7 +30,7 @@ from probe.core.spelling import option
 from probe.report import explorer
 from probe.report.breakdowns import drivers_figure, positions_figure, roles_figure
 from probe.report.compare import compare_runs
-from probe.report.data import Run, read_run
+from probe.report.data import ReportRun, read_run
 from probe.report.figures import (
     heads_figure,
     heatmap_figure,
@@ -58,7 +58,7 @@ from probe.report.summary import (
 __all__ = ["FORMATS", "Drawn", "build_report", "compare_runs", "draw_figures", "read_run"]
 
 
-def draw_figures(run: Run, summary, scale: Scale):
+def draw_figures(run: ReportRun, summary, scale: Scale):
     """Every figure of the report, in page order (a generator of :class:`Drawn`; call inside ``style()``).
 
     Figures whose data is absent (no ``token_role``, one alpha, a quantity not computed) are skipped.
@@ -81,7 +81,7 @@ def draw_figures(run: Run, summary, scale: Scale):
             yield drawn
 
 
-def _interventions_section(run: Run, out_dir: Path, formats, allow_damaged: bool) -> str:
+def _interventions_section(run: ReportRun, out_dir: Path, formats, allow_damaged: bool) -> str:
     """The interventions section of a run with ``--intervene`` (its figure and ``interventions.csv`` written
     into ``out_dir``); "" for a run without."""
     from probe.report import interventions
@@ -100,7 +100,7 @@ def _interventions_section(run: Run, out_dir: Path, formats, allow_damaged: bool
     return interventions.section_html(table, facts, figure_html(drawn))
 
 
-def _control(run: Run, control: str | Path | None) -> dict | None:
+def _control(run: ReportRun, control: str | Path | None) -> dict | None:
     """The control run's headline numbers (:func:`probe.report.summary.control_headline`): the one given, else
     the one the manifest's ``control`` names (relative to the run directory; a note on the page when it is
     gone); None without either."""

@@ -12,8 +12,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import LogNorm
 
-from probe.query import Table, both, cut_bin, edges_bin, edges_guess, literal, where
-from probe.report.data import DRIVER_QUANTILES, DRIVERS, Run, type_label
+from probe.query import Table, both, where
+from probe.query.sql import cut_bin, edges_bin, edges_guess
+from probe.report.data import DRIVER_QUANTILES, DRIVERS, ReportRun, type_label
 from probe.report.style import (
     CMAP,
     DEVIATION_LABEL,
@@ -25,6 +26,7 @@ from probe.report.style import (
     new_figure,
     suptitle,
 )
+from probe.store.engine import literal
 
 #: A (layer, position) cell of the position heatmap needs this many rows, or it is left blank.
 MIN_POSITION_ROWS = 20
@@ -39,7 +41,7 @@ SPEARMAN_ROWS = 1_000_000
 DENSITY_BINS = 60
 
 
-def position_grid(run: Run, attention_type: str) -> pd.DataFrame:
+def position_grid(run: ReportRun, attention_type: str) -> pd.DataFrame:
     """Mean deviation per (layer, query position), NaN where a cell has fewer than MIN_POSITION_ROWS rows."""
     cells = run.groups["position"]
     cells = cells[cells["attention_type"] == attention_type]
@@ -53,11 +55,11 @@ def position_grid(run: Run, attention_type: str) -> pd.DataFrame:
     return grid.loc[:, keep.min() : keep.max()] if len(keep) else grid.iloc[:, :0]
 
 
-def _measured_types(run: Run) -> list[str]:
+def _measured_types(run: ReportRun) -> list[str]:
     return [t for t in run.types if run.counts(t)["rows"] > run.counts(t)["trivial"]]
 
 
-def roles_figure(run: Run, scale: Scale) -> Drawn | None:
+def roles_figure(run: ReportRun, scale: Scale) -> Drawn | None:
     """Mean and p95 per layer for each token role, one panel per attention type (needs ``token_role``)."""
     if not run.has("token_role"):
         return None
@@ -91,7 +93,7 @@ def roles_figure(run: Run, scale: Scale) -> Drawn | None:
     return Drawn("roles", caption, figure)
 
 
-def positions_figure(run: Run, attention_type: str, scale: Scale) -> Drawn | None:
+def positions_figure(run: ReportRun, attention_type: str, scale: Scale) -> Drawn | None:
     """Layer x query position heatmap of the mean deviation, on the report's shared colour scale."""
     grid = position_grid(run, attention_type)
     if grid.empty:
@@ -125,7 +127,7 @@ def density(ax, counts: np.ndarray, x_edges: np.ndarray, y_edges: np.ndarray) ->
     ax.set_ylim(y_edges[[0, -1]])
 
 
-def _drivers_source(run: Run, drivers: list[str]) -> Table:
+def _drivers_source(run: ReportRun, drivers: list[str]) -> Table:
     """The main slice's non-trivial rows with a deviation, one row per driver value (``driver``, ``x``)."""
     return Table(run.table.connection, "(" + " UNION ALL ".join(  # one scan each: cheaper than UNPIVOT
         f"SELECT attention_type, rel_deviation, {literal(d)} AS driver, CAST({d} AS DOUBLE) AS x FROM "
@@ -137,7 +139,7 @@ def _is_driver(key: tuple[str, str]) -> str:
     return f"attention_type = {literal(key[0])} AND driver = {literal(key[1])}"
 
 
-def driver_bins(run: Run) -> dict:
+def driver_bins(run: ReportRun) -> dict:
     """Per (attention type, driver) with more than one value: ``rows`` (rows with both values), the driver's
     range ``min``, ``max``, its bins (``discrete``: its own values, when at most :data:`DISCRETE_VALUES`,
     all close to integers; else ``edges``: :data:`probe.report.data.QUANTILE_BINS` quantile bins as ``pandas.qcut`` makes
@@ -189,7 +191,7 @@ def driver_bins(run: Run) -> dict:
     return found
 
 
-def _densities(run: Run, found: dict, y_edges: np.ndarray) -> dict:
+def _densities(run: ReportRun, found: dict, y_edges: np.ndarray) -> dict:
     """The 2-D histogram counts (driver x deviation) of each (attention type, driver): one pass, a grouping
     set per driver."""
     drivers = sorted({d for _, d in found})
@@ -222,7 +224,7 @@ def _densities(run: Run, found: dict, y_edges: np.ndarray) -> dict:
     return counts
 
 
-def spearman(run: Run, attention_type: str, drivers: list[str]) -> dict[str, tuple[float, int]]:
+def spearman(run: ReportRun, attention_type: str, drivers: list[str]) -> dict[str, tuple[float, int]]:
     """Spearman's rank correlation of the deviation with each driver over the rows of one attention type that
     have both: ``(rho, rows used)``; over every row up to :data:`SPEARMAN_ROWS`, else over a deterministic
     sample of about that many (a row is kept by the hash of its key)."""
@@ -240,7 +242,7 @@ def spearman(run: Run, attention_type: str, drivers: list[str]) -> dict[str, tup
     return out
 
 
-def drivers_figure(run: Run, attention_type: str, scale: Scale) -> Drawn | None:
+def drivers_figure(run: ReportRun, attention_type: str, scale: Scale) -> Drawn | None:
     """Deviation against n_keys, attention entropy and ||alpha z||: a 2-D histogram of the rows with the
     binned mean and 95th percentile, and Spearman's rank correlation in the panel title."""
     found = driver_bins(run)

@@ -28,8 +28,7 @@ from probe.core.destination import check_destination, writing
 from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.spelling import option
-from probe.query import connect
-from probe.report.data import FAR, Run, lookup, read_run, type_label
+from probe.report.data import FAR, ReportRun, lookup, read_run, type_label
 from probe.report.series import is_series, write_series
 from probe.report.style import (
     DEVIATION_LABEL,
@@ -42,19 +41,20 @@ from probe.report.style import (
     style,
     suptitle,
 )
+from probe.store.engine import connect
 
 COMPARE_COLUMNS = ("run", "model", "run_dir", "attention_type", "layers", "rows", "trivial", "count", "mean", "median",
                    "p95", "max", f"share_above_{FAR:g}")
 RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 
 
-def _slices(run: Run) -> set:
+def _slices(run: ReportRun) -> set:
     keys = run.census[["space", "alpha"]].astype({"space": object}).drop_duplicates()
     return {(None if pd.isna(s) else str(s), None if pd.isna(a) else round(float(a), 12))
             for s, a in keys.itertuples(index=False)}
 
 
-def common_slice(runs: list[Run]) -> tuple[str | None, float | None]:
+def common_slice(runs: list[ReportRun]) -> tuple[str | None, float | None]:
     """The (space, alpha) every run has: alpha 1 / hidden space preferred; ProbeError when there is none."""
     shared = set.intersection(*(_slices(run) for run in runs))
     if not shared:
@@ -70,7 +70,7 @@ def common_slice(runs: list[Run]) -> tuple[str | None, float | None]:
     return min(shared, key=preference)
 
 
-def _labels(runs: list[Run], names: Sequence[str] | None) -> list[str]:
+def _labels(runs: list[ReportRun], names: Sequence[str] | None) -> list[str]:
     """One label per run: given names, else model names made unique with the run directory's name."""
     if names:
         if len(names) != len(runs):
@@ -83,7 +83,7 @@ def _labels(runs: list[Run], names: Sequence[str] | None) -> list[str]:
     return labels
 
 
-def comparison_table(runs: list[Run], labels: list[str], types: list[str]) -> pd.DataFrame:
+def comparison_table(runs: list[ReportRun], labels: list[str], types: list[str]) -> pd.DataFrame:
     """Per run and attention type: layers, rows, trivial rows, and statistics of the non-trivial rows."""
     records = []
     for run, label in zip(runs, labels):
@@ -118,7 +118,7 @@ def rounded(value) -> str:
     return f"{float(value):.{SIGNIFICANT}g}"
 
 
-def is_control(run: Run) -> bool:
+def is_control(run: ReportRun) -> bool:
     """Whether a run is a control: its weights are a random initialisation (``probe run --init random``)."""
     init = lookup(run.manifest, "model", "init") or lookup(run.manifest, "init")
     return isinstance(init, str) and init not in ("", "pretrained")
@@ -171,7 +171,7 @@ def relative_depth(layers: pd.Series | np.ndarray, n_layers: int) -> np.ndarray:
     return (np.asarray(layers, dtype=float) + 1) / n_layers
 
 
-def depth_figure(runs: list[Run], labels: list[str], types: list[str], x_max: float, title: str) -> Drawn:
+def depth_figure(runs: list[ReportRun], labels: list[str], types: list[str], x_max: float, title: str) -> Drawn:
     figure = new_figure(max(6.5, 4.4 * len(types) + 1.0), 4.6)
     axes = figure.subplots(1, len(types), squeeze=False, sharey=True)[0]
     for ax, attention_type in zip(axes, types):
@@ -194,7 +194,7 @@ def depth_figure(runs: list[Run], labels: list[str], types: list[str], x_max: fl
     return Drawn("depth", caption, figure)
 
 
-def ecdf_figure(runs: list[Run], labels: list[str], types: list[str], x_max: float, title: str) -> Drawn:
+def ecdf_figure(runs: list[ReportRun], labels: list[str], types: list[str], x_max: float, title: str) -> Drawn:
     figure = new_figure(max(6.5, 4.4 * len(types) + 1.0), 4.4)
     axes = figure.subplots(1, len(types), squeeze=False, sharex=True, sharey=True)[0]
     edges = np.linspace(0.0, x_max * 1.02, ECDF_BINS + 1)
@@ -216,7 +216,7 @@ def ecdf_figure(runs: list[Run], labels: list[str], types: list[str], x_max: flo
     return Drawn("ecdf", caption, figure)
 
 
-def _interventions_html(runs: list[Run], labels: list[str], out_dir: Path, allow_damaged: bool) -> str:
+def _interventions_html(runs: list[ReportRun], labels: list[str], out_dir: Path, allow_damaged: bool) -> str:
     """Runs with ``--intervene``: their mean effects per (site, substitute) side by side, written to
     ``compare_interventions.csv`` too; "" unless at least two of the runs have interventions."""
     from probe.report.interventions import compare_effects, effects, open_interventions

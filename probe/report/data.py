@@ -1,7 +1,7 @@
 """Reading a run directory: the deviations table (a parquet file or a directory of part files) as a query,
 the manifest, what to call the model and the data, and which slice (space, alpha) the main figures show.
 
-A :class:`Run` holds a query over the rows (:class:`probe.query.RunTable`), never the rows: every number
+A :class:`ReportRun` holds a query over the rows (:class:`probe.query.RunTable`), never the rows: every number
 the report shows is asked of DuckDB (:mod:`probe.query`), so the report's memory grows with what it shows
 (layers x heads x types, the explorer's worst rows, figure bins), not with the rows.  The questions several
 parts of the report share (the census of rows, the relative deviation's statistics at every level, the
@@ -23,22 +23,13 @@ import numpy as np
 import pandas as pd
 
 from probe.core.errors import ProbeError
-from probe.query import (
-    LEGACY_COLUMNS,
-    NEEDED_COLUMNS,
-    OPTIONAL_COLUMNS,
-    RUN_HINT,
-    Rank,
-    RunTable,
-    Table,
-    both,
-    literal,
-    where,
-)
+from probe.query import Rank, RunTable, Table, both, where
+from probe.query.runs import LEGACY_COLUMNS, NEEDED_COLUMNS, OPTIONAL_COLUMNS, RUN_HINT
+from probe.store.engine import literal
 from probe.store.integrity import DamagedRunWarning, require_intact
-from probe.store.storage import MANIFEST, with_liveness
+from probe.store.storage import MANIFEST, check_format, with_liveness
 
-__all__ = ["NEEDED_COLUMNS", "OPTIONAL_COLUMNS", "LEGACY_COLUMNS", "RUN_HINT", "Run", "read_run"]
+__all__ = ["NEEDED_COLUMNS", "OPTIONAL_COLUMNS", "LEGACY_COLUMNS", "RUN_HINT", "ReportRun", "read_run"]
 
 #: Known attention types, in the order figures and tables show them; unknown ones follow, sorted.
 TYPE_ORDER = ("self", "causal_self", "encoder_self", "decoder_self", "cross")
@@ -95,7 +86,7 @@ def ordered_types(types) -> list[str]:
 
 def in_slice(frame: pd.DataFrame, space: str | None, alpha: float | None) -> pd.DataFrame:
     """The rows of a statistics frame (with ``space`` and ``alpha`` columns) in one slice; a ``None`` key
-    matches every row (old runs have one slice), alpha within a relative 1e-12 as :func:`probe.query.where`."""
+    matches every row (a version-1 run may have one slice), alpha within a relative 1e-12 as :func:`probe.query.where`."""
     keep = np.ones(len(frame), dtype=bool)
     if space is not None:
         keep &= (frame["space"] == space).fillna(False).to_numpy(dtype=bool)
@@ -109,8 +100,8 @@ WORST_ROWS = 8
 
 
 @dataclass
-class Run:
-    """A run directory as the report sees it: a query over its rows, and the small answers it needs.
+class ReportRun:
+    """A run directory as the report sees it (:class:`probe.Run` is the API's view of it): a query over its rows, and the small answers it needs.
 
     ``table`` is the rows (:class:`probe.query.RunTable`: every slice, ``trivial`` filled in from ``n_keys``
     where a run did not record it).  Trivial rows (``n_keys == 1``: ``lambda* = alpha z`` by construction)
@@ -316,7 +307,7 @@ def main_slice(census: pd.DataFrame) -> tuple[str | None, float | None]:
 
 
 def census(table: RunTable) -> pd.DataFrame:
-    """Row counts per (space, alpha, attention type, layer, head): see :class:`Run`.  One pass."""
+    """Row counts per (space, alpha, attention type, layer, head): see :class:`ReportRun`.  One pass."""
     paired = "NOT trivial AND rel_deviation IS NOT NULL AND second_order_deviation IS NOT NULL"
     counted = {
         "rows": "count(*)", "trivial": "count_if(trivial)", "non_converged": "count_if(NOT converged)",
@@ -364,12 +355,12 @@ def _looks_like_path(text: str) -> bool:
     return text.startswith(("/", ".", "~")) or "\\" in text or text.count("/") > 1
 
 
-def model_name(manifest: dict, rows: pd.DataFrame | None = None) -> str:
+def run_title(manifest: dict, rows: pd.DataFrame | None = None) -> str:
     """The run as a reader knows it: the name given with ``probe run --name``; else the model's real
     name as the run recorded it (``model.name``, read from its files by :mod:`probe.core.naming`), its hub id,
-    or the name of its directory for a local model (runs written before names were recorded); for the
-    oldest runs, the ``model`` column of ``rows`` (a frame with at least one of its values).  A
-    random-initialisation control (``init`` in the manifest) is marked as such."""
+    or the name of its directory for a local model; for a version-1 run that records neither
+    (:data:`probe.store.storage.FORMAT_VERSION`), the ``model`` column of ``rows`` (a frame with at least one
+    of its values).  A random-initialisation control (``init`` in the manifest) is marked as such."""
     given = lookup(manifest, "config", "name")
     if isinstance(given, str) and given.strip():
         return given
@@ -439,7 +430,7 @@ def shorten(text: str, limit: int = 32) -> str:
     return text[: limit - 1] + "…"
 
 
-def note_data_problems(run: Run) -> None:
+def note_data_problems(run: ReportRun) -> None:
     """Page warnings for an empty or interrupted run, non-converged solves and a failed fidelity check."""
     counts = run.counts(main=False)
     if not counts["rows"]:
@@ -486,7 +477,7 @@ def _texts_covered(table: RunTable, manifest: dict) -> int | None:
 
 
 def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: bool = False, connection=None,
-             view: str = "rows") -> Run:
+             view: str = "rows") -> ReportRun:
     """Read a run directory (``deviations.parquet`` file or directory, and ``manifest.json``) as a query.
 
     Raises :class:`ProbeError` when the directory or its table is missing or unreadable; a missing or
@@ -508,6 +499,7 @@ def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: boo
             "Pass the run directory printed by `probe run` (it holds deviations.parquet and manifest.json)."
         )
     manifest, problem = load_manifest(run_dir / MANIFEST)
+    check_format(manifest, run_dir / MANIFEST)  # a run of a newer format is refused, not misread
     manifest = with_liveness(manifest)  # a "running" run whose process is gone was interrupted
     table, notes = open_table(run_dir, manifest, problem, allow_damaged=allow_damaged, connection=connection,
                               view=view)
@@ -519,10 +511,10 @@ def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: boo
     legacy = None
     if "model" in (table.schema.names if table.schema is not None else []):
         legacy = table.frame(f"SELECT model FROM {table.relation_name} WHERE model IS NOT NULL LIMIT 1")
-    run = Run(
+    run = ReportRun(
         run_dir=run_dir,
         manifest=manifest,
-        name=name.strip() if name and name.strip() else model_name(manifest, legacy),
+        name=name.strip() if name and name.strip() else run_title(manifest, legacy),
         dataset=dataset_text(manifest, _texts_covered(table, manifest)),
         table=table,
         census=counted,
@@ -538,7 +530,7 @@ def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: boo
 # the query tokens' context
 
 
-def token_sequences(run: Run, keys: set[tuple[str, int]]) -> dict[tuple[str, int], list[str]]:
+def token_sequences(run: ReportRun, keys: set[tuple[str, int]]) -> dict[tuple[str, int], list[str]]:
     """The query tokens of each wanted (attention type, example), in query order.
 
     Every real token of a sequence is a query of every head, so one head's rows spell the sequence out

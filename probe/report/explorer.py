@@ -20,7 +20,7 @@ import pandas as pd
 from probe.report.data import (
     TARGET_QUERY_TYPES,
     WORST_ROWS,
-    Run,
+    ReportRun,
     lookup,
     token_sequences,
     type_label,
@@ -62,17 +62,17 @@ def recover_texts(manifest: dict) -> dict[int, str]:
     return dict(zip(texts.indices, texts.texts))
 
 
-def worst_rows(run: Run) -> pd.DataFrame:
+def worst_rows(run: ReportRun) -> pd.DataFrame:
     """The :data:`WORST_ROWS` rows of largest deviation of each head in the main slice (ties: the earlier
     example and query first), with their token, role and number of keys: one pass, given each head's
-    threshold (:attr:`Run.deviation`'s ``top``)."""
+    threshold (:attr:`ReportRun.deviation`'s ``top``)."""
     thresholds = run.main_deviation("head").rename(columns={"top": "threshold"})
     return run.table.top_rows("rel_deviation", WORST_ROWS, ("attention_type", "layer", "head"), run.measured_where,
                               columns=("example", "query", "token", "token_role", "n_keys"),
                               order=("example", "query"), thresholds=thresholds)
 
 
-def payload(run: Run, head_stats: pd.DataFrame, scale: Scale, texts: dict[int, str] | None = None) -> dict:
+def payload(run: ReportRun, head_stats: pd.DataFrame, scale: Scale, texts: dict[int, str] | None = None) -> dict:
     """The explorer's data: per attention type and head, statistics, histogram counts and worst rows."""
     from probe.report.figures import head_histograms
 
@@ -129,7 +129,7 @@ def _color(value: float, vmax: float) -> tuple[str, str]:
     return mpl.colors.to_hex((r, g, b)), "#111" if luminance > 0.5 else "#fff"
 
 
-def heatmap_tables(run: Run, head_stats: pd.DataFrame, scale: Scale) -> str:
+def heatmap_tables(run: ReportRun, head_stats: pd.DataFrame, scale: Scale) -> str:
     """One clickable layer x head table per attention type, coloured by the head's mean."""
     esc = html.escape
     parts = []
@@ -176,7 +176,7 @@ def _legend(scale: Scale) -> str:
     )
 
 
-def filters(run: Run) -> str:
+def filters(run: ReportRun) -> str:
     """Buttons that filter the page by attention type and by layer."""
     layers = sorted({int(v) for v in run.main_census["layer"].unique()})
     type_buttons = "".join(

@@ -23,7 +23,7 @@ import seaborn as sns
 from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator, NullFormatter
 
 from probe.report.breakdowns import position_grid
-from probe.report.data import Run, in_slice, type_label
+from probe.report.data import ReportRun, in_slice, type_label
 from probe.report.style import (
     CMAP,
     DEVIATION_LABEL,
@@ -50,11 +50,11 @@ ANNOTATE_MAX_HEADS = 16
 ANNOTATE_MAX_CELLS = 400
 
 
-def report_scale(run: Run, head_stats: pd.DataFrame) -> Scale:
+def report_scale(run: ReportRun, head_stats: pd.DataFrame) -> Scale:
     """The report's shared x range, bins and colour range, from the main slice's non-trivial rows.
 
     ``head_stats`` is the summary's head level in the main slice (its means and p95s are heatmap cells).
-    The bins come from exact quantiles (:attr:`Run.deviation`, :attr:`Run.averaged`), never from the rows.
+    The bins come from exact quantiles (:attr:`ReportRun.deviation`, :attr:`ReportRun.averaged`), never from the rows.
     """
     pooled = run.main_deviation("slice")
     finite_max = pooled["max"].to_numpy(dtype=float)
@@ -88,7 +88,7 @@ def _counts_line(counts: dict) -> str:
     )
 
 
-def layer_histograms(run: Run, edges: np.ndarray) -> pd.DataFrame:
+def layer_histograms(run: ReportRun, edges: np.ndarray) -> pd.DataFrame:
     """Counts of the head-averaged values of the main slice per (attention type, layer) on ``edges``."""
     key = ("layer_histograms", edges.tobytes())
     if key not in run.memo:
@@ -97,7 +97,7 @@ def layer_histograms(run: Run, edges: np.ndarray) -> pd.DataFrame:
     return run.memo[key]
 
 
-def head_histograms(run: Run, edges: np.ndarray) -> pd.DataFrame:
+def head_histograms(run: ReportRun, edges: np.ndarray) -> pd.DataFrame:
     """Counts of the main slice's non-trivial deviations per (attention type, layer, head) on ``edges``."""
     key = ("head_histograms", edges.tobytes())
     if key not in run.memo:
@@ -111,7 +111,7 @@ def ecdf_edges(x_end: float) -> np.ndarray:
     return np.linspace(0.0, x_end if x_end > 0 else 1.0, ECDF_BINS + 1)
 
 
-def overview_figure(run: Run, scale: Scale) -> Drawn:
+def overview_figure(run: ReportRun, scale: Scale) -> Drawn:
     """Box plots per layer over every non-trivial row, one panel per attention type, y axis from 0 shared."""
     types = run.types
     layers = {t: run.layers(t) for t in types}
@@ -136,7 +136,7 @@ def overview_figure(run: Run, scale: Scale) -> Drawn:
     return Drawn("overview", caption, figure)
 
 
-def layers_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
+def layers_figure(run: ReportRun, attention_type: str, scale: Scale) -> Drawn:
     """Per-layer histograms of the head-averaged deviation, then all layers on log y, then their ECDFs."""
     stats = in_slice(run.averaged["layer"], run.space, run.alpha)
     stats = stats[stats["attention_type"] == attention_type].set_index("layer")
@@ -190,7 +190,7 @@ def layers_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
     return Drawn(f"layers_{file_stem(attention_type)}", caption, figure, attention_type)
 
 
-def heads_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
+def heads_figure(run: ReportRun, attention_type: str, scale: Scale) -> Drawn:
     """A layers x heads grid of histograms on one log y axis; the figure grows with the grid.
 
     The panels get the same limits set by hand rather than shared axes, and a fixed grid rather than
@@ -246,7 +246,7 @@ def heads_figure(run: Run, attention_type: str, scale: Scale) -> Drawn:
     return Drawn(f"heads_{file_stem(attention_type)}", caption, figure, attention_type, wide=len(head_ids) > 4)
 
 
-def heatmap_figure(run: Run, head_stats: pd.DataFrame, statistic: str, attention_type: str, scale: Scale) -> Drawn:
+def heatmap_figure(run: ReportRun, head_stats: pd.DataFrame, statistic: str, attention_type: str, scale: Scale) -> Drawn:
     """Layer x head heatmap of one statistic (``mean`` or ``p95``) on the report's shared colour scale."""
     stats = head_stats[head_stats["attention_type"] == attention_type]
     grid = stats.pivot(index="layer", columns="head", values=statistic).sort_index().sort_index(axis=1)

@@ -26,10 +26,11 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 
-from probe.query import both, literal, name, where
-from probe.report.data import Run, type_label
+from probe.query import both, where
+from probe.report.data import ReportRun, type_label
+from probe.store.engine import literal, name
 
-#: the groupings a finding can name, by kind: the :attr:`Run.groups` frame and its keys
+#: the groupings a finding can name, by kind: the :attr:`ReportRun.groups` frame and its keys
 KINDS = {"token_role": ("token_role",), "query_position": ("query",), "token": ("token",), "head": ("layer", "head")}
 GROUPS = {"token_role": "token_role", "query_position": "query", "token": "token", "head": "head"}
 #: the confidence level of a finding's interval, over all the groups it was chosen from
@@ -83,7 +84,7 @@ def _top_group(groups: pd.DataFrame, keys, minimum: int, above_total: int) -> di
     }
 
 
-def _grouped(run: Run, kind: str, attention_type: str) -> tuple[pd.DataFrame, int]:
+def _grouped(run: ReportRun, kind: str, attention_type: str) -> tuple[pd.DataFrame, int]:
     """The groups of one kind within one attention type, in key order (rows without a key left out, as
     pandas groups them), and how many of their values lie above the 95th percentile of those values."""
     keys = list(KINDS[kind])
@@ -116,7 +117,7 @@ def _predicate(kind: str, value) -> str:
     return " AND ".join(f"{name(k)} = {literal(v)}" for k, v in zip(KINDS[kind], value if kind == "head" else (value,)))
 
 
-def per_example(run: Run, attention_type: str, candidates: list[dict]) -> tuple[pd.DataFrame, np.ndarray]:
+def per_example(run: ReportRun, attention_type: str, candidates: list[dict]) -> tuple[pd.DataFrame, np.ndarray]:
     """Per example of one attention type (main slice, rows with a deviation): ``n`` and ``sum`` of every row
     and ``n_i``, ``sum_i`` of candidate ``i``'s group; and the rows every two groups share (a matrix, summed
     over the examples).  One pass over the rows."""
@@ -171,7 +172,7 @@ def clears_noise(found: dict) -> bool:
             and found["ratio"] >= MIN_RATIO)
 
 
-def _candidates(run: Run, attention_type: str) -> list[dict]:
+def _candidates(run: ReportRun, attention_type: str) -> list[dict]:
     """The top group of each kind within one attention type (JSON-ready values, no noise test yet)."""
     n = run.counts(attention_type)["measured"]
     if n < 2:
@@ -264,7 +265,7 @@ def _merge(candidates: list[dict], shared: np.ndarray) -> list[dict]:
     return out
 
 
-def analyse(run: Run) -> tuple[list[dict], list[dict]]:
+def analyse(run: ReportRun) -> tuple[list[dict], list[dict]]:
     """The findings of the main slice, per attention type in display order (JSON-ready dicts, merged where
     they describe the same rows), and the candidates that did not clear the noise (:data:`RULE`)."""
     shown, below = [], []
@@ -285,6 +286,6 @@ def analyse(run: Run) -> tuple[list[dict], list[dict]]:
     return shown, below
 
 
-def findings(run: Run) -> list[dict]:
+def findings(run: ReportRun) -> list[dict]:
     """The findings the report shows (:func:`analyse`'s first part)."""
     return analyse(run)[0]

@@ -16,8 +16,9 @@ import numpy as np
 import pandas as pd
 
 from probe.core.schema import INTERVENTION_KEY, INTERVENTION_SCHEMA
-from probe.query import Table, connect, name, parquet_source
+from probe.query import Table
 from probe.report.style import Drawn
+from probe.store.engine import connect, name, parquet_source
 
 #: the effects shown, with how the table names their means
 EFFECTS = {
@@ -93,7 +94,7 @@ def effects(records: Table) -> tuple[pd.DataFrame, dict]:
 
 
 def effects_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """:func:`effects` of intervention records given as a DataFrame (``Run.interventions``)."""
+    """:func:`effects` of intervention records given as a DataFrame (``probe.Run.interventions``)."""
     import pyarrow as pa
 
     connection = connect()

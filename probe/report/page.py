@@ -18,7 +18,7 @@ import pandas as pd
 from probe.capture.tokens import describe as describe_unknown
 from probe.core.version import __version__
 from probe.report import explorer
-from probe.report.data import QUANTILE_METHOD, Run, lookup, type_label
+from probe.report.data import QUANTILE_METHOD, ReportRun, lookup, type_label
 from probe.report.findings import RULE
 from probe.report.style import Saved
 from probe.report.summary import FAR, headline, main_rows, scale_words
@@ -90,7 +90,7 @@ def _format_value(value) -> str:
     return str(value)
 
 
-def one_line(run: Run) -> str:
+def one_line(run: ReportRun) -> str:
     """Model · data · rows · certification · fidelity, from the data and the manifest."""
     main = run.counts()
     trivial = main["trivial"]
@@ -114,7 +114,7 @@ def one_line(run: Run) -> str:
     )
 
 
-def slice_line(run: Run) -> str:
+def slice_line(run: ReportRun) -> str:
     """Which slice the page shows, and which others the run holds."""
     others = []
     if len(run.alphas) > 1:
@@ -129,9 +129,9 @@ def slice_line(run: Run) -> str:
     return html.escape(text + ". Trivial rows (one key, λ* = αz exactly) are left out of every statistic.")
 
 
-def headline_numbers(run: Run, control: dict | None = None) -> str:
-    """The headline numbers per attention type (with the control run's beside them), then what they mean in
-    words (:func:`probe.report.summary.scale_words`)."""
+def headline_html(run: ReportRun, control: dict | None = None) -> str:
+    """The page's headline, as HTML: the numbers per attention type (with the control run's beside them),
+    then what they mean in words (:func:`probe.report.summary.scale_words`)."""
     by_type = (control or {}).get("by_type", {})
     parts, words = [], []
     for item in headline(run):
@@ -156,7 +156,7 @@ def _number(value, fmt: str) -> str:
     return "–" if value is None or not np.isfinite(value) else format(value, fmt)
 
 
-def layer_table(run: Run, summary: pd.DataFrame) -> str:
+def layer_table(run: ReportRun, summary: pd.DataFrame) -> str:
     """Mean and p95 per layer (over every row) for each attention type, side by side."""
     layers = main_rows(summary, run, "layer")
     if layers.empty:
@@ -182,7 +182,7 @@ def layer_table(run: Run, summary: pd.DataFrame) -> str:
     )
 
 
-def _facts(run: Run) -> list[tuple[str, str]]:
+def _facts(run: ReportRun) -> list[tuple[str, str]]:
     manifest = run.manifest
     every = run.counts(main=False)
     facts = [
@@ -191,7 +191,7 @@ def _facts(run: Run) -> list[tuple[str, str]]:
         ("revision", lookup(manifest, "model", "revision")),
         ("dataset", run.dataset),
         ("dataset spec", {k: v for k, v in (lookup(manifest, "dataset") or {}).items() if k != "texts_sha256"}),
-        ("unknown tokens", describe_unknown(lookup(manifest, "unknown_tokens"))),  # probe.capture.tokens; None: older run
+        ("unknown tokens", describe_unknown(lookup(manifest, "unknown_tokens"))),  # probe.capture.tokens; None: a version-1 run
         ("alpha", run.alphas or lookup(manifest, "alpha")),
         ("spaces", run.spaces or None),
         ("attention types", ", ".join(type_label(t) for t in run.types) or "none"),
@@ -228,7 +228,7 @@ def figure_html(figure: Saved) -> str:
     )
 
 
-def page(run: Run, summary: pd.DataFrame, findings: list[dict], figures: list[Saved], explorer_html: str,
+def page(run: ReportRun, summary: pd.DataFrame, findings: list[dict], figures: list[Saved], explorer_html: str,
          explorer_data: dict | None, quantities: pd.DataFrame, interventions_html: str = "",
          control: dict | None = None) -> str:
     """The whole page (``interventions_html``: the section of a run with ``--intervene``,
@@ -277,7 +277,7 @@ def page(run: Run, summary: pd.DataFrame, findings: list[dict], figures: list[Sa
 <p class="slice">{slice_line(run)}</p>
 {f'<ul class="notes">{notes}</ul>' if notes else ""}
 <div class="landing">
-<div id="headline"><h2>Relative deviation ‖λ* − αz‖ / ‖λ*‖ over every row (example × query token × head)</h2>{headline_numbers(run, control)}{layer_table(run, summary)}</div>
+<div id="headline"><h2>Relative deviation ‖λ* − αz‖ / ‖λ*‖ over every row (example × query token × head)</h2>{headline_html(run, control)}{layer_table(run, summary)}</div>
 <div id="findings"><h2>Findings (computed from the rows)</h2><ul class="findings">{finding_items}</ul>
 <p class="note rule">{esc(RULE)}</p></div>
 </div>

@@ -7,8 +7,8 @@
 * ``attention_tv`` and ``output_deviation``: per layer box plots of the attention's total variation
   distance from the exact solution and of the resulting deviation of the head's output.
 
-A figure is skipped when its column is absent or entirely null (old runs, or a pipeline that does
-not compute it yet).  Trivial rows are left out throughout.
+A figure is skipped when its column is absent or entirely null (a version-1 run may lack it:
+:data:`probe.store.storage.FORMAT_VERSION`).  Trivial rows are left out throughout.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
 from probe.query import both, where
 from probe.report.breakdowns import DENSITY_BINS, density
-from probe.report.data import Run, in_slice, type_label
+from probe.report.data import ReportRun, in_slice, type_label
 from probe.report.style import (
     DEVIATION_LABEL,
     HIST_COLOR,
@@ -41,11 +41,11 @@ QUANTITY_LABELS = {
 }
 
 
-def _present_types(run: Run, stats) -> list[str]:
+def _present_types(run: ReportRun, stats) -> list[str]:
     return [t for t in run.types if (stats["attention_type"] == t).any()]
 
 
-def alpha_figure(run: Run) -> Drawn | None:
+def alpha_figure(run: ReportRun) -> Drawn | None:
     """Mean (solid) and p95 (dashed) against alpha, one line per layer; rows: spaces, columns: types."""
     if len(run.alphas) < 2:
         return None
@@ -84,7 +84,7 @@ def alpha_figure(run: Run) -> Drawn | None:
     return Drawn("alpha", caption, figure)
 
 
-def spaces_figure(run: Run, scale: Scale) -> Drawn | None:
+def spaces_figure(run: ReportRun, scale: Scale) -> Drawn | None:
     """Mean and p95 per layer in each space (at the main alpha), one panel per attention type."""
     if len(run.spaces) < 2:
         return None
@@ -111,7 +111,7 @@ def spaces_figure(run: Run, scale: Scale) -> Drawn | None:
     return Drawn("spaces", caption, figure)
 
 
-def second_order_figure(run: Run, scale: Scale) -> Drawn | None:
+def second_order_figure(run: ReportRun, scale: Scale) -> Drawn | None:
     """Per layer mean/p95 of the first- and second-order deviations, and the rows' joint density."""
     if not run.has("second_order_deviation"):
         return None
@@ -156,7 +156,7 @@ def second_order_figure(run: Run, scale: Scale) -> Drawn | None:
     return Drawn("second_order", caption, figure)
 
 
-def quantity_figure(run: Run, column: str) -> Drawn | None:
+def quantity_figure(run: ReportRun, column: str) -> Drawn | None:
     """Box plots per layer of ``column`` (``attention_tv`` or ``output_deviation``), one panel per type."""
     if not run.has(column):
         return None

@@ -26,7 +26,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from probe.report.data import FAR, Run, lookup, type_label
+from probe.report.data import FAR, ReportRun, lookup, type_label
 from probe.report.style import DEVIATION_LABEL, Drawn, layer_colors, new_figure, suptitle
 
 #: bootstrap replicates
@@ -47,13 +47,13 @@ SERIES_COLUMNS = ("step", "run", "run_dir", "checkpoint", "attention_type", "lay
 FINDING_COLUMNS = ("step", "event", "attention_type", "finding", "ratio", "text")
 
 
-def steps(runs: list[Run]) -> list[int | None]:
+def steps(runs: list[ReportRun]) -> list[int | None]:
     """Each run's training step as its manifest records it (``config.step``), None where it has none."""
     found = [lookup(run.manifest, "config", "step") for run in runs]
     return [int(step) if isinstance(step, int) and not isinstance(step, bool) else None for step in found]
 
 
-def is_series(runs: list[Run]) -> bool:
+def is_series(runs: list[ReportRun]) -> bool:
     """Whether the runs are one series: every run records a step, each a different one."""
     found = steps(runs)
     return all(step is not None for step in found) and len(set(found)) == len(found)
@@ -95,7 +95,7 @@ def _interval(values: np.ndarray) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def checkpoint(run: Run) -> str:
+def checkpoint(run: ReportRun) -> str:
     """Where the run's weights came from, as its manifest records them: the model's path or hub id, with its
     revision (``MODEL@REV``) and ``(random init)`` for a random initialisation."""
     config = run.manifest.get("config") or {}
@@ -105,7 +105,7 @@ def checkpoint(run: Run) -> str:
     return where + (" (random init)" if config.get("init") == "random" else "")
 
 
-def run_statistics(run: Run, attention_type: str, label: str, step: int) -> list[dict]:
+def run_statistics(run: ReportRun, attention_type: str, label: str, step: int) -> list[dict]:
     """The rows of ``series.csv`` for one run and attention type: the whole model, then each layer."""
     measured = f"{run.measured_where} AND attention_type = '{attention_type}'"
     (sums,) = run.table.aggregate(
@@ -151,7 +151,7 @@ def run_statistics(run: Run, attention_type: str, label: str, step: int) -> list
     return records
 
 
-def series_table(runs: list[Run], labels: list[str], types: list[str]) -> pd.DataFrame:
+def series_table(runs: list[ReportRun], labels: list[str], types: list[str]) -> pd.DataFrame:
     """``series.csv``: every run (in step order), attention type and layer (the whole model first)."""
     records = []
     for run, label, step in sorted(zip(runs, labels, steps(runs), strict=True), key=lambda item: item[2]):
@@ -167,7 +167,7 @@ def _descriptions(found: dict) -> set:
     return {(found["attention_type"], d["kind"], json.dumps(d["value"])) for d in [found, *found["same_rows"]]}
 
 
-def finding_events(runs: list[Run], labels: list[str]) -> pd.DataFrame:
+def finding_events(runs: list[ReportRun], labels: list[str]) -> pd.DataFrame:
     """``series_findings.csv``: in step order, the findings of the first run (``present``), and from one step to
     the next those that appear (none of their descriptions found at the step before) or vanish (none found at
     this step)."""
@@ -266,7 +266,7 @@ def series_html(table: pd.DataFrame, events: pd.DataFrame, measured: str | None 
             f"step to the next (series_findings.csv).</p><ul class=\"findings\">{items or '<li>none</li>'}</ul>")
 
 
-def write_series(runs: list[Run], labels: list[str], types: list[str], out_dir, title: str):
+def write_series(runs: list[ReportRun], labels: list[str], types: list[str], out_dir, title: str):
     """``series.csv``, ``series_findings.csv``, the page's part and the two figures (to be saved by the caller,
     inside :func:`probe.report.style.style`)."""
     table = series_table(runs, labels, types)

@@ -63,9 +63,9 @@ def wrap(text: str, width_inches: float) -> str:
 
 
 def suptitle(figure: Figure, short: str, *details: str) -> str:
-    """A figure's own title, ``short`` (wrapped to the figure's width, no larger than its axis labels), and
-    what used to be the lines under it (``details``: counts, legend, shared scales) as one sentence for the
-    figure's caption on the page, which is returned."""
+    """A figure's own title, ``short`` (wrapped to the figure's width, no larger than its axis labels); the
+    ``details`` (counts, legend, shared scales) go into one sentence for the figure's caption on the page,
+    which is returned."""
     figure.suptitle(wrap(short, figure.get_figwidth()), fontsize=mpl.rcParams["axes.labelsize"])
     return caption_sentence(*details)
 
@@ -159,7 +159,7 @@ def counts_on(edges: np.ndarray, histogram, *keys) -> np.ndarray:
 
 def layer_boxes(ax, stats, layers) -> list[float]:
     """One box per layer from its statistics (``stats``: a frame with ``layer``, ``q1``, ``median``, ``q3``,
-    ``whislo``, ``whishi``, ``mean``, ``max``, as :class:`probe.report.data.Run` computes them exactly): the
+    ``whislo``, ``whishi``, ``mean``, ``max``, as :class:`probe.report.data.ReportRun` computes them exactly): the
     box the quartiles, whiskers at the smallest value at or above the 5th percentile and the largest at or
     below the 95th (``boxplot(whis=(5, 95))``), the mean as a diamond, and each layer's maximum as a
     triangle; a layer without values gets an empty box.  Returns the maxima (NaN for an empty layer)."""

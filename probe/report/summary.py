@@ -23,7 +23,7 @@ from probe.report.data import (
     FAR,
     LEVEL_KEYS,
     QUANTILE_METHOD,
-    Run,
+    ReportRun,
     in_slice,
     lookup,
     ordered_types,
@@ -50,7 +50,7 @@ def _level(census: pd.DataFrame, stats: pd.DataFrame, keys: list[str], trivial: 
     return table
 
 
-def summarize(run: Run) -> pd.DataFrame:
+def summarize(run: ReportRun) -> pd.DataFrame:
     """The summary table over every slice of the run (see the module docstring for the levels)."""
     census = run.census
     if not len(census) or not census["rows"].sum():
@@ -80,12 +80,12 @@ def summarize(run: Run) -> pd.DataFrame:
     return summary.loc[order.index, list(SUMMARY_COLUMNS)].reset_index(drop=True)
 
 
-def main_rows(summary: pd.DataFrame, run: Run, level: str) -> pd.DataFrame:
+def main_rows(summary: pd.DataFrame, run: ReportRun, level: str) -> pd.DataFrame:
     """The summary rows of one level in the run's main slice."""
     return in_slice(summary[summary["level"] == level], run.space, run.alpha)
 
 
-def quantity_stats(run: Run) -> pd.DataFrame:
+def quantity_stats(run: ReportRun) -> pd.DataFrame:
     """Mean, p95 and max per (type, layer) of the other measured quantities in the main slice."""
     columns = ["quantity", "attention_type", "layer", "count", "mean", "p95", "max"]
     from probe.report.data import QUANTITIES
@@ -100,7 +100,7 @@ def quantity_stats(run: Run) -> pd.DataFrame:
                              else c)[columns].reset_index(drop=True)
 
 
-def headline(run: Run) -> list[dict]:
+def headline(run: ReportRun) -> list[dict]:
     """Per attention type in the main slice: rows, trivial rows, mean, p95, max and the share above FAR."""
     out = []
     stats = run.main_deviation("type").set_index("attention_type")
@@ -140,7 +140,7 @@ def scale_words(item: dict, control: dict | None = None) -> str:
     return text + "."
 
 
-def control_headline(run: Run, control_dir) -> dict:
+def control_headline(run: ReportRun, control_dir) -> dict:
     """The control run's headline numbers (a random-initialisation run of the same model, say) in ``run``'s
     main slice: ``run_dir``, ``model``, ``by_type`` (attention type -> :func:`headline` entry) and ``note``
     (why some numbers are missing, or None).  ``control_dir``: the control's run directory."""
@@ -192,7 +192,7 @@ def _json_ready(value):
     return _json_value(value)
 
 
-def summary_json(run: Run, summary: pd.DataFrame, findings: list[dict], below_noise: list[dict] = (),
+def summary_json(run: ReportRun, summary: pd.DataFrame, findings: list[dict], below_noise: list[dict] = (),
                  control: dict | None = None) -> dict:
     """What ``summary.json`` holds: the same rows as ``summary.csv``, plus headline numbers with their meaning
     in words (and the control run's, :func:`control_headline`), the findings, the rule that decides which are

@@ -154,7 +154,7 @@ def check_parts(run_dir: Path, manifest: dict | None = None, *, checksums: bool 
                        checksums=checksums)
     expected = set(records)
     if check.status == "complete" and check.batches_total is not None:
-        expected |= set(range(check.batches_total))  # a complete run has every batch (records or not: old runs)
+        expected |= set(range(check.batches_total))  # a complete run has every batch (records or not: a version-1 run)
     for batch in sorted(expected | set(present)):
         path, record = present.get(batch), records.get(batch)
         if path is None:

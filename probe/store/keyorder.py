@@ -2,9 +2,8 @@
 
 ``probe export`` writes the rows in the order of their key (:data:`probe.core.schema.ROW_KEY`: space, alpha,
 attention type, layer, head, example, query; the interventions' :data:`probe.core.schema.INTERVENTION_KEY`).  A
-general out-of-core sort (DuckDB's, which the export used before) needs memory that grows with what it sorts:
-its merge holds a block of every sorted run, and on 10^8 rows a (space, alpha, type, layer) slice needed more
-than 128 MB (bench/NOTES.md).  The key's layout makes a simpler sort possible, a bucket sort in two passes:
+general out-of-core sort (DuckDB's) needs memory that grows with what it sorts: its merge holds a block of
+every sorted run, and on 10^8 rows a (space, alpha, type, layer) slice needs more than 128 MB.  The key's layout makes a simpler sort possible, a bucket sort in two passes:
 
 1. A summary (DuckDB, key columns only): for every *group* (the key's first :data:`GROUP_COLUMNS` columns) and
    every value of the *lead* columns between the group and ``example`` (the head; none for interventions),

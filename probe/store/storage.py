@@ -20,8 +20,12 @@ same way (temporary file, fsync, rename).
 
 Inside a part file the rows are in the row key's order (:data:`probe.core.schema.ROW_KEY`), with a row group per
 (space, alpha, attention type, layer) slice, so that a reader filtering on a slice skips the others; zstd
-(:func:`parquet_options`; bench/results_storage.md).  Parts written before that hold one row group, their rows
+(:func:`parquet_options`).  A part of a version-1 run (:data:`FORMAT_VERSION`) may hold one row group, its rows
 in the order they were solved; every reader takes both.
+
+Format versions.  The manifest records the format of the run directory as ``format_version``
+(:data:`FORMAT_VERSION`); a manifest without it is version 1, and :func:`read_manifest` refuses a version
+newer than this probe's.  Resume keeps a run's version: its parts are all read as that version's.
 
 Each part carries, in its parquet metadata under ``probe.batch``, the batch's number, example indices,
 solver/fidelity summary and timing; totals over a run are folded from these, so they are right however
@@ -61,6 +65,7 @@ import pyarrow.parquet as pq
 
 from probe.core.errors import ProbeError
 from probe.core.schema import ROW_KEY
+from probe.core.version import __version__
 from probe.store.keyorder import stretch_starts
 
 MANIFEST = "manifest.json"
@@ -72,18 +77,31 @@ INTERVENTIONS = "interventions.parquet"
 QUARANTINE = "quarantine"
 #: the manifest's key for the list of part records (file, bytes, rows, sha256 per finished batch)
 PART_RECORDS = "parts"
-#: the manifest's list of part records of each table (the deviations' is ``parts``, as before)
+#: The run directory's format, which a new run records in its manifest as ``format_version``.
+#:
+#: * 2: everything this module's docstring describes: part records in the manifest, parts in key order
+#:   with a row group per slice, every column of :data:`probe.core.schema.DEVIATION_SCHEMA` (the model named
+#:   once, in the manifest's ``model.name``), the settings (``config``) and inputs resume and verify need,
+#:   the count of unknown tokens (``unknown_tokens``).
+#: * 1: a manifest without ``format_version``.  Such a run may lack any of those: part records (its parts
+#:   then pass the checks that need none), key order (one row group in the order solved), the columns
+#:   of :data:`probe.query.runs.OPTIONAL_COLUMNS` (read as nulls; ``trivial`` from ``n_keys``), the model's
+#:   name (then its id or directory, or a ``model`` column on every row), ``config`` (then it cannot be
+#:   resumed), ``inputs`` (then it cannot be re-solved by ``probe verify``) and ``unknown_tokens``.
+#:   Every reader takes both.
+FORMAT_VERSION = 2
+#: the manifest's list of part records of each table (the deviations' under ``parts``)
 TABLE_RECORDS = {PARTS: PART_RECORDS, INTERVENTIONS: "intervention_parts"}
 #: The key, in each part file's parquet metadata, of the batch's record (JSON).
 PART_METADATA_KEY = b"probe.batch"
 PART_NAME = re.compile(r"^part-(\d+)\.parquet$")
 
 
-#: How part files (and exports) are compressed: zstd at this level (bench/results_storage.md measured the
-#: levels: higher ones save almost nothing on these columns and write slower).
+#: How part files (and exports) are compressed: zstd at this level (higher ones save almost nothing on these
+#: columns and write slower).
 COMPRESSION, COMPRESSION_LEVEL = "zstd", 1
-#: Within a part file, rows are in the row key's order (:data:`probe.core.schema.ROW_KEY`; a run written before
-#: this is in the order its sites were solved, which every reader accepts), and a new row group starts where
+#: Within a part file, rows are in the row key's order (:data:`probe.core.schema.ROW_KEY`; a version-1 run's
+#: may be in the order its sites were solved, which every reader accepts), and a new row group starts where
 #: one of these columns changes, so that a reader filtering on a slice (DuckDB, pyarrow, polars and Spark read
 #: the row groups' statistics) skips the row groups of the others.
 ROW_GROUP_COLUMNS = ("space", "alpha", "attention_type", "layer")
@@ -95,7 +113,7 @@ MAX_ROW_GROUP_ROWS = 1 << 20
 
 
 def parquet_options(schema: pa.Schema) -> dict:
-    """How tables are written, losslessly (bench/results_storage.md): zstd; dictionaries for the columns whose
+    """How tables are written, losslessly: zstd; dictionaries for the columns whose
     values repeat (names, indices, flags), none for the float measurements (float64, as certified: they rarely
     repeat, and trying a dictionary before falling back made writing 2.7x slower).  The floats are not
     byte-stream-split: that would save a few percent more, but Spark's default Parquet reader cannot decode
@@ -204,7 +222,27 @@ def read_manifest(run_dir: Path, *, check_liveness: bool = True) -> dict:
         raise ProbeError(f"{path} is not readable JSON ({error}).") from None
     if not isinstance(manifest, dict):
         raise ProbeError(f"{path} does not hold a JSON object.")
+    check_format(manifest, path)
     return with_liveness(manifest) if check_liveness else manifest
+
+
+def format_version(manifest: dict) -> int:
+    """The run directory's format (:data:`FORMAT_VERSION`): its manifest's ``format_version``, 1 when it has none."""
+    version = manifest.get("format_version", 1)
+    return version if isinstance(version, int) and not isinstance(version, bool) else 0
+
+
+def check_format(manifest: dict, path: Path) -> None:
+    """Refuse (:class:`ProbeError`) a manifest of a format this probe does not read."""
+    version = format_version(manifest)
+    if version > FORMAT_VERSION:
+        raise ProbeError(
+            f"{path} records run format {version}, newer than this probe ({__version__}) reads (up to "
+            f"{FORMAT_VERSION}): the run was written by a newer probe. Upgrade probe to read it."
+        )
+    if version < 1:
+        raise ProbeError(f"{path} records format_version {manifest.get('format_version')!r}, which is not a run "
+                         "format (a positive integer): the manifest is damaged.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -400,6 +438,6 @@ def describe_part(path: Path, batch: int | None = None) -> dict:
 
 
 def part_records(manifest: dict, table: str = PARTS) -> dict[int, dict]:
-    """Batch number -> its record in the manifest (none for a run written before records existed)."""
+    """Batch number -> its record in the manifest (none in a version-1 run without records: :data:`FORMAT_VERSION`)."""
     records = manifest.get(TABLE_RECORDS[table]) if isinstance(manifest, dict) else None
     return {int(r["batch"]): r for r in records or () if isinstance(r, dict) and "batch" in r}

@@ -51,7 +51,7 @@ from probe.vit.gap import GAP_IMAGES, final_layer_gap, gap_line
 from probe.vit.loop import PRECISIONS, TRICK_PROBABILITY, Partners, Resident, evaluate_resident, plan_epoch, train_epoch
 from probe.vit.model import ViT, ViTConfig, parameter_count
 
-__all__ = ["TrainSettings", "train", "validate_settings", "read_checkpoint", "CHECKPOINT", "RESULTS", "MODEL"]
+__all__ = ["TrainSettings", "Training", "train", "validate_settings", "read_checkpoint", "CHECKPOINT", "RESULTS", "MODEL"]
 
 CHECKPOINT, RESULTS, MODEL = "checkpoint.pt", "results.json", "model.pt"
 _SUBSET_SEED = 20240527  # the training/test subsets: fixed, the same for every seed and attention
@@ -89,7 +89,7 @@ class TrainSettings:
         return Path(self.out) if self.out else Path("runs") / f"vit-{self.data}-{self.attention}-seed{self.seed}"
 
     # what must match for a run directory to be resumed (epochs may grow, device/threads/progress/compile may
-    # change); the precision counts only when it is not the default, so runs made before it existed resume
+    # change); the precision counts only when it is not the default (a checkpoint that records none is fp32)
     def fingerprint(self) -> dict:
         skip = {"epochs", "device", "out", "threads", "progress", "data_dir", "compile"}
         if self.precision == "fp32":
@@ -201,8 +201,23 @@ def evaluate(model: ViT, resident: Resident, precision: str = "fp32") -> dict:
     return metrics
 
 
-def prepare(s: TrainSettings):
-    """All checks before training (options, data, run directory): returns what :func:`train` needs."""
+@dataclass
+class Prepared:
+    """What the checks before training found (:func:`prepare`)."""
+
+    data: ImageData
+    train_index: torch.Tensor  #: the training subset's indices into the data's training images
+    test_index: torch.Tensor  #: the test subset's, into its test images
+    run_dir: Path
+    checkpoint: dict | None  #: the run directory's checkpoint, when it holds one of these settings
+
+    @property
+    def train_images(self) -> int:
+        return int(self.train_index.shape[0])
+
+
+def prepare(s: TrainSettings) -> Prepared:
+    """All checks before training (options, data, run directory)."""
     validate_settings(s)
     check_destination(s.run_dir(), "out")  # before the data loads: writable, with room
     if s.data != "fashion-mnist" and s.data_dir is None:
@@ -230,97 +245,154 @@ def prepare(s: TrainSettings):
                 f"{run_dir} holds a run with other settings ({diff}). Give the same settings to resume it, "
                 "or another --out for a new run."
             )
-    return data, train_index, test_index, run_dir, checkpoint
+    return Prepared(data, train_index, test_index, run_dir, checkpoint)
+
+
+class Training:
+    """One run's model, optimizer and learning curve: started afresh from the seed, or resumed from the run
+    directory's checkpoint (:meth:`resume`); :meth:`run_epochs` trains the epochs left, writing a checkpoint
+    after each (:meth:`save_checkpoint`), and :meth:`save_results` writes ``model.pt`` and ``results.json``."""
+
+    def __init__(self, s: TrainSettings, prepared: Prepared):
+        self.s, self.prepared, self.run_dir = s, prepared, prepared.run_dir
+        self.device = torch.device(s.device)
+        self.config = model_config(s, prepared.data)
+        torch.manual_seed(s.seed)
+        self.model = ViT(self.config).to(self.device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=s.lr)
+        self.history: list[dict] = []  # one entry per finished epoch (the checkpoint's "epoch" is its length)
+        self.wall_before = 0.0  # the seconds the run's earlier processes trained
+        self.started = time.perf_counter()
+        if prepared.checkpoint is not None:
+            self.resume(prepared.checkpoint)
+
+    @property
+    def epochs_done(self) -> int:
+        return len(self.history)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.prepared.train_images / self.s.batch_size)
+
+    def wall_s(self) -> float:
+        """The seconds spent training, over every process of the run."""
+        return self.wall_before + time.perf_counter() - self.started
+
+    # -- resuming
+
+    def resume(self, checkpoint: dict) -> None:
+        """Continue from a checkpoint: model, optimizer, RNG state, learning curve and wall time."""
+        self.model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        torch.set_rng_state(checkpoint["rng"])
+        if self.device.type == "cuda" and checkpoint.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(checkpoint["cuda_rng"], self.device)
+        self.history, self.wall_before = checkpoint["history"], checkpoint["wall_s"]
+        if self.epochs_done > self.s.epochs:
+            raise ProbeError(
+                f"{self.run_dir} already holds {self.epochs_done} epochs, more than --epochs {self.s.epochs}: give "
+                f"--epochs {self.epochs_done} or more to use it, or another --out."
+            )
+
+    def finished_results(self) -> dict | None:
+        """The results of a run that already trained every epoch asked for, if it wrote them."""
+        if self.epochs_done < self.s.epochs or not (self.run_dir / RESULTS).exists():
+            return None
+        results = json.loads((self.run_dir / RESULTS).read_text())
+        return results if results.get("epochs_done") == self.s.epochs else None
+
+    # -- the loop
+
+    def run_epochs(self, log=None) -> None:
+        """Train the epochs left, each followed by its evaluation and a checkpoint."""
+        s, prepared = self.s, self.prepared
+        labels = prepared.data.train_labels[prepared.train_index]
+        partners = Partners(labels, prepared.data.num_classes) if s.attention == "ot" else None
+        # probe.vit.loop: the data, once, on the device
+        resident = Resident(prepared.data, prepared.train_index, prepared.test_index, self.device)
+        forward = torch.compile(self.model, dynamic=True) if s.compile else self.model
+        self.started = time.perf_counter()
+        for epoch in range(self.epochs_done, s.epochs):
+            self.history.append(self.run_epoch(epoch, forward, resident, partners))
+            self.save_checkpoint()
+            if log is not None:
+                entry = self.history[-1]
+                log(f"epoch {epoch + 1}/{s.epochs}: train loss {entry['train_loss']:.4f}, "
+                    f"test accuracy {entry['test_accuracy']:.4f}, {gap_line(entry['final_layer_gap'])} "
+                    f"({entry['epoch_s']:.0f} s)")
+
+    def run_epoch(self, epoch: int, forward, resident: Resident, partners: Partners | None) -> dict:
+        """Train one epoch (0-based ``epoch``) and evaluate it; returns its entry of the learning curve."""
+        from tqdm.auto import tqdm
+
+        s = self.s
+        exact = _exact_layer(self.model)
+        epoch_start = time.perf_counter()
+        plan = plan_epoch(s.seed, epoch, self.prepared.train_images, s.batch_size, partners, self.device)
+        with tqdm(total=self.steps_per_epoch, desc=f"{s.attention} seed {s.seed} epoch {epoch + 1}/{s.epochs}",
+                  disable=not s.progress, leave=False, mininterval=1.0, file=sys.stderr) as bar:
+            done = train_epoch(self.model, forward, self.optimizer, resident, plan, precision=s.precision, exact=exact,
+                               on_step=None if bar.disable else lambda: bar.update())
+        train_s = time.perf_counter() - epoch_start
+        metrics = evaluate(self.model, resident, s.precision)
+        metrics["final_layer_gap"] = final_layer_gap(self.model, resident.test_x[:GAP_IMAGES])  # probe.vit.gap
+        return {
+            "epoch": epoch + 1, "train_loss": done["train_loss"], "train_accuracy": done["train_accuracy"], **metrics,
+            "train_s": train_s, "epoch_s": time.perf_counter() - epoch_start,
+            **({"exact_train": merge_summaries(done["certificates"])} if exact is not None else {}),
+        }
+
+    # -- what it writes
+
+    def save_checkpoint(self) -> None:
+        """``checkpoint.pt``, atomically: everything :meth:`resume` needs to continue after the last epoch."""
+        cuda = self.device.type == "cuda"
+        _atomic_save({
+            "format": "probe-vit-checkpoint", "fingerprint": self.s.fingerprint(), "settings": asdict(self.s),
+            "config": self.config.to_dict(), "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if cuda else None,
+            "epoch": self.epochs_done, "history": self.history, "wall_s": self.wall_s(),
+        }, self.run_dir / CHECKPOINT)
+
+    def save_results(self) -> dict:
+        """``model.pt`` (what :func:`probe.vit.load_checkpoint` reads) and ``results.json``; returns the results."""
+        s, model, config, prepared = self.s, self.model, self.config, self.prepared
+        wall = self.wall_s()
+        _atomic_save({"format": "probe-vit-model", "config": config.to_dict(), "model": model.state_dict(),
+                      "settings": asdict(s)}, self.run_dir / MODEL)
+        results = {
+            "test_accuracy": self.history[-1]["test_accuracy"],
+            "test_loss": self.history[-1]["test_loss"],
+            "learning_curve": self.history,
+            "epochs_done": self.epochs_done,
+            "wall_time_s": wall,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "parameters_formula": parameter_count(config),
+            "steps": self.steps_per_epoch * self.epochs_done,
+            "train_images": prepared.train_images,
+            "test_images": int(prepared.test_index.shape[0]),
+            "settings": asdict(s),
+            "model_config": config.to_dict(),
+            "gamma": float(model.blocks[-1].attn.gamma),
+            "alpha": float(model.blocks[-1].attn.alpha),
+            "trick_probability": TRICK_PROBABILITY if s.attention == "ot" else None,
+            "data_source": prepared.data.source,
+            "threads": torch.get_num_threads(),
+            "versions": _versions(),
+        }
+        _atomic_json(results, self.run_dir / RESULTS)
+        return results
 
 
 def train(s: TrainSettings, *, log=None) -> dict:
     """Train (or resume, or find finished) the run of ``s``; returns the results dictionary."""
-    data, train_index, test_index, run_dir, checkpoint = prepare(s)
+    prepared = prepare(s)
     if s.threads:
         torch.set_num_threads(s.threads)
-    device = torch.device(s.device)
-    config = model_config(s, data)
-    torch.manual_seed(s.seed)
-    model = ViT(config).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=s.lr)
-    history, start_epoch, wall_before = [], 0, 0.0
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        torch.set_rng_state(checkpoint["rng"])
-        if device.type == "cuda" and checkpoint.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(checkpoint["cuda_rng"], device)
-        history, start_epoch, wall_before = checkpoint["history"], checkpoint["epoch"], checkpoint["wall_s"]
-        if start_epoch > s.epochs:
-            raise ProbeError(
-                f"{run_dir} already holds {start_epoch} epochs, more than --epochs {s.epochs}: give --epochs "
-                f"{start_epoch} or more to use it, or another --out."
-            )
-    if start_epoch >= s.epochs and (run_dir / RESULTS).exists():
-        results = json.loads((run_dir / RESULTS).read_text())
-        if results.get("epochs_done") == s.epochs:
-            return results
-
-    labels = data.train_labels[train_index]
-    partners = Partners(labels, data.num_classes) if s.attention == "ot" else None
-    n, bs = train_index.shape[0], s.batch_size
-    steps_per_epoch = math.ceil(n / bs)
-    resident = Resident(data, train_index, test_index, device)  # probe.vit.loop: the data, once, on the device
-    forward = torch.compile(model, dynamic=True) if s.compile else model
-    started = time.perf_counter()
-    from tqdm.auto import tqdm
-
-    exact = _exact_layer(model)
-    for epoch in range(start_epoch, s.epochs):
-        epoch_start = time.perf_counter()
-        plan = plan_epoch(s.seed, epoch, n, bs, partners, device)
-        with tqdm(total=steps_per_epoch, desc=f"{s.attention} seed {s.seed} epoch {epoch + 1}/{s.epochs}",
-                  disable=not s.progress, leave=False, mininterval=1.0, file=sys.stderr) as bar:
-            done = train_epoch(model, forward, optimizer, resident, plan, precision=s.precision, exact=exact,
-                               on_step=None if bar.disable else lambda: bar.update())
-        train_s = time.perf_counter() - epoch_start
-        metrics = evaluate(model, resident, s.precision)
-        metrics["final_layer_gap"] = final_layer_gap(model, resident.test_x[:GAP_IMAGES])  # probe.vit.gap
-        certificates = done["certificates"]
-        history.append({
-            "epoch": epoch + 1, "train_loss": done["train_loss"], "train_accuracy": done["train_accuracy"], **metrics,
-            "train_s": train_s, "epoch_s": time.perf_counter() - epoch_start,
-            **({"exact_train": merge_summaries(certificates)} if exact is not None else {}),
-        })
-        wall = wall_before + time.perf_counter() - started
-        _atomic_save({
-            "format": "probe-vit-checkpoint", "fingerprint": s.fingerprint(), "settings": asdict(s),
-            "config": config.to_dict(), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-            "epoch": epoch + 1, "history": history, "wall_s": wall,
-        }, run_dir / CHECKPOINT)
-        if log is not None:
-            log(f"epoch {epoch + 1}/{s.epochs}: train loss {history[-1]['train_loss']:.4f}, "
-                f"test accuracy {metrics['test_accuracy']:.4f}, {gap_line(metrics['final_layer_gap'])} "
-                f"({history[-1]['epoch_s']:.0f} s)")
-
-    wall = wall_before + time.perf_counter() - started
-    _atomic_save({"format": "probe-vit-model", "config": config.to_dict(), "model": model.state_dict(),
-                  "settings": asdict(s)}, run_dir / MODEL)
-    results = {
-        "test_accuracy": history[-1]["test_accuracy"],
-        "test_loss": history[-1]["test_loss"],
-        "learning_curve": history,
-        "epochs_done": len(history),
-        "wall_time_s": wall,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "parameters_formula": parameter_count(config),
-        "steps": steps_per_epoch * len(history),
-        "train_images": n,
-        "test_images": int(test_index.shape[0]),
-        "settings": asdict(s),
-        "model_config": config.to_dict(),
-        "gamma": float(model.blocks[-1].attn.gamma),
-        "alpha": float(model.blocks[-1].attn.alpha),
-        "trick_probability": TRICK_PROBABILITY if s.attention == "ot" else None,
-        "data_source": data.source,
-        "threads": torch.get_num_threads(),
-        "versions": _versions(),
-    }
-    _atomic_json(results, run_dir / RESULTS)
-    return results
+    training = Training(s, prepared)
+    finished = training.finished_results()
+    if finished is not None:
+        return finished
+    training.run_epochs(log)
+    return training.save_results()

@@ -1,4 +1,4 @@
-"""The analyses of issue 12 through `probe run`: alpha sweeps and parameter spaces from one capture,
+"""The analyses beyond the first deviation through `probe run`: alpha sweeps and parameter spaces from one capture,
 the random-init control, token roles and trivial rows, and the alpha -> 0 limit on the real MiniLM."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 from probe.capture.data import DatasetSpec
 from probe.core.schema import ROW_KEY
 from probe.pipeline.runner import RunConfig, run
-from tests.capture.test_t5 import TARGETS, TEXTS, save_tiny_t5
+
+from ..support.tiny_t5 import TARGETS, TEXTS, save_tiny_t5
 
 
 def run_frame(model_dir, out, texts_path, **settings) -> tuple[pd.DataFrame, dict]:

@@ -10,25 +10,11 @@ import torch
 
 from probe.batch.rows import fidelity_error, site_problems
 from probe.capture.adapters import space_problems
-from probe.capture.loading import load_model
 from probe.solve.dual import solve_dual
 from probe.solve.reference import cvxpy_primal, relative_deviation
-from tests.conftest import save_tiny_bert
 
-TEXTS = [
-    "A padded batch: this sentence is much longer than the next one, by design of the test.",
-    "Tiny.",
-    "Medium length sentence with some words.",
-]
-
-
-def captured(model_dir, texts=TEXTS, max_length=64):
-    loaded = load_model(str(model_dir), device="cpu")
-    inputs = loaded.adapter.encode(loaded.tokenizer, texts, None, max_length)
-    with torch.no_grad():
-        sites = loaded.adapter.sites(loaded.model, inputs)
-        reference = loaded.model(**inputs, output_attentions=True, output_hidden_states=True)
-    return loaded, inputs, sites, reference
+from ..support.bert_sites import captured, explicit_problem
+from ..support.models import save_tiny_bert
 
 
 def assert_reproduces_model_attention(sites, inputs, reference):
@@ -61,23 +47,6 @@ def test_minilm_capture_reproduces_attention(minilm_dir):
     _, inputs, sites, reference = captured(minilm_dir)
     assert len(sites) == 6 and space_problems(sites[0], "hidden").logits.shape[1] == 12
     assert_reproduces_model_attention(sites, inputs, reference)
-
-
-def explicit_problem(model, hidden_states, layer, head, example, query, mask):
-    """Templates t_i = x_i / sqrt(d') and evidence z = W_k^T q built here from the weights and the
-    hidden states the model returns (independent of probe's adapter)."""
-    attention = model.encoder.layer[layer].attention.self
-    d_head = attention.attention_head_size
-    rows = slice(head * d_head, (head + 1) * d_head)
-    x = hidden_states[layer][example].detach().double().numpy()
-    keys = mask[example].numpy().astype(bool)
-    w_q = attention.query.weight[rows].detach().double().numpy()
-    b_q = attention.query.bias[rows].detach().double().numpy()
-    w_k = attention.key.weight[rows].detach().double().numpy()
-    q = w_q @ x[query] + b_q
-    T = x[keys] / np.sqrt(d_head)
-    z = w_k.T @ q
-    return T, z, np.zeros(keys.sum())
 
 
 def test_minilm_solutions_match_cvxpy_on_independently_built_problems(minilm_dir):

@@ -16,7 +16,8 @@ import torch
 from probe.capture.adapters import REGISTRY
 from probe.capture.adapters.bloom import BloomAdapter
 from probe.capture.loading import load_model
-from tests.support.family_checks import (
+
+from ..support.family_checks import (
     TEXTS,
     assert_complete_run,
     assert_preference_matters,

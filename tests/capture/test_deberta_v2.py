@@ -17,7 +17,8 @@ import torch
 from probe.capture.adapters import REGISTRY
 from probe.capture.adapters.deberta_v2 import DebertaV2Adapter
 from probe.capture.loading import load_model
-from tests.support.family_checks import (
+
+from ..support.family_checks import (
     TEXTS,
     assert_complete_run,
     assert_preference_matters,

@@ -25,7 +25,8 @@ from probe.capture.loading import load_model
 from probe.cli import app
 from probe.core.errors import ProbeError
 from probe.solve.reference import cvxpy_primal, relative_deviation
-from tests.support.families import (
+
+from ..support.families import (
     ALL,
     CORPUS,
     ROTARY_TYPES,

@@ -17,7 +17,8 @@ from probe.capture.data import DatasetSpec
 from probe.core.errors import ProbeError
 from probe.core.schema import ROW_KEY
 from probe.pipeline.runner import RunConfig, run
-from tests.support.families import CORPUS, save_tiny, spec
+
+from ..support.families import CORPUS, save_tiny, spec
 
 
 @pytest.fixture(scope="module")

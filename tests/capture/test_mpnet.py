@@ -21,7 +21,8 @@ import torch
 from probe.capture.adapters import REGISTRY
 from probe.capture.adapters.mpnet import MPNetAdapter
 from probe.capture.loading import load_model
-from tests.support.family_checks import (
+
+from ..support.family_checks import (
     TEXTS,
     assert_complete_run,
     assert_preference_matters,

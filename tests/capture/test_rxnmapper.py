@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from probe.capture.adapters import REGISTRY
-from tests.support.family_checks import assert_complete_run, cli_run, real_model_dir, token_counts, write_texts
+
+from ..support.family_checks import assert_complete_run, cli_run, real_model_dir, token_counts, write_texts
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -22,7 +22,8 @@ from probe.capture.selection import Selection, Stack, query_positions, resolve, 
 from probe.core.arguments import IndexRange, QueryRule, indices, queries
 from probe.core.config import RunConfig
 from probe.core.errors import ProbeError
-from tests.support.families import ALL, CORPUS, SOURCES, TARGETS, save_tiny, spec
+
+from ..support.families import ALL, CORPUS, SOURCES, TARGETS, save_tiny, spec
 
 KEY = ["space", "alpha", "attention_type", "layer", "head", "example", "query"]
 

@@ -500,6 +500,7 @@ class Command:
 ENOSPC = OSError(28, "No space left on device")
 GARBAGE = {"PROBE_MEMORY_BUDGET": "garbage"}
 DAMAGED = ("is damaged: batch 1 (SHA-256 differs from the recorded one)", "probe resume", "probe verify")
+NEWER = ("records run format 99, newer than this probe", "Upgrade probe")
 
 COMMANDS = [
     # destinations: checked before any work, as root too
@@ -541,6 +542,11 @@ COMMANDS = [
     Command("series with a bad memory budget",
             lambda b: ["series", b.tiny, "--steps", "10", "--out", "{tmp}/series", "--no-progress"],
             ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+    # a run of a newer format than this probe reads: refused by name, not misread
+    Command("report of a newer run format", lambda b: ["report", b.newer, "--out", "{tmp}/report"], NEWER),
+    Command("resume of a newer run format", lambda b: ["resume", b.newer, "--no-progress"], NEWER),
+    Command("export of a newer run format", lambda b: ["export", b.newer, "--to", "{tmp}/rows.parquet"], NEWER),
+    Command("status of a newer run format", lambda b: ["status", b.newer], NEWER),
 ]
 
 
@@ -569,8 +575,8 @@ def _flip_a_value_byte(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(bad: Bad) -> Bad:
-    """Two finished tiny runs (``b.run``, ``b.run2``) and a copy of the first with a byte flipped in a
-    value of its part 1 (``b.flipped``)."""
+    """Two finished tiny runs (``b.run``, ``b.run2``), a copy of the first with a byte flipped in a
+    value of its part 1 (``b.flipped``) and one whose manifest records a future format (``b.newer``)."""
     args = ["--samples", "4", "--batch-size", "2", "--max-length", "16", "--no-progress"]
     for attribute, seed in (("run", "0"), ("run2", "1")):
         out = bad.root / f"runs-{attribute}"
@@ -580,6 +586,9 @@ def runs(bad: Bad) -> Bad:
         setattr(bad, attribute, run_dir)
     bad.flipped = Path(shutil.copytree(bad.run, bad.root / "flipped" / bad.run.name))
     _flip_a_value_byte(bad.flipped / "deviations.parquet" / "part-000001.parquet")
+    bad.newer = Path(shutil.copytree(bad.run, bad.root / "newer" / bad.run.name))
+    manifest = json.loads((bad.newer / "manifest.json").read_text())
+    (bad.newer / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
     return bad
 
 

@@ -29,8 +29,9 @@ from probe.capture.adapters.mpnet import MPNetAdapter
 from probe.capture.loading import LoadedModel, load_model
 from probe.core.errors import ProbeError
 from probe.interventions.forward import _blocks
-from tests.conftest import save_tiny_bert
-from tests.support.families import CORPUS, SOURCES, TARGETS, build_config, save_tiny, spec, tokenizer_for
+
+from ..support.families import CORPUS, SOURCES, TARGETS, build_config, save_tiny, spec, tokenizer_for
+from ..support.models import save_tiny_bert
 
 TEXTS = [
     "A padded batch: this sentence is much longer than the next one, by design of the test.",

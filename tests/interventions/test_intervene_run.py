@@ -1,4 +1,4 @@
-"""`probe run --intervene` (issue 24, phase 2): the interventions computed in the same run as the rows,
+"""`probe run --intervene`: the interventions computed in the same run as the rows,
 written as a second crash-safe table, resumed with the rows, checked by every reader, exported, and
 totalled in the manifest.  Tiny random BERT; seconds."""
 
@@ -17,8 +17,9 @@ from probe import api
 from probe.cli import app
 from probe.core.schema import INTERVENTION_KEY, ROW_KEY
 from probe.store import integrity, storage
-from tests.pipeline.test_resume import finish, finished_run, probe_process
-from tests.pipeline.test_resume import invoke_with_one_thread as invoke
+
+from ..support.runs import finish, finished_run, probe_process
+from ..support.runs import invoke_with_one_thread as invoke
 
 #: 24 texts in 12 batches of 2: enough batches to be killed in the middle
 ARGS = ["--samples", "24", "--batch-size", "2", "--max-length", "24", "--no-progress"]

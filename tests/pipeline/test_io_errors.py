@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from cli import app
 from probe.core.errors import EXIT_IO_ERROR
 from probe.store import integrity, storage
-from tests.pipeline.test_resume import finish, invoke_with_one_thread, probe_process
-from tests.store.test_integrity import RUN_ARGS, clean_run  # noqa: F401  (a fixture: the uninterrupted run)
+
+from ..support.runs import SMALL_RUN_ARGS, finish, invoke_with_one_thread, probe_process
 
 
 def temporaries(root: Path) -> list[Path]:
@@ -77,7 +77,7 @@ def test_an_io_error_in_a_part_write_is_one_paragraph_and_resumes_bitwise(clean_
     out = tmp_path / "runs"
     with monkeypatch.context() as patch:
         failing_writes(patch, after=2, error=error)
-        result = invoke_with_one_thread("run", tiny_bert_dir, *RUN_ARGS, "--out", out)
+        result = invoke_with_one_thread("run", tiny_bert_dir, *SMALL_RUN_ARGS, "--out", out)
     (run_dir,) = out.iterdir()
     assert_one_paragraph(result, error.strerror, errno.errorcode[error.errno], "the 2 batch(es) finished before it",
                          "the manifest records the stop", f"then continue with: probe resume {run_dir}")
@@ -98,7 +98,7 @@ def test_a_disk_that_stays_full_loses_the_manifest_write_but_no_batch(clean_run,
     out = tmp_path / "runs"
     with monkeypatch.context() as patch:
         failing_writes(patch, after=3, error=OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), manifest_too=True)
-        result = invoke_with_one_thread("run", tiny_bert_dir, *RUN_ARGS, "--out", out)
+        result = invoke_with_one_thread("run", tiny_bert_dir, *SMALL_RUN_ARGS, "--out", out)
     (run_dir,) = out.iterdir()
     assert_one_paragraph(result, "No space left on device", "the 3 batch(es) finished before it",
                          "the manifest could not be updated", "probe resume")
@@ -118,7 +118,7 @@ def test_a_vanished_run_directory_is_said_plainly(tiny_bert_dir, tmp_path, monke
     out = tmp_path / "runs"
     with monkeypatch.context() as patch:
         failing_writes(patch, after=2, vanish=True)
-        result = invoke_with_one_thread("run", tiny_bert_dir, *RUN_ARGS, "--out", out)
+        result = invoke_with_one_thread("run", tiny_bert_dir, *SMALL_RUN_ARGS, "--out", out)
     assert_one_paragraph(result, "No such file or directory", "no longer exists", "probe run")
     assert list(out.iterdir()) == []
 
@@ -160,7 +160,7 @@ def test_a_real_full_disk(clean_run, tiny_bert_dir, small_tmpfs):
     """A real `probe run` process on a 96 KiB tmpfs fills it: exit 74 with the paragraph, no temporary
     file; after the file system grows, `probe resume` completes the run, bitwise equal to a clean one."""
     out = small_tmpfs / "runs"
-    code, output = finish(probe_process("run", tiny_bert_dir, *RUN_ARGS, "--out", out))
+    code, output = finish(probe_process("run", tiny_bert_dir, *SMALL_RUN_ARGS, "--out", out))
     assert code == 74, output
     assert "No space left on device (ENOSPC)" in output and "Traceback" not in output, output
     (run_dir,) = out.iterdir()
@@ -183,7 +183,7 @@ def test_an_oserror_that_is_not_the_run_directory_is_not_called_a_disk_error(tin
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), "/some/library/file")
 
     monkeypatch.setattr(rows, "solve_dual", no_more_files)
-    result = invoke_with_one_thread("run", tiny_bert_dir, *RUN_ARGS, "--out", tmp_path / "runs")
+    result = invoke_with_one_thread("run", tiny_bert_dir, *SMALL_RUN_ARGS, "--out", tmp_path / "runs")
     assert result.exit_code != 74 and isinstance(result.exception, OSError), result.output
     assert result.exception.errno == errno.EMFILE
 
@@ -191,7 +191,7 @@ def test_an_oserror_that_is_not_the_run_directory_is_not_called_a_disk_error(tin
 def test_a_disk_full_before_the_first_manifest_says_start_again(tiny_bert_dir, tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         failing_writes(patch, after=-1, error=OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), manifest_too=True)
-        result = invoke_with_one_thread("run", tiny_bert_dir, *RUN_ARGS, "--out", tmp_path / "runs")
+        result = invoke_with_one_thread("run", tiny_bert_dir, *SMALL_RUN_ARGS, "--out", tmp_path / "runs")
     assert_one_paragraph(result, "before its first batch", "start again with `probe run`")
     assert "probe resume" not in result.output
     assert not temporaries(tmp_path)

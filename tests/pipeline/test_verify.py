@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from cli import app
 from probe.pipeline.verify import _sample_rows
 from probe.store import integrity, storage
-from tests.pipeline.test_resume import invoke_with_one_thread
-from tests.store.test_integrity import clean_run, flip_a_byte, part  # noqa: F401  (clean_run: a fixture)
+
+from ..support.runs import flip_a_byte, invoke_with_one_thread, part
 
 SAMPLE = ["--sample", "12", "--seed", "3"]
 

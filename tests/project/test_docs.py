@@ -281,7 +281,7 @@ def test_the_tutorial_numbers_are_the_committed_reports():
 def test_the_ot_page_quotes_the_committed_model_measurement():
     import pandas as pd
 
-    from tests.report.test_readme_figures import ot_quality_sentence
+    from ..support.committed_results import ot_quality_sentence
 
     text = " ".join((DOCS / "ot.md").read_text().split())
     assert ot_quality_sentence() in text

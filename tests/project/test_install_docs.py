@@ -55,7 +55,7 @@ def test_the_real_checkpoints_come_from_the_projects_own_script():
     assert any("bash scripts/fetch_models.sh" in line for line in ci_lines())
     for path in [ROOT / "tests" / "support" / "family_checks.py", ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         assert "../shared" not in path.read_text(), path
-    from tests.support.family_checks import real_model_dir
+    from ..support.family_checks import real_model_dir
 
     with pytest.raises(pytest.skip.Exception, match="bash scripts/fetch_models.sh"):
         real_model_dir("no-such-checkpoint")

@@ -31,7 +31,9 @@ from probe.query import Rank, Table, where
 from probe.query import runs as query_runs
 from probe.query import table as query_table
 from probe.report import build_report, compare_runs
-from tests.report.test_report import deviation_rows, manifest_for, write_run
+from probe.store import engine
+
+from ..support.synthetic_runs import deviation_rows, manifest_for, write_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +46,7 @@ def frame_table(frame: pd.DataFrame, tmp_path: Path, parts: int = 1):
     for i, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
         pq.write_table(pa.Table.from_pandas(frame.iloc[start:stop], preserve_index=False),
                        directory / f"part-{i:06d}.parquet", row_group_size=1000)
-    return Table(query.connect(), query.parquet_source(sorted(directory.iterdir())))
+    return Table(engine.connect(), engine.parquet_source(sorted(directory.iterdir())))
 
 
 @pytest.fixture
@@ -141,8 +143,8 @@ def test_duckdb_quantiles_run_out_of_memory_where_stats_do_not(tmp_path):
     rng = np.random.default_rng(3)
     for i in range(6):
         pq.write_table(pa.table({"v": rng.gamma(2.0, 0.03, 3_000_000)}), directory / f"part-{i}.parquet")
-    connection = query.connect(memory_limit=128 << 20, threads=2)
-    source = query.parquet_source(sorted(directory.iterdir()))
+    connection = engine.connect(memory_limit=128 << 20, threads=2)
+    source = engine.parquet_source(sorted(directory.iterdir()))
     import duckdb
 
     with pytest.raises(duckdb.OutOfMemoryException):
@@ -191,9 +193,9 @@ def test_where_is_the_one_place_for_slices_and_trivial_rows():
 
 
 def test_memory_budget_parses_sizes_and_refuses_nonsense(monkeypatch):
-    monkeypatch.setenv(query.MEMORY_BUDGET_ENV, "1.5GiB")
+    monkeypatch.setenv(engine.MEMORY_BUDGET_ENV, "1.5GiB")
     assert query.memory_budget() == int(1.5 * 2**30)
-    monkeypatch.setenv(query.MEMORY_BUDGET_ENV, "lots")
+    monkeypatch.setenv(engine.MEMORY_BUDGET_ENV, "lots")
     with pytest.raises(ProbeError, match="is not a size"):
         query.memory_budget()
 
@@ -215,7 +217,7 @@ def budget_run(tmp_path_factory):
 @pytest.fixture
 def low_budget(monkeypatch):
     """A memory budget far below what the run's rows take in pandas (12,800 rows x 600 bytes = 7.7 MB)."""
-    monkeypatch.setenv(query.MEMORY_BUDGET_ENV, "2MB")
+    monkeypatch.setenv(engine.MEMORY_BUDGET_ENV, "2MB")
 
 
 def test_rows_are_refused_over_the_budget_and_name_the_lazy_way(budget_run, low_budget):
@@ -225,7 +227,7 @@ def test_rows_are_refused_over_the_budget_and_name_the_lazy_way(budget_run, low_
         run.rows
     message = str(error.value)
     assert f"{len(rows):,} rows" in message and "run.sql(" in message and "run.select(" in message
-    assert query.MEMORY_BUDGET_ENV in message
+    assert engine.MEMORY_BUDGET_ENV in message
     with pytest.raises(ProbeError, match="memory budget"):
         run.select(alpha=1.0)
 
@@ -373,6 +375,6 @@ def test_peak_memory_does_not_grow_with_the_rows(tmp_path):
     for rows, parts in ((300_000, 6), (3_000_000, 60)):
         run_dir = synthetic_run(tmp_path / f"run-{rows}", rows, parts)
         out = subprocess.run([sys.executable, "-c", PEAK, str(run_dir)], cwd=ROOT, capture_output=True, text=True,
-                             env={**__import__("os").environ, query.MEMORY_BUDGET_ENV: "128MB"}, check=True)
+                             env={**__import__("os").environ, engine.MEMORY_BUDGET_ENV: "128MB"}, check=True)
         peaks.append(int(out.stdout.split()[-1]) / 1024)
     assert peaks[1] - peaks[0] < 40, peaks

@@ -15,7 +15,8 @@ from probe.core.errors import ProbeError
 from probe.report import compare_runs, read_run
 from probe.report.compare import depth_figure, ecdf_figure
 from probe.report.style import style
-from tests.report.test_report import deviation_rows, manifest_for, write_run
+
+from ..support.synthetic_runs import deviation_rows, manifest_for, write_run
 
 
 @pytest.fixture(scope="module")

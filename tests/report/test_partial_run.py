@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from probe.cli import app
 from probe.store import storage
-from tests.pipeline.test_resume import finished_run
+
+from ..support.runs import finished_run
 
 #: 12 texts of the embedded corpus in 6 batches of 2
 RUN_ARGS = ["--samples", "12", "--batch-size", "2", "--max-length", "16", "--no-progress"]

@@ -10,6 +10,8 @@ import json
 import re
 from pathlib import Path
 
+from ..support.committed_results import ot_quality_sentence
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -204,18 +206,6 @@ def exact_vit_sentence() -> str:
             "of the same queries and keys")
 
 
-def ot_quality_sentence() -> str:
-    """The README's reading of the OT approximation at the trained OT-ViT's own setting."""
-    quality = json.loads((ROOT / "reports" / "ot" / "quality_model.json").read_text())
-    meta = quality["meta"]
-    row = next(r for r in quality["rows"]
-               if r["alpha"] == meta["model_alpha"] and abs(r["gamma"] - meta["model_gamma"]) < 1e-9)
-    assert row["certified_fraction"] == 1.0
-    return (f"median relative deviation {row['rel_deviation_median']:.3f} (10th to 90th percentile "
-            f"{row['rel_deviation_p10']:.3f} to {row['rel_deviation_p90']:.3f}) and median attention total "
-            f"variation {row['tv_median']:.3f} over {row['problems']:,} certified problems")
-
-
 def test_the_readme_interventions_table_is_recomputed_from_the_committed_results():
     readme = (ROOT / "README.md").read_text()
     assert table_after(readme, "## Does exact inference change what the model computes?") == interventions_table()
@@ -253,7 +243,7 @@ def test_the_interventions_speed_figure_is_the_results_files():
     docs = (ROOT / "docs" / "interventions.md").read_text()
     quoted = re.search(r"both modes together cost \*\*([0-9.]+) times\*\* a plain run", docs)
     assert quoted is not None and quoted.group(1) == f"{ratio:.2f}"
-    assert ratio <= results["target_ratio"]  # the issue's target, as the results file records it
+    assert ratio <= results["target_ratio"]  # the target, as the results file records it
 
 
 def test_the_gpu_figures_in_the_docs_are_the_gpu_calls():

@@ -1,4 +1,4 @@
-"""The report's first screen says what the numbers mean (issue 33): the scale in words and a control run's
+"""The report's first screen says what the numbers mean: the scale in words and a control run's
 numbers beside the run's, findings shown only when they clear the noise (a confidence interval over examples)
 and merged when they describe the same rows, captions instead of title boilerplate, a log axis where one
 extreme row would squash the boxes, a page that fits 800 px, and a compare page that states the difference.
@@ -22,10 +22,9 @@ from probe.report import build_report, compare_runs, read_run
 from probe.report.findings import MIN_EXAMPLES, MIN_RATIO, RULE, analyse, z_value
 from probe.report.quantities import quantity_figure
 from probe.report.style import style
-from tests.report.test_report import deviation_rows, manifest_for, write_run
-from tests.report.test_report_page import CHROMIUM, load_check_html
 
-needs_chromium = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install chromium)")
+from ..support.browser import load_check_html, needs_chromium
+from ..support.synthetic_runs import deviation_rows, manifest_for, write_run
 
 
 def measured(rows: pd.DataFrame) -> pd.DataFrame:

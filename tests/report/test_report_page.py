@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -13,18 +12,11 @@ from pathlib import Path
 import pytest
 
 from probe.report import build_report
-from tests.report.test_report import deviation_rows, manifest_for, write_run
+
+from ..support.browser import load_check_html, needs_chromium
+from ..support.synthetic_runs import deviation_rows, manifest_for, write_run
 
 REPO = Path(__file__).resolve().parents[2]
-CHROMIUM = Path("/usr/bin/chromium")
-needs_chromium = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install chromium)")
-
-
-def load_check_html():
-    spec = importlib.util.spec_from_file_location("check_html", REPO / "scripts" / "check_html.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ from probe.solve.derived import (
 )
 from probe.solve.dual import factor_gram, solve_dual
 from probe.solve.reference import cvxpy_primal
-from tests.solve.test_solver import reduced
+
+from ..support.solver_problems import reduced
 
 TOL = 1e-7
 
@@ -576,7 +577,8 @@ CAPTURED = {"rel": 1e-6, "abs": 1e-7}
 
 def test_minilm_derived_quantities_match_dense_computation(minilm_dir):
     from probe.batch.rows import site_problems
-    from tests.capture.test_bert import captured, explicit_problem
+
+    from ..support.bert_sites import captured, explicit_problem
 
     texts = ["The cat sat on the mat.", "Attention weights are the solution of a convex problem."]
     loaded, inputs, sites, reference = captured(minilm_dir, texts)

@@ -28,15 +28,15 @@ def torch_path(monkeypatch):
     monkeypatch.delenv("PROBE_SCHEDULE", raising=False)
 
 
-def _previous(problems):
-    from tests.support import previous_solver
+def as_previous(problems):
+    from ..support import previous_solver
 
     return previous_solver.solve_dual(
         previous_solver.DualProblems(**{k: v for k, v in vars(problems).items() if k != "factor"}),
         direction_dtype=torch.float64)
 
 
-def _agree(new, old, active, slack=0.0):
+def agree(new, old, active, slack=0.0):
     """Both certified and their rel_deviation within what the two certificates allow (each lambda_hat is
     within error_bound of lambda*; rel_deviation moves by at most 2 ||delta lambda|| / ||lambda||), plus
     ``slack`` for the rounding of ||lambda_hat|| itself, and within 1e-9."""
@@ -78,15 +78,15 @@ def test_one_call_on_a_bert_base_group_makes_three_syncs_and_few_operators(torch
     counted, new = _count_call(problems)
     assert counted["syncs"] <= 3, counted
     assert counted["operators"] <= 400, counted
-    old = _previous(problems)
+    old = as_previous(problems)
     # ||lambda_hat|| is formed from ||z||^2 + 2 s^T(u - p) + ||A^T(u - p)||^2, whose rounding (not covered by
     # the certificates) is about eps ||z||^2 / ||lambda||^2 relative
     rounding = 64 * torch.finfo(torch.float64).eps * (problems.evidence_sqnorm / new.lambda_norm**2)
-    _agree(new, old, torch.ones_like(new.converged), slack=rounding)
+    agree(new, old, torch.ones_like(new.converged), slack=rounding)
     monkeypatch.setenv("PROBE_SCHEDULE", "0")
     adaptive_counted, adaptive = _count_call(problems)
     assert adaptive_counted["syncs"] > 30 and adaptive_counted["operators"] > 800
-    _agree(new, adaptive, torch.ones_like(new.converged), slack=rounding)
+    agree(new, adaptive, torch.ones_like(new.converged), slack=rounding)
 
 
 @pytest.mark.slow
@@ -101,7 +101,7 @@ def test_the_full_bert_base_model_at_512_keys(torch_path):
     assert bool(new.converged.all())
 
 
-def _random_groups(groups, per_group, n, d, template_scale, logit_std, seed, duplicate=False):
+def random_groups(groups, per_group, n, d, template_scale, logit_std, seed, duplicate=False):
     generator = torch.Generator().manual_seed(seed)
     T = torch.randn(groups, n, d, generator=generator, dtype=torch.float64) * template_scale
     if duplicate:
@@ -123,7 +123,7 @@ def test_the_fixed_schedule_then_the_adaptive_loop_agree_with_the_previous_solve
     adaptive iterations (ill-conditioned; rank-deficient): the same certified answers as the solver before
     (tests/support/previous_solver.py, float64 directions).  The adaptive continuation is seen to run on the
     ill-conditioned family."""
-    problems = _random_groups(4, 40, n, d, template_scale, logit_std, seed=n)
+    problems = random_groups(4, 40, n, d, template_scale, logit_std, seed=n)
     continued = []
     original = newton_cg._adaptive
 
@@ -132,9 +132,9 @@ def test_the_fixed_schedule_then_the_adaptive_loop_agree_with_the_previous_solve
         return original(work, state, iterations, live, *args)
 
     monkeypatch.setattr(newton_cg, "_adaptive", counting)
-    old = _previous(problems)
+    old = as_previous(problems)
     for direction_dtype in (torch.float32, torch.float64):
-        _agree(solve_dual(problems, direction_dtype=direction_dtype), old, problems.active)
+        agree(solve_dual(problems, direction_dtype=direction_dtype), old, problems.active)
     if logit_std == 8.0:
         assert continued and max(continued) > 0
 
@@ -143,7 +143,7 @@ def test_the_fixed_schedule_alone_certifies_what_it_says(torch_path):
     """Rows the fixed schedule leaves within their goal are certified by the solver's own certificate,
     and their lambda_hat agrees with the previous solver's within both certificates; the others are
     exactly those it reports as still live."""
-    problems = _random_groups(3, 30, 24, 16, 0.5, 8.0, seed=3)
+    problems = random_groups(3, 30, 24, 16, 0.5, 8.0, seed=3)
     factor = factor_gram(problems.gram)
     logits, base, u, evidence_sqnorm, active = schedule.tile_inputs(problems, 0, 3, 0, 30, torch.float64,
                                                                     torch.device("cpu"))
@@ -158,7 +158,7 @@ def test_the_fixed_schedule_alone_certifies_what_it_says(torch_path):
     assert int(done.sum()) > 0 and int((active & live).sum()) > 0
     error_bound = 2 * state.gradient_sq.sqrt()
     assert bool((error_bound[done] <= 0.25 * (1e-9 * state.lambda_norm[done] + 1e-12) * 1.0001).all())
-    old = _previous(problems)
+    old = as_previous(problems)
     coefficients = u - p  # alpha = 1: c = alpha (u - p); lambda_hat - lambda_old in the row space of T
     delta = coefficients - old.coefficients
     distance = torch.einsum("gmi,gij,gmj->gm", delta, problems.gram, delta).clamp_min(0).sqrt()
@@ -167,7 +167,7 @@ def test_the_fixed_schedule_alone_certifies_what_it_says(torch_path):
 
 def test_the_fixed_schedule_compiles_whole():
     """torch.compile(fullgraph=True) captures the fixed schedule in one graph: no graph break."""
-    problems = _random_groups(2, 12, 10, 6, 1.0, 2.0, seed=1)
+    problems = random_groups(2, 12, 10, 6, 1.0, 2.0, seed=1)
     factor = factor_gram(problems.gram)
     logits, base, u, evidence_sqnorm, active = schedule.tile_inputs(problems, 0, 2, 0, 12, torch.float64,
                                                                     torch.device("cpu"))
@@ -182,7 +182,7 @@ def test_the_fixed_schedule_compiles_whole():
 
 @pytest.mark.slow
 def test_the_compiled_fixed_schedule_computes_what_the_eager_one_does():
-    problems = _random_groups(2, 12, 10, 6, 1.0, 2.0, seed=2)
+    problems = random_groups(2, 12, 10, 6, 1.0, 2.0, seed=2)
     factor = factor_gram(problems.gram)
     logits, base, u, evidence_sqnorm, active = schedule.tile_inputs(problems, 0, 2, 0, 12, torch.float64,
                                                                     torch.device("cpu"))
@@ -220,7 +220,7 @@ def test_cholesky_factors_and_falls_back_to_eigh_for_rank_deficient_groups(torch
     problems = DualProblems(gram=gram, logits=logits, log_preference=torch.zeros_like(logits),
                             evidence_sqnorm=(Z * Z).sum(-1), factor=factor)
     everything = torch.ones(3, 9, dtype=torch.bool)
-    _agree(solve_dual(problems), _previous(problems), everything)
+    agree(solve_dual(problems), as_previous(problems), everything)
 
 
 def test_tiles_on_a_gpu_come_from_its_free_memory(monkeypatch):
@@ -244,7 +244,7 @@ def test_tiles_on_a_gpu_come_from_its_free_memory(monkeypatch):
 def test_a_shared_preference_moves_as_one_row_per_group():
     """Moving a call's problems to another device does not expand a stride-0 preference first: the tile
     inputs move one row per group (here to the meta device, which keeps what it is given)."""
-    problems = _random_groups(2, 6, 8, 5, 1.0, 2.0, seed=4)
+    problems = random_groups(2, 6, 8, 5, 1.0, 2.0, seed=4)
     problems.log_preference = problems.log_preference[:, :1].expand(2, 6, 8)
     moved = []
     original = schedule._on

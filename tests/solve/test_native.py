@@ -1,10 +1,9 @@
 """The solver's Newton iterations in compiled C (probe.solve.native, probe/solve/newton.c): built where a C compiler
-is, the same certified answers as the torch loops and the solver before issue 10, and unable to turn a
-fault of its own into a wrong number."""
+is, the same certified answers as the torch loops and the previous solver (tests/support/previous_solver.py),
+and unable to turn a fault of its own into a wrong number."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import warnings
@@ -14,32 +13,14 @@ import torch
 
 import probe.solve.native as native
 from probe.solve.dual import solve_dual
-from tests.solve.test_solver import _agree, _previous, _random_groups
+
+from ..support.solver_problems import agree, as_previous, kernel_state, random_groups, torch_loops
 
 FAMILIES = {  # (n, d, template scale, logit std): MiniLM-like, ill-conditioned, rank-deficient Gram matrices
     "minilm-like": (16, 384, 1 / 8, 2.0),
     "ill-conditioned": (48, 32, 1 / 2, 8.0),
     "more templates than dimensions": (40, 24, 1.0, 3.0),
 }
-
-
-@contextlib.contextmanager
-def kernel_state(**state):
-    """``probe.solve.native``'s kernel state set to ``state`` (empty: not looked for yet, so the next solve
-    builds or loads it afresh), and restored afterwards."""
-    saved = dict(native._state)
-    native._state.clear()
-    native._state.update(state)
-    try:
-        yield
-    finally:
-        native._state.clear()
-        native._state.update(saved)
-
-
-def torch_loops():
-    """The solver without the compiled kernel, as where it cannot be built."""
-    return kernel_state(kernel=None, reason="disabled by the test")
 
 
 def _needs_kernel():
@@ -62,30 +43,31 @@ def test_kernel_and_torch_loops_agree_and_match_the_previous_solver(family, monk
     iterations) and by the solver before its speed work (tests/support/previous_solver.py, float64 directions):
     the same certified answers; and about the same Newton iteration counts for the kernel and the torch
     loops' adaptive iterations alone (``PROBE_SCHEDULE=0``: the same method)."""
-    from tests.support import previous_solver
+    from ..support import previous_solver
 
     _needs_kernel()
     n, d, scale, logit_std = FAMILIES[family]
-    problems = _random_groups(4, 40, n, d, scale, logit_std, seed=n + 1)
+    problems = random_groups(4, 40, n, d, scale, logit_std, seed=n + 1)
     compiled = solve_dual(problems)
     with torch_loops():
         loops = solve_dual(problems)
-    old = previous_solver.solve_dual(_previous(problems), direction_dtype=torch.float64)
-    _agree(compiled, loops, problems.active)
-    _agree(compiled, old, problems.active)
+    old = previous_solver.solve_dual(as_previous(problems), direction_dtype=torch.float64)
+    agree(compiled, loops, problems.active)
+    agree(compiled, old, problems.active)
     active = problems.active
     mean = lambda s: float(s.iterations[active].float().mean())  # noqa: E731
     monkeypatch.setenv("PROBE_SCHEDULE", "0")
     with torch_loops():
         adaptive = solve_dual(problems)
-    _agree(compiled, adaptive, problems.active)
+    agree(compiled, adaptive, problems.active)
     assert abs(mean(compiled) - mean(adaptive)) <= 0.25, (mean(compiled), mean(adaptive))
 
 
 def test_kernel_agrees_on_captured_minilm_problems(minilm_dir):
     """Real problems (a padded MiniLM batch, every layer): the kernel and the torch loops agree."""
     from probe.batch.rows import site_problems
-    from tests.capture.test_bert import captured
+
+    from ..support.bert_sites import captured
 
     _needs_kernel()
     _, _, sites, _ = captured(minilm_dir)
@@ -93,24 +75,24 @@ def test_kernel_agrees_on_captured_minilm_problems(minilm_dir):
         problems = site_problems(site, 1.0)
         compiled = solve_dual(problems)
         with torch_loops():
-            _agree(compiled, solve_dual(problems), problems.active)
+            agree(compiled, solve_dual(problems), problems.active)
 
 
 def test_blocks_of_rows_give_the_same_answers(monkeypatch):
     """A group's rows split into blocks of 7 (the kernel solves block after block): the same answers
     as whole groups, within the certificates."""
     _needs_kernel()
-    problems = _random_groups(3, 40, 24, 12, 0.7, 4.0, seed=11)
+    problems = random_groups(3, 40, 24, 12, 0.7, 4.0, seed=11)
     whole = solve_dual(problems)
     monkeypatch.setattr(native, "block_rows", lambda n, r: 7)
-    _agree(solve_dual(problems), whole, problems.active)
+    agree(solve_dual(problems), whole, problems.active)
 
 
 @pytest.mark.parametrize("fault", ["far off", "not finite", "no iterations"])
 def test_a_faulty_kernel_cannot_give_a_wrong_answer(monkeypatch, fault):
     """The kernel's iterates are only a starting point: from wrong ones (far from the optimum, NaN or
     infinite, or none at all) the solver still reaches the torch loops' certified answers."""
-    problems = _random_groups(3, 30, 24, 12, 0.7, 4.0, seed=5)
+    problems = random_groups(3, 30, 24, 12, 0.7, 4.0, seed=5)
     with torch_loops():
         reference = solve_dual(problems)
 
@@ -125,12 +107,12 @@ def test_a_faulty_kernel_cannot_give_a_wrong_answer(monkeypatch, fault):
         return y, torch.full((g, m), 0 if fault == "no iterations" else 3, dtype=torch.int32)
 
     monkeypatch.setattr(native, "newton_tile", faulty)
-    _agree(solve_dual(problems), reference, problems.active)
+    agree(solve_dual(problems), reference, problems.active)
 
 
 def test_without_a_compiler_the_solver_says_so_once_and_runs_its_torch_loops(monkeypatch):
     """No C compiler: one warning that says why and what to do, then the torch loops' answers."""
-    problems = _random_groups(2, 20, 16, 8, 0.5, 3.0, seed=2)
+    problems = random_groups(2, 20, 16, 8, 0.5, 3.0, seed=2)
     with torch_loops():
         reference = solve_dual(problems)
     monkeypatch.setenv("CC", "no-such-compiler-here")
@@ -141,7 +123,7 @@ def test_without_a_compiler_the_solver_says_so_once_and_runs_its_torch_loops(mon
             warnings.simplefilter("error")  # said once, not for every tile
             solve_dual(problems)
         assert not native.available() and "no-such-compiler-here" in native.unavailable_reason()
-    _agree(first, reference, problems.active)
+    agree(first, reference, problems.active)
 
 
 def test_without_a_writable_cache_the_kernel_is_built_for_the_process(monkeypatch, tmp_path):
@@ -163,7 +145,7 @@ def test_probe_native_0_turns_the_kernel_off(monkeypatch):
 
 def test_the_kernel_is_not_used_off_its_precisions():
     """float64 directions (answers independent of the batch to 1e-16) run the torch loops, bitwise."""
-    problems = _random_groups(2, 20, 16, 8, 0.5, 3.0, seed=4)
+    problems = random_groups(2, 20, 16, 8, 0.5, 3.0, seed=4)
     with torch_loops():
         loops = solve_dual(problems, direction_dtype=torch.float64)
     again = solve_dual(problems, direction_dtype=torch.float64)

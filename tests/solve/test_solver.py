@@ -12,20 +12,9 @@ from hypothesis import strategies as st
 from probe.solve.dual import DualProblems, DualSolution, factor_gram, solve_dual, solve_spd_reduced
 from probe.solve.reference import cvxpy_primal, gradient_ascent_dual, lbfgs_dual, relative_deviation
 
+from ..support.solver_problems import agree, as_previous, certified_difference, random_groups, reduced
+
 TOL = 1e-7
-
-
-def reduced(T, Z, log_u, alpha=1.0):
-    """Reduced problems for one group: explicit templates T (n, d), evidences Z (m, d), log u (m, n)."""
-    T = torch.as_tensor(T, dtype=torch.float64)
-    Z = torch.as_tensor(Z, dtype=torch.float64)
-    return DualProblems(
-        gram=(T @ T.T)[None],
-        logits=(Z @ T.T)[None],
-        log_preference=torch.as_tensor(log_u, dtype=torch.float64)[None],
-        evidence_sqnorm=(Z * Z).sum(-1)[None],
-        alpha=alpha,
-    )
 
 
 def full_lambda(T, Z, solution, alpha):
@@ -185,13 +174,6 @@ def test_inactive_and_padded_problems():
     torch.testing.assert_close(solution.rel_deviation[0, [0, 2]], full.rel_deviation[0, [0, 2]], rtol=0, atol=1e-13)
 
 
-def certified_difference(a, b):
-    """How far two certified solutions of the same problems may be apart in rel_deviation: each
-    lambda_hat is within error_bound of lambda*, and rel_deviation moves by at most
-    2 ||delta lambda|| / ||lambda|| when lambda moves by delta lambda."""
-    return 2 * (a.error_bound / a.lambda_norm + b.error_bound / b.lambda_norm) + 1e-15
-
-
 @pytest.mark.parametrize("direction_dtype", [torch.float64, torch.float32])
 def test_tiling_gives_the_same_answers(direction_dtype):
     """With a float64 Newton direction the answers do not depend on the tiling or on the other groups
@@ -332,66 +314,35 @@ def test_property_certificate_is_never_wrong(n, d, scale, alpha, duplicates, zer
 
 
 # --------------------------------------------------------------------------------------------------
-# the speed work of issue 10 changed how the solver gets to its answers, not the answers
-
-
-def _agree(new, old, active):
-    """Both certified, and within 1e-9 of each other in rel_deviation and ||lambda|| (each is within its
-    certificate, ``error_bound <= 1e-9 ||lambda||``, of the exact answer)."""
-    assert bool(new.converged[active].all()) and bool(old.converged[active].all())
-    assert float((new.rel_deviation - old.rel_deviation).abs()[active].max()) <= 1e-9
-    assert bool(((new.rel_deviation - old.rel_deviation).abs() <= certified_difference(new, old))[active].all())
-    assert float(((new.lambda_norm - old.lambda_norm).abs() / old.lambda_norm)[active].max()) <= 1e-9
-    assert bool(torch.equal(new.converged, old.converged))
-    assert bool(torch.isnan(new.rel_deviation[~active]).all())
-
-
-def _previous(problems):
-    from tests.support import previous_solver
-
-    return previous_solver.DualProblems(**{k: v for k, v in vars(problems).items() if k != "factor"})
-
-
-def _random_groups(groups, per_group, n, d, template_scale, logit_std, seed):
-    generator = torch.Generator().manual_seed(seed)
-    T = torch.randn(groups, n, d, generator=generator, dtype=torch.float64) * template_scale
-    Z = torch.randn(groups, per_group, d, generator=generator, dtype=torch.float64)
-    Z *= logit_std / (template_scale * d**0.5)
-    log_u = torch.randn(groups, 1, n, generator=generator, dtype=torch.float64).expand(groups, per_group, n).clone()
-    log_u[:, :, -2:] = -torch.inf  # padding keys
-    active = torch.ones(groups, per_group, dtype=torch.bool)
-    active[:, -3:] = False  # padding queries
-    return DualProblems(
-        gram=T @ T.transpose(1, 2), logits=Z @ T.transpose(1, 2), log_preference=log_u,
-        evidence_sqnorm=(Z * Z).sum(-1), active=active,
-    )
+# the speed work changed how the solver gets to its answers, not the answers
 
 
 @pytest.mark.parametrize("n,d,template_scale,logit_std", [(16, 384, 1 / 8, 2.0), (48, 32, 1 / 2, 8.0), (40, 24, 1.0, 3.0)])
 def test_answers_agree_with_the_previous_solver(n, d, template_scale, logit_std):
-    """The same problems solved today's way (the solver before issue 10, tests/support/previous_solver.py, with a
+    """The same problems solved today's way (the previous solver, tests/support/previous_solver.py, with a
     float64 direction) and by the current solver (float32 and float64 directions): the same certified
     answers.  Families: MiniLM-like, ill-conditioned (condition number bound ~ 64), more templates than
     dimensions (rank-deficient Gram matrices)."""
-    from tests.support import previous_solver
+    from ..support import previous_solver
 
-    problems = _random_groups(4, 40, n, d, template_scale, logit_std, seed=n)
-    old = previous_solver.solve_dual(_previous(problems), direction_dtype=torch.float64)
+    problems = random_groups(4, 40, n, d, template_scale, logit_std, seed=n)
+    old = previous_solver.solve_dual(as_previous(problems), direction_dtype=torch.float64)
     for direction_dtype in (torch.float32, torch.float64):
-        _agree(solve_dual(problems, direction_dtype=direction_dtype), old, problems.active)
+        agree(solve_dual(problems, direction_dtype=direction_dtype), old, problems.active)
 
 
 def test_answers_agree_with_the_previous_solver_on_minilm(minilm_dir):
     """Captured MiniLM problems (a padded batch, every layer): the same certified answers as before."""
     from probe.batch.rows import site_problems
-    from tests.capture.test_bert import captured
-    from tests.support import previous_solver
+
+    from ..support import previous_solver
+    from ..support.bert_sites import captured
 
     _, _, sites, _ = captured(minilm_dir)
     for site in sites[::2]:
         problems = site_problems(site, 1.0)
-        old = previous_solver.solve_dual(_previous(problems), direction_dtype=torch.float64)
-        _agree(solve_dual(problems), old, problems.active)
+        old = previous_solver.solve_dual(as_previous(problems), direction_dtype=torch.float64)
+        agree(solve_dual(problems), old, problems.active)
 
 
 @pytest.mark.parametrize("shared", [True, False])

@@ -19,15 +19,8 @@ from typer.testing import CliRunner
 
 from cli import app
 from probe.store import export, integrity, storage
-from tests.pipeline.test_resume import finished_run, invoke_with_one_thread
 
-#: 12 texts of the embedded corpus in 6 batches of 2
-RUN_ARGS = ["--samples", "12", "--batch-size", "2", "--max-length", "32", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def clean_run(tiny_bert_dir, tmp_path_factory) -> Path:
-    return finished_run(tiny_bert_dir, tmp_path_factory.mktemp("clean"), *RUN_ARGS)
+from ..support.runs import flip_a_byte, invoke_with_one_thread, part
 
 
 @pytest.fixture
@@ -37,10 +30,6 @@ def run_copy(clean_run, tmp_path) -> Path:
 
 def manifest_of(run_dir: Path) -> dict:
     return json.loads((run_dir / storage.MANIFEST).read_text())
-
-
-def part(run_dir: Path, batch: int) -> Path:
-    return run_dir / storage.PARTS / f"part-{batch:06d}.parquet"
 
 
 def assert_records_match(run_dir: Path, batches: int = 6):
@@ -70,17 +59,6 @@ def delete(path: Path):
 
 def truncate(path: Path):
     path.write_bytes(path.read_bytes()[:-100])
-
-
-def flip_a_byte(path: Path):
-    """Same size, footer intact: only the checksum can tell.  The byte is one of the first data page's
-    values (its offset from the column chunk's metadata, past the page header), not the footer."""
-    column = pq.ParquetFile(path).metadata.row_group(0).column(0)
-    offset = column.data_page_offset + column.total_compressed_size // 2
-    assert offset < path.stat().st_size - pq.ParquetFile(path).metadata.serialized_size - 8
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def other_batch(path: Path):

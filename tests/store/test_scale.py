@@ -90,7 +90,7 @@ def arrow_peak(code: str, *args) -> tuple[int, str]:
 
 
 def test_the_large_run_is_larger_than_the_budget(large_run):
-    from probe.query import parse_size
+    from probe.store.engine import parse_size
 
     run_dir, size = large_run
     assert size > 2 * parse_size(BUDGET)
@@ -188,7 +188,7 @@ def test_planning_tokenizes_the_texts_a_chunk_at_a_time(tiny_bert_dir, monkeypat
 def test_the_scale_benchmark_builds_valid_runs_and_measures_them(tiny_bert_dir, tmp_path):
     """bench/scale.py at a tiny size, from a real tiny run: the run and its copies, two commands measured on
     each; the copies pass the readers' checks with checksums and `probe verify`'s checksum pass."""
-    from tests.pipeline.test_resume import finished_run
+    from ..support.runs import finished_run
 
     source = finished_run(tiny_bert_dir, tmp_path / "real", "--samples", "4", "--batch-size", "2", "--max-length", "16",
                           "--no-progress")
@@ -284,7 +284,8 @@ def test_the_summary_check_agrees_with_the_report_and_flags_a_changed_number(tmp
     import summary_exact
 
     from probe.report import build_report
-    from tests.report.test_report import deviation_rows, manifest_for, write_run
+
+    from ..support.synthetic_runs import deviation_rows, manifest_for, write_run
 
     rows = deviation_rows({"self": (2, 3), "causal": (1, 2)}, examples=10, queries=6, alphas=(0.5, 1.0), seed=5)
     run_dir = write_run(tmp_path / "run", rows.drop(columns="model"), manifest_for(), parts=3)

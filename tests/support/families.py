@@ -106,7 +106,7 @@ def tokenizer_for(spec: Spec, minilm_dir, padding_side=None):
     if spec.kind == "encoder":
         return AutoTokenizer.from_pretrained(minilm_dir)
     if spec.kind == "encoder_decoder":
-        from tests.capture.test_t5 import make_tokenizer
+        from .tiny_t5 import make_tokenizer
 
         return make_tokenizer()
     return bpe_tokenizer(padding_side or "right")

@@ -1,4 +1,4 @@
-# probe's solver as it was before the speed work of issue 10 (commit 5315dce), frozen: the reference that
+# probe's solver as it was at commit 5315dce, before the speed work, frozen: the reference that
 # tests/solve/test_solver.py::test_answers_agree_with_the_previous_solver compares the current solver with.
 # Not used by probe.
 r"""Batched, certified solver for the Fenchel dual of attention.

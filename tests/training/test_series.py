@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 import probe
 from probe.cli import app
 from probe.core.errors import ProbeError
-from tests.conftest import save_tiny_bert
+
+from ..support.models import save_tiny_bert
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -12,7 +12,8 @@ from probe.vit import load_checkpoint
 from probe.vit.data import load_data
 from probe.vit.gap import GAP_IMAGES, final_layer_posteriors
 from probe.vit.train import TrainSettings, train
-from tests.vit.test_vit import TINY, write_mnist
+
+from ..support.vit_data import TINY, write_mnist
 
 
 def _train(tmp_path, attention, epochs=2):

@@ -12,8 +12,9 @@ import torch
 from probe.vit import load_checkpoint
 from probe.vit.loop import plateau_epoch
 from probe.vit.train import TrainSettings, train
-from tests.support import previous_vit_train as previous
-from tests.vit.test_vit import TINY, write_mnist
+
+from ..support import previous_vit_train as previous
+from ..support.vit_data import TINY, write_mnist
 
 #: the ops through which a host reads a device tensor, each one a sync on a GPU: every ``.item()``, ``float()``,
 #: ``int()`` or ``bool()`` of a tensor ends in ``_local_scalar_dense``; ``nonzero`` reads its count back

