@@ -177,8 +177,8 @@ class Substitution:
 
     def __init__(self, loaded, inputs: dict, at_site: SiteFunction, trace: Trace | None = None,
                  start_at: int | None = None, record: Trace | None = None, record_until: int | None = None):
-        self.adapter, self.layout = loaded.adapter, layout_of(loaded)
-        self.roles = self.adapter._roles(inputs)
+        self.model, self.adapter, self.layout = loaded.model, loaded.adapter, layout_of(loaded)
+        self.roles = self.adapter.roles(inputs)
         self.at_site, self.only = at_site, getattr(at_site, "only", None)
         self.trace, self.start_at = trace, start_at
         self.replay = trace is not None and start_at is not None
@@ -207,7 +207,7 @@ class Substitution:
                 for block in self.layout.blocks:
                     self.patch(block, self.block_forward(block.forward))
             # the model runs probe's attention function; this thread's calls go to the substitution
-            self.registration.enter_context(runs_probe_attention(self.loaded.model))
+            self.registration.enter_context(runs_probe_attention(self.model))
             self.registration.enter_context(attention_handler(partial(Substitution.attention, self),
                                                               "attention substitution and capture blocks"))
         except BaseException:
@@ -353,7 +353,7 @@ class Substitution:
                 return output, probs
             weights = self.at_site(name, None)
         else:
-            site = self.adapter._site(call, attention_type, layer, self.roles[attention_type],
+            site = self.adapter.site(call, attention_type, layer, self.roles[attention_type],
                                       self.key_inputs.pop(module, None))
             weights = self.at_site(name, site)
         if weights is None:

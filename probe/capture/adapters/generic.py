@@ -221,7 +221,7 @@ class InterfaceAdapter(Adapter):
     def capture(self, model, inputs, emit, selection=None):
         sites = self.site_modules(model)
         names = {module: name for name, module in model.named_modules()}
-        roles = self._roles(inputs)
+        roles = self.roles(inputs)
         key_inputs: dict[torch.nn.Module, torch.Tensor] = {}  # site module -> what entered its key projection
         handles = []
         if self.family.key is not None:
@@ -245,7 +245,7 @@ class InterfaceAdapter(Adapter):
             key_input = key_inputs.pop(call.module, None)
             if selection is not None and not selection.wants(attention_type, layer):
                 return  # a site left out: nothing of it is kept
-            emit(self._site(call, attention_type, layer, roles[attention_type], key_input, selection))
+            emit(self.site(call, attention_type, layer, roles[attention_type], key_input, selection))
 
         extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
         try:
@@ -263,7 +263,7 @@ class InterfaceAdapter(Adapter):
                 "architecture')."
             )
 
-    def _roles(self, inputs) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def roles(self, inputs) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Attention type -> (query token ids, query mask, key mask)."""
         def ids_and_mask(ids_name, mask_name):
             ids = inputs[ids_name]
@@ -280,7 +280,7 @@ class InterfaceAdapter(Adapter):
             "cross": (target_ids, target_mask, source_mask),
         }
 
-    def _site(self, call: AttentionCall, attention_type, layer, role, key_input, selection=None) -> SiteCapture:
+    def site(self, call: AttentionCall, attention_type, layer, role, key_input, selection=None) -> SiteCapture:
         """The site of one attention call; with a ``selection``, only its selected heads and queries, cut from
         the call's tensors before anything is converted to float64 (:class:`probe.capture.selection.SiteRows`)."""
         device = call.query.device
