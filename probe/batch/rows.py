@@ -254,55 +254,116 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
     )
 
 
-def site_rows(
+@dataclass
+class SiteColumns:
+    """The rows of one site in one space and alpha as tensors on the run's device, one entry per (example, head,
+    real query) in the order :func:`site_rows` writes them: what :func:`columns_table` turns into the parquet
+    table and :class:`probe.batch.aggregates.Aggregates` folds into statistics without building it."""
+
+    attention_type: str
+    layer: int
+    space: str
+    alpha: float
+    example: torch.Tensor  # int64, the dataset's example ids
+    head: torch.Tensor
+    query: torch.Tensor  # the query token's position
+    token_id: torch.Tensor
+    n_keys: torch.Tensor
+    role: torch.Tensor  # int64 codes into ROLES
+    values: dict  # column -> float64 (or int / bool) tensor: the measured columns of DEVIATION_SCHEMA
+
+    @property
+    def count(self) -> int:
+        return int(self.head.shape[0])
+
+    def take(self, index: torch.Tensor) -> "SiteColumns":
+        """The rows at ``index``."""
+        pick = lambda x: x[index]  # noqa: E731
+        return SiteColumns(self.attention_type, self.layer, self.space, self.alpha, pick(self.example),
+                           pick(self.head), pick(self.query), pick(self.token_id), pick(self.n_keys), pick(self.role),
+                           {name: pick(value) for name, value in self.values.items()})
+
+
+#: the measured columns of a row, as :class:`SiteColumns` holds them in ``values``
+MEASURED = ("rel_deviation", "lambda_norm", "duality_gap", "error_bound", "iterations", "converged",
+            "second_order_deviation", "attention_tv", "output_deviation", "evidence_norm", "attention_entropy")
+
+
+def site_columns(
     site: SiteCapture, space: str, problems: SpaceProblems, solution: DualSolution, quantities: Derived,
     alpha: float, context: RowContext, example_offset: int = 0,
-) -> pa.Table:
-    """One row per (example, head, real query) of the site in one space and alpha, in the parquet schema."""
+) -> SiteColumns:
+    """The site's rows in one space and alpha (one per (example, head, real query)) as tensors, where they were
+    computed."""
     b, h, q, k = site.shape
     active = site.query_mask[:, None, :].expand(b, h, q)
     n_keys = torch.isfinite(site.log_preference.expand(b, h, q, k)).sum(-1)
     ex, head, query = active.nonzero(as_tuple=True)
 
     def pick(x):
-        return x.reshape(b, h, q)[ex, head, query].cpu().numpy()
+        return x.reshape(b, h, q)[ex, head, query]
 
-    count = len(ex)
-    ex_np, query_np = ex.cpu().numpy(), query.cpu().numpy()
-    examples = np.asarray(context.example_ids, dtype=np.int64)[ex_np + example_offset]
-    positions = query_np if site.query_positions is None else site.query_positions[ex, query].cpu().numpy()
-    token_ids = site.query_ids[ex, query].cpu().numpy().astype(np.int64)
-    keys = n_keys[ex, head, query].cpu().numpy().astype(np.int32)
-    role_codes = np.isin(token_ids, list(context.special_ids)).astype(np.int64)  # index into _ROLES
+    device = ex.device
+    example_ids = torch.as_tensor(context.example_ids, dtype=torch.int64, device=device)
+    positions = query if site.query_positions is None else site.query_positions[ex, query]
+    token_ids = site.query_ids[ex, query].to(torch.int64)
+    special = torch.as_tensor(sorted(context.special_ids), dtype=torch.int64, device=device)
+    role = torch.isin(token_ids, special).to(torch.int64)  # index into ROLES
     if site.attention_type in ("decoder_self", "cross"):
-        role_codes[positions == 0] = 2
-    columns = {
-        "attention_type": _repeated(site.attention_type, count),
-        "layer": np.full(count, site.layer, np.int32),
-        "head": head.cpu().numpy().astype(np.int32),
-        "example": examples,
-        "query": positions.astype(np.int32),
-        "n_keys": keys,
-        "alpha": np.full(count, alpha, np.float64),
+        role = torch.where(positions == 0, torch.full_like(role, 2), role)
+    values = {
         "rel_deviation": pick(solution.rel_deviation),
         "lambda_norm": pick(solution.lambda_norm),
         "duality_gap": pick(solution.duality_gap),
         "error_bound": pick(solution.error_bound),
-        "iterations": pick(solution.iterations).astype(np.int32),
+        "iterations": pick(solution.iterations),
         "converged": pick(solution.converged),
-        "space": _repeated(space, count),
-        "token_id": token_ids.astype(np.int32),
-        "token": context.tokens(token_ids),
-        "token_role": _ROLES.take(pa.array(role_codes)),
-        "trivial": keys == 1,
         "second_order_deviation": pick(quantities.second_order_deviation),
         "attention_tv": pick(quantities.attention_tv),
         "output_deviation": pick(quantities.output_deviation),
         # ||alpha z|| = ||z|| at alpha = 1 (the evidence is z / alpha for other alpha)
-        "evidence_norm": problems.evidence_sqnorm[ex, head, query].sqrt().cpu().numpy(),
+        "evidence_norm": problems.evidence_sqnorm[ex, head, query].sqrt(),
         "attention_entropy": pick(quantities.attention_entropy),
     }
-    return pa.table(columns, schema=DEVIATION_SCHEMA)
+    return SiteColumns(site.attention_type, site.layer, space, alpha, example_ids[ex + example_offset], head,
+                       positions.to(torch.int64), token_ids, n_keys[ex, head, query], role, values)
+
+
+def columns_table(columns: SiteColumns, context: RowContext) -> pa.Table:
+    """The rows of :func:`site_columns` in the parquet schema (on the host)."""
+    count = columns.count
+    host = {name: value.cpu().numpy() for name, value in columns.values.items()}
+    token_ids = columns.token_id.cpu().numpy()
+    keys = columns.n_keys.cpu().numpy().astype(np.int32)
+    table = {
+        "attention_type": _repeated(columns.attention_type, count),
+        "layer": np.full(count, columns.layer, np.int32),
+        "head": columns.head.cpu().numpy().astype(np.int32),
+        "example": columns.example.cpu().numpy(),
+        "query": columns.query.cpu().numpy().astype(np.int32),
+        "n_keys": keys,
+        "alpha": np.full(count, columns.alpha, np.float64),
+        **{name: host[name] for name in ("rel_deviation", "lambda_norm", "duality_gap", "error_bound")},
+        "iterations": host["iterations"].astype(np.int32),
+        "converged": host["converged"],
+        "space": _repeated(columns.space, count),
+        "token_id": token_ids.astype(np.int32),
+        "token": context.tokens(token_ids),
+        "token_role": _ROLES.take(pa.array(columns.role.cpu().numpy())),
+        "trivial": keys == 1,
+        **{name: host[name] for name in ("second_order_deviation", "attention_tv", "output_deviation",
+                                         "evidence_norm", "attention_entropy")},
+    }
+    return pa.table(table, schema=DEVIATION_SCHEMA)
+
+
+def site_rows(
+    site: SiteCapture, space: str, problems: SpaceProblems, solution: DualSolution, quantities: Derived,
+    alpha: float, context: RowContext, example_offset: int = 0,
+) -> pa.Table:
+    """One row per (example, head, real query) of the site in one space and alpha, in the parquet schema."""
+    columns = site_columns(site, space, problems, solution, quantities, alpha, context, example_offset)
+    return columns_table(columns, context)
 
 
 #: the ``token_role`` values, by code

@@ -25,6 +25,9 @@ INITS = ("pretrained", "random")
 INTERVENTION_SUBSTITUTES = ("exact", "second-order", "null", "model")
 #: the intervention modes ``--intervene-modes`` takes: every site on its own, and all sites at once
 INTERVENTION_MODES = ("per-site", "whole")
+#: what a run keeps of its rows (``--keep``): every row; mergeable statistics only (probe.batch.aggregates);
+#: those statistics and a seeded uniform sample of N rows (``sample:N``)
+KEEP_MODES = ("rows", "aggregates", "sample")
 
 
 @dataclass
@@ -101,6 +104,34 @@ class RunConfig:
     # the training step of the weights measured (a checkpoint of a series, probe.training.series; the model being trained,
     # probe.callbacks); None: the run is not a step of training
     step: int | None = None
+    # --keep: "rows" (every row, as parquet parts), "aggregates" (mergeable statistics computed where the rows
+    # are, no row table) or "sample:N" (the aggregates, and a seeded uniform sample of N rows as parts)
+    keep: str = "rows"
+
+
+def parse_keep(value) -> tuple[str, int | None]:
+    """``--keep`` as ``(mode, N)``: ``("rows", None)``, ``("aggregates", None)`` or ``("sample", N)`` with N >= 1;
+    anything else is refused with a :class:`ProbeError` that says what the option takes."""
+    from probe.core.spelling import option
+
+    takes = (f"{option('keep')} takes rows, aggregates or sample:N (N a whole number of rows >= 1, e.g. "
+             f"{option('keep', 'sample:100000')})")
+    if not isinstance(value, str):
+        raise ProbeError(f"{takes}; got {value!r} ({type(value).__name__}).")
+    text = value.strip()
+    if text in ("rows", "aggregates"):
+        return text, None
+    mode, colon, count = text.partition(":")
+    if mode.strip() != "sample":
+        raise ProbeError(f"Unknown {option('keep', value)}: {takes}.")
+    count = count.strip()
+    if not colon or not count:
+        raise ProbeError(f"{option('keep', value)} needs the number of rows to sample: {takes}.")
+    if not (count.lstrip("-").isdigit()):
+        raise ProbeError(f"{option('keep', value)}: {count!r} is not a whole number; {takes}.")
+    if int(count) < 1:
+        raise ProbeError(f"{option('keep', value)} keeps no row: N must be at least 1 ({takes}).")
+    return "sample", int(count)
 
 
 #: the settings that hold local paths, which the manifest records without this machine's layout

@@ -60,6 +60,7 @@ from probe.core.config import (  # noqa: F401 (INITS: probe.pipeline.validate.IN
     INTERVENTION_MODES,
     INTERVENTION_SUBSTITUTES,
     SPACES,
+    parse_keep,
 )
 from probe.core.destination import check_destination
 from probe.core.environment import check_environment
@@ -208,6 +209,7 @@ def check_options(config) -> None:
     if config.threads is not None and config.threads < 1:
         raise ProbeError(f"{option('threads')} must be at least 1, got {config.threads}.")
     check_intervention_options(config)
+    parse_keep(getattr(config, "keep", "rows"))
 
 
 def check_intervention_options(config) -> None:
