@@ -329,6 +329,7 @@ def run(
     intervene_modes: str | Sequence[str] = "per-site,whole",
     allow_unknown_tokens: bool = False,
     step: int | None = None,
+    keep: str = "rows",
 ) -> Run:
     """Solve the dual for every example, attention site, head and query token of ``model``; return the
     finished :class:`Run`.
@@ -348,7 +349,9 @@ def run(
     A run whose tokenizer turns more than 10% of the tokens into its unknown token is refused before the
     model loads (the tokenizer does not know the texts: :mod:`probe.capture.tokens`); ``allow_unknown_tokens=True``
     runs it anyway.  ``step``: the training step of the checkpoint, recorded in the manifest (``config.step``)
-    for a series over training (:mod:`probe.training.series`).  The other options are ``probe run``'s (``probe run
+    for a series over training (:mod:`probe.training.series`).  ``keep``: ``"rows"`` (every row), ``"aggregates"``
+    (mergeable statistics computed where the rows are, and no rows: docs/keep.md) or ``"sample:N"`` (those
+    statistics and a seeded uniform sample of N rows).  The other options are ``probe run``'s (``probe run
     --help``).  Every option is checked before the model loads; a rejected run raises :class:`ProbeError`, naming
     the parameter, and writes nothing.
     """
@@ -381,7 +384,7 @@ def run(
         threads=threads, device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance,
         progress=progress, name=name, intervene=_names(intervene, "intervene") or (),
         intervene_modes=_names(intervene_modes, "intervene_modes"), allow_unknown_tokens=bool(allow_unknown_tokens),
-        step=step,
+        step=step, keep=keep,
     )
     check_options(settings)  # before torch loads: a mistyped option costs nothing
     if kept is not None:

@@ -243,6 +243,11 @@ def run(
         None, "--step", metavar="N", help="The training step of the checkpoint, recorded in the manifest: `probe "
         "compare` draws runs that each have one against it (docs: attention across training).",
     ),
+    keep: str = typer.Option(
+        "rows", "--keep", metavar="rows|aggregates|sample:N", help="What the run keeps: every row; aggregates "
+        "(mergeable statistics computed where the rows are: what the report reads, at a fixed size); or sample:N "
+        "(the aggregates and a seeded uniform sample of N rows) (docs: keep modes).",
+    ),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
     report_format: Optional[str] = typer.Option(
         None, "--format", metavar="FMT[,FMT]", help="With --report: figure formats, comma separated (png,pdf) "
@@ -275,7 +280,7 @@ def run(
             tokenizer=tokenizer, max_memory=max_memory, threads=threads, out=out, device=device, dtype=dtype,
             revision=revision, seed=seed, fidelity_tolerance=fidelity_tolerance, name=name, progress=progress,
             intervene=intervene, intervene_modes=intervene_modes, allow_unknown_tokens=allow_unknown_tokens,
-            step=step,
+            step=step, keep=keep,
         )
     except ProbeError as error:
         _fail(error)

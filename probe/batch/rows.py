@@ -418,6 +418,27 @@ class Summary:
             self.iterations_total += int(iterations.sum())
             self.iterations_max = max(self.iterations_max, int(iterations.max()))
 
+    def add_columns(self, columns: SiteColumns, bounds: dict | None = None):
+        """:meth:`add` for rows kept as tensors (:class:`SiteColumns`): the same totals, reduced where the rows are."""
+        for name, bound in (bounds or {}).items():
+            self.derived_bounds[name] = max(self.derived_bounds.get(name, 0.0), bound)
+        if not columns.count:
+            return
+        values = columns.values
+        key = f"{columns.space}, alpha={columns.alpha:g}"
+        sums = self.by_setting.setdefault(key, dict.fromkeys(("rows",) + MEANS, 0.0))
+        sums["rows"] += columns.count
+        for name in MEANS:
+            sums[name] += float(torch.nansum(values[name]))
+        iterations = values["iterations"]
+        bound = values["error_bound"] / values["lambda_norm"]
+        self.rows += columns.count
+        self.not_converged += int((~values["converged"]).sum())
+        self.max_duality_gap = max(self.max_duality_gap, _nanmax(values["duality_gap"]))
+        self.max_relative_error_bound = max(self.max_relative_error_bound, _nanmax(bound))
+        self.iterations_total += int(iterations.sum())
+        self.iterations_max = max(self.iterations_max, int(iterations.max()))
+
     def add_fidelity(self, attention_type: str, space: str, error: float):
         self.fidelity[attention_type] = max(self.fidelity.get(attention_type, 0.0), error)
         self.fidelity_by_space[space] = max(self.fidelity_by_space.get(space, 0.0), error)
@@ -487,6 +508,12 @@ class Summary:
         }
 
 
+def _nanmax(values: torch.Tensor) -> float:
+    """numpy's ``nanmax`` of a tensor: NaN when every value is."""
+    finite = values[~torch.isnan(values)]
+    return float(finite.max()) if finite.numel() else float("nan")
+
+
 # --------------------------------------------------------------------------------------------------
 # one batch
 
@@ -504,9 +531,13 @@ class BatchSolver:
     those of a run without a lane.
     """
 
-    def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, memory_bytes: int | None = None):
+    def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, memory_bytes: int | None = None,
+                 aggregates=None):
         self.spaces, self.alphas, self.rtol = tuple(spaces), tuple(alphas), rtol
         self.context, self.summary = context, summary
+        #: ``--keep aggregates`` / ``sample:N``: a :class:`probe.batch.aggregates.Aggregates` the rows are folded
+        #: into (no row table is built); None: every row becomes a table
+        self.aggregates = aggregates
         # --max-memory: an eighth for the logits of the stack held at once (the problems built from
         # them take a few times that), half for the solver's working set
         self.limit_bytes = STACK_BYTES if memory_bytes is None else max(1, memory_bytes // 8)
@@ -601,6 +632,9 @@ class BatchSolver:
 
                 def rows_of(site, offset, built, dual, solution, space=space, alpha=alpha):
                     quantities = derive(site, dual, solution, self.rtol)
+                    if self.aggregates is not None:  # folded below, in the stack's order
+                        return site_columns(site, space, built, solution, quantities, alpha, self.context,
+                                            offset), quantities
                     return site_rows(site, space, built, solution, quantities, alpha, self.context, offset), quantities
 
                 finished = run_all(
@@ -609,6 +643,10 @@ class BatchSolver:
                     workers,
                 )
                 for table, quantities in finished:  # in the stack's order, whichever worker finished first
+                    if self.aggregates is not None:
+                        self.summary.add_columns(table, quantities.bounds)
+                        self.aggregates.add(table)
+                        continue
                     self.summary.add(table, quantities.bounds)
                     self.tables.append(table)
                 if self.kept is not None:
@@ -621,16 +659,20 @@ class BatchSolver:
 
 @torch.no_grad()
 def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary: Summary, context: RowContext,
-                  lane=None, capture: Callable | None = None):
+                  lane=None, capture: Callable | None = None, aggregates=None):
     """Capture every attention site of one batch and solve its problems; returns a function that waits
     for the solves and returns the rows, site by site, and the seconds spent capturing and solving.
 
     Without a ``lane`` every stack is solved before this returns; with one, the last stack may still be
-    solving in the lane, so that the caller can capture the next batch meanwhile."""
+    solving in the lane, so that the caller can capture the next batch meanwhile.  ``aggregates``: a factory
+    ``aggregates(context)`` of the batch's :class:`probe.batch.aggregates.Aggregates` (``--keep aggregates`` or
+    ``sample:N``), which the rows are folded into instead of becoming tables (the function then returns no table,
+    the aggregates are read from it)."""
     budget = getattr(config, "max_memory_bytes", None)
     context = copy.copy(context)  # the example ids of this batch, whichever batch the lane solves meanwhile
     context.example_ids = example_ids
-    solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget)
+    solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget,
+                         aggregates=None if aggregates is None else aggregates(context))
     started = time.perf_counter()
     if capture is None:
         loaded.adapter.capture(loaded.model, inputs, solver)

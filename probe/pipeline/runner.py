@@ -28,9 +28,15 @@ from probe.batch.rows import Summary, process_batch
 from probe.capture.data import DatasetSpec
 from probe.capture.loading import LoadedModel
 from probe.core import naming
-from probe.core.config import RunConfig, config_from_json, config_to_json  # noqa: F401 (probe.pipeline.runner.RunConfig, as before)
+from probe.core.config import (  # noqa: F401 (probe.pipeline.runner.RunConfig, as before)
+    RunConfig,
+    config_from_json,
+    config_to_json,
+    parse_keep,
+)
 from probe.core.environment import check_environment
 from probe.core.errors import ProbeError, RunIOError
+from probe.core.schema import DEVIATION_SCHEMA
 from probe.pipeline import allocator, distributed, fingerprint
 from probe.pipeline.job import Job, prepare
 from probe.pipeline.manifest import (
@@ -49,7 +55,7 @@ from probe.pipeline.stopping import RunStopped, Stops
 from probe.pipeline.validate import check_run
 from probe.solve import native
 from probe.solve.parallel import Lane
-from probe.store import integrity, storage
+from probe.store import aggregates, integrity, storage
 
 #: while batches finish, rank 0 rewrites the manifest at most this often (seconds; less often when a
 #: rewrite would take more than 1% of the time, as the part records make it grow), and at every stop and
@@ -116,6 +122,8 @@ def run(config: RunConfig, *, model: LoadedModel | None = None, checked=None) ->
             held.enter_context(storage.writer_lock(run_dir))
             if config.intervene:
                 (run_dir / storage.INTERVENTIONS).mkdir()
+            if config.keep != "rows":
+                (run_dir / storage.AGGREGATES).mkdir()
             return str(run_dir.resolve())
 
         run_dir = Path(group.from_main(create))
@@ -296,6 +304,8 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: Job, stops: Stop
         done = set(storage.part_files(run_dir))
         if config.intervene:  # a batch is done when both of its parts are (the interventions' is written first)
             done &= set(storage.part_files(run_dir, storage.INTERVENTIONS))
+        if config.keep != "rows":  # ... and its aggregates' part (written first too; probe.store.aggregates)
+            done &= aggregated_batches(run_dir, manifest)
         manifest["segments"].append({
             "segment": len(manifest["segments"]),
             **storage.process_identity(),
@@ -319,6 +329,8 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: Job, stops: Stop
     index = PartIndex(run_dir, config.fidelity_tolerance, storage.part_records(manifest)) if group.main else None
     if group.main and config.intervene:
         index.with_interventions(storage.part_records(manifest, storage.INTERVENTIONS))
+    if group.main and config.keep != "rows":
+        index.with_table(storage.AGGREGATES, storage.part_records(manifest, storage.AGGREGATES))
     if group.main:
         index.refresh()  # the parts of earlier segments (resume); later, this process's own as it writes them
     segment = manifest["segments"][-1] if group.main else None
@@ -354,8 +366,13 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: Job, stops: Stop
     def commit(batch, finish, batch_started) -> None:  # wait for the batch's solves and write its part file
         nonlocal longest_batch_s
         with stops.interruptible():  # a stop while the batch is computed drops it
-            table, batch_summary, seconds, interventions = finish()
+            table, batch_summary, seconds, interventions, aggregates = finish()
         written = time.perf_counter()
+        if aggregates is not None:  # first too: a batch whose deviations part exists has its aggregates
+            state = aggregates.state().to_arrow()
+            storage.write_part(run_dir, batch, state, {
+                "segment": segment_number, "rank": ranks.rank, "rows": state.num_rows,
+                "measured_rows": batch_summary.rows}, storage.AGGREGATES)
         if interventions is not None:  # first: a batch whose deviations part exists has its interventions too
             storage.write_part(run_dir, batch, interventions, {
                 "examples": [job.texts.indices[i] for i in job.batches[batch]], "segment": segment_number,
@@ -367,6 +384,7 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: Job, stops: Stop
             "rank": ranks.rank,
             "summary": batch_summary.state(),
             "seconds": seconds,
+            **({} if aggregates is None else {"rows": table.num_rows}),  # the sampled rows of what it measured
         })
         longest_batch_s = max(longest_batch_s, time.perf_counter() - batch_started)
         if group.main:
@@ -420,6 +438,13 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: Job, stops: Stop
     return run_dir
 
 
+def aggregated_batches(run_dir: Path, manifest: dict) -> set[int]:
+    """The batches whose aggregates are on disk: their parts, or every batch once merged into one file."""
+    if manifest.get(aggregates.MERGED_RECORD):
+        return set(range(manifest["batches_total"]))
+    return set(storage.part_files(run_dir, storage.AGGREGATES))
+
+
 def _start_batch(job: Job, batch: int, lane=None):
     """Capture one batch of the plan and start its solves (in ``lane``, if any); returns a function that
     waits for them and returns the batch's rows, its summary and the seconds spent capturing and solving."""
@@ -431,6 +456,15 @@ def _start_batch(job: Job, batch: int, lane=None):
     inputs = {key: value.to(job.device) for key, value in inputs.items()}
     summary = Summary(job.config.fidelity_tolerance)
     capture, records = None, None
+    made = []  # the batch's Aggregates (--keep aggregates, sample:N), made by process_batch with its context
+    mode, sample = parse_keep(job.config.keep)
+
+    def aggregates(context):
+        from probe.batch.aggregates import Aggregates
+
+        made.append(Aggregates(example_ids, context, seed=job.config.seed, sample=sample))
+        return made[-1]
+
     if job.config.intervene:  # the rows come from the intervention's unmodified forward (its emit)
         from probe.interventions import batch_records, run_config
 
@@ -441,16 +475,22 @@ def _start_batch(job: Job, batch: int, lane=None):
             records.extend(batch_records(job.loaded, inputs, example_ids, intervention_config, emit))
             records.append(time.perf_counter() - started)
 
-    wait = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context, lane, capture)
+    wait = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context, lane, capture,
+                         aggregates=None if mode == "rows" else aggregates)
 
-    def finish() -> tuple[pa.Table, Summary, dict, pa.Table | None]:
+    def finish() -> tuple[pa.Table, Summary, dict, pa.Table | None, object]:
+        """The batch's rows (its sample, or none, with --keep), summary, seconds, interventions and aggregates."""
         tables, seconds = wait()
+        kept = made[0] if made else None
+        if kept is not None:
+            sampled = kept.sample_table()
+            tables = [sampled if sampled is not None else DEVIATION_SCHEMA.empty_table()]
         if records is None:
-            return pa.concat_tables(tables), summary, seconds, None
+            return pa.concat_tables(tables), summary, seconds, None, kept
         from probe.interventions import records_table
 
         seconds = dict(seconds, intervene=records[-1])  # the whole forward work, row capture included
-        return pa.concat_tables(tables), summary, seconds, records_table(records[:-1])
+        return pa.concat_tables(tables), summary, seconds, records_table(records[:-1]), kept
 
     return finish
 

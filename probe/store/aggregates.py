@@ -35,9 +35,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from probe.core.errors import ProbeError
+from probe.store.storage import AGGREGATES  # noqa: F401 (the parts' directory: probe.store.aggregates.AGGREGATES)
 
-#: the aggregates' parts directory in a run directory (one part per batch, as the rows')
-AGGREGATES = "aggregates.parquet"
 #: the one file a complete run's parts are merged into (in :data:`AGGREGATES`), and its manifest record
 MERGED = "merged.parquet"
 MERGED_RECORD = "aggregates_merged"
@@ -337,3 +336,82 @@ def write_merged(path: Path, state: AggregateState, record: dict, replace_atomic
 
     table = state.to_arrow().replace_schema_metadata({b"probe.aggregates": json.dumps(record).encode()})
     replace_atomically(path, lambda handle: pq.write_table(table, handle, compression="zstd"))
+
+
+# ------------------------------------------------------------------------------------------------ a complete run
+
+
+def table_hashes(table: pa.Table, seed: int) -> np.ndarray:
+    """:func:`row_hash` of every row of a deviations table."""
+    out = np.zeros(table.num_rows, dtype=np.int64)
+    if not table.num_rows:
+        return out
+    frame = table.select(["space", "alpha", "attention_type", "layer", "head", "example", "query"]).to_pandas()
+    for (space, alpha, attention_type), rows in frame.groupby(["space", "alpha", "attention_type"], sort=False):
+        out[rows.index.to_numpy()] = row_hash(seed, space, float(alpha), attention_type, rows["layer"].to_numpy(),
+                                              rows["head"].to_numpy(), rows["example"].to_numpy(),
+                                              rows["query"].to_numpy())
+    return out
+
+
+def sample_threshold(files, count: int, seed: int) -> int | None:
+    """The ``count``-th smallest :func:`row_hash` over the rows of the part files (None: fewer rows than that)."""
+    hashes = [table_hashes(pq.read_table(path, columns=["space", "alpha", "attention_type", "layer", "head",
+                                                          "example", "query"]), seed) for path in files]
+    every = np.concatenate(hashes) if hashes else np.zeros(0, np.int64)
+    if len(every) <= count:
+        return None
+    return int(np.partition(every, count - 1)[count - 1])
+
+
+def rows_within(path: Path, threshold: int, seed: int) -> pa.Table | None:
+    """The part's rows whose hash is at most ``threshold`` (its metadata kept), or None when that is every row."""
+    table = pq.read_table(path)
+    keep = table_hashes(table, seed) <= threshold
+    if keep.all():
+        return None
+    return table.filter(pa.array(keep))
+
+
+def merge_files(paths) -> AggregateState:
+    """The merged state of several aggregates files (already checked against their records)."""
+    return merge(AggregateState.read(path) for path in paths)
+
+
+def merged_path(run_dir: Path) -> Path:
+    return Path(run_dir) / AGGREGATES / MERGED
+
+
+def describe_merged(path: Path, batches: int) -> dict:
+    """The manifest's record of the merged file: name, bytes, SHA-256 and the batches it covers."""
+    from probe.store.storage import file_sha256
+
+    return {"file": f"{AGGREGATES}/{MERGED}", "bytes": path.stat().st_size, "sha256": file_sha256(path),
+            "batches": batches}
+
+
+def merged_problem(run_dir: Path, manifest: dict) -> str | None:
+    """What is wrong with a run's merged aggregates file against its record (None: nothing, or no record)."""
+    record = (manifest or {}).get(MERGED_RECORD)
+    if not record:
+        return None
+    path = merged_path(run_dir)
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != record.get("bytes"):
+        return f"{size:,} bytes, recorded {record.get('bytes'):,}"
+    from probe.store.integrity import checksum_matches
+
+    if not checksum_matches(path, record.get("sha256", ""), cached=True):
+        return "SHA-256 differs from the recorded one"
+    return None
+
+
+def remove_parts(run_dir: Path) -> None:
+    """The aggregates' per-batch parts, once merged (their merged file recorded), deleted."""
+    from probe.store.storage import fsync_directory, part_files
+
+    for path in part_files(run_dir, AGGREGATES).values():
+        path.unlink(missing_ok=True)
+    fsync_directory(Path(run_dir) / AGGREGATES)

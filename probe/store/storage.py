@@ -72,8 +72,10 @@ INTERVENTIONS = "interventions.parquet"
 QUARANTINE = "quarantine"
 #: the manifest's key for the list of part records (file, bytes, rows, sha256 per finished batch)
 PART_RECORDS = "parts"
+#: the statistics of a run with ``--keep aggregates`` or ``--keep sample:N`` (probe.store.aggregates): one part per batch
+AGGREGATES = "aggregates.parquet"
 #: the manifest's list of part records of each table (the deviations' is ``parts``, as before)
-TABLE_RECORDS = {PARTS: PART_RECORDS, INTERVENTIONS: "intervention_parts"}
+TABLE_RECORDS = {PARTS: PART_RECORDS, INTERVENTIONS: "intervention_parts", AGGREGATES: "aggregate_parts"}
 #: The key, in each part file's parquet metadata, of the batch's record (JSON).
 PART_METADATA_KEY = b"probe.batch"
 PART_NAME = re.compile(r"^part-(\d+)\.parquet$")
@@ -328,9 +330,14 @@ def part_path(run_dir: Path, batch: int, table: str = PARTS) -> Path:
 
 
 def run_tables(manifest: dict | None) -> tuple[str, ...]:
-    """The tables a run writes: the deviations, and the interventions when it was run with ``--intervene``."""
+    """The tables a run writes: the deviations, the interventions when it was run with ``--intervene``, and the
+    aggregates' parts of a run with ``--keep aggregates`` or ``sample:N`` until they are merged into one file
+    (:mod:`probe.store.aggregates`: ``aggregates_merged``)."""
     config = (manifest or {}).get("config") or {}
-    return (PARTS, INTERVENTIONS) if config.get("intervene") else (PARTS,)
+    tables = (PARTS, INTERVENTIONS) if config.get("intervene") else (PARTS,)
+    if config.get("keep", "rows") != "rows" and not (manifest or {}).get("aggregates_merged"):
+        tables += (AGGREGATES,)
+    return tables
 
 
 def write_part(run_dir: Path, batch: int, table: pa.Table, record: dict, name: str = PARTS) -> Path:

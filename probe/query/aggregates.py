@@ -1,0 +1,257 @@
+"""A run's aggregates as the report asks of them (:class:`AggregateTable`): the statistics, histograms and worst
+rows that :class:`probe.query.RunTable` answers from the rows, answered from the mergeable statistics of a run made
+with ``--keep aggregates`` or ``--keep sample:N`` (:mod:`probe.store.aggregates`).
+
+What is exact and what is not.  Counts, trivial and non-converged counts, sums (hence means), sums of squares,
+minima, maxima, shares above 0.1, the worst rows and every per-example, per-position and per-token count and sum
+are exact (merged without loss).  Histograms are exact on the fixed bins (:data:`probe.store.aggregates.FINE_EDGES`);
+re-binned onto other edges (:meth:`AggregateTable.histogram`) each fine bin counts where its centre falls, so a
+count is exact to one fine bin (1/1024 below 4).  Quantiles come from the merged KLL sketches: the value returned
+for quantile ``q`` of ``n`` values has a true rank within ``RANK_ERROR * n`` of ``q n``
+(:data:`probe.store.aggregates.RANK_ERROR`, 0.009 for the k of 300 used, with 99% confidence).
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import cached_property
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from probe.core.errors import ProbeError
+from probe.store import aggregates as stored
+from probe.store.aggregates import (
+    AVERAGED,
+    FAR,
+    FINE_BINS,
+    FINE_EDGES,
+    MERGED_RECORD,
+    RANK_ERROR,
+    AggregateState,
+)
+from probe.store.storage import AGGREGATES
+
+#: how quantiles of an aggregates run are computed, as the report's page and summary.json say it
+QUANTILE_METHOD = (f"Apache DataSketches' KLL sketch (k = {stored.KLL_K}), merged over batches, resumes and ranks: "
+                   f"a quantile's true rank is within {RANK_ERROR:.4f} of the one asked for (normalized rank error, "
+                   "99% confidence)")
+#: the midpoints of the fine bins (the last one, open above, at its lower edge)
+FINE_CENTRES = np.r_[(FINE_EDGES[:-2] + FINE_EDGES[1:-1]) / 2, FINE_EDGES[-2]]
+
+
+def keeps(manifest: dict | None) -> str:
+    """What a run kept (``--keep``): ``rows``, ``aggregates`` or ``sample:N``."""
+    return str(((manifest or {}).get("config") or {}).get("keep", "rows"))
+
+
+class AggregateTable:
+    """A run's merged statistics (see the module): :meth:`census`, :meth:`stats`, :meth:`histogram`,
+    :meth:`worst_rows` and the per-example, per-position and per-token tables, as frames shaped like the answers
+    of :class:`probe.query.RunTable`.  ``check``: the check of its parts (None once merged into one file)."""
+
+    def __init__(self, state: AggregateState, path: Path | None = None, *, check=None):
+        self.state, self.path, self.check = state, path, check
+        self._sketches: dict = {}
+
+    @classmethod
+    def open(cls, run_dir: str | Path, manifest: dict | None = None, *,
+             allow_damaged: bool = False) -> "AggregateTable | None":
+        """The aggregates of a run directory, checked like its parts (a damaged file refused by name, unless
+        ``allow_damaged``: then its intact parts are read, with a warning); None for a run that kept its rows."""
+        from probe.store.integrity import DamagedRunWarning, require_intact
+        from probe.store.storage import read_manifest
+
+        run_dir = Path(run_dir)
+        manifest = read_manifest(run_dir) if manifest is None else manifest
+        if keeps(manifest) == "rows":
+            return None
+        if manifest.get(MERGED_RECORD):
+            problem = stored.merged_problem(run_dir, manifest)
+            if problem is not None:
+                raise ProbeError(
+                    f"{run_dir} is damaged (its {AGGREGATES}): {AGGREGATES}/{stored.MERGED} ({problem}). Repair it "
+                    f"with `probe resume {run_dir}` (it moves the damaged file to {run_dir / 'quarantine'} and "
+                    f"recomputes the run's batches; `probe verify {run_dir}` checks every file).")
+            path = stored.merged_path(run_dir)
+            return cls(AggregateState.read(path), path)
+        check = require_intact(run_dir, manifest, allow_damaged=allow_damaged, table=AGGREGATES)
+        if check.damaged:
+            warnings.warn(check.banner(), DamagedRunWarning, stacklevel=2)
+        state = stored.merge_files(path for _, path in sorted(check.readable.items()))
+        return cls(state, run_dir / AGGREGATES, check=check)
+
+    # ---- the tables
+
+    @property
+    def values(self) -> pd.DataFrame:
+        return self.state["values"]
+
+    def census(self) -> pd.DataFrame:
+        """Rows of every kind per (space, alpha, attention type, layer, head), as :func:`probe.report.data.census`."""
+        frame = self.state["census"].copy()
+        for column in frame.columns:
+            if column not in stored.SITE_KEYS + ("pairs_max", "space", "attention_type"):
+                frame[column] = frame[column].astype(np.int64)
+        frame["pairs_max"] = frame["pairs_max"].astype(float).where(np.isfinite(frame["pairs_max"].astype(float)))
+        return frame.sort_values(list(stored.SITE_KEYS) + ["head"]).reset_index(drop=True)
+
+    def _rows(self, column: str, where: Mapping | None) -> pd.DataFrame:
+        frame = self.values
+        frame = frame[frame["column"] == column]
+        return _filtered(frame, where)
+
+    # ---- statistics
+
+    def stats(self, column: str, by: Sequence[Sequence[str]], where: Mapping | None = None, *,
+              quantiles: Mapping[str, float] | None = None, ranks: Mapping | None = None,
+              above: Mapping[str, float] | None = None, trivial: bool = False) -> list[pd.DataFrame]:
+        """For each grouping of ``by``, the statistics of ``column`` (``rel_deviation``, ``layer_head_averaged`` or a
+        quantity): ``count``, ``mean``, ``min``, ``max``, ``std``, the share above 0.1 (``above``: its names; 0.1 is
+        the one threshold kept), the ``quantiles`` (name -> q) from the merged sketch, and ``ranks`` (name ->
+        :class:`probe.query.Rank`: "below"/"above" read as the quantile ``q``, "top" the k-th largest, exact at the
+        head level from the worst rows); ``trivial``: the trivial values' count too.  ``where``: equalities
+        (``{"space": "hidden", "alpha": 1.0}``; alpha within 1e-12).  Groups without a value are absent."""
+        for threshold in (above or {}).values():
+            if not np.isclose(threshold, FAR):
+                raise ProbeError(f"The aggregates keep the share above {FAR:g} only, not above {threshold!r}.")
+        frame = self._rows(column, where)
+        out = []
+        for keys in by:
+            keys = list(keys)
+            if not len(frame):
+                out.append(pd.DataFrame(columns=[*keys, "count", "mean", "min", "max", *(quantiles or {}),
+                                                 *(ranks or {}), *(above or {})]))
+                continue
+            grouped = frame.groupby(keys, sort=True, dropna=False) if keys else [((), frame)]
+            records = []
+            for key, part in grouped:
+                key = key if isinstance(key, tuple) else (key,)
+                count = int(part["count"].sum())
+                if not count and not trivial:
+                    continue
+                total, squares = float(part["sum"].sum()), float(part["sumsq"].sum())
+                record = dict(zip(keys, key))
+                record.update(count=count, mean=total / count if count else np.nan,
+                              min=float(np.nanmin(part["min"].astype(float))) if count else np.nan,
+                              max=float(np.nanmax(part["max"].astype(float))) if count else np.nan,
+                              std=float(np.sqrt(max(squares - total * total / count, 0.0) / (count - 1)))
+                              if count > 1 else np.nan)
+                if trivial:
+                    record["trivial"] = int(part["trivial"].sum())
+                for name in above or {}:
+                    record[name] = int(part["above"].sum()) / count if count else np.nan
+                sketch = self._sketch(column, part) if (quantiles or ranks) and count else None
+                for name, q in (quantiles or {}).items():
+                    record[name] = float(sketch.get_quantile(q)) if sketch is not None else np.nan
+                for name, rank in (ranks or {}).items():
+                    if rank.kind == "top":
+                        record[name] = self._top(key, keys, rank.k, where) if count else np.nan
+                    else:
+                        record[name] = float(sketch.get_quantile(rank.q)) if sketch is not None else np.nan
+                records.append(record)
+            columns = [*keys, "count", "mean", "min", "max", "std", *(["trivial"] if trivial else []),
+                       *(above or {}), *(quantiles or {}), *(ranks or {})]
+            result = pd.DataFrame.from_records(records, columns=columns)
+            out.append(_integers(result, keys))
+        return out
+
+    def _sketch(self, column: str, part: pd.DataFrame):
+        """The merged sketch of the groups in ``part`` (cached by their identity in the state)."""
+        key = (column, tuple(part.index))
+        if key not in self._sketches:
+            self._sketches[key] = stored.merged_sketch(part["sketch"].to_numpy())
+        return self._sketches[key]
+
+    def _top(self, key: tuple, keys: list[str], k: int, where) -> float:
+        """The k-th largest deviation of a group (exact where the group is within one head)."""
+        worst = _filtered(self.state["worst"], {**(where or {}), **dict(zip(keys, key))})
+        if len(worst) < k:
+            return float(worst["rel_deviation"].min()) if len(worst) else np.nan
+        return float(np.sort(worst["rel_deviation"].to_numpy(dtype=float))[::-1][k - 1])
+
+    # ---- histograms and rows
+
+    def fine_counts(self, column: str, by: Sequence[str], where: Mapping | None = None) -> dict[tuple, np.ndarray]:
+        """The dense fine-bin counts of ``column`` per group of ``by``."""
+        frame = self._rows(column, where)
+        out: dict[tuple, np.ndarray] = {}
+        for row in frame.itertuples(index=False):
+            key = tuple(getattr(row, k) for k in by)
+            counts = out.setdefault(key, np.zeros(FINE_BINS, dtype=np.int64))
+            np.add.at(counts, np.asarray(row.bins, dtype=np.int64), np.asarray(row.counts, dtype=np.int64))
+        return out
+
+    def histogram(self, column: str, edges, by: Sequence[str] = (), where: Mapping | None = None) -> pd.DataFrame:
+        """Counts of ``column`` in the bins ``edges`` per group of ``by``, shaped as
+        :meth:`probe.query.Table.histogram` gives them (``by``, ``bin``, ``count``; empty bins absent): each fine bin
+        counted in the bin its centre falls in (exact to one fine bin)."""
+        edges = np.asarray(edges, dtype=float)
+        records = []
+        for key, counts in self.fine_counts(column, by, where).items():
+            binned = rebin(counts, edges)
+            for index in np.flatnonzero(binned):
+                records.append((*key, int(index), int(binned[index])))
+        return pd.DataFrame.from_records(records, columns=[*by, "bin", "count"])
+
+    def worst_rows(self, where: Mapping | None = None) -> pd.DataFrame:
+        """The worst rows of every head (``rel_deviation``, ``example``, ``query``, ``token_id``, ``token_role``,
+        ``n_keys``) with their token strings."""
+        worst = _filtered(self.state["worst"], where)
+        return worst.merge(self.tokens, on="token_id", how="left")
+
+    @cached_property
+    def tokens(self) -> pd.DataFrame:
+        """token id -> token string, for every token met."""
+        return self.state["tokens"].drop_duplicates("token_id")
+
+    def table(self, kind: str, where: Mapping | None = None) -> pd.DataFrame:
+        """One of the state's tables (:data:`probe.store.aggregates.KINDS`), filtered."""
+        return _filtered(self.state[kind], where)
+
+    def export_table(self) -> pd.DataFrame:
+        """The aggregates as one flat table: a row per (column, space, alpha, attention type, layer, head, token
+        role) with its count, trivial count, sum, sum of squares, minimum, maximum, count above 0.1, median and
+        p95 (from its sketch) and the stated rank error."""
+        frame = self.values.drop(columns=["bins", "counts", "sketch"]).copy()
+        sketches = [stored.merged_sketch([blob]) for blob in self.values["sketch"]]
+        for name, q in (("median", 0.5), ("p95", 0.95)):
+            frame[name] = [float(s.get_quantile(q)) if not s.is_empty() else np.nan for s in sketches]
+        frame["rank_error"] = RANK_ERROR
+        return frame
+
+
+def rebin(counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Fine-bin counts on other edges (each fine bin where its centre falls; outside the edges: left out, the
+    last edge included as numpy's histogram includes it)."""
+    index = np.searchsorted(edges, FINE_CENTRES, side="right") - 1
+    index[FINE_CENTRES == edges[-1]] = len(edges) - 2
+    inside = (index >= 0) & (index < len(edges) - 1)
+    return np.bincount(index[inside], weights=counts[inside], minlength=len(edges) - 1).astype(np.int64)
+
+
+def _filtered(frame: pd.DataFrame, where: Mapping | None) -> pd.DataFrame:
+    keep = np.ones(len(frame), dtype=bool)
+    for key, value in (where or {}).items():
+        if value is None:
+            continue
+        column = frame[key]
+        if key == "alpha":
+            keep &= np.isclose(column.to_numpy(dtype=float), float(value), rtol=1e-12, atol=0)
+        elif isinstance(value, (list, tuple, set)):
+            keep &= column.isin(list(value)).to_numpy()
+        else:
+            keep &= (column == value).to_numpy()
+    return frame[keep]
+
+
+def _integers(frame: pd.DataFrame, keys) -> pd.DataFrame:
+    for key in keys:
+        if key in ("layer", "head", "query", "example") and len(frame):
+            frame[key] = frame[key].astype(np.int64)
+    return frame
+
+
+__all__ = ["AggregateTable", "QUANTILE_METHOD", "keeps", "rebin", "AVERAGED"]
