@@ -211,6 +211,118 @@ class AggregateTable:
         """One of the state's tables (:data:`probe.store.aggregates.KINDS`), filtered."""
         return _filtered(self.state[kind], where)
 
+    # ---- what findings, breakdowns and the series ask
+
+    def groups(self, where: Mapping | None = None) -> dict[str, pd.DataFrame]:
+        """Per attention type, the non-trivial rows grouped as :attr:`probe.report.data.Run.groups` groups them
+        (``token_role``, ``token``, ``head``, ``position``, ``query``): ``rows``, ``count`` (rows with a deviation),
+        ``sum``; ``above_p95`` is NaN (counting the values above a percentile needs the rows)."""
+        queries = self.table("queries", where)
+        tokens = queries.merge(self.tokens, on="token_id", how="left")
+        frames = {
+            "token_role": queries.groupby(["attention_type", "token_role"], as_index=False)[["rows", "n", "sum"]].sum(),
+            "token": tokens.groupby(["attention_type", "token"], as_index=False)[["rows", "n", "sum"]].sum(),
+        }
+        census = self.table("census", where)
+        heads = census.assign(rows=census["rows"] - census["trivial"])[["attention_type", "layer", "head", "rows"]]
+        sums = self._rows("rel_deviation", where).groupby(["attention_type", "layer", "head"], as_index=False)[
+            ["count", "sum"]].sum().rename(columns={"count": "n"})
+        frames["head"] = heads.groupby(["attention_type", "layer", "head"], as_index=False)["rows"].sum().merge(
+            sums, on=["attention_type", "layer", "head"], how="left").fillna({"n": 0, "sum": 0.0})
+        frames["position"] = self.table("positions", where).groupby(["attention_type", "layer", "query"],
+                                                                   as_index=False)[["rows", "n", "sum"]].sum()
+        frames["query"] = frames["position"].groupby(["attention_type", "query"], as_index=False)[
+            ["rows", "n", "sum"]].sum()
+        out = {}
+        for kind, frame in frames.items():
+            frame = frame.rename(columns={"n": "count"})
+            frame = frame[frame["rows"] > 0].copy()
+            frame["count"] = frame["count"].astype(np.int64)
+            frame["rows"] = frame["rows"].astype(np.int64)
+            frame["above_p95"] = np.nan
+            out[kind] = _integers(frame.reset_index(drop=True), ["layer", "head", "query"])
+        return out
+
+    def query_cells(self, where: Mapping | None = None) -> pd.DataFrame:
+        """Per (attention type, example, query): its token (string and id), role, non-trivial ``rows`` and
+        measured ``n`` over every layer and head, and their ``sum``."""
+        return self.table("queries", where).merge(self.tokens, on="token_id", how="left")
+
+    def token_sequences(self, keys, where: Mapping | None = None) -> dict[tuple[str, int], list[str]]:
+        """The query tokens of each wanted (attention type, example), in query order (as
+        :func:`probe.report.data.token_sequences` reads them from the rows)."""
+        cells = self.query_cells(where)
+        out = {}
+        for (attention_type, example), group in cells.groupby(["attention_type", "example"], sort=True):
+            if (attention_type, int(example)) not in keys:
+                continue
+            tokens = [""] * (int(group["query"].max()) + 1)
+            for query, token in zip(group["query"], group["token"]):
+                tokens[int(query)] = "" if pd.isna(token) else str(token)
+            out[(attention_type, int(example))] = tokens
+        return out
+
+    def example_sums(self, where: Mapping | None = None, by=("layer", "example")) -> pd.DataFrame:
+        """Per group of ``by`` (with ``example``): the measured rows ``n``, their ``sum`` and the rows ``above``
+        0.1 (the bootstrap over examples, the findings' intervals)."""
+        frame = self.table("examples", where)
+        return _integers(frame.groupby(list(by), as_index=False)[["n", "sum", "above"]].sum(), by)
+
+    def example_histograms(self, where: Mapping | None = None) -> pd.DataFrame:
+        """Per (layer, example), the counts of the deviations in the coarse bins
+        (:data:`probe.store.aggregates.COARSE_EDGES`): ``layer``, ``example``, ``bin``, ``count``."""
+        records = []
+        for row in self.table("example_bins", where).itertuples(index=False):
+            for b, c in zip(row.bins, row.counts):
+                records.append((int(row.layer), int(row.example), int(b), int(c)))
+        return pd.DataFrame.from_records(records, columns=["layer", "example", "bin", "count"])
+
+    def per_example(self, attention_type: str, groups: Sequence[tuple[str, object]],
+                    where: Mapping | None = None) -> tuple[pd.DataFrame, np.ndarray]:
+        """What :func:`probe.report.findings.per_example` asks of the rows, from the per-(example, query) and
+        per-(head, example) sums: per example of the type, ``n`` and ``sum`` of every measured row and ``n_i``,
+        ``sum_i`` of each group ``(kind, value)`` (kinds ``token_role``, ``query_position``, ``token``, ``head`` with
+        value ``(layer, head)``); and the rows every two groups share, summed over the examples.  Two groups of
+        query tokens share the rows of the query tokens in both; a head shares with such a group the rows of its
+        query tokens measured at that head, counted as each query token's measured rows over the type's
+        (layer, head) pairs: exact when a query token is measured at every head of the type or at none (its
+        trivial rows are those of one key, the same at every head of an encoder)."""
+        scope = {**(where or {}), "attention_type": attention_type}
+        cells = self.query_cells(scope)
+        heads = self.example_sums(scope, by=("layer", "head", "example"))
+        pairs = max(1, len(self.table("census", scope)[["layer", "head"]].drop_duplicates()))
+        examples = np.sort(cells.loc[cells["n"] > 0, "example"].unique())
+        frame = pd.DataFrame({"example": examples})
+        per = cells.groupby("example")[["n", "sum"]].sum()
+        frame["n"] = per["n"].reindex(examples, fill_value=0).to_numpy().astype(np.int64)
+        frame["sum"] = per["sum"].reindex(examples, fill_value=0.0).to_numpy()
+        cell_masks = {}
+        for i, (kind, value) in enumerate(groups):
+            if kind == "head":
+                part = heads[(heads["layer"] == value[0]) & (heads["head"] == value[1])].set_index("example")
+                n_i, sum_i = part["n"], part["sum"]
+            else:
+                column = {"token_role": "token_role", "query_position": "query", "token": "token"}[kind]
+                mask = (cells[column] == value).to_numpy()
+                cell_masks[i] = mask
+                part = cells[mask].groupby("example")[["n", "sum"]].sum()
+                n_i, sum_i = part["n"], part["sum"]
+            frame[f"n_{i}"] = n_i.reindex(examples, fill_value=0).to_numpy().astype(np.int64)
+            frame[f"sum_{i}"] = sum_i.reindex(examples, fill_value=0.0).to_numpy()
+        shared = np.zeros((len(groups), len(groups)))
+        n = cells["n"].to_numpy(dtype=float)
+        for i in range(len(groups)):
+            shared[i, i] = frame[f"n_{i}"].sum()
+            for j in range(i + 1, len(groups)):
+                if i in cell_masks and j in cell_masks:
+                    both = float(n[cell_masks[i] & cell_masks[j]].sum())
+                elif i in cell_masks or j in cell_masks:  # a head and a group of query tokens
+                    both = float(n[cell_masks[i if i in cell_masks else j]].sum()) / pairs
+                else:
+                    both = shared[i, i] if groups[i] == groups[j] else 0.0
+                shared[i, j] = shared[j, i] = both
+        return frame, np.rint(shared).astype(np.int64)
+
     def export_table(self) -> pd.DataFrame:
         """The aggregates as one flat table: a row per (column, space, alpha, attention type, layer, head, token
         role) with its count, trivial count, sum, sum of squares, minimum, maximum, count above 0.1, median and
@@ -249,7 +361,7 @@ def _filtered(frame: pd.DataFrame, where: Mapping | None) -> pd.DataFrame:
 
 def _integers(frame: pd.DataFrame, keys) -> pd.DataFrame:
     for key in keys:
-        if key in ("layer", "head", "query", "example") and len(frame):
+        if key in ("layer", "head", "query", "example") and key in frame.columns and len(frame):
             frame[key] = frame[key].astype(np.int64)
     return frame
 
