@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import numpy as np
 from transformers import TrainerCallback
 
 from probe.core.errors import ProbeError
@@ -144,7 +145,7 @@ def _set_attention(model, implementation) -> None:
 
 
 def _config(loaded, texts_name: str, out: Path, *, step, name, alpha, space, max_length, batch_size, seed,
-            progress):
+            progress, keep="rows"):
     from probe.api import _names, _numbers
     from probe.capture.data import DatasetSpec
     from probe.core.config import RunConfig
@@ -153,7 +154,7 @@ def _config(loaded, texts_name: str, out: Path, *, step, name, alpha, space, max
         model=loaded.info["id"], dataset=DatasetSpec(name=texts_name), out=Path(out), batch_size=batch_size,
         max_length=max_length, alphas=_numbers(alpha, "alpha"), spaces=_names(space, "space"), seed=seed,
         device=str(next(loaded.model.parameters()).device), dtype=_model_dtype(loaded.model), progress=progress,
-        name=name, step=step,
+        name=name, step=step, keep=keep,
     )
 
 
@@ -182,11 +183,18 @@ def headline_numbers(run) -> dict[str, float]:
     ``probe/<number>`` for a run of one slice and ``probe/<space>/alpha=<alpha>/<number>`` otherwise."""
     from probe.query import where
 
-    with run._open() as table:
-        (stats,) = table.stats("rel_deviation", [("space", "alpha")], where(trivial=False), quantiles={"p95": 0.95})
-        (above,) = table.aggregate({"above": f"CAST(count_if(rel_deviation > {FAR!r}) AS BIGINT)"},
-                                   [("space", "alpha")], where(trivial=False))
-    stats = stats.dropna(subset=["space", "alpha"]).merge(above, on=["space", "alpha"], how="left")
+    if run.aggregates is not None:  # keep="aggregates" / "sample:N": the statistics the run kept
+        (stats,) = run.aggregates.stats("rel_deviation", [("space", "alpha")], quantiles={"p95": 0.95},
+                                        above={"share": FAR})
+        stats["above"] = np.rint(stats["share"] * stats["count"]).astype(np.int64)
+    else:
+        with run._open() as table:
+            (stats,) = table.stats("rel_deviation", [("space", "alpha")], where(trivial=False),
+                                   quantiles={"p95": 0.95})
+            (above,) = table.aggregate({"above": f"CAST(count_if(rel_deviation > {FAR!r}) AS BIGINT)"},
+                                       [("space", "alpha")], where(trivial=False))
+        stats = stats.merge(above, on=["space", "alpha"], how="left")
+    stats = stats.dropna(subset=["space", "alpha"])
     numbers = {}
     for record in stats.sort_values(["space", "alpha"]).to_dict("records"):
         prefix = PREFIX if len(stats) == 1 else f"{PREFIX}{record['space']}/alpha={float(record['alpha']):g}/"
@@ -210,7 +218,7 @@ def measure(model, tokenizer, texts: Iterable[str], out: str | Path, *, step: in
             name: str | None = None, alpha: float | str | Sequence[float] = 1.0,
             space: str | Sequence[str] | None = None,
             max_length: int = 128, batch_size: int = 8, seed: int = 0, progress: bool = False,
-            training: dict | None = None):
+            training: dict | None = None, keep: str = "rows"):
     """Measure ``model`` (in memory, on its device, in its dtype) on ``texts`` once: a new run directory under ``out``
     (``name``, default the model's name) whose manifest records ``step``; returns it as a :class:`probe.Run`.
     The model's modes, attention implementation and the random generators are as they were afterwards
@@ -221,7 +229,7 @@ def measure(model, tokenizer, texts: Iterable[str], out: str | Path, *, step: in
     texts_name, kept = _texts_name(texts)
     loaded = in_memory(model, tokenizer, name=name)
     config = _config(loaded, texts_name, Path(out), step=step, name=name, alpha=alpha, space=space,
-                     max_length=max_length, batch_size=batch_size, seed=seed, progress=progress)
+                     max_length=max_length, batch_size=batch_size, seed=seed, progress=progress, keep=keep)
     from probe.pipeline.validate import check_options
 
     check_options(config)
@@ -247,16 +255,23 @@ class ProbeCallback(TrainerCallback):
     ``processing_class``), ``alpha``, ``space``, ``max_length``, ``batch_size`` (as ``probe.run``'s),
     ``at_start`` (also measure the weights training starts from, as step ``state.global_step`` before the first
     step; no Trainer log follows then, so its numbers are an entry of ``state.log_history`` of their own and in
-    :attr:`logged`), ``progress`` (probe's progress lines on stderr).  Only the main process measures.
+    :attr:`logged`), ``progress`` (probe's progress lines on stderr), ``keep`` (``"rows"``, ``"aggregates"`` or
+    ``"sample:N"``, as ``probe.run``'s: a measurement that keeps aggregates writes a few MB whatever the probe
+    set).  Only the main process measures.
 
     After training, :attr:`runs` lists the run directories and :attr:`logged` the numbers of each step.
     """
 
     def __init__(self, texts: Iterable[str], every_n_steps: int, out_dir: str | Path, *, name: str | None = None,
                  tokenizer=None, alpha: float | str | Sequence[float] = 1.0, space: str | Sequence[str] | None = None,
-                 max_length: int = 128, batch_size: int = 8, at_start: bool = False, progress: bool = False):
+                 max_length: int = 128, batch_size: int = 8, at_start: bool = False, progress: bool = False,
+                 keep: str = "rows"):
         from probe.api import _check_types
+        from probe.core.config import parse_keep
         from probe.core.spelling import option
+
+        parse_keep(keep)  # a bad keep= is refused here, before training starts
+        self.keep = keep
 
         _check_types(every_n_steps=every_n_steps, max_length=max_length, batch_size=batch_size)
         if every_n_steps < 1:
@@ -321,7 +336,7 @@ class ProbeCallback(TrainerCallback):
     def _run_config(self, loaded, step: int):
         config = _config(loaded, self.texts_name, self.out_dir, step=step, name=self._run_name(loaded, step),
                          alpha=self.alpha, space=self.space, max_length=self.max_length, batch_size=self.batch_size,
-                         seed=0, progress=self.progress)
+                         seed=0, progress=self.progress, keep=self.keep)
         from probe.pipeline.validate import check_options
 
         check_options(config)
@@ -347,7 +362,7 @@ class ProbeCallback(TrainerCallback):
                       name=self._run_name(in_memory(model, self._tokenizer, name=self.name), step), alpha=self.alpha,
                       space=self.space, max_length=self.max_length, batch_size=self.batch_size,
                       progress=self.progress, training={"step": step, "epoch": state.epoch,
-                                                        "max_steps": state.max_steps})
+                                                        "max_steps": state.max_steps}, keep=self.keep)
         numbers = headline_numbers(run)
         numbers[f"{PREFIX}seconds"] = time.perf_counter() - started
         self.runs.append(run.run_dir)

@@ -342,11 +342,16 @@ class Aggregates:
 
     # ---- results
 
-    def sample_table(self) -> pa.Table | None:
-        """The batch's sampled rows (its N rows of smallest hash) in the parquet schema; None without a sample."""
+    def sample_table(self, bound: "SampleBound | None" = None) -> pa.Table | None:
+        """The batch's sampled rows (its N rows of smallest hash, and of those only the ones among the N smallest
+        this process has seen: ``bound``) in the parquet schema; None without a sample."""
         if self.sample is None:
             return None
         self._prune()
+        if bound is not None and self.candidates:
+            threshold = bound.update(torch.cat([hashes.to("cpu") for hashes, _ in self.candidates]))
+            self.candidates = [(hashes[keep], columns.take(keep)) for hashes, columns in self.candidates
+                               if len(keep := torch.nonzero(hashes <= threshold.to(hashes.device)).flatten())]
         from probe.core.schema import DEVIATION_SCHEMA
 
         tables = [columns_table(columns, self.context) for _, columns in self.candidates]
@@ -413,6 +418,24 @@ class Aggregates:
                 frame = pd.concat(parts, ignore_index=True)[[*keys, *sums, *others]]
                 tables[kind] = _typed(frame)
         return AggregateState(tables)
+
+
+class SampleBound:
+    """The N smallest row hashes one process has seen so far: a row above the N-th of them is not among the N
+    smallest of the run, so a batch need not keep it (the parts of a run then hold about N (1 + ln batches)
+    rows, not N per batch, before the run's end cuts them to N)."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.hashes = torch.zeros(0, dtype=torch.int64)
+
+    def update(self, hashes: torch.Tensor) -> torch.Tensor:
+        """Fold in a batch's candidates' hashes; return the largest hash still among the N smallest."""
+        merged = torch.cat([self.hashes, hashes.to(torch.int64)])
+        if len(merged) > self.count:
+            merged = torch.topk(merged, self.count, largest=False).values
+        self.hashes = merged
+        return merged.max() if len(merged) >= self.count else torch.tensor(torch.iinfo(torch.int64).max)
 
 
 def _fold_grid(into: dict, name: str, grid: np.ndarray, *, replace: bool = False, where=None) -> None:

@@ -114,8 +114,8 @@ def parse_keep(value) -> tuple[str, int | None]:
     anything else is refused with a :class:`ProbeError` that says what the option takes."""
     from probe.core.spelling import option
 
-    takes = (f"{option('keep')} takes rows, aggregates or sample:N (N a whole number of rows >= 1, e.g. "
-             f"{option('keep', 'sample:100000')})")
+    example = option("keep", "sample:100000")
+    takes = f"{option('keep')} takes rows, aggregates or sample:N (N rows to sample, e.g. {example})"
     if not isinstance(value, str):
         raise ProbeError(f"{takes}; got {value!r} ({type(value).__name__}).")
     text = value.strip()
@@ -126,11 +126,11 @@ def parse_keep(value) -> tuple[str, int | None]:
         raise ProbeError(f"Unknown {option('keep', value)}: {takes}.")
     count = count.strip()
     if not colon or not count:
-        raise ProbeError(f"{option('keep', value)} needs the number of rows to sample: {takes}.")
-    if not (count.lstrip("-").isdigit()):
-        raise ProbeError(f"{option('keep', value)}: {count!r} is not a whole number; {takes}.")
+        raise ProbeError(f"{option('keep', value)} needs the number of rows to sample, e.g. {example}.")
+    if not count.lstrip("-").isdigit():
+        raise ProbeError(f"{option('keep', value)}: {count!r} is not a whole number of rows, as in {example}.")
     if int(count) < 1:
-        raise ProbeError(f"{option('keep', value)} keeps no row: N must be at least 1 ({takes}).")
+        raise ProbeError(f"{option('keep', value)} would keep no row: N must be at least 1, as in {example}.")
     return "sample", int(count)
 
 

@@ -31,6 +31,8 @@ class Job:
     context: RowContext  # what rows need beyond sites and solutions (token texts, cached over the run)
     timings: dict
     started: float  # time.perf_counter() when the segment started loading
+    #: --keep sample:N: the N smallest row hashes this process has seen (probe.batch.aggregates.SampleBound)
+    sample_bound: object = None
 
 
 #: texts tokenized at once while the batches are planned (their lengths are kept, not their tokens, so

@@ -139,7 +139,7 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
     manifest = storage.read_manifest(run_dir)
     if manifest.get("status") == "complete" and all(
             integrity.check_parts(run_dir, manifest, checksums=True, table=table).ok
-            for table in storage.run_tables(manifest)):
+            for table in storage.run_tables(manifest)) and aggregates.merged_problem(run_dir, manifest) is None:
         return run_dir
     if "config" not in manifest or not (run_dir / storage.PARTS).is_dir():
         raise ProbeError(f"{run_dir} was written by an older probe that cannot resume runs. Start a new `probe run`.")
@@ -165,6 +165,15 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
                     })
                     if manifest.get("status") == "complete":
                         manifest.update(status="interrupted", stop_reason=f"damaged: {check.describe()}")
+            problem = aggregates.merged_problem(run_dir, manifest)
+            if problem is not None:  # the merged aggregates: every batch is computed again
+                moved = aggregates.quarantine_merged(run_dir, manifest)
+                manifest.setdefault("repairs", []).append({
+                    "at": now(), "quarantine": str(moved) if moved else None, "table": storage.AGGREGATES,
+                    "merged": problem})
+                manifest.update(status="interrupted", stop_reason=f"damaged: {storage.AGGREGATES}/"
+                                                                  f"{aggregates.MERGED} ({problem})")
+                (run_dir / storage.AGGREGATES).mkdir(exist_ok=True)
             for segment in manifest["segments"]:  # a segment killed without a chance to say so
                 if segment.get("status") == "running":
                     segment.update(status="interrupted", stop_reason=manifest.get("stop_reason"))
@@ -400,6 +409,11 @@ def _execute_batches(run_dir: Path, manifest: dict | None, job: Job, stops: Stop
     # take turns); its part file is written once both are done, in the plan's order.
     threads = torch.get_num_threads()
     lane = Lane(threads) if job.device.type == "cpu" and threads > 1 and config.max_memory_bytes is None else None
+    sample = parse_keep(config.keep)[1]
+    if sample is not None:  # --keep sample:N: the N smallest row hashes this process has seen
+        from probe.batch.aggregates import SampleBound
+
+        job.sample_bound = SampleBound(sample)
     try:
         in_flight = None  # (batch, finish, started) of the batch whose solves may still be running
         for batch in todo[ranks.rank :: ranks.world]:
@@ -483,7 +497,7 @@ def _start_batch(job: Job, batch: int, lane=None):
         tables, seconds = wait()
         kept = made[0] if made else None
         if kept is not None:
-            sampled = kept.sample_table()
+            sampled = kept.sample_table(job.sample_bound)
             tables = [sampled if sampled is not None else DEVIATION_SCHEMA.empty_table()]
         if records is None:
             return pa.concat_tables(tables), summary, seconds, None, kept

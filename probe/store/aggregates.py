@@ -415,3 +415,19 @@ def remove_parts(run_dir: Path) -> None:
     for path in part_files(run_dir, AGGREGATES).values():
         path.unlink(missing_ok=True)
     fsync_directory(Path(run_dir) / AGGREGATES)
+
+
+def quarantine_merged(run_dir: Path, manifest: dict) -> Path | None:
+    """Move a damaged merged file into ``RUN_DIR/quarantine/<time>/aggregates.parquet/`` and drop its record
+    (``manifest`` is updated): the run's batches are then computed again by ``probe resume``."""
+    import shutil
+    from datetime import datetime
+
+    manifest.pop(MERGED_RECORD, None)
+    path = merged_path(run_dir)
+    if not path.exists():
+        return None
+    target = Path(run_dir) / "quarantine" / datetime.now().strftime("%Y%m%d-%H%M%S-%f") / AGGREGATES
+    target.mkdir(parents=True)
+    shutil.move(str(path), target / path.name)
+    return target

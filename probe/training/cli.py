@@ -47,6 +47,10 @@ def series_command(
     compare: Optional[Path] = typer.Option(
         None, "--compare", metavar="DIR", help="Where the comparison goes [default: OUT/NAME-series].",
     ),
+    keep: str = typer.Option(
+        "rows", "--keep", metavar="rows|aggregates|sample:N", help="What each run keeps: every row, aggregates "
+        "(mergeable statistics only) or sample:N (those and N sampled rows), as probe run's --keep.",
+    ),
     report_format: str = typer.Option("png", "--format", metavar="FMT[,FMT]", help="Figure formats (png,pdf)."),
     progress: bool = typer.Option(True, help="Say what each run is doing; --no-progress prints the final lines only."),
 ):
@@ -64,7 +68,7 @@ def series_command(
             compare=compare if compare is not None else True, dataset=dataset, config=config, split=split,
             column=column, samples=samples,
             max_length=max_length, batch_size=batch_size, alpha=alpha, space=space, device=device, dtype=dtype,
-            formats=report_format, progress=progress,
+            formats=report_format, progress=progress, keep=keep,
         )
     except ProbeError as error:
         _fail(error)
