@@ -32,7 +32,7 @@ from probe.store.aggregates import (
     RANK_ERROR,
     AggregateState,
 )
-from probe.store.storage import AGGREGATES
+from probe.store.storage import AGGREGATES, part_files
 
 #: how quantiles of an aggregates run are computed, as the report's page and summary.json say it
 QUANTILE_METHOD = (f"Apache DataSketches' KLL sketch (k = {stored.KLL_K}), merged over batches, resumes and ranks: "
@@ -80,7 +80,9 @@ class AggregateTable:
         check = require_intact(run_dir, manifest, allow_damaged=allow_damaged, table=AGGREGATES)
         if check.damaged:
             warnings.warn(check.banner(), DamagedRunWarning, stacklevel=2)
-        state = stored.merge_files(path for _, path in sorted(check.readable.items()))
+        # the finished batches': a batch whose rows' part is not written yet is not finished (resume redoes it)
+        finished = set(part_files(run_dir))
+        state = stored.merge_files(path for batch, path in sorted(check.readable.items()) if batch in finished)
         return cls(state, run_dir / AGGREGATES, check=check)
 
     # ---- the tables

@@ -43,8 +43,8 @@ MERGED_RECORD = "aggregates_merged"
 
 # ------------------------------------------------------------------------------------------------ sketches
 
-#: KLL's k: the smallest multiple of 10 whose normalized rank error (single-sided, as quantiles are asked) is
-#: at most 0.01
+#: KLL's k: 300, whose normalized rank error (single-sided, as quantiles are asked) is 0.0090: at most 0.01 with a
+#: margin (k = 270 is the smallest multiple of 10 within 0.01).  A saturated sketch keeps about 900 values (7 kB)
 KLL_K = 300
 
 
