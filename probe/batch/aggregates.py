@@ -19,7 +19,6 @@ batches, resumes or ranks (the pipeline keeps those N when the run completes).
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import torch
 
@@ -82,93 +81,125 @@ def row_hash(seed: int, columns: SiteColumns) -> torch.Tensor:
     return state
 
 
-def _sums(index: torch.Tensor, weights: torch.Tensor, size: int) -> torch.Tensor:
-    """``weights`` added per ``index`` (float64; counts are exact up to 2^53)."""
-    return torch.zeros(size, dtype=torch.float64, device=index.device).index_add_(0, index, weights.to(torch.float64))
-
-
 def _host(x: torch.Tensor) -> np.ndarray:
     return x.detach().cpu().numpy()
 
 
-class _Sorted:
-    """Values sorted by group, then by value, and what each group's segment gives: counts, sums, extremes, the
-    share above FAR, the sparse histogram (bins of sorted values arrive in order) and the sketch's input."""
+def _added(index: torch.Tensor, weights: torch.Tensor, size: int) -> np.ndarray:
+    """The rows of ``weights`` (n, c) added per ``index``, as a (size, c) float64 array on the host (counts exact
+    up to 2^53)."""
+    out = torch.zeros((size, weights.shape[1]), dtype=torch.float64, device=index.device)
+    return _host(out.index_add_(0, index, weights.to(torch.float64)))
 
-    def __init__(self, values: torch.Tensor, group: torch.Tensor, groups: int):
+
+def _grown(array: np.ndarray, shape: tuple) -> np.ndarray:
+    """``array`` padded with zeros to at least ``shape``."""
+    pad = [(0, max(0, want - have)) for have, want in zip(array.shape, shape)]
+    return np.pad(array, pad) if any(after for _, after in pad) else array
+
+
+def _sparse_rows(dense: np.ndarray) -> tuple[list, list]:
+    """Each row of a dense count matrix as (bins, counts) of its non-zero bins."""
+    rows, bins = np.nonzero(dense)
+    cut = np.searchsorted(rows, np.arange(dense.shape[0] + 1))
+    return ([bins[a:b].astype(np.int32) for a, b in zip(cut[:-1], cut[1:])],
+            [dense[rows[a:b], bins[a:b]].astype(np.int64) for a, b in zip(cut[:-1], cut[1:])])
+
+
+#: the census' counts, in the order _Site.census holds them
+CENSUS = ("rows", "trivial", "non_converged", "measured", *(f"present_{c}" for c in PRESENT_COLUMNS), "pairs",
+          "pairs_better")
+#: a statistics entry's running numbers: count, trivial, sum, sum of squares, above FAR, minimum, maximum
+NUMBERS = 7
+
+
+class _Statistics:
+    """The running numbers of some groups of one column: counts, sums, extremes, the share above FAR, the fine
+    histograms (dense rows, or sparse pieces) and, where the column has them, the KLL sketches."""
+
+    def __init__(self, groups: int, sketches: bool):
+        self.numbers = np.zeros((groups, NUMBERS))
+        self.numbers[:, 5], self.numbers[:, 6] = np.inf, -np.inf
+        self.pieces: list[list] = [[] for _ in range(groups)]
+        self.dense: np.ndarray | None = None
+        self.sketches = [kll_sketch() for _ in range(groups)] if sketches else None
+
+    def grow(self, groups: int) -> None:
+        if groups > len(self.numbers):
+            more = groups - len(self.numbers)
+            extra = np.zeros((more, NUMBERS))
+            extra[:, 5], extra[:, 6] = np.inf, -np.inf
+            self.numbers = np.vstack([self.numbers, extra])
+            self.pieces += [[] for _ in range(more)]
+            if self.sketches is not None:
+                self.sketches += [kll_sketch() for _ in range(more)]
+
+    def add_sorted(self, values: torch.Tensor, group: torch.Tensor, groups: int, trivial: np.ndarray) -> None:
+        """Values of several groups: sorted by group, then value, on the device; per group their numbers, the
+        sparse histogram of its run of bins, and its sketch's update (one sorted array per group, on the host)."""
+        self.grow(groups)
         order = torch.argsort(values, stable=True)
         order = order[torch.argsort(group[order], stable=True)]
-        self.values, self.group = values[order], group[order]
-        self.order = order
-        self.counts = torch.bincount(self.group, minlength=groups)
-        self.sum = _sums(self.group, self.values, groups)
-        self.sumsq = _sums(self.group, self.values * self.values, groups)
-        self.above = torch.bincount(self.group[self.values > FAR], minlength=groups)
-        key = self.group * FINE_BINS + fine_bins(self.values)
-        self.hist_key, self.hist_count = torch.unique_consecutive(key, return_counts=True)
-
-    def host(self, groups: int) -> dict:
-        """The per-group numbers on the host: count, sum, sumsq, above, min, max, the values split per group
-        (for the sketches) and the sparse histograms."""
-        counts = _host(self.counts)
-        values = _host(self.values)
+        values, group = values[order], group[order]
+        counts = torch.bincount(group, minlength=groups)
+        sums = _added(group, torch.stack([values, values * values, (values > FAR).to(values.dtype)], 1), groups)
+        key, runs = torch.unique_consecutive(group * FINE_BINS + fine_bins(values), return_counts=True)
+        counts, values, key, runs = _host(counts), _host(values), _host(key), _host(runs)
         ends = np.cumsum(counts)
         starts = ends - counts
-        keys, hist = _host(self.hist_key), _host(self.hist_count)
-        owner = keys // FINE_BINS
-        cut = np.searchsorted(owner, np.arange(groups + 1))
-        return {
-            "count": counts, "sum": _host(self.sum), "sumsq": _host(self.sumsq), "above": _host(self.above),
-            "min": np.where(counts > 0, values[np.minimum(starts, max(len(values) - 1, 0))] if len(values) else 0.0,
-                            np.inf),
-            "max": np.where(counts > 0, values[np.maximum(ends - 1, 0)] if len(values) else 0.0, -np.inf),
-            "split": [values[a:b] for a, b in zip(starts, ends)],
-            "bins": [(keys[cut[g]:cut[g + 1]] % FINE_BINS).astype(np.int32) for g in range(groups)],
-            "counts": [hist[cut[g]:cut[g + 1]].astype(np.int64) for g in range(groups)],
-        }
+        present = counts > 0
+        numbers = self.numbers[:groups]
+        numbers[:, 0] += counts
+        numbers[:, 1] += trivial
+        numbers[:, 2:5] += sums
+        numbers[present, 5] = np.fmin(numbers[present, 5], values[starts[present]])
+        numbers[present, 6] = np.fmax(numbers[present, 6], values[ends[present] - 1])
+        cut = np.searchsorted(key // FINE_BINS, np.arange(groups + 1))
+        for g in np.flatnonzero(present):
+            self.pieces[g].append((key[cut[g]:cut[g + 1]] % FINE_BINS, runs[cut[g]:cut[g + 1]]))
+            if self.sketches is not None:
+                self.sketches[g].update(values[starts[g]:ends[g]])
+
+    def add_dense(self, values: torch.Tensor, trivial: int) -> None:
+        """Values of one group without a sketch: reductions and a dense histogram, no sort."""
+        numbers = self.numbers[0]
+        if len(values):
+            found = _host(torch.stack([values.sum(), (values * values).sum(), (values > FAR).sum().to(values.dtype),
+                                       values.min(), values.max()]))
+            numbers[2:5] += found[:3]
+            numbers[5], numbers[6] = min(numbers[5], found[3]), max(numbers[6], found[4])
+        numbers[0] += len(values)
+        numbers[1] += trivial
+        counted = _host(torch.bincount(fine_bins(values), minlength=FINE_BINS))
+        self.dense = counted if self.dense is None else self.dense + counted
+
+    def histograms(self) -> tuple[list, list]:
+        if self.dense is not None:
+            return _sparse_rows(self.dense[None, :])
+        merged = [_sparse(pieces) for pieces in self.pieces]
+        return [b for b, _ in merged], [c for _, c in merged]
 
 
 class _Site:
     """The running statistics of one site (space, alpha, attention type, layer) within a batch."""
 
-    def __init__(self, key: tuple, heads: int):
-        self.key, self.heads = key, heads
-        self.census: dict[str, np.ndarray] = {}
-        self.values: dict[tuple, dict] = {}  # (column, head, role) -> running numbers and sketch
-        self.worst: list[pd.DataFrame] = []
-        self.examples: dict[str, np.ndarray] = {}
-        self.positions: dict[str, np.ndarray] = {}
-        self.example_bins: np.ndarray | None = None
+    def __init__(self, heads: int):
+        self.heads = heads
+        self.census = np.zeros((heads, len(CENSUS)))
+        self.pairs_max = np.full(heads, -np.inf)
+        self.rel = _Statistics(heads * len(ROLES), sketches=True)
+        self.averaged = _Statistics(1, sketches=True)
+        self.quantities = {column: _Statistics(1, sketches=False) for column in QUANTITY_COLUMNS}
+        self.worst: list[dict] = []
+        self.examples: np.ndarray | None = None  # (examples, heads, [n, sum, above])
+        self.positions = np.zeros((0, 3))  # (query, [rows, n, sum])
+        self.example_bins: np.ndarray | None = None  # (examples, coarse bins)
 
-    def fold(self, name: str, into: dict, values: np.ndarray) -> None:
-        """``values`` added into ``into[name]`` (grown as needed)."""
-        have = into.get(name)
-        if have is None:
-            into[name] = values.copy()
-            return
-        if len(have) < len(values):
-            have = np.concatenate([have, np.zeros(len(values) - len(have), dtype=have.dtype)])
-        have[: len(values)] += values
-        into[name] = have
-
-    def add_group(self, column: str, head: int, role: str, numbers: dict, g: int, trivial: int = 0) -> None:
-        """One group's numbers of a piece (from :meth:`_Sorted.host`), its sketch updated on the host."""
-        entry = self.values.get((column, head, role))
-        if entry is None:
-            entry = self.values[(column, head, role)] = {
-                "count": 0, "trivial": 0, "sum": 0.0, "sumsq": 0.0, "above": 0, "min": np.inf, "max": -np.inf,
-                "hist": [], "sketch": kll_sketch()}
-        entry["count"] += int(numbers["count"][g])
-        entry["trivial"] += trivial
-        entry["sum"] += float(numbers["sum"][g])
-        entry["sumsq"] += float(numbers["sumsq"][g])
-        entry["above"] += int(numbers["above"][g])
-        entry["min"] = min(entry["min"], float(numbers["min"][g]))
-        entry["max"] = max(entry["max"], float(numbers["max"][g]))
-        if len(numbers["bins"][g]):
-            entry["hist"].append((numbers["bins"][g], numbers["counts"][g]))
-        if len(numbers["split"][g]):
-            entry["sketch"].update(numbers["split"][g])
+    def grow(self, heads: int) -> None:
+        if heads > self.heads:
+            self.census = _grown(self.census, (heads, len(CENSUS)))
+            self.pairs_max = np.r_[self.pairs_max, np.full(heads - self.heads, -np.inf)]
+            self.heads = heads
 
 
 class Aggregates:
@@ -182,7 +213,8 @@ class Aggregates:
         self.example_ids = sorted(int(e) for e in example_ids)
         self.context, self.seed, self.sample = context, seed, sample
         self.sites: dict[tuple, _Site] = {}
-        self.queries: dict[tuple, dict] = {}  # (space, alpha, type) -> per (example, query) running arrays
+        #: (space, alpha, type) -> per (example, query): [rows, n, sum, present], token id, role
+        self.queries: dict[tuple, list] = {}
         self.tokens: set[int] = set()
         self.candidates: list[tuple[torch.Tensor, SiteColumns]] = []  # the sample: (hashes, rows)
         self.candidate_count = 0
@@ -195,125 +227,107 @@ class Aggregates:
             return
         if self.sample is not None:
             self._sample(columns)
-        values = columns.values
-        heads = int(columns.head.max()) + 1
+        values, head, role = columns.values, columns.head, columns.role
+        device = head.device
+        heads, positions = int(head.max()) + 1, int(columns.query.max()) + 1
         key = (columns.space, float(columns.alpha), columns.attention_type, int(columns.layer))
         site = self.sites.get(key)
         if site is None:
-            site = self.sites[key] = _Site(key, heads)
-        site.heads = max(site.heads, heads)
-        device = columns.head.device
-        ids = torch.as_tensor(self.example_ids, dtype=torch.int64, device=device)
-        local = torch.searchsorted(ids, columns.example)
+            site = self.sites[key] = _Site(heads)
+        site.grow(heads)
+        heads = site.heads
         examples = len(self.example_ids)
-        positions = int(columns.query.max()) + 1
+        local = torch.searchsorted(torch.as_tensor(self.example_ids, dtype=torch.int64, device=device),
+                                   columns.example)
         rel = values["rel_deviation"].to(torch.float64)
-        trivial = columns.n_keys == 1
-        finite = torch.isfinite(rel)
-        measured = ~trivial & finite
-        nontrivial = ~trivial
-        head, role = columns.head, columns.role
-
-        # census per head
-        census = {"rows": torch.bincount(head, minlength=heads),
-                  "trivial": torch.bincount(head[trivial], minlength=heads),
-                  "non_converged": torch.bincount(head[~values["converged"]], minlength=heads),
-                  "measured": torch.bincount(head[measured], minlength=heads)}
-        for column in PRESENT_COLUMNS:
-            present = nontrivial & torch.isfinite(values[column].to(torch.float64)) if column in values else nontrivial
-            census[f"present_{column}"] = torch.bincount(head[present], minlength=heads)
         second = values["second_order_deviation"].to(torch.float64)
+        trivial = columns.n_keys == 1
+        nontrivial = ~trivial
+        measured = nontrivial & torch.isfinite(rel)
         pairs = measured & torch.isfinite(second)
-        census["pairs"] = torch.bincount(head[pairs], minlength=heads)
-        census["pairs_better"] = torch.bincount(head[pairs & (second < rel)], minlength=heads)
-        larger = torch.maximum(rel, second)
-        pairs_max = torch.full((heads,), -np.inf, dtype=torch.float64, device=device).scatter_reduce(
-            0, head[pairs], larger[pairs], reduce="amax")
-        for name, counted in census.items():
-            site.fold(name, site.census, _host(counted).astype(np.int64))
-        have = site.census.get("pairs_max")
-        found = _host(pairs_max)
-        site.census["pairs_max"] = found if have is None else np.fmax(
-            np.r_[have, np.full(max(0, len(found) - len(have)), -np.inf)][: max(len(have), len(found))],
-            np.r_[found, np.full(max(0, len(have) - len(found)), -np.inf)])
 
-        # the relative deviation per (head, token role)
+        # census per head, in one pass
+        indicators = [torch.ones_like(trivial), trivial, ~values["converged"], measured]
+        indicators += [nontrivial & torch.isfinite(values[c].to(torch.float64)) if c in values else nontrivial
+                       for c in PRESENT_COLUMNS]
+        indicators += [pairs, pairs & (second < rel)]
+        site.census[: int(head.max()) + 1] += _added(head, torch.stack(indicators, 1), int(head.max()) + 1)
+        if bool(pairs.any()):
+            larger = torch.full((heads,), -np.inf, dtype=torch.float64, device=device).scatter_reduce(
+                0, head[pairs], torch.maximum(rel, second)[pairs], reduce="amax")
+            site.pairs_max = np.fmax(site.pairs_max, _host(larger))
+
+        # the relative deviation per (head, token role): sorted on the device, sketched on the host
         groups = heads * len(ROLES)
+        group = head * len(ROLES) + role
         index = torch.nonzero(measured).flatten()
-        sorted_rel = _Sorted(rel[index], head[index] * len(ROLES) + role[index], groups)
-        numbers = sorted_rel.host(groups)
-        trivial_groups = _host(torch.bincount(head[trivial] * len(ROLES) + role[trivial], minlength=groups))
-        for g in range(groups):
-            if numbers["count"][g] or trivial_groups[g]:
-                site.add_group("rel_deviation", g // len(ROLES), ROLES[g % len(ROLES)], numbers, g,
-                               int(trivial_groups[g]))
+        trivial_groups = _host(torch.bincount(group[trivial], minlength=groups))
+        site.rel.add_sorted(rel[index], group[index], groups, trivial_groups)
 
-        # the worst rows: the tail of each (head, role) segment, and its ties
-        ends = torch.cumsum(sorted_rel.counts, 0)
-        starts = ends - sorted_rel.counts
-        position = torch.arange(len(sorted_rel.values), device=device)
-        tail_start = torch.maximum(ends - WORST_ROWS, starts)[sorted_rel.group]
-        threshold = sorted_rel.values[torch.clamp(tail_start, max=max(len(sorted_rel.values) - 1, 0))] if len(
-            sorted_rel.values) else sorted_rel.values
-        keep = (position >= tail_start) | (sorted_rel.values >= threshold)
-        chosen = index[sorted_rel.order[keep]]
-        if len(chosen):
-            site.worst.append(pd.DataFrame({
-                "head": _host(head[chosen]), "rel_deviation": _host(rel[chosen]),
-                "example": _host(columns.example[chosen]), "query": _host(columns.query[chosen]),
-                "token_id": _host(columns.token_id[chosen]),
-                "token_role": np.asarray(ROLES, dtype=object)[_host(role[chosen])],
-                "n_keys": _host(columns.n_keys[chosen])}))
+        # the worst rows: per (head, role), the largest WORST_ROWS and their ties (chosen exactly on the host)
+        top = min(WORST_ROWS, len(index))
+        if top:
+            masked = torch.full((groups, int(torch.bincount(group[index], minlength=groups).max())), -np.inf,
+                                dtype=torch.float64, device=device)
+            rank = torch.zeros_like(index)
+            order = torch.argsort(group[index], stable=True)
+            starts = torch.cumsum(torch.bincount(group[index], minlength=groups), 0) - torch.bincount(
+                group[index], minlength=groups)
+            rank[order] = torch.arange(len(index), device=device) - starts[group[index][order]]
+            masked[group[index], rank] = rel[index]
+            threshold = torch.topk(masked, min(top, masked.shape[1]), dim=1).values[:, -1]
+            chosen = index[rel[index] >= threshold[group[index]]]
+            site.worst.append({"head": _host(head[chosen]), "rel_deviation": _host(rel[chosen]),
+                               "example": _host(columns.example[chosen]), "query": _host(columns.query[chosen]),
+                               "token_id": _host(columns.token_id[chosen]), "role": _host(role[chosen]),
+                               "n_keys": _host(columns.n_keys[chosen])})
 
-        # the other measured quantities, per site
+        # the other measured quantities, per site: reductions and a histogram (no sort, no sketch)
         for column in QUANTITY_COLUMNS:
             value = values[column].to(torch.float64)
-            index = torch.nonzero(nontrivial & torch.isfinite(value)).flatten()
-            numbers = _Sorted(value[index], torch.zeros_like(index), 1).host(1)
-            site.add_group(column, -1, "", numbers, 0, int(trivial.sum()))
+            site.quantities[column].add_dense(value[nontrivial & torch.isfinite(value)], int(trivial.sum()))
 
         # per (example, query): the deviation averaged over the layer's heads; the query's token and role
         cell = local * positions + columns.query
-        cells = examples * positions
         rel_measured = torch.where(measured, rel, torch.zeros_like(rel))
-        cell_sum = _sums(cell, rel_measured, cells)
-        cell_n = _sums(cell, measured, cells)
-        cell_rows = _sums(cell, nontrivial, cells)
-        cell_trivial = _sums(cell, trivial, cells) > 0
-        cell_present = _sums(cell, torch.ones_like(rel), cells) > 0
-        averaged_index = torch.nonzero(cell_n > 0).flatten()
-        averaged = cell_sum[averaged_index] / cell_n[averaged_index]
-        numbers = _Sorted(averaged, torch.zeros_like(averaged_index), 1).host(1)
-        site.add_group(AVERAGED, -1, "", numbers, 0, int((cell_trivial & cell_present).sum()))
-        token = torch.zeros(cells, dtype=torch.int64, device=device).index_copy_(0, cell, columns.token_id)
-        cell_role = torch.zeros(cells, dtype=torch.int64, device=device).index_copy_(0, cell, role)
-        queries = self.queries.setdefault(key[:3], {})
-        present = _host(cell_present).reshape(examples, positions)
-        for name, counted in (("rows", cell_rows), ("n", cell_n), ("sum", cell_sum)):
-            _fold_grid(queries, name, _host(counted).reshape(examples, positions))
-        _fold_grid(queries, "present", present.astype(np.int64))
-        _fold_grid(queries, "token_id", _host(token).reshape(examples, positions), replace=True, where=present)
-        _fold_grid(queries, "token_role", _host(cell_role).reshape(examples, positions), replace=True,
-                   where=present)
+        grid = torch.zeros((examples * positions, 5), dtype=torch.float64, device=device).index_add_(
+            0, cell, torch.stack([nontrivial, measured, rel_measured, trivial, torch.ones_like(trivial)], 1).to(
+                torch.float64))
+        averaged_index = torch.nonzero(grid[:, 1] > 0).flatten()
+        averaged = grid[averaged_index, 2] / grid[averaged_index, 1]
+        cell_trivial = int(((grid[:, 3] > 0) & (grid[:, 4] > 0)).sum())
+        site.averaged.add_sorted(averaged, torch.zeros_like(averaged_index), 1, np.array([cell_trivial]))
+        token = torch.zeros(examples * positions, dtype=torch.int64, device=device).index_copy_(0, cell,
+                                                                                               columns.token_id)
+        cell_role = torch.zeros(examples * positions, dtype=torch.int64, device=device).index_copy_(0, cell, role)
+        grid = _host(grid).reshape(examples, positions, 5)
+        running = self.queries.get(key[:3])
+        present = grid[:, :, 4] > 0
+        if running is None:
+            running = self.queries[key[:3]] = [np.zeros((examples, positions, 4)),
+                                               np.zeros((examples, positions), np.int64),
+                                               np.zeros((examples, positions), np.int64)]
+        width = max(running[0].shape[1], positions)
+        running[0] = _grown(running[0], (examples, width, 4))
+        running[1], running[2] = _grown(running[1], (examples, width)), _grown(running[2], (examples, width))
+        running[0][:, :positions, :3] += grid[:, :, :3]
+        running[0][:, :positions, 3] += present
+        for slot, found in ((1, token), (2, cell_role)):
+            running[slot][:, :positions] = np.where(present, _host(found).reshape(examples, positions),
+                                                    running[slot][:, :positions])
         self.tokens.update(np.unique(_host(columns.token_id)).tolist())
 
-        # per (head, example) and per (example, coarse bin): findings and the bootstrap over examples
-        slot = local * heads + head
-        for name, counted in (("n", _sums(slot, measured, examples * heads)),
-                              ("sum", _sums(slot, rel_measured, examples * heads)),
-                              ("above", _sums(slot, measured & (rel > FAR), examples * heads))):
-            grid = _host(counted).reshape(examples, heads)
-            site.fold(name, site.examples, grid.T.reshape(-1))  # head-major, so that more heads only append
-        coarse = torch.as_tensor(COARSE_OF_FINE, device=device)[fine_bins(rel[measured])]
-        bins = torch.bincount(local[measured] * stored.COARSE_BINS + coarse, minlength=examples * stored.COARSE_BINS)
-        counted = _host(bins).reshape(examples, stored.COARSE_BINS)
+        # per (head, example), per query position and per (example, coarse bin): findings and the bootstrap
+        found = _added(local * heads + head, torch.stack([measured, rel_measured, measured & (rel > FAR)], 1),
+                       examples * heads).reshape(examples, heads, 3)
+        site.examples = found if site.examples is None else _grown(site.examples, found.shape) + _grown(
+            found, site.examples.shape)
+        found = _added(columns.query, torch.stack([nontrivial, measured, rel_measured], 1), positions)
+        site.positions = _grown(site.positions, found.shape) + _grown(found, site.positions.shape)
+        coarse = torch.as_tensor(COARSE_OF_FINE, device=device)[fine_bins(rel[index])]
+        counted = _host(torch.bincount(local[index] * stored.COARSE_BINS + coarse,
+                                       minlength=examples * stored.COARSE_BINS)).reshape(examples, stored.COARSE_BINS)
         site.example_bins = counted if site.example_bins is None else site.example_bins + counted
-
-        # per query position
-        for name, counted in (("rows", _sums(columns.query, nontrivial, positions)),
-                              ("n", _sums(columns.query, measured, positions)),
-                              ("sum", _sums(columns.query, rel_measured, positions))):
-            site.fold(name, site.positions, _host(counted))
 
     def _sample(self, columns: SiteColumns) -> None:
         """Keep the piece's rows of smallest hash, at most N over the batch."""
@@ -328,8 +342,8 @@ class Aggregates:
 
     def _prune(self) -> None:
         """The candidates cut to the N of smallest hash."""
-        every = torch.cat([hashes.to("cpu") for hashes, _ in self.candidates])
-        if len(every) <= self.sample:
+        every = torch.cat([hashes.to("cpu") for hashes, _ in self.candidates]) if self.candidates else None
+        if every is None or len(every) <= self.sample:
             return
         threshold = torch.kthvalue(every, self.sample).values
         kept = []
@@ -358,66 +372,95 @@ class Aggregates:
         return pa.concat_tables(tables) if tables else DEVIATION_SCHEMA.empty_table()
 
     def state(self) -> AggregateState:
-        """The batch's statistics as an :class:`~probe.store.aggregates.AggregateState`."""
-        frames: dict[str, list] = {kind: [] for kind in stored.KINDS}
-        for key, site in self.sites.items():
-            keys = dict(zip(stored.SITE_KEYS, key))
-            heads = len(site.census["rows"])
-            census = {name: (values if len(values) == heads else np.r_[values, np.zeros(heads - len(values))])
-                      for name, values in site.census.items()}
-            frames["census"].append(pd.DataFrame({**keys, "head": np.arange(heads), **census}))
-            records = []
-            for (column, head, role), entry in site.values.items():
-                bins, counts = _sparse(entry["hist"])
-                records.append({"column": column, **keys, "head": head, "token_role": role,
-                                **{k: entry[k] for k in ("count", "trivial", "sum", "sumsq", "above")},
-                                "min": entry["min"] if entry["count"] else np.nan,
-                                "max": entry["max"] if entry["count"] else np.nan,
-                                "bins": bins, "counts": counts, "sketch": entry["sketch"].serialize()})
-            frames["values"].append(pd.DataFrame.from_records(records))
+        """The batch's statistics as an :class:`~probe.store.aggregates.AggregateState` (Arrow tables, built from
+        numpy arrays without a Python object per record)."""
+        kinds: dict[str, list[dict]] = {kind: [] for kind in stored.KINDS}
+        roles = pa.array(ROLES, pa.string())
+        ids = np.asarray(self.example_ids, dtype=np.int64)
+
+        def add(kind: str, size: int, scalars: dict, **columns) -> None:
+            """One part of a kind's table: ``scalars`` repeated ``size`` times, and the given columns."""
+            part = {name: pa.repeat(pa.scalar(value), size) for name, value in scalars.items()}
+            for name, value in columns.items():
+                if name in ("bins", "counts"):
+                    part[name] = _lists(value, pa.int32() if name == "bins" else pa.int64())
+                elif name == "sketch":
+                    part[name] = pa.array(value, pa.binary())
+                elif name == "token_role":
+                    part[name] = roles.take(pa.array(np.asarray(value, dtype=np.int64)))
+                else:
+                    part[name] = pa.array(np.asarray(value))
+            kinds[kind].append(part)
+
+        for site_key, site in self.sites.items():
+            keys = dict(zip(stored.SITE_KEYS, site_key))
+            heads = site.heads
+            census = _grown(site.census, (heads, len(CENSUS))).astype(np.int64)
+            add("census", heads, keys, head=np.arange(heads, dtype=np.int32),
+                **{name: census[:, i] for i, name in enumerate(CENSUS)}, pairs_max=site.pairs_max)
+            groups = len(site.rel.numbers)
+            entries = [("rel_deviation", site.rel, np.arange(groups) // len(ROLES), np.arange(groups) % len(ROLES)),
+                       (AVERAGED, site.averaged, np.array([-1]), None),
+                       *((column, statistics, np.array([-1]), None) for column, statistics in site.quantities.items())]
+            for column, statistics, head, role in entries:
+                keep = np.flatnonzero((statistics.numbers[:, 0] > 0) | (statistics.numbers[:, 1] > 0))
+                numbers = statistics.numbers[keep]
+                bins, counts = statistics.histograms()
+                sketches = statistics.sketches
+                roles_here = {"token_role": role[keep]} if role is not None else {}
+                add("values", len(keep), {"column": column, **keys, **({} if role is not None else {"token_role": ""})},
+                    head=head[keep].astype(np.int32), **roles_here,
+                    count=numbers[:, 0].astype(np.int64), trivial=numbers[:, 1].astype(np.int64),
+                    sum=numbers[:, 2], sumsq=numbers[:, 3], above=numbers[:, 4].astype(np.int64),
+                    min=np.where(numbers[:, 0] > 0, numbers[:, 5], np.nan),
+                    max=np.where(numbers[:, 0] > 0, numbers[:, 6], np.nan),
+                    bins=[bins[g] for g in keep], counts=[counts[g] for g in keep],
+                    sketch=[sketches[g].serialize() if sketches is not None else b"" for g in keep])
             if site.worst:
-                worst = pd.concat(site.worst, ignore_index=True).assign(**keys)
-                frames["worst"].append(stored.worst_rows(worst))
-            examples = len(self.example_ids)
-            n = site.examples["n"]
-            heads_here = len(n) // examples
-            grid = {name: value.reshape(heads_here, examples).T.reshape(-1) for name, value in site.examples.items()}
-            example_frame = pd.DataFrame({**keys, "head": np.tile(np.arange(heads_here), examples),
-                                          "example": np.repeat(self.example_ids, heads_here),
-                                          "n": grid["n"].astype(np.int64), "sum": grid["sum"],
-                                          "above": grid["above"].astype(np.int64)})
-            frames["examples"].append(example_frame[example_frame["n"] > 0])
-            positions = site.positions
-            position_frame = pd.DataFrame({**keys, "query": np.arange(len(positions["rows"])),
-                                           "rows": positions["rows"].astype(np.int64),
-                                           "n": positions["n"].astype(np.int64), "sum": positions["sum"]})
-            frames["positions"].append(position_frame[position_frame["rows"] > 0])
-            where_bins = [np.flatnonzero(row) for row in site.example_bins]
-            frame = pd.DataFrame({**keys, "example": self.example_ids,
-                                  "bins": [b.astype(np.int32) for b in where_bins],
-                                  "counts": [row[b].astype(np.int64) for row, b in zip(site.example_bins, where_bins)]})
-            frames["example_bins"].append(frame[[len(b) > 0 for b in where_bins]])
-        for key, grid in self.queries.items():
-            present = grid["present"] > 0
-            example_index, query = np.nonzero(present)
-            frames["queries"].append(pd.DataFrame({
-                "space": key[0], "alpha": key[1], "attention_type": key[2],
-                "example": np.asarray(self.example_ids, dtype=np.int64)[example_index], "query": query,
-                "rows": grid["rows"][present].astype(np.int64), "n": grid["n"][present].astype(np.int64),
-                "sum": grid["sum"][present], "token_id": grid["token_id"][present].astype(np.int64),
-                "token_role": np.asarray(ROLES, dtype=object)[grid["token_role"][present]]}))
-        ids = sorted(self.tokens)
-        if ids:
-            strings = self.context.tokens(np.asarray(ids, dtype=np.int64)).to_pylist()
-            frames["tokens"].append(pd.DataFrame({"token_id": ids, "token": strings}))
+                worst = {name: np.concatenate([w[name] for w in site.worst]) for name in site.worst[0]}
+                order = np.lexsort((worst["query"], worst["example"], -worst["rel_deviation"], worst["head"]))
+                head = worst["head"][order]
+                keep = order[np.arange(len(order)) - np.searchsorted(head, head, side="left") < WORST_ROWS]
+                add("worst", len(keep), keys, head=worst["head"][keep].astype(np.int32),
+                    rel_deviation=worst["rel_deviation"][keep], example=worst["example"][keep],
+                    query=worst["query"][keep].astype(np.int32), token_id=worst["token_id"][keep],
+                    token_role=worst["role"][keep], n_keys=worst["n_keys"][keep].astype(np.int32))
+            example, head = np.nonzero(site.examples[:, :, 0] > 0)
+            found = site.examples[example, head]
+            add("examples", len(example), keys, head=head.astype(np.int32), example=ids[example],
+                n=found[:, 0].astype(np.int64), sum=found[:, 1], above=found[:, 2].astype(np.int64))
+            query = np.flatnonzero(site.positions[:, 0] > 0)
+            add("positions", len(query), keys, query=query.astype(np.int32),
+                rows=site.positions[query, 0].astype(np.int64), n=site.positions[query, 1].astype(np.int64),
+                sum=site.positions[query, 2])
+            bins, counts = _sparse_rows(site.example_bins)
+            keep = [i for i, b in enumerate(bins) if len(b)]
+            add("example_bins", len(keep), keys, example=ids[keep], bins=[bins[i] for i in keep],
+                counts=[counts[i] for i in keep])
+        for (space, alpha, attention_type), (grid, token, role) in self.queries.items():
+            example, query = np.nonzero(grid[:, :, 3] > 0)
+            add("queries", len(example), {"space": space, "alpha": alpha, "attention_type": attention_type},
+                example=ids[example], query=query.astype(np.int32), rows=grid[example, query, 0].astype(np.int64),
+                n=grid[example, query, 1].astype(np.int64), sum=grid[example, query, 2],
+                token_id=token[example, query], token_role=role[example, query])
+        if self.tokens:
+            met = np.asarray(sorted(self.tokens), dtype=np.int64)
+            kinds["tokens"].append({"token_id": pa.array(met), "token": self.context.tokens(met)})
         tables = {}
-        for kind, parts in frames.items():
-            parts = [part for part in parts if len(part)]
+        for kind, parts in kinds.items():
             if parts:
-                keys, sums, others = stored.KINDS[kind]
-                frame = pd.concat(parts, ignore_index=True)[[*keys, *sums, *others]]
-                tables[kind] = _typed(frame)
+                names = [name for group in stored.KINDS[kind][:2] for name in group] + list(stored.KINDS[kind][2])
+                tables[kind] = pa.Table.from_arrays([pa.concat_arrays([part[name] for part in parts])
+                                                     for name in names], names=names)
         return AggregateState(tables)
+
+
+def _lists(arrays: list, value_type) -> pa.Array:
+    """A list column from numpy arrays, in one copy."""
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int32, count=len(arrays))
+    offsets = np.r_[0, np.cumsum(lengths)].astype(np.int32)
+    flat = np.concatenate(arrays) if arrays else np.zeros(0)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(value_type.to_pandas_dtype())))
 
 
 class SampleBound:
@@ -438,26 +481,6 @@ class SampleBound:
         return merged.max() if len(merged) >= self.count else torch.tensor(torch.iinfo(torch.int64).max)
 
 
-def _fold_grid(into: dict, name: str, grid: np.ndarray, *, replace: bool = False, where=None) -> None:
-    """A (examples, positions) grid added into ``into[name]`` (or, with ``replace``, written where ``where``),
-    the positions grown as needed."""
-    have = into.get(name)
-    if have is None:
-        into[name] = grid.copy() if not replace else np.where(where, grid, 0)
-        return
-    if have.shape[1] < grid.shape[1]:
-        have = np.pad(have, ((0, 0), (0, grid.shape[1] - have.shape[1])))
-    elif grid.shape[1] < have.shape[1]:
-        grid = np.pad(grid, ((0, 0), (0, have.shape[1] - grid.shape[1])))
-        if where is not None:
-            where = np.pad(where, ((0, 0), (0, have.shape[1] - where.shape[1])))
-    if replace:
-        have = np.where(where, grid, have)
-    else:
-        have = have + grid
-    into[name] = have
-
-
 def _sparse(pieces: list) -> tuple[np.ndarray, np.ndarray]:
     """Sparse histograms (bins, counts) of several pieces added into one."""
     if not pieces:
@@ -468,15 +491,3 @@ def _sparse(pieces: list) -> tuple[np.ndarray, np.ndarray]:
     counts = np.concatenate([c for _, c in pieces])
     unique, inverse = np.unique(bins, return_inverse=True)
     return unique.astype(np.int32), np.bincount(inverse, weights=counts).astype(np.int64)
-
-
-#: the Arrow types of the state's columns (the rest as pandas gives them)
-_TYPES = {"layer": np.int32, "head": np.int32, "example": np.int64, "query": np.int32, "token_id": np.int64,
-          "n_keys": np.int32}
-
-
-def _typed(frame: pd.DataFrame) -> pd.DataFrame:
-    for column, dtype in _TYPES.items():
-        if column in frame.columns:
-            frame[column] = frame[column].astype(dtype)
-    return frame

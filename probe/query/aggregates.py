@@ -145,14 +145,14 @@ class AggregateTable:
                     record["trivial"] = int(part["trivial"].sum())
                 for name in above or {}:
                     record[name] = int(part["above"].sum()) / count if count else np.nan
-                sketch = self._sketch(column, part) if (quantiles or ranks) and count else None
+                quantile = self._quantile(column, part, record) if (quantiles or ranks) and count else None
                 for name, q in (quantiles or {}).items():
-                    record[name] = float(sketch.get_quantile(q)) if sketch is not None else np.nan
+                    record[name] = quantile(q) if quantile is not None else np.nan
                 for name, rank in (ranks or {}).items():
                     if rank.kind == "top":
                         record[name] = self._top(key, keys, rank.k, where) if count else np.nan
                     else:
-                        record[name] = float(sketch.get_quantile(rank.q)) if sketch is not None else np.nan
+                        record[name] = quantile(rank.q) if quantile is not None else np.nan
                 records.append(record)
             columns = [*keys, "count", "mean", "min", "max", "std", *(["trivial"] if trivial else []),
                        *(above or {}), *(quantiles or {}), *(ranks or {})]
@@ -160,11 +160,21 @@ class AggregateTable:
             out.append(_integers(result, keys))
         return out
 
-    def _sketch(self, column: str, part: pd.DataFrame):
-        """The merged sketch of the groups in ``part`` (cached by their identity in the state)."""
+    def _quantile(self, column: str, part: pd.DataFrame, record: dict):
+        """The function ``q -> quantile`` of the groups in ``part``: from their merged KLL sketch (the relative
+        deviation and its head-averaged values), else from their fine histogram (the other quantities: exact to
+        one fine bin, clipped to the group's exact extremes)."""
         key = (column, tuple(part.index))
         if key not in self._sketches:
-            self._sketches[key] = stored.merged_sketch(part["sketch"].to_numpy())
+            sketch = stored.merged_sketch(part["sketch"].to_numpy())
+            if not sketch.is_empty():
+                self._sketches[key] = lambda q: float(sketch.get_quantile(q))
+            else:
+                counts = np.zeros(FINE_BINS, dtype=np.int64)
+                for bins, found in zip(part["bins"], part["counts"]):
+                    np.add.at(counts, np.asarray(bins, dtype=np.int64), np.asarray(found, dtype=np.int64))
+                low, high = record["min"], record["max"]
+                self._sketches[key] = lambda q: histogram_quantile(counts, q, low, high)
         return self._sketches[key]
 
     def _top(self, key: tuple, keys: list[str], k: int, where) -> float:
@@ -330,11 +340,33 @@ class AggregateTable:
         role) with its count, trivial count, sum, sum of squares, minimum, maximum, count above 0.1, median and
         p95 (from its sketch) and the stated rank error."""
         frame = self.values.drop(columns=["bins", "counts", "sketch"]).copy()
-        sketches = [stored.merged_sketch([blob]) for blob in self.values["sketch"]]
+        quantiles = [self._quantile(row.column, self.values.loc[[index]], {"min": row.min, "max": row.max})
+                     if row.count else None for index, row in zip(self.values.index, frame.itertuples())]
         for name, q in (("median", 0.5), ("p95", 0.95)):
-            frame[name] = [float(s.get_quantile(q)) if not s.is_empty() else np.nan for s in sketches]
-        frame["rank_error"] = RANK_ERROR
+            frame[name] = [quantile(q) if quantile is not None else np.nan for quantile in quantiles]
+        frame["quantiles"] = ["KLL sketch" if not stored.merged_sketch([blob]).is_empty() else "fine histogram"
+                              for blob in self.values["sketch"]]
+        frame["rank_error"] = np.where(frame["quantiles"] == "KLL sketch", RANK_ERROR, np.nan)
         return frame
+
+
+def histogram_quantile(counts: np.ndarray, q: float, low: float, high: float) -> float:
+    """The linear ``q`` quantile of values known by their fine-bin ``counts`` and exact extremes: the order
+    statistics around ``q (n - 1)`` taken as evenly spread within their bins (exact to one fine bin)."""
+    total = int(counts.sum())
+    if not total:
+        return np.nan
+    cumulative = np.cumsum(counts)
+
+    def order_statistic(rank: int) -> float:
+        index = int(np.searchsorted(cumulative, rank, side="right"))
+        before = cumulative[index - 1] if index else 0
+        lower, upper = FINE_EDGES[index], min(FINE_EDGES[index + 1], high)
+        return float(min(max(lower + (rank - before + 0.5) / counts[index] * (upper - lower), low), high))
+
+    position = q * (total - 1)
+    below, above = int(np.floor(position)), int(np.ceil(position))
+    return order_statistic(below) + (position - below) * (order_statistic(above) - order_statistic(below))
 
 
 def rebin(counts: np.ndarray, edges: np.ndarray) -> np.ndarray:

@@ -222,23 +222,30 @@ def _from_ipc(data: bytes) -> pa.Table:
 
 @dataclass
 class AggregateState:
-    """The statistics of some rows, as pandas frames by kind (:data:`KINDS`): a batch's, or many merged."""
+    """The statistics of some rows, by kind (:data:`KINDS`): a batch's (Arrow tables, as the device made them), or
+    many merged (pandas frames); ``state[kind]`` is always a frame."""
 
-    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+    tables: dict = field(default_factory=dict)
 
     def __getitem__(self, kind: str) -> pd.DataFrame:
-        return self.tables.get(kind, _empty(kind))
+        table = self.tables.get(kind)
+        if table is None:
+            return _empty(kind)
+        if isinstance(table, pa.Table):
+            table = self.tables[kind] = table.to_pandas()
+        return table
 
     def to_arrow(self) -> pa.Table:
-        """The state as the table of a part file: one row per kind, its frame as an Arrow IPC stream."""
+        """The state as the table of a part file: one row per kind, its table as an Arrow IPC stream."""
         kinds = [k for k in KINDS if k in self.tables]
-        blobs = [_ipc(pa.Table.from_pandas(self.tables[k], preserve_index=False)) for k in kinds]
+        blobs = [_ipc(self.tables[k] if isinstance(self.tables[k], pa.Table)
+                      else pa.Table.from_pandas(self.tables[k], preserve_index=False)) for k in kinds]
         return pa.table({"kind": pa.array(kinds, pa.string()), "table": pa.array(blobs, pa.binary())})
 
     @classmethod
     def from_arrow(cls, table: pa.Table) -> "AggregateState":
         kinds, blobs = table.column("kind").to_pylist(), table.column("table").to_pylist()
-        return cls({kind: _from_ipc(blob).to_pandas() for kind, blob in zip(kinds, blobs)})
+        return cls({kind: _from_ipc(blob) for kind, blob in zip(kinds, blobs)})
 
     @classmethod
     def read(cls, path: Path) -> "AggregateState":
@@ -261,12 +268,21 @@ def merge(states) -> AggregateState:
     states = list(states)
     out = {}
     for kind, (keys, sums, others) in KINDS.items():
-        frames = [state.tables[kind] for state in states if kind in state.tables and len(state.tables[kind])]
-        if not frames:
+        tables = [state.tables[kind] for state in states if kind in state.tables and len(state.tables[kind])]
+        if not tables:
             continue
+        if kind in DISJOINT and all(isinstance(t, pa.Table) for t in tables):  # every batch its own examples
+            out[kind] = pa.concat_tables(tables, promote_options="permissive")
+            continue
+        frames = [t.to_pandas() if isinstance(t, pa.Table) else t for t in tables]
         frame = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
-        out[kind] = _reduce(frame, list(keys), list(sums), others)
+        out[kind] = frame.drop_duplicates("token_id") if kind == "tokens" else _reduce(frame, list(keys), list(sums),
+                                                                                        others)
     return AggregateState(out)
+
+
+#: the kinds keyed by example: a batch's rows are of its own examples, so merged states only join their rows
+DISJOINT = ("examples", "queries", "example_bins")
 
 
 def _reduce(frame: pd.DataFrame, keys: list[str], sums: list[str], others: dict) -> pd.DataFrame:
@@ -292,7 +308,8 @@ def _reduce(frame: pd.DataFrame, keys: list[str], sums: list[str], others: dict)
             result[column] = values[starts]
         elif rule == "sketch":
             bounds = np.r_[starts, len(values)]
-            result[column] = [merged_sketch(values[a:b]).serialize() for a, b in zip(bounds[:-1], bounds[1:])]
+            result[column] = [merged_sketch(values[a:b]).serialize() if any(len(v) for v in values[a:b]) else b""
+                              for a, b in zip(bounds[:-1], bounds[1:])]  # no sketch (a quantity's): none
     if "bins" in others:
         result["bins"], result["counts"] = _merged_histograms(frame["bins"].to_numpy(), frame["counts"].to_numpy(),
                                                               group, starts)

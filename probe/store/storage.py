@@ -105,7 +105,8 @@ def parquet_options(schema: pa.Schema) -> dict:
     return {
         "compression": COMPRESSION,
         "compression_level": COMPRESSION_LEVEL,
-        "use_dictionary": [field.name for field in schema if not pa.types.is_floating(field.type)],
+        "use_dictionary": [field.name for field in schema
+                           if not (pa.types.is_floating(field.type) or pa.types.is_binary(field.type))],
     }
 
 
