@@ -193,7 +193,7 @@ class _Site:
         self.worst: list[dict] = []
         self.examples: np.ndarray | None = None  # (examples, heads, [n, sum, above])
         self.positions = np.zeros((0, 3))  # (query, [rows, n, sum])
-        self.example_bins: np.ndarray | None = None  # (examples, coarse bins)
+        self.example_bins: list = []  # sparse (example * COARSE_BINS + coarse bin, count) of each piece
 
     def grow(self, heads: int) -> None:
         if heads > self.heads:
@@ -325,9 +325,8 @@ class Aggregates:
         found = _added(columns.query, torch.stack([nontrivial, measured, rel_measured], 1), positions)
         site.positions = _grown(site.positions, found.shape) + _grown(found, site.positions.shape)
         coarse = torch.as_tensor(COARSE_OF_FINE, device=device)[fine_bins(rel[index])]
-        counted = _host(torch.bincount(local[index] * stored.COARSE_BINS + coarse,
-                                       minlength=examples * stored.COARSE_BINS)).reshape(examples, stored.COARSE_BINS)
-        site.example_bins = counted if site.example_bins is None else site.example_bins + counted
+        cells, counted = torch.unique(local[index] * stored.COARSE_BINS + coarse, return_counts=True)
+        site.example_bins.append((_host(cells), _host(counted)))
 
     def _sample(self, columns: SiteColumns) -> None:
         """Keep the piece's rows of smallest hash, at most N over the batch."""
@@ -428,21 +427,23 @@ class Aggregates:
             example, head = np.nonzero(site.examples[:, :, 0] > 0)
             found = site.examples[example, head]
             add("examples", len(example), keys, head=head.astype(np.int32), example=ids[example],
-                n=found[:, 0].astype(np.int64), sum=found[:, 1], above=found[:, 2].astype(np.int64))
+                n=found[:, 0].astype(np.int32), sum=found[:, 1], above=found[:, 2].astype(np.int32))
             query = np.flatnonzero(site.positions[:, 0] > 0)
             add("positions", len(query), keys, query=query.astype(np.int32),
                 rows=site.positions[query, 0].astype(np.int64), n=site.positions[query, 1].astype(np.int64),
                 sum=site.positions[query, 2])
-            bins, counts = _sparse_rows(site.example_bins)
-            keep = [i for i, b in enumerate(bins) if len(b)]
-            add("example_bins", len(keep), keys, example=ids[keep], bins=[bins[i] for i in keep],
-                counts=[counts[i] for i in keep])
+            cells, counted = _sparse(site.example_bins)  # sorted by example, then bin
+            if len(cells):
+                example, first = np.unique(cells // stored.COARSE_BINS, return_index=True)
+                add("example_bins", len(example), keys, example=ids[example],
+                    bins=np.split((cells % stored.COARSE_BINS).astype(np.int32), first[1:]),
+                    counts=np.split(counted, first[1:]))
         for (space, alpha, attention_type), (grid, token, role) in self.queries.items():
             example, query = np.nonzero(grid[:, :, 3] > 0)
             add("queries", len(example), {"space": space, "alpha": alpha, "attention_type": attention_type},
-                example=ids[example], query=query.astype(np.int32), rows=grid[example, query, 0].astype(np.int64),
-                n=grid[example, query, 1].astype(np.int64), sum=grid[example, query, 2],
-                token_id=token[example, query], token_role=role[example, query])
+                example=ids[example], query=query.astype(np.int32), rows=grid[example, query, 0].astype(np.int32),
+                n=grid[example, query, 1].astype(np.int32), sum=grid[example, query, 2],
+                token_id=token[example, query].astype(np.int32), token_role=role[example, query])
         if self.tokens:
             met = np.asarray(sorted(self.tokens), dtype=np.int64)
             kinds["tokens"].append({"token_id": pa.array(met), "token": self.context.tokens(met)})
@@ -490,4 +491,4 @@ def _sparse(pieces: list) -> tuple[np.ndarray, np.ndarray]:
     bins = np.concatenate([b for b, _ in pieces]).astype(np.int64)
     counts = np.concatenate([c for _, c in pieces])
     unique, inverse = np.unique(bins, return_inverse=True)
-    return unique.astype(np.int32), np.bincount(inverse, weights=counts).astype(np.int64)
+    return unique, np.bincount(inverse, weights=counts).astype(np.int64)
