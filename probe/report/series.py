@@ -10,7 +10,9 @@ type, shared by its layers); a replicate's mean and share are its examples' rows
 the pooled histogram of :data:`P95_BINS` equal bins from 0 to the type's maximum (linear within a bin, so its
 interval is exact to one bin width); the interval is the 2.5th to 97.5th percentile of the replicates.  A run of
 more than :data:`MAX_UNITS` examples resamples blocks of consecutive examples instead, at most that many, so that
-memory stays bounded (``E`` is then the number of blocks).
+memory stays bounded (``E`` is then the number of blocks).  A run that kept aggregates (``--keep``) gives the
+per-example sums and per-example histograms it kept (:mod:`probe.store.aggregates`: coarse bins of 1/128 below 4),
+so its p95 intervals are exact to one such bin.
 
 Written: ``series.csv`` (one row per run, attention type and layer, ``layer`` empty for the whole model),
 ``series_findings.csv`` (the report's findings, :mod:`probe.report.findings`, that appear or vanish from one step
