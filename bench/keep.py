@@ -16,10 +16,11 @@ is captured and solved once, its derived columns included, and every site's rows
   once per run, the parts merged into one file (its time spread over the rows);
 * ``sample:N``: the same, and the batch's sampled rows as its rows part.
 
-For ``aggregates`` the time is split three ways: ``sketch`` (the KLL sketches' updates, what crosses to the host
-on a GPU), ``files`` (the state's tables, the parts and the merge) and ``fold`` (the rest: the reductions a GPU run
-does on the device, and their small host bookkeeping).  A GPU run at 16M rows/s keeps its host busy for
-``host seconds per row x 16M`` of each second: its host share.
+For ``aggregates`` the time is split four ways: ``sketch`` (the KLL sketches' updates, what crosses to the host
+on a GPU), ``files`` (each batch's state as Arrow tables, its parts written and hashed), ``fold`` (the rest of each
+batch: the reductions a GPU run does on the device, and their small host bookkeeping) and ``end`` (once per run,
+after the last batch: the parts merged into one file).  While a GPU run at 16M rows/s goes on, its host is busy for
+``(sketch + files) / rows x 16M`` of each second: its host share.
 
 **Bytes per measured row**: each mode's run directory (parts, aggregates, no manifest) over the rows it measured.
 **Disk growth**: aggregates runs of the first quarter of the texts and of all of them, complete (merged), bytes.
@@ -151,7 +152,7 @@ def run_mode(keep: str, batches, context, run_dir: Path) -> dict:
     mode, count = parse_keep(keep)
     for table in (storage.PARTS, storage.AGGREGATES):
         (run_dir / table).mkdir(parents=True, exist_ok=True)
-    seconds = {"total": 0.0, "sketch": 0.0, "files": 0.0}
+    seconds = {"total": 0.0, "sketch": 0.0, "files": 0.0, "end": 0.0}
     bound = SampleBound(count) if count else None
     timed_sketches = _timed_sketches(seconds)
     started = time.perf_counter()
@@ -184,9 +185,9 @@ def run_mode(keep: str, batches, context, run_dir: Path) -> dict:
         state = stored.merge_files(parts.values())
         stored.write_merged(stored.merged_path(run_dir), state, {}, storage.replace_atomically)
         stored.remove_parts(run_dir)
-        seconds["files"] += time.perf_counter() - at
+        seconds["end"] = time.perf_counter() - at
     seconds["total"] = time.perf_counter() - started
-    seconds["fold"] = seconds["total"] - seconds["sketch"] - seconds["files"] if mode != "rows" else 0.0
+    seconds["fold"] = seconds["total"] - seconds["sketch"] - seconds["files"] - seconds["end"] if mode != "rows" else 0.0
     return seconds
 
 
@@ -311,9 +312,9 @@ def markdown(results: dict) -> str:
         f"and joined into {s['commits']} commit(s) of about {s['rows_per_commit']:,} rows (the rows a GPU batch "
         f"gives); then every mode's work after the solves, the modes taking turns for {s['repeats']} rounds (each "
         "mode's median round).", "",
-        "| mode | rows/s (one core) | vs rows | sketch (s) | files (s) | fold (s) | host rows/s | host share of a "
-        "GPU run at 16M rows/s | bytes on disk (the solved rows) | bytes per measured row |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | rows/s (one core) | vs rows | sketch (s) | files (s) | fold (s) | end (s) | host rows/s | host share "
+        "of a GPU run at 16M rows/s | bytes on disk (the solved rows) | bytes per measured row |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in results["modes"]:
         sec = e["seconds"]
@@ -321,14 +322,16 @@ def markdown(results: dict) -> str:
             if "host_rows_per_s" in e else ("", "")
         lines.append(
             f"| {e['mode']} | {e['rows_per_s'] / 1e6:.2f}M | {e['vs_rows']:.1f}x | {sec['sketch']:.3f} | "
-            f"{sec['files']:.3f} | {sec['fold']:.3f} | {host[0]} | {host[1]} | {e['bytes']:,} | "
+            f"{sec['files']:.3f} | {sec['fold']:.3f} | {sec['end']:.3f} | {host[0]} | {host[1]} | {e['bytes']:,} | "
             f"{e['bytes_per_row']:.2f} |")
     g = results["growth"]
     ratio = g["all"]["bytes"] / g["quarter"]["bytes"]
     lines += [
-        "", "`sketch`: the KLL updates (on the host whatever the device); `files`: the state's tables, the parts "
-        "(written and hashed) and the run's final merge; `fold`: the rest, which a GPU run does on the device. "
-        "Host rows/s and the host share count `sketch` and `files`.", "",
+        "", "`sketch`: the KLL updates (on the host whatever the device); `files`: each batch's state and parts "
+        "(written, fsynced and hashed); `fold`: the rest of each batch, which a GPU run does on the device; `end`: "
+        "once per run, the parts merged into one file. Host rows/s and the host share count what the host does while "
+        "the batches go on: `sketch` and `files`. On this CPU every part runs on the one core: the first column.",
+        "",
         "## Disk growth of an aggregates run", "",
         "| texts | rows | bytes on disk (parts and aggregates) | aggregates file |", "|---|---|---|---|",
         *(f"| {e['texts']:,} | {e['rows']:,} | {e['bytes']:,} | {e['aggregates_bytes']:,} |"

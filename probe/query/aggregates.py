@@ -6,9 +6,10 @@ What is exact and what is not.  Counts, trivial and non-converged counts, sums (
 minima, maxima, shares above 0.1, the worst rows and every per-example, per-position and per-token count and sum
 are exact (merged without loss).  Histograms are exact on the fixed bins (:data:`probe.store.aggregates.FINE_EDGES`);
 re-binned onto other edges (:meth:`AggregateTable.histogram`) each fine bin counts where its centre falls, so a
-count is exact to one fine bin (1/1024 below 4).  Quantiles come from the merged KLL sketches: the value returned
-for quantile ``q`` of ``n`` values has a true rank within ``RANK_ERROR * n`` of ``q n``
-(:data:`probe.store.aggregates.RANK_ERROR`, 0.009 for the k of 300 used, with 99% confidence).
+count is exact to one fine bin (1/1024 below 4).  Quantiles of the relative deviation (and of its head-averaged
+values) come from the merged KLL sketches: the value returned for quantile ``q`` of ``n`` values has a true rank
+within ``RANK_ERROR * n`` of ``q n`` (:data:`probe.store.aggregates.RANK_ERROR`, 0.009 for the k of 300 used, with 99%
+confidence).  Quantiles of the other quantities come from their fine histograms (exact to one fine bin).
 """
 
 from __future__ import annotations

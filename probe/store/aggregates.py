@@ -12,10 +12,12 @@ keeps one file whose size does not grow with its rows.
 
 What a part holds: an :class:`AggregateState`, a few tables (``KINDS``) of statistics per group, each stored as
 an Arrow IPC stream in one row of the part (``kind``, ``table``).  Every statistic merges exactly (counts, sums,
-sums of squares, minima, maxima, histograms on :data:`FINE_EDGES`, the worst rows) except the quantile sketches,
-Apache DataSketches' KLL (``kll_doubles_sketch`` with ``k =`` :data:`KLL_K`), which merge within their normalized
-rank error :data:`RANK_ERROR`: a quantile read from a sketch of ``n`` values has a true rank within
-``RANK_ERROR * n`` of the one asked for (with 99% confidence, DataSketches' statement of the bound).
+sums of squares, minima, maxima, histograms on :data:`FINE_EDGES`, the worst rows) except the quantile sketches of
+the relative deviation and its head-averaged values, Apache DataSketches' KLL (``kll_doubles_sketch`` with ``k =``
+:data:`KLL_K`), which merge within their normalized rank error :data:`RANK_ERROR`: a quantile read from a sketch of
+``n`` values has a true rank within ``RANK_ERROR * n`` of the one asked for (with 99% confidence, DataSketches'
+statement of the bound).  The other quantities have no sketch (a sketch update costs the host about 30 ns a
+value): their quantiles are read from their histograms, exact to one fine bin.
 
 The fixed bins.  :data:`FINE_EDGES`: 4,096 bins of width 1/1024 on [0, 4), then 16 bins per octave (factor of
 two) up to 2^20, then one bin to infinity; a value's bin is computed exactly (a scaling by a power of two and
