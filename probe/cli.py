@@ -478,8 +478,8 @@ def export_command(
     ),
     allow_damaged: bool = typer.Option(False, "--allow-damaged", help=ALLOW_DAMAGED_HELP),
     table: str = typer.Option(
-        "deviations", "--table", metavar="TABLE", help="deviations (the rows), interventions (a run with "
-        "--intervene), or aggregates (a run with --keep aggregates or sample:N: its statistics as one table).",
+        "deviations", "--table", metavar="TABLE", help="deviations: the rows; interventions: the records of a run "
+        "with --intervene; aggregates: the statistics of a run with --keep aggregates or sample:N, as one table.",
     ),
 ):
     """Write a run's rows (its directory of part files) into one Parquet or CSV file."""

@@ -7,8 +7,9 @@ groups the report reads (:data:`probe.store.aggregates.KINDS`): per (space, alph
 token role) the count, sums, extremes, the share above 0.1, a sparse histogram on the fixed bins
 (:data:`probe.store.aggregates.FINE_EDGES`) and the worst rows; per (example, query) the head-averaged
 deviation; per example, per query position and per token what the findings and the bootstrap over examples
-need.  Only the quantile sketches' updates cross to the host: one sorted float64 array per column and group,
-given to Apache DataSketches' KLL (:mod:`probe.store.aggregates`) in one call.
+need.  Only the quantile sketches' updates cross to the host: one sorted float64 array per group of the relative
+deviation (and one of its head-averaged values), given to Apache DataSketches' KLL (:mod:`probe.store.aggregates`)
+in one call; the other quantities are reduced to their numbers and histograms on the device.
 
 With ``sample`` (``--keep sample:N``) the batch also keeps its N rows of smallest :func:`row_hash` (the row key
 and the run's seed through splitmix64), chosen on the device; only those rows become a table.  The N rows of
@@ -64,7 +65,7 @@ def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64, wrapping (:func:`probe.store.aggregates._mix` on uint64)."""
+    """splitmix64's finaliser on int64, wrapping (as :mod:`probe.store.aggregates` computes it on uint64)."""
     x = x + MIX_ADD
     x = (x ^ _shift(x, 30)) * MIX_1
     x = (x ^ _shift(x, 27)) * MIX_2
@@ -265,18 +266,16 @@ class Aggregates:
         site.rel.add_sorted(rel[index], group[index], groups, trivial_groups)
 
         # the worst rows: per (head, role), the largest WORST_ROWS and their ties (chosen exactly on the host)
-        top = min(WORST_ROWS, len(index))
-        if top:
-            masked = torch.full((groups, int(torch.bincount(group[index], minlength=groups).max())), -np.inf,
-                                dtype=torch.float64, device=device)
-            rank = torch.zeros_like(index)
-            order = torch.argsort(group[index], stable=True)
-            starts = torch.cumsum(torch.bincount(group[index], minlength=groups), 0) - torch.bincount(
-                group[index], minlength=groups)
-            rank[order] = torch.arange(len(index), device=device) - starts[group[index][order]]
-            masked[group[index], rank] = rel[index]
-            threshold = torch.topk(masked, min(top, masked.shape[1]), dim=1).values[:, -1]
-            chosen = index[rel[index] >= threshold[group[index]]]
+        if len(index):  # each group's values in a row of a matrix, -inf beyond them; its top WORST_ROWS
+            in_group, values_measured = group[index], rel[index]
+            sizes = torch.bincount(in_group, minlength=groups)
+            order = torch.argsort(in_group, stable=True)
+            rank = torch.empty_like(index)
+            rank[order] = torch.arange(len(index), device=device) - (torch.cumsum(sizes, 0) - sizes)[in_group[order]]
+            masked = torch.full((groups, int(sizes.max())), -np.inf, dtype=torch.float64, device=device)
+            masked[in_group, rank] = values_measured
+            threshold = torch.topk(masked, min(WORST_ROWS, masked.shape[1]), dim=1).values[:, -1]
+            chosen = index[values_measured >= threshold[in_group]]
             site.worst.append({"head": _host(head[chosen]), "rel_deviation": _host(rel[chosen]),
                                "example": _host(columns.example[chosen]), "query": _host(columns.query[chosen]),
                                "token_id": _host(columns.token_id[chosen]), "role": _host(role[chosen]),
@@ -315,7 +314,7 @@ class Aggregates:
         for slot, found in ((1, token), (2, cell_role)):
             running[slot][:, :positions] = np.where(present, _host(found).reshape(examples, positions),
                                                     running[slot][:, :positions])
-        self.tokens.update(np.unique(_host(columns.token_id)).tolist())
+        self.tokens.update(_host(torch.unique(columns.token_id)).tolist())
 
         # per (head, example), per query position and per (example, coarse bin): findings and the bootstrap
         found = _added(local * heads + head, torch.stack([measured, rel_measured, measured & (rel > FAR)], 1),
