@@ -91,6 +91,30 @@ class Run:
             warnings.warn(table.check.banner(), DamagedRunWarning, stacklevel=3)
         return table
 
+    @property
+    def kept(self) -> str:
+        """What the run kept (``keep=``): ``rows``, ``aggregates`` or ``sample:N``."""
+        from probe.query.aggregates import keeps
+
+        return keeps(self.manifest)
+
+    @cached_property
+    def aggregates(self):
+        """The mergeable statistics of a run made with ``keep="aggregates"`` or ``"sample:N"``
+        (:class:`probe.query.aggregates.AggregateTable`: ``stats``, ``histogram``, ``worst_rows``, ``census``,
+        ``export_table``), checked like parts; None for a run that kept its rows."""
+        from probe.query.aggregates import AggregateTable
+
+        return AggregateTable.open(self.run_dir, self.manifest, allow_damaged=self.allow_damaged)
+
+    def _rows_kept(self, what: str) -> None:
+        """Refuse (one line) to read rows from a run that kept none."""
+        if self.kept == "aggregates":
+            raise ProbeError(
+                f"{what} needs the run's rows, and {self.run_dir} kept only its statistics (keep='aggregates'). "
+                "Ask run.headline() or run.aggregates (stats, histograms, worst rows), or run again with "
+                "keep='rows' or keep='sample:N'.")
+
     @cached_property
     def query(self):
         """The lazy handle: the run's rows as the DuckDB view ``rows`` (:class:`probe.query.RunTable`), over
@@ -101,7 +125,11 @@ class Run:
         >>> from probe.query import where
         >>> run.query.stats("rel_deviation", [("layer", "head")], where(space="hidden", alpha=1, trivial=False),
         ...                 quantiles={"median": 0.5, "p95": 0.95})[0]
+
+        A run made with ``keep="sample:N"`` has its sample's rows here; one made with ``keep="aggregates"`` has
+        none, and is refused (:attr:`aggregates` holds its statistics).
         """
+        self._rows_kept("run.query")
         return self._open()
 
     def sql(self, query: str):
@@ -138,6 +166,7 @@ class Run:
         """
         from probe.query import where
 
+        self._rows_kept("run.select(...)")
         equal = {k: v for k, v in dict(attention_type=attention_type, layer=layer, head=head).items() if v is not None}
         if example is not None:
             equal["example"] = list(example) if isinstance(example, (list, tuple, set, range)) else int(example)
@@ -152,6 +181,7 @@ class Run:
         fresh index.  Columns: :data:`probe.core.schema.DEVIATION_SCHEMA` (the model is named in the manifest).
         A run whose rows would exceed the memory budget is refused with a :class:`ProbeError` that names
         the lazy ways (:meth:`sql`, :attr:`query`, :meth:`select`) before anything is loaded."""
+        self._rows_kept("run.rows")
         table = self.query
         table.require_fits(table.row_count(), None, "every row of the run")
         return table.select()
@@ -174,9 +204,12 @@ class Run:
         :meth:`probe.query.Table.stats`)."""
         from probe.query import where
 
-        with self._open() as table:
-            (stats,) = table.stats("rel_deviation", [("space", "alpha")], where(trivial=False),
-                                   quantiles={"p95": 0.95})
+        if self.aggregates is not None:  # a run that kept aggregates: the p95 from its merged sketch
+            (stats,) = self.aggregates.stats("rel_deviation", [("space", "alpha")], quantiles={"p95": 0.95})
+        else:
+            with self._open() as table:
+                (stats,) = table.stats("rel_deviation", [("space", "alpha")], where(trivial=False),
+                                       quantiles={"p95": 0.95})
         stats = stats.dropna(subset=["space", "alpha"]).sort_values(["space", "alpha"])
         return [
             {"space": str(row["space"]), "alpha": float(row["alpha"]), "rows": int(row["count"]),
@@ -237,6 +270,7 @@ def run(
     heads: str | int | Sequence[int] | None = None,
     attention_types: str | Sequence[str] | None = None,
     queries: str = "all",
+    keep: str = "rows",
 ) -> Run:
     """Solve the dual for every example, attention site, head and query token of ``model`` (or the ones
     selected); return the finished :class:`Run`.
@@ -293,6 +327,8 @@ def run(
             (positions 0, K, 2K, ...) or ``sample:N`` (N positions per text without replacement, seeded by
             ``seed``, the same at every site and head); only what is selected is captured, solved and
             written (:mod:`probe.capture.selection`).
+        keep: ``"rows"`` (every row), ``"aggregates"`` (mergeable statistics computed where the rows are, and no
+            rows: docs/keep.md) or ``"sample:N"`` (those statistics and a seeded uniform sample of N rows).
 
     Returns:
         The finished run, read lazily (:class:`Run`).
@@ -312,7 +348,7 @@ def run(
         max_memory=max_memory, threads=threads, out=out, device=device, dtype=dtype, revision=revision, seed=seed,
         fidelity_tolerance=fidelity_tolerance, name=name, progress=progress, intervene=intervene,
         intervene_modes=intervene_modes, allow_unknown_tokens=allow_unknown_tokens, step=step, layers=layers,
-        heads=heads, attention_types=attention_types, queries=queries,
+        heads=heads, attention_types=attention_types, queries=queries, keep=keep,
     )
     check_options(settings)  # before torch loads: a mistyped option costs nothing
     if given is not None:
@@ -359,6 +395,7 @@ def load(run_dir: str | Path, *, allow_damaged: bool = False) -> Run:
     manifest = loaded.manifest
     for table in run_tables(manifest):  # the deviations, and the interventions of a run with --intervene
         require_intact(loaded.run_dir, manifest, allow_damaged=allow_damaged, table=table)
+    loaded.aggregates  # noqa: B018 (a run that kept aggregates: its merged file checked too)
     return loaded
 
 
@@ -405,18 +442,36 @@ def compare(runs: Sequence[str | Path | Run], out: str | Path = "compare", forma
 
 
 #: the tables ``export`` writes, by name (``--table``), and their directories in a run
-TABLES = {"deviations": "deviations.parquet", "interventions": "interventions.parquet"}
+TABLES = {"deviations": "deviations.parquet", "interventions": "interventions.parquet",
+          "aggregates": "aggregates.parquet"}
 
 
 def export(run_dir: str | Path | Run, to: str | Path, *, allow_damaged: bool = False,
            table: str = "deviations") -> int:
-    """Write a run's rows (``table``: ``"deviations"``, or ``"interventions"`` for a run with ``--intervene``)
-    into one file: Parquet for ``*.parquet``, CSV for ``*.csv`` (any other extension is refused); return
-    the row count."""
+    """Write a run's rows (``table``: ``"deviations"``, ``"interventions"`` for a run with ``--intervene``, or
+    ``"aggregates"`` for a run with ``keep="aggregates"`` or ``"sample:N"``: its statistics as one table, a row per
+    column, site, head and token role) into one file: Parquet for ``*.parquet``, CSV for ``*.csv`` (any other
+    extension is refused); return the row count."""
+    from probe.core.spelling import option
     from probe.store.export import export as export_rows
 
     if table not in TABLES:
-        from probe.core.spelling import option
+        raise ProbeError(f"Unknown {option('table')} {table!r}: a run has the tables {', '.join(TABLES)}.")
+    path = _run_path(run_dir)
+    if table == "aggregates":
+        import pyarrow as pa
 
-        raise ProbeError(f"Unknown {option('table')} {table!r}: a run has the tables {' and '.join(TABLES)}.")
-    return export_rows(_run_path(run_dir), Path(to), allow_damaged=allow_damaged, table=TABLES[table])
+        from probe.query.aggregates import AggregateTable
+        from probe.store.export import export_table
+        from probe.store.storage import read_manifest
+
+        aggregates = AggregateTable.open(path, read_manifest(path), allow_damaged=allow_damaged)
+        if aggregates is None:
+            raise ProbeError(f"{path} kept its rows (keep='rows'): it has no aggregates. Export {option('table')} "
+                             "deviations.")
+        frame = aggregates.export_table()
+        return export_table(pa.Table.from_pandas(frame, preserve_index=False), Path(to))
+    if table == "deviations" and Run(path).kept == "aggregates":
+        raise ProbeError(f"{path} kept only its statistics (keep='aggregates'), no rows: export {option('table')} "
+                         "aggregates instead, or run again with keep='rows' or keep='sample:N'.")
+    return export_rows(path, Path(to), allow_damaged=allow_damaged, table=TABLES[table])

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+import numpy as np
 from transformers import TrainerCallback
 
 from probe.core.errors import ProbeError
@@ -176,11 +177,18 @@ def headline_numbers(run) -> dict[str, float]:
     ``probe/<number>`` for a run of one slice and ``probe/<space>/alpha=<alpha>/<number>`` otherwise."""
     from probe.query import where
 
-    with run._open() as table:
-        (stats,) = table.stats("rel_deviation", [("space", "alpha")], where(trivial=False), quantiles={"p95": 0.95})
-        (above,) = table.aggregate({"above": f"CAST(count_if(rel_deviation > {FAR!r}) AS BIGINT)"},
-                                   [("space", "alpha")], where(trivial=False))
-    stats = stats.dropna(subset=["space", "alpha"]).merge(above, on=["space", "alpha"], how="left")
+    if run.aggregates is not None:  # keep="aggregates" / "sample:N": the statistics the run kept
+        (stats,) = run.aggregates.stats("rel_deviation", [("space", "alpha")], quantiles={"p95": 0.95},
+                                        above={"share": FAR})
+        stats["above"] = np.rint(stats["share"] * stats["count"]).astype(np.int64)
+    else:
+        with run._open() as table:
+            (stats,) = table.stats("rel_deviation", [("space", "alpha")], where(trivial=False),
+                                   quantiles={"p95": 0.95})
+            (above,) = table.aggregate({"above": f"CAST(count_if(rel_deviation > {FAR!r}) AS BIGINT)"},
+                                       [("space", "alpha")], where(trivial=False))
+        stats = stats.merge(above, on=["space", "alpha"], how="left")
+    stats = stats.dropna(subset=["space", "alpha"])
     numbers = {}
     for record in stats.sort_values(["space", "alpha"]).to_dict("records"):
         prefix = PREFIX if len(stats) == 1 else f"{PREFIX}{record['space']}/alpha={float(record['alpha']):g}/"
@@ -197,7 +205,7 @@ def headline_numbers(run) -> dict[str, float]:
 #: probe set give
 IN_MEMORY_OPTIONS = (
     "alpha", "space", "max_length", "batch_size", "seed", "max_memory", "fidelity_tolerance", "allow_unknown_tokens",
-    "layers", "heads", "attention_types", "queries",
+    "layers", "heads", "attention_types", "queries", "keep",
 )
 
 
@@ -258,8 +266,10 @@ class ProbeCallback(TrainerCallback):
             their own and in :attr:`logged`.
         progress: probe's progress lines on stderr.
         **options: :func:`probe.run`'s options that apply to a model in memory (:data:`IN_MEMORY_OPTIONS`):
-            ``alpha``, ``space``, ``max_length``, ``batch_size``, ``seed``, and what to measure: ``layers``,
-            ``heads``, ``attention_types``, ``queries``.
+            ``alpha``, ``space``, ``max_length``, ``batch_size``, ``seed``, what to measure (``layers``,
+            ``heads``, ``attention_types``, ``queries``) and what to keep (``keep``: ``"rows"``,
+            ``"aggregates"`` or ``"sample:N"``: a measurement that keeps aggregates writes a few MB whatever the
+            probe set).
     """
 
     def __init__(self, texts: Iterable[str], every_n_steps: int, out_dir: str | Path, *, name: str | None = None,

@@ -267,6 +267,7 @@ def resume_command(
     from probe.core.environment import check_environment
     from probe.core.errors import ProbeError
     from probe.pipeline.validate import check_report_formats
+    from probe.store.aggregates import merged_problem
     from probe.store.integrity import check_parts
     from probe.store.storage import read_manifest, run_tables
 
@@ -279,7 +280,11 @@ def resume_command(
         if manifest.get("status") == "complete":
             checks = [check_parts(run_dir, manifest, checksums=True, table=table) for table in run_tables(manifest)]
             check = next((each for each in checks if not each.ok), checks[0])
-            if check.ok:
+            merged = merged_problem(run_dir, manifest)
+            if merged is not None and _main_process():
+                typer.echo(f"{run_dir} is damaged: aggregates.parquet/merged.parquet ({merged}); moving it to the "
+                           "quarantine folder and computing the run's batches again.", err=True)
+            elif check.ok:
                 if _main_process():
                     typer.echo(f"{run_dir} is complete ({manifest.get('batches_done')} batches, every part "
                                "matches its checksum): nothing to resume.")
@@ -338,7 +343,14 @@ def status_command(
     for table, table_check in checks.items():  # the rows' parts, and the interventions' of a run with --intervene
         if table_check.damaged:
             typer.echo(f"damaged{'' if table == PARTS else f' ({table})'}: {table_check.describe()}")
-    if any(table_check.damaged for table_check in checks.values()):
+    from probe.store.aggregates import merged_problem
+
+    merged = merged_problem(run_dir, manifest)
+    if merged:
+        typer.echo(f"damaged (aggregates.parquet/merged.parquet): {merged}")
+    if manifest.get("config", {}).get("keep", "rows") != "rows":
+        typer.echo(f"kept: {manifest['config']['keep']}")
+    if merged or any(table_check.damaged for table_check in checks.values()):
         typer.echo(f"repair with: probe resume {shlex.quote(str(run_dir))}")
     elif status == "interrupted":
         typer.echo(f"continue with: probe resume {shlex.quote(str(run_dir))}")
@@ -385,8 +397,8 @@ def export_command(
     ),
     allow_damaged: bool = typer.Option(False, "--allow-damaged", help=ALLOW_DAMAGED_HELP),
     table: str = typer.Option(
-        "deviations", "--table", metavar="TABLE", help="deviations (the rows), or interventions (a run with "
-        "--intervene).",
+        "deviations", "--table", metavar="TABLE", help="deviations: the rows; interventions: the records of a run "
+        "with --intervene; aggregates: the statistics of a run with --keep aggregates or sample:N, as one table.",
     ),
 ):
     """Write a run's rows (its directory of part files) into one Parquet or CSV file."""
@@ -432,6 +444,11 @@ def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
             f"rel_deviation, {line['space']} space, alpha {line['alpha']:g}, over {line['rows']:,} non-trivial rows: "
             f"mean {line['mean']:.3g}, p95 {line['p95']:.3g}, max {line['max']:.3g}"
         )
+    if run.kept != "rows":  # --keep: what is on disk instead of the rows
+        from probe.store.aggregates import RANK_ERROR
+
+        typer.echo(f"kept: {run.kept} (statistics merged in aggregates.parquet/; quantiles within {RANK_ERROR:.4f} in "
+                   f"rank{'; the sample in deviations.parquet/' if run.kept.startswith('sample') else ''})")
     interventions = manifest.get("interventions")
     if interventions and "means" in interventions:  # a run with --intervene: the whole-model line of each substitute
         whole = [m for m in interventions["means"] if m["mode"] == "whole"]

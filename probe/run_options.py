@@ -53,6 +53,10 @@ RUN_OPTIONS: tuple[inspect.Parameter, ...] = (
             help="Which query positions of each text to measure: all; last, its last real token; every:K, positions "
             "0, K, 2K, ...; sample:N, N positions per text drawn with --seed, the same at every site and head. Only "
             "what is selected is captured, solved and written."),
+    _option("keep", str, "rows", "--keep", metavar="rows|aggregates|sample:N",
+            help="What the run keeps: every row; aggregates (mergeable statistics computed where the rows are: what "
+            "the report reads, at a fixed size); or sample:N (the aggregates and a seeded uniform sample of N rows) "
+            "(docs: keep modes)."),
     _option("tokenizer", Optional[str], None, metavar="PATH|ID",
             help="Directory (or hub id) of the tokenizer, when it is not beside the model."),
     _option("max_memory", Optional[str], None, metavar="SIZE",

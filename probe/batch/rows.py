@@ -284,56 +284,117 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
     )
 
 
-def site_rows(
+@dataclass
+class SiteColumns:
+    """The rows of one site in one space and alpha as tensors on the run's device, one entry per (example, head,
+    real query) in the order :func:`site_rows` writes them: what :func:`columns_table` turns into the parquet
+    table and :class:`probe.batch.aggregates.Aggregates` folds into statistics without building it."""
+
+    attention_type: str
+    layer: int
+    space: str
+    alpha: float
+    example: torch.Tensor  # int64, the dataset's example ids
+    head: torch.Tensor
+    query: torch.Tensor  # the query token's position
+    token_id: torch.Tensor
+    n_keys: torch.Tensor
+    role: torch.Tensor  # int64 codes into ROLES
+    values: dict  # column -> float64 (or int / bool) tensor: the measured columns of DEVIATION_SCHEMA
+
+    @property
+    def count(self) -> int:
+        return int(self.head.shape[0])
+
+    def take(self, index: torch.Tensor) -> "SiteColumns":
+        """The rows at ``index``."""
+        pick = lambda x: x[index]  # noqa: E731
+        return SiteColumns(self.attention_type, self.layer, self.space, self.alpha, pick(self.example),
+                           pick(self.head), pick(self.query), pick(self.token_id), pick(self.n_keys), pick(self.role),
+                           {name: pick(value) for name, value in self.values.items()})
+
+
+#: the measured columns of a row, as :class:`SiteColumns` holds them in ``values``
+MEASURED = ("rel_deviation", "lambda_norm", "duality_gap", "error_bound", "iterations", "converged",
+            "second_order_deviation", "attention_tv", "output_deviation", "evidence_norm", "attention_entropy")
+
+
+def site_columns(
     site: SiteCapture, space: str, problems: SpaceProblems, solution: DualSolution, quantities: Derived,
     alpha: float, context: RowContext, example_offset: int = 0,
-) -> pa.Table:
-    """One row per (example, head, real query) of the site in one space and alpha, in the parquet schema."""
+) -> SiteColumns:
+    """The site's rows in one space and alpha (one per (example, head, real query)) as tensors, where they were
+    computed."""
     b, h, q, k = site.shape
     active = site.query_mask[:, None, :].expand(b, h, q)
     n_keys = torch.isfinite(site.log_preference.expand(b, h, q, k)).sum(-1)
     ex, head, query = active.nonzero(as_tuple=True)  # head: the site's own head index (site.head_ids: the model's)
 
     def pick(x):
-        return x.reshape(b, h, q)[ex, head, query].cpu().numpy()
+        return x.reshape(b, h, q)[ex, head, query]
 
-    count = len(ex)
-    ex_np, query_np = ex.cpu().numpy(), query.cpu().numpy()
-    examples = np.asarray(context.example_ids, dtype=np.int64)[ex_np + example_offset]
-    positions = query_np if site.query_positions is None else site.query_positions[ex, query].cpu().numpy()
-    token_ids = site.query_ids[ex, query].cpu().numpy().astype(np.int64)
-    keys = n_keys[ex, head, query].cpu().numpy().astype(np.int32)
-    role_codes = np.isin(token_ids, list(context.special_ids)).astype(np.int64)  # index into _ROLES
+    device = ex.device
+    example_ids = torch.as_tensor(context.example_ids, dtype=torch.int64, device=device)
+    positions = query if site.query_positions is None else site.query_positions[ex, query]
+    token_ids = site.query_ids[ex, query].to(torch.int64)
+    special = torch.as_tensor(sorted(context.special_ids), dtype=torch.int64, device=device)
+    role = torch.isin(token_ids, special).to(torch.int64)  # index into ROLES
     if site.attention_type in ("decoder_self", "cross"):
-        role_codes[positions == 0] = 2
-    columns = {
-        "attention_type": _repeated(site.attention_type, count),
-        "layer": np.full(count, site.layer, np.int32),
-        "head": (head.cpu().numpy() if site.head_ids is None else np.asarray(site.head_ids)[head.cpu().numpy()])
-        .astype(np.int32),
-        "example": examples,
-        "query": positions.astype(np.int32),
-        "n_keys": keys,
-        "alpha": np.full(count, alpha, np.float64),
+        role = torch.where(positions == 0, torch.full_like(role, 2), role)
+    values = {
         "rel_deviation": pick(solution.rel_deviation),
         "lambda_norm": pick(solution.lambda_norm),
         "duality_gap": pick(solution.duality_gap),
         "error_bound": pick(solution.error_bound),
-        "iterations": pick(solution.iterations).astype(np.int32),
+        "iterations": pick(solution.iterations),
         "converged": pick(solution.converged),
-        "space": _repeated(space, count),
-        "token_id": token_ids.astype(np.int32),
-        "token": context.tokens(token_ids),
-        "token_role": _ROLES.take(pa.array(role_codes)),
-        "trivial": keys == 1,
         "second_order_deviation": pick(quantities.second_order_deviation),
         "attention_tv": pick(quantities.attention_tv),
         "output_deviation": pick(quantities.output_deviation),
         # ||alpha z|| = ||z|| at alpha = 1 (the evidence is z / alpha for other alpha)
-        "evidence_norm": problems.evidence_sqnorm[ex, head, query].sqrt().cpu().numpy(),
+        "evidence_norm": problems.evidence_sqnorm[ex, head, query].sqrt(),
         "attention_entropy": pick(quantities.attention_entropy),
     }
-    return pa.table(columns, schema=DEVIATION_SCHEMA)
+    model_head = head if site.head_ids is None else torch.as_tensor(site.head_ids, device=device)[head]
+    return SiteColumns(site.attention_type, site.layer, space, alpha, example_ids[ex + example_offset], model_head,
+                       positions.to(torch.int64), token_ids, n_keys[ex, head, query], role, values)
+
+
+def columns_table(columns: SiteColumns, context: RowContext) -> pa.Table:
+    """The rows of :func:`site_columns` in the parquet schema (on the host)."""
+    count = columns.count
+    host = {name: value.cpu().numpy() for name, value in columns.values.items()}
+    token_ids = columns.token_id.cpu().numpy()
+    keys = columns.n_keys.cpu().numpy().astype(np.int32)
+    table = {
+        "attention_type": _repeated(columns.attention_type, count),
+        "layer": np.full(count, columns.layer, np.int32),
+        "head": columns.head.cpu().numpy().astype(np.int32),
+        "example": columns.example.cpu().numpy(),
+        "query": columns.query.cpu().numpy().astype(np.int32),
+        "n_keys": keys,
+        "alpha": np.full(count, columns.alpha, np.float64),
+        **{name: host[name] for name in ("rel_deviation", "lambda_norm", "duality_gap", "error_bound")},
+        "iterations": host["iterations"].astype(np.int32),
+        "converged": host["converged"],
+        "space": _repeated(columns.space, count),
+        "token_id": token_ids.astype(np.int32),
+        "token": context.tokens(token_ids),
+        "token_role": _ROLES.take(pa.array(columns.role.cpu().numpy())),
+        "trivial": keys == 1,
+        **{name: host[name] for name in ("second_order_deviation", "attention_tv", "output_deviation",
+                                         "evidence_norm", "attention_entropy")},
+    }
+    return pa.table(table, schema=DEVIATION_SCHEMA)
+
+
+def site_rows(
+    site: SiteCapture, space: str, problems: SpaceProblems, solution: DualSolution, quantities: Derived,
+    alpha: float, context: RowContext, example_offset: int = 0,
+) -> pa.Table:
+    """One row per (example, head, real query) of the site in one space and alpha, in the parquet schema."""
+    columns = site_columns(site, space, problems, solution, quantities, alpha, context, example_offset)
+    return columns_table(columns, context)
 
 
 #: the ``token_role`` values, by code
@@ -387,6 +448,27 @@ class Summary:
             self.max_relative_error_bound = max(self.max_relative_error_bound, float(np.nanmax(bound)))
             self.iterations_total += int(iterations.sum())
             self.iterations_max = max(self.iterations_max, int(iterations.max()))
+
+    def add_columns(self, columns: SiteColumns, bounds: dict | None = None):
+        """:meth:`add` for rows kept as tensors (:class:`SiteColumns`): the same totals, reduced where the rows are."""
+        for name, bound in (bounds or {}).items():
+            self.derived_bounds[name] = max(self.derived_bounds.get(name, 0.0), bound)
+        if not columns.count:
+            return
+        values = columns.values
+        key = f"{columns.space}, alpha={columns.alpha:g}"
+        sums = self.by_setting.setdefault(key, dict.fromkeys(("rows",) + MEANS, 0.0))
+        sums["rows"] += columns.count
+        for name in MEANS:
+            sums[name] += float(torch.nansum(values[name]))
+        iterations = values["iterations"]
+        bound = values["error_bound"] / values["lambda_norm"]
+        self.rows += columns.count
+        self.not_converged += int((~values["converged"]).sum())
+        self.max_duality_gap = max(self.max_duality_gap, _nanmax(values["duality_gap"]))
+        self.max_relative_error_bound = max(self.max_relative_error_bound, _nanmax(bound))
+        self.iterations_total += int(iterations.sum())
+        self.iterations_max = max(self.iterations_max, int(iterations.max()))
 
     def add_fidelity(self, attention_type: str, space: str, error: float):
         self.fidelity[attention_type] = max(self.fidelity.get(attention_type, 0.0), error)
@@ -457,6 +539,12 @@ class Summary:
         }
 
 
+def _nanmax(values: torch.Tensor) -> float:
+    """numpy's ``nanmax`` of a tensor: NaN when every value is."""
+    finite = values[~torch.isnan(values)]
+    return float(finite.max()) if finite.numel() else float("nan")
+
+
 # --------------------------------------------------------------------------------------------------
 # one batch
 
@@ -475,10 +563,13 @@ class BatchSolver:
     """
 
     def __init__(self, spaces, alphas, rtol, context: RowContext, summary: Summary, memory_bytes: int | None = None,
-                 on_rows: Callable[[int], None] | None = None):
+                 on_rows: Callable[[int], None] | None = None, aggregates=None):
         self.spaces, self.alphas, self.rtol = tuple(spaces), tuple(alphas), rtol
         self.on_rows = on_rows  # told the number of rows of each table solved (progress within a batch)
         self.context, self.summary = context, summary
+        #: ``--keep aggregates`` / ``sample:N``: a :class:`probe.batch.aggregates.Aggregates` the rows are folded
+        #: into (no row table is built); None: every row becomes a table
+        self.aggregates = aggregates
         # --max-memory: an eighth for the logits of the stack held at once (the problems built from
         # them take a few times that), half for the solver's working set
         self.limit_bytes = STACK_BYTES if memory_bytes is None else max(1, memory_bytes // 8)
@@ -572,6 +663,9 @@ class BatchSolver:
 
                 def rows_of(site, offset, built, dual, solution, space=space, alpha=alpha):
                     quantities = derive(site, dual, solution, self.rtol)
+                    if self.aggregates is not None:  # folded below, in the stack's order
+                        return site_columns(site, space, built, solution, quantities, alpha, self.context,
+                                            offset), quantities
                     return site_rows(site, space, built, solution, quantities, alpha, self.context, offset), quantities
 
                 finished = run_all(
@@ -580,10 +674,14 @@ class BatchSolver:
                     workers,
                 )
                 for table, quantities in finished:  # in the stack's order, whichever worker finished first
-                    self.summary.add(table, quantities.bounds)
-                    self.tables.append(table)
+                    if self.aggregates is not None:  # the columns of the site's rows, folded into the statistics
+                        self.summary.add_columns(table, quantities.bounds)
+                        self.aggregates.add(table)
+                    else:
+                        self.summary.add(table, quantities.bounds)
+                        self.tables.append(table)
                     if self.on_rows is not None:
-                        self.on_rows(table.num_rows)
+                        self.on_rows(table.count if self.aggregates is not None else table.num_rows)
                 if self.kept is not None:
                     for (site, offset), dual, solution in zip(stack, duals, solutions):
                         if self.kept_sites is not None and (site.attention_type, site.layer) not in self.kept_sites:
@@ -595,19 +693,22 @@ class BatchSolver:
 @torch.no_grad()
 def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary: Summary, context: RowContext,
                   lane=None, capture: Callable | None = None, on_rows: Callable[[int], None] | None = None,
-                  selection=None):
+                  selection=None, aggregates=None):
     """Capture every attention site of one batch (with a ``selection``, :class:`probe.capture.selection.Selection`,
     the rows it selects) and solve its problems; returns a function that waits for the solves and returns the
     rows, site by site, and the seconds spent capturing and solving.
 
     Without a ``lane`` every stack is solved before this returns; with one, the last stack may still be
     solving in the lane, so that the caller can capture the next batch meanwhile.  ``on_rows`` is told the
-    number of rows of each site's table as it is solved (from the lane's thread too)."""
+    number of rows of each site's table as it is solved (from the lane's thread too).  ``aggregates``: a factory
+    ``aggregates(context)`` of the batch's :class:`probe.batch.aggregates.Aggregates` (``--keep aggregates`` or
+    ``sample:N``), which the rows are folded into instead of becoming tables (the function then returns no table,
+    the aggregates are read from it)."""
     budget = getattr(config, "max_memory_bytes", None)
     context = copy.copy(context)  # the example ids of this batch, whichever batch the lane solves meanwhile
     context.example_ids = example_ids
     solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget,
-                         on_rows=on_rows)
+                         on_rows=on_rows, aggregates=None if aggregates is None else aggregates(context))
     started = time.perf_counter()
     if capture is None:
         chosen = None if selection is None or selection.everything else selection.for_batch(example_ids)

@@ -32,7 +32,7 @@ from probe.core.spelling import option
 __all__ = [
     "SIZE_UNITS", "SEED_MAX", "QUERY_RULES", "IndexRange", "QueryRule", "numbers", "names", "parse_numbers",
     "parse_names", "is_number", "whole_numbers", "seed", "parse_size", "texts", "indices", "queries",
-    "describe_indices",
+    "describe_indices", "parse_keep", "describe_keep",
 ]
 
 # --------------------------------------------------------------------------------------------------
@@ -321,3 +321,36 @@ def queries(value) -> QueryRule:
     if number < 1:
         raise ProbeError(f"{option('queries', value)}: {letter} must be at least 1, got {number}.")
     return QueryRule(kind, number)
+
+
+# --------------------------------------------------------------------------------------------------
+# what a run keeps
+
+
+def parse_keep(value) -> tuple[str, int | None]:
+    """``--keep`` as ``(mode, N)``: ``("rows", None)``, ``("aggregates", None)`` or ``("sample", N)`` with N >= 1;
+    anything else is refused with a :class:`ProbeError` that says what the option takes."""
+    example = option("keep", "sample:100000")
+    takes = f"{option('keep')} takes rows, aggregates or sample:N (N rows to sample, e.g. {example})"
+    if not isinstance(value, str):
+        raise ProbeError(f"{takes}; got {value!r} ({type(value).__name__}).")
+    text = value.strip()
+    if text in ("rows", "aggregates"):
+        return text, None
+    mode, colon, count = text.partition(":")
+    if mode.strip() != "sample":
+        raise ProbeError(f"Unknown {option('keep', value)}: {takes}.")
+    count = count.strip()
+    if not colon or not count:
+        raise ProbeError(f"{option('keep', value)} needs the number of rows to sample, e.g. {example}.")
+    if not count.lstrip("-").isdigit():
+        raise ProbeError(f"{option('keep', value)}: {count!r} is not a whole number of rows, as in {example}.")
+    if int(count) < 1:
+        raise ProbeError(f"{option('keep', value)} would keep no row: N must be at least 1, as in {example}.")
+    return "sample", int(count)
+
+
+def describe_keep(parsed: tuple[str, int | None]) -> str:
+    """``("sample", 100)`` -> ``"sample:100"``: ``--keep`` as the manifest records it."""
+    mode, count = parsed
+    return mode if count is None else f"{mode}:{count}"

@@ -27,6 +27,9 @@ INITS = ("pretrained", "random")
 INTERVENTION_SUBSTITUTES = ("exact", "second-order", "null", "model")
 #: the intervention modes ``--intervene-modes`` takes: every site on its own, and all sites at once
 INTERVENTION_MODES = ("per-site", "whole")
+#: what a run keeps of its rows (``--keep``): every row; mergeable statistics only (probe.batch.aggregates);
+#: those statistics and a seeded uniform sample of N rows (``sample:N``)
+KEEP_MODES = ("rows", "aggregates", "sample")
 
 
 @dataclass
@@ -110,6 +113,9 @@ class RunConfig:
     heads: str | None = None
     attention_types: tuple[str, ...] | None = None
     queries: str = "all"
+    # --keep: "rows" (every row, as parquet parts), "aggregates" (mergeable statistics computed where the rows
+    # are, no row table) or "sample:N" (the aggregates, and a seeded uniform sample of N rows as parts)
+    keep: str = "rows"
 
     @classmethod
     def from_options(
@@ -119,7 +125,7 @@ class RunConfig:
         threads: int | None = None, out="runs", device: str = "auto", dtype: str = "float32",
         revision: str | None = None, seed: int = 0, fidelity_tolerance=None, name: str | None = None,
         progress: bool = True, intervene=None, intervene_modes="per-site,whole", allow_unknown_tokens: bool = False,
-        step: int | None = None, layers=None, heads=None, attention_types=None, queries="all",
+        step: int | None = None, layers=None, heads=None, attention_types=None, queries="all", keep="rows",
     ) -> "RunConfig":
         """The settings of a run from the options as the command line, the Python API and the Trainer callback
         give them (:mod:`probe.core.arguments`: one value, a sequence or a comma-separated string; a size for
@@ -152,7 +158,7 @@ class RunConfig:
             layers=None if layer_ranges is None else arguments.describe_indices(layer_ranges),
             heads=None if head_ranges is None else arguments.describe_indices(head_ranges),
             attention_types=arguments.names(attention_types, "attention_types"),
-            queries=str(arguments.queries(queries)),
+            queries=str(arguments.queries(queries)), keep=arguments.describe_keep(arguments.parse_keep(keep)),
         )
 
     @property

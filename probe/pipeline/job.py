@@ -34,6 +34,8 @@ class Job:
     timings: dict
     started: float  # time.perf_counter() when the segment started loading
     selection: Selection  # what the run measures (probe.capture.selection), resolved against the loaded model
+    #: --keep sample:N: the N smallest row hashes this process has seen (probe.batch.aggregates.SampleBound)
+    sample_bound: object = None
 
 
 #: texts tokenized at once while the batches are planned (their lengths are kept, not their tokens, so

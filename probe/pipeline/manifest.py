@@ -13,13 +13,14 @@ from pathlib import Path
 
 from probe.batch.rows import Summary
 from probe.core import naming
+from probe.core.arguments import parse_keep
 from probe.core.config import RunConfig, config_to_json
 from probe.core.schema import INTERVENTION_KEY
 from probe.core.version import __version__
 from probe.pipeline import fingerprint
 from probe.pipeline.job import Job
 from probe.pipeline.stopping import RunStopped
-from probe.store import storage
+from probe.store import aggregates, storage
 
 
 def plan_sha256(batches: list[list[int]]) -> str:
@@ -148,25 +149,36 @@ class PartIndex:
         #: batch -> the manifest's record of its part file (name, bytes, rows, SHA-256); the ones the manifest
         #: already holds (checked by resume) are taken as they are, new ones are described when first seen
         self.parts: dict[int, dict] = dict(recorded or {})
-        #: the same for the interventions table (runs with --intervene; ``None`` otherwise)
-        self.intervention_parts: dict[int, dict] | None = None
+        #: the same for the run's other tables, written before the deviations' part of each batch: the
+        #: interventions (--intervene) and the aggregates (--keep aggregates or sample:N)
+        self.other_parts: dict[str, dict[int, dict]] = {}
+
+    @property
+    def intervention_parts(self) -> dict[int, dict] | None:
+        """The interventions table's records (runs with --intervene; ``None`` otherwise)."""
+        return self.other_parts.get(storage.INTERVENTIONS)
 
     def with_interventions(self, recorded: dict[int, dict]) -> "PartIndex":
-        self.intervention_parts = dict(recorded)
+        return self.with_table(storage.INTERVENTIONS, recorded)
+
+    def with_table(self, table: str, recorded: dict[int, dict]) -> "PartIndex":
+        """Follow another table of the run (its parts are written before the deviations' of each batch)."""
+        self.other_parts[table] = dict(recorded)
         return self
 
     def part_records(self, table: str = storage.PARTS) -> list[dict]:
-        parts = self.parts if table == storage.PARTS else self.intervention_parts
+        parts = self.parts if table == storage.PARTS else self.other_parts[table]
         return [parts[batch] for batch in sorted(parts)]
 
     def tables(self, manifest: dict | None = None) -> dict:
         """The manifest's part records of every table (and, given the ``manifest``, the interventions'
         running record count into its ``interventions`` entry)."""
         tables = {storage.PART_RECORDS: self.part_records()}
-        if self.intervention_parts is not None:
-            tables[storage.TABLE_RECORDS[storage.INTERVENTIONS]] = self.part_records(storage.INTERVENTIONS)
-            if manifest is not None and isinstance(manifest.get("interventions"), dict):
-                manifest["interventions"]["records"] = sum(r["rows"] for r in self.intervention_parts.values())
+        for table in self.other_parts:
+            tables[storage.TABLE_RECORDS[table]] = self.part_records(table)
+        if self.intervention_parts is not None and manifest is not None and isinstance(
+                manifest.get("interventions"), dict):
+            manifest["interventions"]["records"] = sum(r["rows"] for r in self.intervention_parts.values())
         return tables
 
     def refresh(self) -> int:
@@ -185,14 +197,14 @@ class PartIndex:
             return
         if written:
             self.parts.pop(batch, None)
-            if self.intervention_parts is not None:
-                self.intervention_parts.pop(batch, None)
-        if self.intervention_parts is not None:
-            if batch not in self.intervention_parts:
-                other = storage.part_path(self.run_dir, batch, storage.INTERVENTIONS)
+            for parts in self.other_parts.values():
+                parts.pop(batch, None)
+        for table, parts in self.other_parts.items():
+            if batch not in parts:
+                other = storage.part_path(self.run_dir, batch, table)
                 if not other.exists():
-                    return  # not finished: resume redoes it (both tables)
-                self.intervention_parts[batch] = storage.describe_part(other, batch)
+                    return  # not finished: resume redoes it (every table)
+                parts[batch] = storage.describe_part(other, batch)
         if batch not in self.parts:
             self.parts[batch] = storage.describe_part(path, batch)
         record = storage.part_record(path)
@@ -270,8 +282,10 @@ def record_stop(run_dir: Path, manifest: dict, segment: dict, index: PartIndex, 
 
 def record_completion(run_dir: Path, manifest: dict, segment: dict, index: PartIndex, config: RunConfig,
                        started: float) -> None:
-    """Totals over every part file (whichever segment and rank wrote it) and every segment."""
+    """Totals over every part file (whichever segment and rank wrote it) and every segment; with ``--keep``,
+    the run's sample cut to its N rows and its aggregates merged into one file (:func:`finish_kept`)."""
     index.refresh()
+    merged = finish_kept(run_dir, manifest, index, config)
     for each in manifest["segments"]:  # batches and seconds of every segment, from its part files
         index.fold_into(each)
     segment.update(status="complete", finished_at=now())
@@ -291,6 +305,8 @@ def record_completion(run_dir: Path, manifest: dict, segment: dict, index: PartI
         problems_per_second=index.summary.rows / timings["solve_s"] if timings["solve_s"] else None,
     )
     storage.write_manifest(run_dir, manifest)
+    if merged:  # recorded: the parts it replaces go (a kill before this leaves them, which readers ignore)
+        aggregates.remove_parts(run_dir)
     if not manifest["fidelity"]["passed"]:
         import warnings
 
@@ -302,6 +318,42 @@ def record_completion(run_dir: Path, manifest: dict, segment: dict, index: PartI
             "dtype is in docs/large-models.md): --fidelity-tolerance.",
             stacklevel=3,
         )
+
+
+def finish_kept(run_dir: Path, manifest: dict, index: PartIndex, config: RunConfig) -> bool:
+    """A complete run made with ``--keep aggregates`` or ``sample:N``: its sample parts cut to the run's N rows of
+    smallest hash (:mod:`probe.store.aggregates`), then its aggregates' parts merged into one recorded file.
+    Each step is safe to be killed in: a part rewritten has its record dropped from the manifest first (a reader
+    takes it as an unrecorded part, checking its rows against its own record), and the merged file counts only
+    once the manifest records it.  Returns whether the aggregates were merged now."""
+    mode, count = parse_keep(config.keep)
+    if mode == "rows" or manifest.get(aggregates.MERGED_RECORD):
+        return False
+    if count is not None:
+        files = storage.part_files(run_dir)
+        threshold = aggregates.sample_threshold(files.values(), count, config.seed)
+        if threshold is not None:
+            cut = {batch: table for batch, path in files.items()
+                   if (table := aggregates.rows_within(path, threshold, config.seed)) is not None}
+            if cut:
+                for batch in cut:
+                    index.parts.pop(batch, None)
+                manifest.update(**index.tables(manifest))
+                storage.write_manifest(run_dir, manifest)
+                for batch, table in cut.items():
+                    record = {**storage.part_record(files[batch]), "rows": table.num_rows}
+                    record.pop("batch", None)
+                    index.parts[batch] = storage.describe_part(storage.write_part(run_dir, batch, table, record), batch)
+    from probe.store.integrity import require_intact
+
+    manifest.update(**index.tables(manifest))  # every part this run wrote, recorded: each is checked in full
+    check = require_intact(run_dir, manifest, table=storage.AGGREGATES)
+    state = aggregates.merge_files(path for _, path in sorted(check.readable.items()))
+    path = aggregates.merged_path(run_dir)
+    aggregates.write_merged(path, state, {"batches": len(check.readable)}, storage.replace_atomically)
+    manifest[aggregates.MERGED_RECORD] = aggregates.describe_merged(path, len(check.readable))
+    index.other_parts[storage.AGGREGATES] = {}
+    return True
 
 
 #: the intervention columns whose means the manifest records per (space, alpha, substitute, mode)

@@ -30,9 +30,11 @@ from probe.batch.rows import Summary, process_batch
 from probe.capture.data import DatasetSpec
 from probe.capture.loading import LoadedModel
 from probe.core import naming
+from probe.core.arguments import parse_keep
 from probe.core.config import RunConfig, config_from_json
 from probe.core.environment import check_environment
 from probe.core.errors import ProbeError, RunIOError
+from probe.core.schema import DEVIATION_SCHEMA
 from probe.pipeline import allocator, distributed, fingerprint
 from probe.pipeline.job import Job, prepare
 from probe.pipeline.manifest import (
@@ -51,7 +53,7 @@ from probe.pipeline.stopping import RunStopped, Stops
 from probe.pipeline.validate import check_run
 from probe.solve import native
 from probe.solve.parallel import Lane
-from probe.store import integrity, storage
+from probe.store import aggregates, integrity, storage
 
 #: while batches finish, rank 0 rewrites the manifest at most this often (seconds; less often when a
 #: rewrite would take more than 1% of the time, as the part records make it grow), and at every stop and
@@ -82,6 +84,8 @@ def run(config: RunConfig, *, model: LoadedModel | None = None, checked=None) ->
             held.enter_context(storage.writer_lock(run_dir))
             if config.intervene:
                 (run_dir / storage.INTERVENTIONS).mkdir()
+            if config.keep != "rows":
+                (run_dir / storage.AGGREGATES).mkdir()
             return str(run_dir.resolve())
 
         run_dir = Path(group.from_main(create))
@@ -97,7 +101,7 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
     manifest = storage.read_manifest(run_dir)
     if manifest.get("status") == "complete" and all(
             integrity.check_parts(run_dir, manifest, checksums=True, table=table).ok
-            for table in storage.run_tables(manifest)):
+            for table in storage.run_tables(manifest)) and aggregates.merged_problem(run_dir, manifest) is None:
         return run_dir
     if "config" not in manifest or not (run_dir / storage.PARTS).is_dir():
         raise ProbeError(f"{run_dir} does not record the settings a resume needs (a version-1 run without them). "
@@ -124,6 +128,15 @@ def resume(run_dir: Path, *, progress: bool = True) -> Path:
                     })
                     if manifest.get("status") == "complete":
                         manifest.update(status="interrupted", stop_reason=f"damaged: {check.describe()}")
+            problem = aggregates.merged_problem(run_dir, manifest)
+            if problem is not None:  # the merged aggregates: every batch is computed again
+                moved = aggregates.quarantine_merged(run_dir, manifest)
+                manifest.setdefault("repairs", []).append({
+                    "at": now(), "quarantine": str(moved) if moved else None, "table": storage.AGGREGATES,
+                    "merged": problem})
+                manifest.update(status="interrupted", stop_reason=f"damaged: {storage.AGGREGATES}/"
+                                                                  f"{aggregates.MERGED} ({problem})")
+                (run_dir / storage.AGGREGATES).mkdir(exist_ok=True)
             for segment in manifest["segments"]:  # a segment killed without a chance to say so
                 if segment.get("status") == "running":
                     segment.update(status="interrupted", stop_reason=manifest.get("stop_reason"))
@@ -252,13 +265,16 @@ def _io_error(run_dir: Path, error: OSError, manifest: dict | None) -> RunIOErro
 
 @dataclass
 class BatchOutputs:
-    """What one batch of the plan gives: its rows, their summary, the seconds spent capturing and solving,
-    and, with ``--intervene``, its interventions table."""
+    """What one batch of the plan gives: its rows (with ``--keep sample:N`` the sampled ones, with ``--keep
+    aggregates`` none), their summary, the seconds spent capturing and solving, with ``--intervene`` its
+    interventions table, and with ``--keep aggregates`` or ``sample:N`` its statistics
+    (:class:`probe.batch.aggregates.Aggregates`)."""
 
     rows: pa.Table
     summary: Summary
     seconds: dict
     interventions: pa.Table | None = None
+    aggregates: object = None
 
 
 @dataclass
@@ -304,12 +320,19 @@ class BatchLoop:
             self.index = PartIndex(self.run_dir, self.config.fidelity_tolerance, storage.part_records(self.manifest))
             if self.config.intervene:
                 self.index.with_interventions(storage.part_records(self.manifest, storage.INTERVENTIONS))
+            if self.config.keep != "rows":
+                self.index.with_table(storage.AGGREGATES, storage.part_records(self.manifest, storage.AGGREGATES))
             self.index.refresh()  # the parts of earlier segments (resume); later, this process's own
         total = len(self.job.batches)
         self.progress = _progress(total, total - len(todo), self.config.progress and self.group.main)
         if self.group.main:  # a resumed run's bar counts the rows of its earlier segments too
             self.progress.set_postfix(rows=f"{self.index.summary.rows:,}", refresh=False)
         self.lane = self.new_lane()
+        sample = parse_keep(self.config.keep)[1]
+        if sample is not None:  # --keep sample:N: the N smallest row hashes this process has seen
+            from probe.batch.aggregates import SampleBound
+
+            self.job.sample_bound = SampleBound(sample)
         try:
             self.compute(todo[self.ranks.rank :: self.ranks.world])
             if self.group.main:
@@ -344,7 +367,8 @@ class BatchLoop:
         storage.remove_temporaries(run_dir)
         done = set(storage.part_files(run_dir))
         for table in storage.run_tables(manifest):  # a batch is done when each of its parts is (write_outputs)
-            done &= set(storage.part_files(run_dir, table))
+            done &= aggregated_batches(run_dir, manifest) if table == storage.AGGREGATES else set(
+                storage.part_files(run_dir, table))
         manifest["segments"].append({
             "segment": len(manifest["segments"]),
             **storage.process_identity(),
@@ -394,7 +418,7 @@ class BatchLoop:
             self.segment["timings_s"]["write_s"] += time.perf_counter() - written
             self.index.add(batch.number, path, written=True)
             with self.showing:
-                self.rows_in_flight -= outputs.rows.num_rows
+                self.rows_in_flight -= outputs.summary.rows  # the rows measured (with --keep, not all written)
             self.show_progress()
             if time.perf_counter() - self.reported_at >= self.report_every_s:
                 self.report()
@@ -402,12 +426,20 @@ class BatchLoop:
     def write_outputs(self, number: int, outputs: BatchOutputs) -> Path:
         """Write the batch's part files, one per table; returns the deviations' part, written last: a batch
         whose deviations part exists has all of its parts (what resume counts as done)."""
+        if outputs.aggregates is not None:  # the batch's statistics (probe.store.aggregates)
+            state = outputs.aggregates.state().to_arrow()
+            storage.write_part(self.run_dir, number, state, {
+                "segment": self.segment_number, "rank": self.ranks.rank, "rows": state.num_rows,
+                "measured_rows": outputs.summary.rows}, storage.AGGREGATES)
         if outputs.interventions is not None:
             self.write_part(number, outputs.interventions, {"rows": outputs.interventions.num_rows}, outputs.seconds,
                             storage.INTERVENTIONS)
-        return self.write_part(number, outputs.rows, outputs.summary.state(), outputs.seconds)
+        # with --keep, the part holds the sampled rows (or none) of the rows its summary counts as measured
+        sampled = {} if outputs.aggregates is None else {"rows": outputs.rows.num_rows}
+        return self.write_part(number, outputs.rows, outputs.summary.state(), outputs.seconds, extra=sampled)
 
-    def write_part(self, number: int, table: pa.Table, summary: dict, seconds: dict, name: str = storage.PARTS) -> Path:
+    def write_part(self, number: int, table: pa.Table, summary: dict, seconds: dict, name: str = storage.PARTS,
+                   extra: dict | None = None) -> Path:
         """One part file of table ``name`` (atomically), with the record resume and the readers check."""
         record = {
             "examples": [self.job.texts.indices[i] for i in self.job.batches[number]],
@@ -415,6 +447,7 @@ class BatchLoop:
             "rank": self.ranks.rank,
             "summary": summary,
             "seconds": seconds,
+            **(extra or {}),
         }
         if name == storage.PARTS:  # write_part's own default: the call that wrappers of it (samplers) take
             return storage.write_part(self.run_dir, number, table, record)
@@ -470,6 +503,13 @@ class BatchLoop:
             self.lane.close()
 
 
+def aggregated_batches(run_dir: Path, manifest: dict) -> set[int]:
+    """The batches whose aggregates are on disk: their parts, or every batch once merged into one file."""
+    if manifest.get(aggregates.MERGED_RECORD):
+        return set(range(manifest["batches_total"]))
+    return set(storage.part_files(run_dir, storage.AGGREGATES))
+
+
 def _start_batch(job: Job, batch: int, lane=None, on_rows: Callable[[int], None] | None = None,
                  ) -> Callable[[], BatchOutputs]:
     """Capture one batch of the plan and start its solves (in ``lane``, if any); returns a function that
@@ -482,6 +522,15 @@ def _start_batch(job: Job, batch: int, lane=None, on_rows: Callable[[int], None]
     inputs = {key: value.to(job.device) for key, value in inputs.items()}
     summary = Summary(job.config.fidelity_tolerance)
     capture, records = None, None
+    made = []  # the batch's Aggregates (--keep aggregates, sample:N), made by process_batch with its context
+    mode, sample = parse_keep(job.config.keep)
+
+    def aggregates(context):
+        from probe.batch.aggregates import Aggregates
+
+        made.append(Aggregates(example_ids, context, seed=job.config.seed, sample=sample))
+        return made[-1]
+
     if job.config.intervene:  # the rows come from the intervention's unmodified forward (its emit)
         from probe.interventions import batch_records, run_config
 
@@ -493,16 +542,21 @@ def _start_batch(job: Job, batch: int, lane=None, on_rows: Callable[[int], None]
             records.append(time.perf_counter() - started)
 
     wait = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context, lane, capture, on_rows,
-                         selection=job.selection)
+                         selection=job.selection, aggregates=None if mode == "rows" else aggregates)
 
     def finish() -> BatchOutputs:
+        """The batch's rows (its sample, or none, with --keep), summary, seconds, interventions and aggregates."""
         tables, seconds = wait()
+        kept = made[0] if made else None
+        if kept is not None:
+            sampled = kept.sample_table(job.sample_bound)
+            tables = [sampled if sampled is not None else DEVIATION_SCHEMA.empty_table()]
         if records is None:
-            return BatchOutputs(pa.concat_tables(tables), summary, seconds)
+            return BatchOutputs(pa.concat_tables(tables), summary, seconds, aggregates=kept)
         from probe.interventions import records_table
 
         seconds = dict(seconds, intervene=records[-1])  # the whole forward work, row capture included
-        return BatchOutputs(pa.concat_tables(tables), summary, seconds, records_table(records[:-1]))
+        return BatchOutputs(pa.concat_tables(tables), summary, seconds, records_table(records[:-1]), kept)
 
     return finish
 

@@ -53,6 +53,7 @@ from probe.capture.hub import (
 )
 from probe.capture.tokens import check_unknown_tokens, unknown_tokens
 from probe.capture.truncation import cut_texts, kept_characters
+from probe.core.arguments import parse_keep
 from probe.core.config import (
     DTYPE_NAMES,
     INITS,
@@ -160,6 +161,7 @@ def check_options(config) -> None:
     if config.threads is not None and config.threads < 1:
         raise ProbeError(f"{option('threads')} must be at least 1, got {config.threads}.")
     check_intervention_options(config)
+    parse_keep(getattr(config, "keep", "rows"))
 
 
 def check_intervention_options(config) -> None:

@@ -64,7 +64,7 @@ import pyarrow.parquet as pq
 from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.schema import ROW_KEY
-from probe.store import integrity, storage
+from probe.store import aggregates, integrity, storage
 
 #: absolute slack added to every bound: rounding of the explicit form rebuilt from the reduced one
 SLACK = 1e-9
@@ -107,10 +107,16 @@ class VerifyReport:
     batches_rerun: int = 0
     #: the interventions table's parts (a run with ``--intervene``), checked like the rows'; None without
     intervention_parts: integrity.PartsCheck | None = None
+    #: a run with ``--keep``: its aggregates' parts checked like the rows' (None once merged), and what is wrong
+    #: with its merged file ("" when it matches its record; None: no merged file)
+    aggregate_parts: integrity.PartsCheck | None = None
+    merged_problem: str | None = None
+    kept: str = "rows"
 
     @property
     def ok(self) -> bool:
         return (self.parts.ok and (self.intervention_parts is None or self.intervention_parts.ok)
+                and (self.aggregate_parts is None or self.aggregate_parts.ok) and not self.merged_problem
                 and not self.reference_not_converged
                 and all(check.holds for check in self.columns.values()))
 
@@ -127,6 +133,17 @@ class VerifyReport:
             out.append(f"{storage.INTERVENTIONS}: {len(extra.readable)} of {extra.batches_total} batches checked "
                        "against their SHA-256 records" + ("" if extra.ok else f"; DAMAGED: {extra.describe()} "
                                                           f"(repair with: probe resume {self.run_dir})"))
+        if self.aggregate_parts is not None:
+            extra = self.aggregate_parts
+            out.append(f"{storage.AGGREGATES}: {len(extra.readable)} of {extra.batches_total} batches checked against "
+                       "their SHA-256 records" + ("" if extra.ok else f"; DAMAGED: {extra.describe()} (repair with: "
+                                                  f"probe resume {self.run_dir})"))
+        if self.merged_problem is not None:
+            out.append(f"{storage.AGGREGATES}/{aggregates.MERGED}: checked against its SHA-256 record"
+                       + (f"; DAMAGED: {self.merged_problem} (repair with: probe resume {self.run_dir})"
+                          if self.merged_problem else ""))
+        if self.kept == "aggregates":
+            out.append("re-solved: none: the run kept only its statistics (--keep aggregates), no row to re-solve")
         out.append(f"re-solved: {self.sampled} rows (seed {self.seed}) from {self.batches_rerun} batch(es) re-run "
                    "through the model, by gradient ascent on the full dual (probe.solve.reference; Newton steps where "
                    "it is slow)")
@@ -390,9 +407,16 @@ def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
     if storage.INTERVENTIONS in storage.run_tables(manifest):
         report.intervention_parts = integrity.check_parts(run_dir, manifest, checksums=True,
                                                         table=storage.INTERVENTIONS)
+    report.kept = str((manifest.get("config") or {}).get("keep", "rows"))
+    if storage.AGGREGATES in storage.run_tables(manifest):
+        report.aggregate_parts = integrity.check_parts(run_dir, manifest, checksums=True, table=storage.AGGREGATES)
+    if manifest.get(aggregates.MERGED_RECORD):
+        report.merged_problem = aggregates.merged_problem(run_dir, manifest) or ""
     if sample <= 0 or not parts.readable:
         return report
     rows = _sample_rows(parts, sample, seed).to_pylist()
+    if not rows:  # a run that kept no rows (--keep aggregates)
+        return report
     report.sampled = len(rows)
     job = _load_job(run_dir, manifest)
     derived_bounds = (manifest.get("solver") or {}).get("max_derived_bound") or {}

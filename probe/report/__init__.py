@@ -179,7 +179,9 @@ def _build(run, run_dir: Path, out_dir: Path, formats, control, allow_damaged: b
             f"{len(run.types)} attention type(s))")
         control_numbers = _control(run, control)
         summary = summarize(run)
-        say("statistics: summary.csv (exact quantiles at every level)")
+        say("statistics: summary.csv (" + ("exact quantiles" if run.aggregates is None else
+                                           f"quantiles of the kept sketches, rank error {run.rank_error:.4f}")
+            + " at every level)")
         found, below_noise = compute_findings(run)
         quantities = quantity_stats(run)
         say("findings and the other measured quantities")

@@ -231,7 +231,8 @@ def spearman(run: ReportRun, attention_type: str, drivers: list[str]) -> dict[st
     sample, _ = run.table.sample(
         ["rel_deviation", *drivers], both(run.measured_where, where(attention_type=attention_type),
                                           "rel_deviation IS NOT NULL"), SPEARMAN_ROWS,
-        ("layer", "head", "example", "query"), total=run.counts(attention_type)["measured"])
+        ("layer", "head", "example", "query"),
+        total=run.counts(attention_type)["measured"] if run.aggregates is None else None)
     out = {}
     for driver in drivers:
         ok = sample[driver].notna()
@@ -249,6 +250,9 @@ def drivers_figure(run: ReportRun, attention_type: str, scale: Scale) -> Drawn |
     drivers = [d for d in DRIVERS if (attention_type, d) in found and run.has(d, attention_type)]
     counts = run.counts(attention_type)
     if not drivers or counts["rows"] - counts["trivial"] < 2:
+        left_out = run.without_rows(f"The drivers figure of {type_label(attention_type)}")
+        if left_out is not None and left_out not in run.notes:
+            run.notes.append(left_out)
         return None
     y_edges = np.linspace(0, scale.x_max * 1.05, DENSITY_BINS + 1)
     key = ("densities", y_edges.tobytes())
@@ -273,7 +277,7 @@ def drivers_figure(run: ReportRun, attention_type: str, scale: Scale) -> Drawn |
         ax.legend(fontsize="x-small", loc="upper right")
     axes[0].set_ylabel(DEVIATION_LABEL)
     details = suptitle(figure, f"{run.name} · {type_label(attention_type)} · against likely drivers",
-                       "y axis from 0, shared")
+                       "y axis from 0, shared", run.needs_rows("every panel") or "")
     caption = (
         f"{type_label(attention_type)}: relative deviation against the number of keys, the attention entropy of "
         "the row and ‖αz‖ (where present): density of rows (grey, log), binned mean (red) and 95th percentile "

@@ -198,7 +198,10 @@ def ecdf_figure(runs: list[ReportRun], labels: list[str], types: list[str], x_ma
     figure = new_figure(max(6.5, 4.4 * len(types) + 1.0), 4.4)
     axes = figure.subplots(1, len(types), squeeze=False, sharex=True, sharey=True)[0]
     edges = np.linspace(0.0, x_max * 1.02, ECDF_BINS + 1)
-    counted = [run.table.histogram("rel_deviation", edges, ("attention_type",), run.measured_where) for run in runs]
+    counted = [run.table.histogram("rel_deviation", edges, ("attention_type",), run.measured_where)
+               if run.aggregates is None else run.aggregates.histogram(
+                   "rel_deviation", edges, ("attention_type",), {"space": run.space, "alpha": run.alpha})
+               for run in runs]
     for ax, attention_type in zip(axes, types):
         for (counts, label), color in zip(zip(counted, labels), RUN_COLORS * 4):
             part = counts[counts["attention_type"] == attention_type]

@@ -24,7 +24,10 @@ import pandas as pd
 
 from probe.core.errors import ProbeError
 from probe.query import Rank, RunTable, Table, both, where
+from probe.query.aggregates import AVERAGED, AggregateTable, keeps
+from probe.query.aggregates import QUANTILE_METHOD as SKETCH_METHOD
 from probe.query.runs import LEGACY_COLUMNS, NEEDED_COLUMNS, OPTIONAL_COLUMNS, RUN_HINT
+from probe.store.aggregates import RANK_ERROR
 from probe.store.engine import literal
 from probe.store.integrity import DamagedRunWarning, require_intact
 from probe.store.storage import MANIFEST, check_format, with_liveness
@@ -124,6 +127,45 @@ class ReportRun:
     alpha: float | None
     notes: list[str] = field(default_factory=list)  # problems to show prominently on the page
     memo: dict = field(default_factory=dict, repr=False, compare=False)  # answers of figure-level questions
+    #: a run made with --keep aggregates or sample:N: its statistics (:class:`probe.query.aggregates.AggregateTable`),
+    #: which every statistic is read from; ``table`` then holds its sample's rows (none for aggregates alone)
+    aggregates: AggregateTable | None = None
+
+    # ---- what the run kept
+
+    @property
+    def kept(self) -> str:
+        """``rows``, ``aggregates`` or ``sample:N`` (``--keep``)."""
+        return keeps(self.manifest) if self.aggregates is not None else "rows"
+
+    @cached_property
+    def sample_rows(self) -> int:
+        """The rows a ``--keep sample:N`` run kept (0 for ``--keep aggregates``; every row for a run of rows)."""
+        return self.table.row_count()
+
+    @property
+    def quantile_method(self) -> str:
+        return QUANTILE_METHOD if self.aggregates is None else SKETCH_METHOD
+
+    @property
+    def rank_error(self) -> float:
+        return 0.0 if self.aggregates is None else RANK_ERROR
+
+    def needs_rows(self, what: str) -> str | None:
+        """For a figure (or number) ``what`` that needs rows: None for a run of rows; for a run that kept a sample,
+        the line that says it is drawn from the sample; None either way.  See :meth:`without_rows`."""
+        if self.aggregates is None:
+            return None
+        return (f"{what}: drawn from the run's uniform sample of {self.sample_rows:,} rows ({self.kept}), not from "
+                "every row")
+
+    def without_rows(self, what: str) -> str | None:
+        """Why ``what`` (which needs rows) is left out: a line for a ``--keep aggregates`` run (or a sample without
+        rows in the main slice), None where there are rows to draw it from."""
+        if self.aggregates is None or self.sample_rows:
+            return None
+        return (f"{what} is left out: it needs the rows, and the run kept its statistics only (--keep aggregates); "
+                "run with --keep sample:N to draw it from a sample")
 
     # ---- what the run holds
 
@@ -194,6 +236,11 @@ class ReportRun:
         levels = dict(LEVEL_KEYS)
         if any(self.has("token_role", t) for t in self.types):
             levels["role"] = SLICE + ("attention_type", "token_role", "layer")
+        if self.aggregates is not None:
+            frames = self.aggregates.stats(
+                "rel_deviation", list(levels.values()), quantiles=QUANTILES,
+                ranks={**WHISKERS, "top": Rank("top", k=WORST_ROWS)}, above={f"share_above_{FAR:g}": FAR})
+            return dict(zip(levels, frames))
         frames = self.table.stats(
             "rel_deviation", list(levels.values()), where(trivial=False),
             quantiles=QUANTILES, ranks={**WHISKERS, "top": Rank("top", k=WORST_ROWS)},
@@ -221,6 +268,10 @@ class ReportRun:
     def averaged(self) -> dict[str, pd.DataFrame]:
         """Statistics of the head-averaged values per layer (``layer``) and pooled per slice (``slice``),
         every slice, as :attr:`deviation` has them."""
+        if self.aggregates is not None:
+            frames = self.aggregates.stats(AVERAGED, [LEVEL_KEYS["layer"], LEVEL_KEYS["slice"]], quantiles=QUANTILES,
+                                           above={f"share_above_{FAR:g}": FAR})
+            return {"layer": frames[0], "slice": frames[1]}
         frames = self.averaged_table.stats(
             "value", [LEVEL_KEYS["layer"], LEVEL_KEYS["slice"]], quantiles=QUANTILES,
             above={f"share_above_{FAR:g}": FAR},
@@ -232,7 +283,10 @@ class ReportRun:
         """Sizes, value counts, sums and counts above the type's 95th percentile of the main slice's
         non-trivial rows, grouped by what findings and breakdowns ask about: ``token_role``, ``query``,
         ``token``, ``head`` (layer, head) and ``position`` (layer, query), each within its attention type.
-        Columns: the keys, ``rows``, ``count`` (rows with a deviation), ``sum``, ``above_p95``.  One pass."""
+        Columns: the keys, ``rows``, ``count`` (rows with a deviation), ``sum``, ``above_p95`` (NaN for a run that
+        kept aggregates: counting the values above a percentile needs the rows).  One pass."""
+        if self.aggregates is not None:
+            return self.aggregates.groups({"space": self.space, "alpha": self.alpha})
         p95 = self.main_deviation("type")
         cases = " ".join(f"WHEN {literal(t)} THEN {literal(float(v))}"
                          for t, v in zip(p95["attention_type"], p95["p95"]))
@@ -255,7 +309,10 @@ class ReportRun:
         attention type) (``type``): count, mean, min, max, the number of distinct values (``distinct``, where
         pass 1 sees it), and for quantities :data:`QUANTILES` and :data:`WHISKERS`, for drivers (per type)
         the :data:`DRIVER_QUANTILES` that bin them.
-        Two passes over the rows for all of them."""
+        Two passes over the rows for all of them.  A run that kept aggregates has the quantities' statistics from
+        them, and the drivers' from its sample (none without one)."""
+        if self.aggregates is not None:
+            return self._kept_quantities()
         present = [column for column in QUANTITIES + tuple(DRIVERS) if self.has(column)]
         if not present:
             empty = pd.DataFrame(columns=["quantity", "attention_type", "layer", "count", "mean", "max", "p95"])
@@ -273,6 +330,38 @@ class ReportRun:
             "value", [("quantity", "attention_type", "layer"), ("quantity", "attention_type")],
             quantiles={**QUANTILES, **DRIVER_QUANTILES}, ranks=WHISKERS, distinct=True, needed=needed)
         return {"layer": layer, "type": by_type}
+
+    def _kept_quantities(self) -> dict[str, pd.DataFrame]:
+        """:attr:`quantities` of a run that kept aggregates: the quantities from them, the drivers from the sample."""
+        layers, types = [], []
+        for column in QUANTITIES:
+            if not self.has(column):
+                continue
+            layer, by_type = self.aggregates.stats(
+                column, [("attention_type", "layer"), ("attention_type",)], {"space": self.space, "alpha": self.alpha},
+                quantiles=QUANTILES, ranks=WHISKERS)
+            layers.append(layer.assign(quantity=column))
+            types.append(by_type.assign(quantity=column))
+        drivers = [d for d in DRIVERS if self.has(d)]
+        if drivers and self.sample_rows:
+            from dataclasses import replace
+
+            found = replace(self, aggregates=None, memo={}, census=census(self.table)).quantities
+            layers.append(found["layer"][found["layer"]["quantity"].isin(drivers)])
+            types.append(found["type"][found["type"]["quantity"].isin(drivers)])
+        columns = ["quantity", "attention_type", "layer", "count", "mean", "max", "p95"]
+        if not layers:
+            empty = pd.DataFrame(columns=columns)
+            return {"layer": empty, "type": empty.drop(columns="layer")}
+        return {"layer": pd.concat(layers, ignore_index=True), "type": pd.concat(types, ignore_index=True)}
+
+    def averaged_trivial(self, keys) -> pd.Series:
+        """Per group of ``keys`` (a layer's), the (example, query) values with a trivial row among their heads."""
+        if self.aggregates is not None:
+            (frame,) = self.aggregates.stats(AVERAGED, [tuple(keys)], trivial=True)
+            return frame.set_index(list(keys))["trivial"]
+        (trivial,) = self.averaged_table.aggregate({"trivial": "CAST(count_if(trivial) AS BIGINT)"}, [tuple(keys)])
+        return trivial.set_index(list(keys))["trivial"]
 
     # ---- words
 
@@ -469,10 +558,12 @@ def open_table(run_dir: Path, manifest: dict, problem: str | None, *, allow_dama
     return RunTable(table_path, connection=connection, view=view), notes
 
 
-def _texts_covered(table: RunTable, manifest: dict) -> int | None:
+def _texts_covered(table: RunTable, manifest: dict, aggregates: AggregateTable | None = None) -> int | None:
     """The texts a run not (yet) complete has rows of (None for a complete run: all of them)."""
     if lookup(manifest, "status") == "complete" or not table.files:
         return None
+    if aggregates is not None:
+        return int(aggregates.table("queries")["example"].nunique())
     return int(table.frame(f"SELECT count(DISTINCT example) AS n FROM {table.relation_name}")["n"].iloc[0])
 
 
@@ -506,7 +597,8 @@ def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: boo
     if problem:
         warnings.warn(problem, stacklevel=2)
         notes.append(problem)
-    counted = census(table)
+    aggregates = AggregateTable.open(run_dir, manifest, allow_damaged=allow_damaged) if not problem else None
+    counted = census(table) if aggregates is None else aggregates.census()
     space, alpha = main_slice(counted)
     legacy = None
     if "model" in (table.schema.names if table.schema is not None else []):
@@ -515,12 +607,13 @@ def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: boo
         run_dir=run_dir,
         manifest=manifest,
         name=name.strip() if name and name.strip() else run_title(manifest, legacy),
-        dataset=dataset_text(manifest, _texts_covered(table, manifest)),
+        dataset=dataset_text(manifest, _texts_covered(table, manifest, aggregates)),
         table=table,
         census=counted,
         space=space,
         alpha=alpha,
         notes=notes,
+        aggregates=aggregates,
     )
     note_data_problems(run)
     return run
@@ -539,6 +632,8 @@ def token_sequences(run: ReportRun, keys: set[tuple[str, int]]) -> dict[tuple[st
     """
     if not keys or not any(run.has("token", t) for t in run.types):
         return {}
+    if run.aggregates is not None:
+        return run.aggregates.token_sequences(keys, {"space": run.space, "alpha": run.alpha})
     sequences = {}
     for attention_type in sorted({t for t, _ in keys}):
         examples = sorted({e for t, e in keys if t == attention_type})

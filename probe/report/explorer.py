@@ -66,6 +66,8 @@ def worst_rows(run: ReportRun) -> pd.DataFrame:
     """The :data:`WORST_ROWS` rows of largest deviation of each head in the main slice (ties: the earlier
     example and query first), with their token, role and number of keys: one pass, given each head's
     threshold (:attr:`ReportRun.deviation`'s ``top``)."""
+    if run.aggregates is not None:  # kept exactly, per head, by the aggregates
+        return run.aggregates.worst_rows({"space": run.space, "alpha": run.alpha})
     thresholds = run.main_deviation("head").rename(columns={"top": "threshold"})
     return run.table.top_rows("rel_deviation", WORST_ROWS, ("attention_type", "layer", "head"), run.measured_where,
                               columns=("example", "query", "token", "token_role", "n_keys"),

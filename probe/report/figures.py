@@ -72,12 +72,31 @@ def report_scale(run: ReportRun, head_stats: pd.DataFrame) -> Scale:
                          n=int(np.median([p["count"] for p in averaged_panels] or [1])))
     head_edges = shared_edges(first(pooled), head_panels, x_max,
                               n=int(np.median([p["count"] for p in head_panels] or [1])))
+    notes = []
+    if run.aggregates is not None:  # the aggregates' fixed bins, joined: every bin a whole number of them
+        edges, head_edges = fixed_edges(edges, x_max), fixed_edges(head_edges, x_max)
+        notes.append(FIXED_BINS_NOTE)
     color_values = [head_stats["mean"], head_stats["p95"]]
     for attention_type in run.types:
         color_values.append(position_grid(run, attention_type).stack())
     colors = pd.concat([pd.Series(v, dtype=float) for v in color_values]).dropna()
     color_max = float(colors.max()) if len(colors) and colors.max() > 0 else x_max
-    return Scale(x_max=x_max, edges=edges, head_edges=head_edges, color_max=color_max)
+    return Scale(x_max=x_max, edges=edges, head_edges=head_edges, color_max=color_max, notes=notes)
+
+
+#: what the figures of a run that kept aggregates say of their bins
+FIXED_BINS_NOTE = ("bins: the aggregates' fixed bins of width 1/1024, joined in powers of two to about the "
+                   "Freedman–Diaconis width of the run's quartiles (the run kept no rows to bin afresh)")
+
+
+def fixed_edges(edges: np.ndarray, x_max: float) -> np.ndarray:
+    """Edges like ``edges`` (0 to at least ``x_max``), whose width is the aggregates' fine width (1/1024) times the
+    power of two nearest the width of ``edges``: each bin joins whole fine bins, so the counts are exact (below 4)."""
+    from probe.store.aggregates import LINEAR_SCALE
+
+    width = float(edges[1] - edges[0]) if len(edges) > 1 else 1.0 / LINEAR_SCALE
+    width = 2.0 ** round(math.log2(max(width * LINEAR_SCALE, 1.0))) / LINEAR_SCALE
+    return np.arange(max(1, math.ceil(x_max / width * (1 + 1e-12))) + 1) * width
 
 
 def _counts_line(counts: dict) -> str:
@@ -91,6 +110,9 @@ def _counts_line(counts: dict) -> str:
 def layer_histograms(run: ReportRun, edges: np.ndarray) -> pd.DataFrame:
     """Counts of the head-averaged values of the main slice per (attention type, layer) on ``edges``."""
     key = ("layer_histograms", edges.tobytes())
+    if key not in run.memo and run.aggregates is not None:
+        run.memo[key] = run.aggregates.histogram("layer_head_averaged", edges, ("attention_type", "layer"),
+                                                 {"space": run.space, "alpha": run.alpha})
     if key not in run.memo:
         run.memo[key] = run.averaged_table.histogram(
             "value", edges, ("attention_type", "layer"), f"({run.main_where}) AND value IS NOT NULL")
@@ -100,6 +122,9 @@ def layer_histograms(run: ReportRun, edges: np.ndarray) -> pd.DataFrame:
 def head_histograms(run: ReportRun, edges: np.ndarray) -> pd.DataFrame:
     """Counts of the main slice's non-trivial deviations per (attention type, layer, head) on ``edges``."""
     key = ("head_histograms", edges.tobytes())
+    if key not in run.memo and run.aggregates is not None:
+        run.memo[key] = run.aggregates.histogram("rel_deviation", edges, ("attention_type", "layer", "head"),
+                                                 {"space": run.space, "alpha": run.alpha})
     if key not in run.memo:
         run.memo[key] = run.table.histogram("rel_deviation", edges, ("attention_type", "layer", "head"),
                                             run.measured_where)
@@ -180,8 +205,9 @@ def layers_figure(run: ReportRun, attention_type: str, scale: Scale) -> Drawn:
         ax.xaxis.set_major_locator(MaxNLocator(4))
     figure.supxlabel(f"{DEVIATION_LABEL}, per query token averaged over the layer's heads")
     figure.supylabel("(example, query) values per bin")
+    binned = f"{len(edges) - 1} bins (Freedman–Diaconis)" if not scale.notes else f"{len(edges) - 1} {scale.notes[0]}"
     details = suptitle(figure, f"{run.name} · {type_label(attention_type)}", _counts_line(run.counts(attention_type)),
-                       f"{len(edges) - 1} bins (Freedman–Diaconis)", scale.x_text)
+                       binned, scale.x_text)
     caption = (
         f"{type_label(attention_type)}: histogram per layer of the deviation of each (example, query token), "
         "averaged over the layer's heads (shared bins and axes; red line: mean; triangle: maximum), every layer "
@@ -240,7 +266,7 @@ def heads_figure(run: ReportRun, attention_type: str, scale: Scale) -> Drawn:
     caption = (
         f"{type_label(attention_type)}: histogram per head (rows: layers, columns: heads) over every non-trivial "
         "query token, on one log y axis with shared bins; red line: the head's mean; triangle: its maximum. "
-        + caption_sentence(_counts_line(run.counts(attention_type)), scale.x_text)
+        + caption_sentence(_counts_line(run.counts(attention_type)), scale.x_text, *scale.notes)
         + " Click the image to open it at full size."
     )
     return Drawn(f"heads_{file_stem(attention_type)}", caption, figure, attention_type, wide=len(head_ids) > 4)

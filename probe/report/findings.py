@@ -79,7 +79,8 @@ def _top_group(groups: pd.DataFrame, keys, minimum: int, above_total: int) -> di
         "rest_mean": rest_mean,
         "ratio": float(means[best]) / rest_mean if rest_mean > 0 else math.inf,
         "share_of_rows": count / total_n,
-        "share_above_p95": int(groups.loc[best, "above_p95"]) / above_total if above_total else math.nan,
+        "share_above_p95": (float(groups.loc[best, "above_p95"]) / above_total if above_total
+                            and np.isfinite(groups.loc[best, "above_p95"]) else math.nan),
         "compared_groups": int(len(eligible)),
     }
 
@@ -92,6 +93,8 @@ def _grouped(run: ReportRun, kind: str, attention_type: str) -> tuple[pd.DataFra
     frame = frame[(frame["attention_type"] == attention_type)].dropna(subset=keys)
     frame = frame.sort_values(keys).reset_index(drop=True)
     measured = run.counts(attention_type)["measured"]
+    if run.aggregates is not None:  # every kept group has its key; the shares above the p95 are not kept
+        return frame, 0
     if int(frame["count"].sum()) != measured:  # some values lack the key: their 95th percentile differs
         with_key = both(run.measured_where, where(attention_type=attention_type),
                         " AND ".join(f"{k} IS NOT NULL" for k in keys))
@@ -120,7 +123,12 @@ def _predicate(kind: str, value) -> str:
 def per_example(run: ReportRun, attention_type: str, candidates: list[dict]) -> tuple[pd.DataFrame, np.ndarray]:
     """Per example of one attention type (main slice, rows with a deviation): ``n`` and ``sum`` of every row
     and ``n_i``, ``sum_i`` of candidate ``i``'s group; and the rows every two groups share (a matrix, summed
-    over the examples).  One pass over the rows."""
+    over the examples).  One pass over the rows (a run that kept aggregates: their per-example sums,
+    :meth:`probe.query.aggregates.AggregateTable.per_example`)."""
+    if run.aggregates is not None:
+        return run.aggregates.per_example(attention_type, [(c["kind"], tuple(c["value"]) if c["kind"] == "head"
+                                                            else c["value"]) for c in candidates],
+                                          {"space": run.space, "alpha": run.alpha})
     aggregates = {"n": "CAST(count(rel_deviation) AS BIGINT)", "sum": "fsum(rel_deviation)"}
     predicates = [_predicate(c["kind"], c["value"]) for c in candidates]
     for i, predicate in enumerate(predicates):
@@ -193,7 +201,16 @@ def _candidates(run: ReportRun, attention_type: str) -> list[dict]:
         found["value"] = [int(value[0]), int(value[1])] if kind == "head" else (
             int(value) if kind == "query_position" else str(value))
         found.update(kind=kind, attention_type=attention_type, name=describe(kind, found["value"]))
-        if kind == "query_position" and run.has("token", attention_type):
+        if kind == "query_position" and run.has("token", attention_type) and run.aggregates is not None:
+            cells = run.aggregates.query_cells({"space": run.space, "alpha": run.alpha,
+                                                "attention_type": attention_type, "query": found["value"]})
+            cells = cells[(cells["n"] > 0) & cells["token"].notna()]
+            if len(cells):
+                counted = cells.groupby("token").agg(n=("n", "sum"), first=("example", "min")).reset_index()
+                counted = counted.sort_values(["n", "first", "token"], ascending=[False, True, True])
+                found["most_common_token"] = str(counted["token"].iloc[0])
+                found["most_common_token_share"] = float(counted["n"].iloc[0] / counted["n"].sum())
+        elif kind == "query_position" and run.has("token", attention_type):
             common = run.table.frame(
                 f"SELECT token, count(*) AS n, sum(count(*)) OVER () AS total FROM {run.table.relation_name} "
                 f"WHERE {both(run.measured_where, where(attention_type=attention_type, query=found['value']))}"
@@ -219,10 +236,12 @@ def _text(found: dict) -> str:
                  f"{found['ci_high']:.3g} over {found['examples']:,} examples and {found['compared_groups']} groups")
     else:
         noise = f"{found['examples']:,} example(s) with rows in it and in the rest: too few for a confidence interval"
+    above = (f", {found['share_above_p95']:.0%} of those above the 95th percentile" if np.isfinite(
+        found["share_above_p95"]) else "")
     text = (
         f"{type_label(found['attention_type'])}: {name} deviates most, mean {found['mean']:.3g} against "
         f"{found['rest_mean']:.3g} for the rest ({found['ratio']:.2f}x; {noise}); "
-        f"{found['share_of_rows']:.1%} of the rows, {found['share_above_p95']:.0%} of those above the 95th percentile."
+        f"{found['share_of_rows']:.1%} of the rows{above}."
     )
     if same:
         names = [d["name"] + (" (the same rows)" if d["of_these"] >= 0.995 and d["of_its_own"] >= 0.995 else

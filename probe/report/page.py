@@ -18,7 +18,7 @@ import pandas as pd
 from probe.capture.tokens import describe as describe_unknown
 from probe.core.version import __version__
 from probe.report import explorer
-from probe.report.data import QUANTILE_METHOD, ReportRun, lookup, type_label
+from probe.report.data import ReportRun, lookup, type_label
 from probe.report.findings import RULE
 from probe.report.style import Saved
 from probe.report.summary import FAR, headline, main_rows, scale_words
@@ -228,6 +228,19 @@ def figure_html(figure: Saved) -> str:
     )
 
 
+
+def _kept_text(run: ReportRun) -> str:
+    """What a run that kept aggregates (``--keep``) read its numbers from, for the tables' paragraph."""
+    if run.aggregates is None:
+        return ""
+    sample = (f" The figures that need rows (2-D densities, the drivers' correlations) are drawn from its uniform "
+              f"sample of {run.sample_rows:,} rows." if run.sample_rows else
+              " The figures that need rows (2-D densities, the drivers' correlations) are left out: it kept none.")
+    return (f" The run kept mergeable statistics instead of its rows ({run.kept}): counts, means, maxima and shares "
+            "are exact; histograms are on fixed bins of width 1/1024 (exact to one such bin on other edges); the "
+            "findings' shares above the 95th percentile are not kept." + sample)
+
+
 def page(run: ReportRun, summary: pd.DataFrame, findings: list[dict], figures: list[Saved], explorer_html: str,
          explorer_data: dict | None, quantities: pd.DataFrame, interventions_html: str = "",
          control: dict | None = None) -> str:
@@ -294,7 +307,7 @@ def page(run: ReportRun, summary: pd.DataFrame, findings: list[dict], figures: l
 <p>The same numbers are in summary.csv (column <code>level</code>: layer, layer_head_averaged, head; every
 slice) and summary.json. p95: 95th percentile; trivial: rows left out (one key); non_converged: rows whose
 solve did not meet the certificate (included). Quantiles (median, p95, the box plots' quartiles and
-whiskers) are {esc(QUANTILE_METHOD)}.</p>
+whiskers) are {esc(run.quantile_method)}.{esc(_kept_text(run))}</p>
 {"".join(tables) if run.counts()["rows"] else "<p>No data.</p>"}
 </section>
 <section id="run"><h2>Run</h2>

@@ -136,7 +136,7 @@ def second_order_figure(run: ReportRun, scale: Scale) -> Drawn | None:
         left.xaxis.get_major_locator().set_params(integer=True)
         left.set_title(type_label(attention_type))
         left.legend(fontsize="x-small", loc="upper left")
-        if attention_type in pairs.index and pairs.loc[attention_type, "pairs"]:
+        if attention_type in pairs.index and pairs.loc[attention_type, "pairs"] and run.without_rows("") is None:
             n = int(pairs.loc[attention_type, "pairs"])
             top = float(pairs.loc[attention_type, "pairs_max"]) * 1.02 or 1.0
             edges = np.linspace(0, top, DENSITY_BINS + 1)
@@ -147,9 +147,18 @@ def second_order_figure(run: ReportRun, scale: Scale) -> Drawn | None:
             right.legend(fontsize="x-small", loc="upper left")
             better = int(pairs.loc[attention_type, "pairs_better"]) / n
             right.set_title(f"per row: second order smaller in {better:.1%} of {n:,} rows")
+        elif attention_type in pairs.index and pairs.loc[attention_type, "pairs"]:
+            n = int(pairs.loc[attention_type, "pairs"])
+            better = int(pairs.loc[attention_type, "pairs_better"]) / n
+            right.set_axis_off()
+            right.text(0.5, 0.5, f"second order smaller in {better:.1%} of {n:,} rows\n(the joint density needs the "
+                       "rows: --keep aggregates kept none)", ha="center", va="center", transform=right.transAxes,
+                       wrap=True)
         right.set_xlabel("first-order deviation ‖λ* − αz‖ / ‖λ*‖")
         right.set_ylabel("second-order deviation")
-    details = suptitle(figure, f"{run.name} · second order against first order", "trivial rows left out")
+    details = suptitle(figure, f"{run.name} · second order against first order", "trivial rows left out",
+                       (run.without_rows("the joint density (right)") or run.needs_rows("the joint density (right)")
+                        or ""))
     caption = ("Second-order deviation ‖λ* − λ₂‖/‖λ*‖ (the paper's second-order correction λ₂) against the "
                "first-order deviation (αz): mean and 95th percentile per layer, and the joint density of the rows "
                f"(log colour) with the diagonal. {details}")

@@ -10,7 +10,9 @@ type, shared by its layers); a replicate's mean and share are its examples' rows
 the pooled histogram of :data:`P95_BINS` equal bins from 0 to the type's maximum (linear within a bin, so its
 interval is exact to one bin width); the interval is the 2.5th to 97.5th percentile of the replicates.  A run of
 more than :data:`MAX_UNITS` examples resamples blocks of consecutive examples instead, at most that many, so that
-memory stays bounded (``E`` is then the number of blocks).
+memory stays bounded (``E`` is then the number of blocks).  A run that kept aggregates (``--keep``) gives the
+per-example sums and per-example histograms it kept (:mod:`probe.store.aggregates`: coarse bins of 1/128 below 4),
+so its p95 intervals are exact to one such bin.
 
 Written: ``series.csv`` (one row per run, attention type and layer, ``layer`` empty for the whole model),
 ``series_findings.csv`` (the report's findings, :mod:`probe.report.findings`, that appear or vanish from one step
@@ -67,9 +69,10 @@ def draws(examples: int, replicates: int = REPLICATES, seed: int = SEED) -> np.n
     return counts
 
 
-def histogram_quantile(counts: np.ndarray, edges: np.ndarray, q: float) -> np.ndarray:
+def histogram_quantile(counts: np.ndarray, edges: np.ndarray, q: float, *, equal: bool = True) -> np.ndarray:
     """The linear ``q`` quantile (numpy's and pandas' default) of values known by their histograms (one per row
-    of ``counts``), each bin's values taken as evenly spread within it: exact to one bin width."""
+    of ``counts``), each bin's values taken as evenly spread within it: exact to one bin width.  ``equal``: the
+    bins have one width (else each its own, as the aggregates' coarse bins)."""
     counts = np.atleast_2d(counts)
     total = counts.sum(axis=1)
     position = q * (total - 1)  # 0-based order statistic, between two of them
@@ -80,7 +83,7 @@ def histogram_quantile(counts: np.ndarray, edges: np.ndarray, q: float) -> np.nd
         bins = np.minimum(bins, counts.shape[1] - 1)
         before = np.where(bins > 0, cumulative[np.arange(len(bins)), bins - 1], 0)
         inside = counts[np.arange(len(bins)), bins]
-        width = edges[1] - edges[0]
+        width = edges[1] - edges[0] if equal else edges[bins + 1] - edges[bins]
         return edges[bins] + (rank - before + 0.5) / np.maximum(inside, 1) * width
 
     low, high = np.floor(position), np.ceil(position)
@@ -108,9 +111,13 @@ def checkpoint(run: ReportRun) -> str:
 def run_statistics(run: ReportRun, attention_type: str, label: str, step: int) -> list[dict]:
     """The rows of ``series.csv`` for one run and attention type: the whole model, then each layer."""
     measured = f"{run.measured_where} AND attention_type = '{attention_type}'"
-    (sums,) = run.table.aggregate(
-        {"n": "CAST(count(rel_deviation) AS BIGINT)", "sum": "fsum(rel_deviation)",
-         "above": f"CAST(count_if(rel_deviation > {FAR!r}) AS BIGINT)"}, [("layer", "example")], measured)
+    kept = {"space": run.space, "alpha": run.alpha, "attention_type": attention_type}
+    if run.aggregates is not None:  # the per-example sums and coarse histograms the aggregates keep
+        sums = run.aggregates.example_sums(kept)
+    else:
+        (sums,) = run.table.aggregate(
+            {"n": "CAST(count(rel_deviation) AS BIGINT)", "sum": "fsum(rel_deviation)",
+             "above": f"CAST(count_if(rel_deviation > {FAR!r}) AS BIGINT)"}, [("layer", "example")], measured)
     sums = sums[sums["n"] > 0]
     if sums.empty:
         return []
@@ -122,8 +129,15 @@ def run_statistics(run: ReportRun, attention_type: str, label: str, step: int) -
     layer_stats = run.main_deviation("layer", attention_type).set_index("layer")
     whole = run.main_deviation("type", attention_type).iloc[0]
     x_max = float(whole["max"]) if float(whole["max"]) > 0 else 1.0
-    edges = np.linspace(0.0, x_max, P95_BINS + 1)
-    counted = run.table.histogram("rel_deviation", edges, ("layer", "example"), measured)
+    if run.aggregates is not None:
+        from probe.store.aggregates import COARSE_EDGES
+
+        edges = np.r_[COARSE_EDGES[:-1], max(x_max, COARSE_EDGES[-2] * 2)]
+        counted = run.aggregates.example_histograms(kept)
+    else:
+        edges = np.linspace(0.0, x_max, P95_BINS + 1)
+        counted = run.table.histogram("rel_deviation", edges, ("layer", "example"), measured)
+    bins = len(edges) - 1
     layers = sorted(int(layer) for layer in sums["layer"].unique())
     records = []
     for layer in [None, *layers]:
@@ -134,12 +148,13 @@ def run_statistics(run: ReportRun, attention_type: str, label: str, step: int) -
         with np.errstate(invalid="ignore", divide="ignore"):
             means, shares = (weights @ per_example["sum"]) / n, (weights @ per_example["above"]) / n
         part = counted if layer is None else counted[counted["layer"] == layer]
-        histogram = np.zeros((units, P95_BINS))
+        histogram = np.zeros((units, bins))
         np.add.at(histogram, (np.searchsorted(examples, part["example"].to_numpy()) // block,
                               part["bin"].to_numpy(dtype=int)),
                   part["count"].to_numpy(dtype=float))
         pooled = weights @ histogram
-        p95s = np.where(pooled.sum(axis=1) > 0, histogram_quantile(pooled, edges, 0.95), np.nan)
+        p95s = np.where(pooled.sum(axis=1) > 0, histogram_quantile(pooled, edges, 0.95,
+                                                                   equal=run.aggregates is None), np.nan)
         point = whole if layer is None else layer_stats.loc[layer]
         record = {"step": step, "run": label, "run_dir": run.run_dir.name, "checkpoint": checkpoint(run),
                   "attention_type": attention_type,

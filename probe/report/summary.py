@@ -22,7 +22,6 @@ import pandas as pd
 from probe.report.data import (
     FAR,
     LEVEL_KEYS,
-    QUANTILE_METHOD,
     ReportRun,
     in_slice,
     lookup,
@@ -60,8 +59,7 @@ def summarize(run: ReportRun) -> pd.DataFrame:
         keys = list(LEVEL_KEYS["head" if level == "head" else "layer"])
         if level == "layer_head_averaged":
             stats = run.averaged["layer"]
-            (trivial,) = run.averaged_table.aggregate({"trivial": "CAST(count_if(trivial) AS BIGINT)"}, [tuple(keys)])
-            trivial = trivial.set_index(keys)["trivial"]
+            trivial = run.averaged_trivial(keys)
         else:
             stats = run.deviation[level]
             trivial = census.groupby(keys, dropna=False)["trivial"].sum()
@@ -212,7 +210,8 @@ def summary_json(run: ReportRun, summary: pd.DataFrame, findings: list[dict], be
                       "in_words": scale_words(item, (control or {}).get("by_type", {}).get(item["attention_type"]))}
                      for item in headline(run)],
         "control": _json_ready(control),
-        "quantiles": {"method": QUANTILE_METHOD, "rank_error": 0},
+        "quantiles": {"method": run.quantile_method, "rank_error": run.rank_error},
+        "kept": run.kept,
         "findings": _json_ready(findings),
         "findings_rule": RULE,
         "findings_below_noise": _json_ready(list(below_noise)),

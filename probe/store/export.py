@@ -154,3 +154,31 @@ def export(run_dir: Path, to: Path, *, allow_damaged: bool = False, manifest: di
     with writing("the export", to):
         replace_atomically(to, write)
     return rows
+
+
+def export_table(table: pa.Table, to: Path, what: str = "the export") -> int:
+    """Write one small table (a run's aggregates as a table) into ``to``: Parquet or CSV by its extension, checked
+    as :func:`export` checks its target; returns the row count."""
+    to = Path(to)
+    if to.suffix.lower() not in EXPORT_FORMATS:
+        raise ProbeError(
+            f"--to {to}: probe writes {' or '.join(f'{kind} ({suffix})' for suffix, kind in EXPORT_FORMATS.items())}, "
+            f"chosen by the file's extension, and '{to.suffix or '(none)'}' is neither. Name the file *.parquet or *.csv."
+        )
+    if to.exists():
+        raise ProbeError(f"{to} exists already. Choose another --to, or delete it first.")
+    if not to.parent.is_dir():
+        raise ProbeError(f"The directory of --to ({to.parent}) does not exist. Create it first.")
+    check_destination(to, "to", kind="file", room=MIN_FREE_BYTES)
+
+    def write(handle):
+        if to.suffix.lower() == ".csv":
+            from pyarrow import csv
+
+            csv.write_csv(table, handle)
+        else:
+            pq.write_table(table, handle, compression="zstd")
+
+    with writing(what, to):
+        replace_atomically(to, write)
+    return table.num_rows

@@ -39,7 +39,7 @@ from probe.store.storage import (
 _VERIFIED: set[tuple] = set()
 
 
-def _checksum_matches(path: Path, recorded: str, *, cached: bool) -> bool:
+def checksum_matches(path: Path, recorded: str, *, cached: bool) -> bool:
     """Whether ``path``'s SHA-256 is ``recorded``; with ``cached``, a file verified before in this process and
     unchanged since (same size, modification time and inode) is not read again."""
     stat = path.stat()
@@ -119,7 +119,8 @@ def _footer_problem(path: Path, expected_rows: int | None, batch: int) -> tuple[
         try:
             record = json.loads(raw)
             own_batch = int(record["batch"])
-            own_rows = record.get("summary", {}).get("rows")
+            # the rows the file holds: its own count where the file keeps fewer than it measured (--keep)
+            own_rows = record["rows"] if "rows" in record else record.get("summary", {}).get("rows")
         except (KeyError, TypeError, ValueError, AttributeError):
             return "its probe.batch record does not read", rows
         if own_batch != batch:
@@ -168,7 +169,7 @@ def check_parts(run_dir: Path, manifest: dict | None = None, *, checksums: bool 
                     continue
             problem, _ = _footer_problem(path, record["rows"] if record else None, batch)
             if problem is None and record is not None and checksums and record.get("sha256") and \
-                    not _checksum_matches(path, record["sha256"], cached=cached):
+                    not checksum_matches(path, record["sha256"], cached=cached):
                 problem = "SHA-256 differs from the recorded one"
         except OSError as error:  # unreadable (permissions, an I/O error) or gone since the listing
             problem = f"unreadable: {error.strerror or error}"

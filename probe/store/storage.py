@@ -79,6 +79,9 @@ QUARANTINE = "quarantine"
 PART_RECORDS = "parts"
 #: The run directory's format, which a new run records in its manifest as ``format_version``.
 #:
+#: * 3: a run may keep mergeable statistics instead of (or beside) its rows (``--keep``): a third table of parts,
+#:   ``aggregates.parquet/`` (:mod:`probe.store.aggregates`), merged into one file when the run completes; its
+#:   manifest records what it measured (``selection``: layers, heads, attention types, query positions).
 #: * 2: everything this module's docstring describes: part records in the manifest, parts in key order
 #:   with a row group per slice, every column of :data:`probe.core.schema.DEVIATION_SCHEMA` (the model named
 #:   once, in the manifest's ``model.name``), the settings (``config``) and inputs resume and verify need,
@@ -88,10 +91,12 @@ PART_RECORDS = "parts"
 #:   of :data:`probe.query.runs.OPTIONAL_COLUMNS` (read as nulls; ``trivial`` from ``n_keys``), the model's
 #:   name (then its id or directory, or a ``model`` column on every row), ``config`` (then it cannot be
 #:   resumed), ``inputs`` (then it cannot be re-solved by ``probe verify``) and ``unknown_tokens``.
-#:   Every reader takes both.
-FORMAT_VERSION = 2
+#:   Every reader takes all three.
+FORMAT_VERSION = 3
+#: the statistics of a run with ``--keep aggregates`` or ``--keep sample:N`` (probe.store.aggregates): one part per batch
+AGGREGATES = "aggregates.parquet"
 #: the manifest's list of part records of each table (the deviations' under ``parts``)
-TABLE_RECORDS = {PARTS: PART_RECORDS, INTERVENTIONS: "intervention_parts"}
+TABLE_RECORDS = {PARTS: PART_RECORDS, INTERVENTIONS: "intervention_parts", AGGREGATES: "aggregate_parts"}
 #: The key, in each part file's parquet metadata, of the batch's record (JSON).
 PART_METADATA_KEY = b"probe.batch"
 PART_NAME = re.compile(r"^part-(\d+)\.parquet$")
@@ -121,7 +126,8 @@ def parquet_options(schema: pa.Schema) -> dict:
     return {
         "compression": COMPRESSION,
         "compression_level": COMPRESSION_LEVEL,
-        "use_dictionary": [field.name for field in schema if not pa.types.is_floating(field.type)],
+        "use_dictionary": [field.name for field in schema
+                           if not (pa.types.is_floating(field.type) or pa.types.is_binary(field.type))],
     }
 
 
@@ -366,9 +372,14 @@ def part_path(run_dir: Path, batch: int, table: str = PARTS) -> Path:
 
 
 def run_tables(manifest: dict | None) -> tuple[str, ...]:
-    """The tables a run writes: the deviations, and the interventions when it was run with ``--intervene``."""
+    """The tables a run writes: the deviations, the interventions when it was run with ``--intervene``, and the
+    aggregates' parts of a run with ``--keep aggregates`` or ``sample:N`` until they are merged into one file
+    (:mod:`probe.store.aggregates`: ``aggregates_merged``)."""
     config = (manifest or {}).get("config") or {}
-    return (PARTS, INTERVENTIONS) if config.get("intervene") else (PARTS,)
+    tables = (PARTS, INTERVENTIONS) if config.get("intervene") else (PARTS,)
+    if config.get("keep", "rows") != "rows" and not (manifest or {}).get("aggregates_merged"):
+        tables += (AGGREGATES,)
+    return tables
 
 
 def write_part(run_dir: Path, batch: int, table: pa.Table, record: dict, name: str = PARTS) -> Path:

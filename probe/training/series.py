@@ -236,6 +236,9 @@ def run_series(models: str | Sequence[str], *, revisions: str | Sequence[str] | 
     from probe.core.naming import slug
 
     check_environment()  # probe's environment variables, before any checkpoint is read
+    from probe.core.arguments import parse_keep
+
+    parse_keep(options.get("keep", "rows"))  # --keep, before any checkpoint is read
     series = checkpoints(models, revisions=revisions, steps=steps, random_init=random_init)
     if options.get("init") is not None or options.get("revision") is not None or options.get("step") is not None:
         raise ProbeError("A series sets each run's init, revision and step itself: use --random-init, --revision "

@@ -400,6 +400,16 @@ CASES = [
     Case("memory budget negative", lambda b: [b.tiny], ("PROBE_MEMORY_BUDGET='-5' is not a size",),
          env={"PROBE_MEMORY_BUDGET": "-5"}),
     Case("native switch not 0 or 1", lambda b: [b.tiny], ("PROBE_NATIVE='yes'",), env={"PROBE_NATIVE": "yes"}),
+    # 9. what a run keeps (--keep)
+    Case("keep unknown", lambda b: [b.tiny, "--keep", "foo"], ("Unknown --keep foo", "rows, aggregates or sample:N")),
+    Case("keep sample zero", lambda b: [b.tiny, "--keep", "sample:0"], ("--keep sample:0 would keep no row",)),
+    Case("keep sample negative", lambda b: [b.tiny, "--keep", "sample:-3"], ("--keep sample:-3 would keep no row",)),
+    Case("keep sample not a number", lambda b: [b.tiny, "--keep", "sample:x"],
+         ("--keep sample:x", "'x' is not a whole number")),
+    Case("keep sample fraction", lambda b: [b.tiny, "--keep", "sample:1.5"], ("'1.5' is not a whole number",)),
+    Case("keep sample without N", lambda b: [b.tiny, "--keep", "sample"], ("--keep sample needs the number of rows",)),
+    Case("keep sample empty N", lambda b: [b.tiny, "--keep", "sample:"], ("--keep sample: needs the number",)),
+    Case("keep aggregate misspelt", lambda b: [b.tiny, "--keep", "aggregate"], ("Unknown --keep aggregate",)),
     # 2. output location, as root too: a path below a file, and a read-only file system
     Case("out on a read-only mount", lambda b: [b.tiny, "--out", "{read_only}/runs"],
          ("is not writable", "Read-only file system")),
@@ -501,6 +511,8 @@ ENOSPC = OSError(28, "No space left on device")
 GARBAGE = {"PROBE_MEMORY_BUDGET": "garbage"}
 DAMAGED = ("is damaged: batch 1 (SHA-256 differs from the recorded one)", "probe resume", "probe verify")
 NEWER = ("records run format 99, newer than this probe", "Upgrade probe")
+KEPT_DAMAGED = ("is damaged (its aggregates.parquet): aggregates.parquet/merged.parquet (SHA-256 differs from the "
+                "recorded one)", "probe resume")
 
 COMMANDS = [
     # destinations: checked before any work, as root too
@@ -539,6 +551,20 @@ COMMANDS = [
             ("Unknown figure format", "svg")),
     Command("vit training with a bad memory budget", lambda b: ["vit", "train", "--out", "{tmp}/vit"],
             ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+    # what a run keeps (--keep): options of the other commands, and a damaged aggregates file refused by name
+    Command("series with an unknown keep",
+            lambda b: ["series", b.tiny, "--steps", "10", "--keep", "foo", "--out", "{tmp}/series", "--no-progress"],
+            ("Unknown --keep foo",)),
+    Command("report of a damaged aggregates file", lambda b: ["report", b.kept_flipped, "--out", "{tmp}/report"],
+            KEPT_DAMAGED),
+    Command("compare of a damaged aggregates file",
+            lambda b: ["compare", b.run, b.kept_flipped, "--out", "{tmp}/compare"], KEPT_DAMAGED),
+    Command("export of a damaged aggregates file",
+            lambda b: ["export", b.kept_flipped, "--table", "aggregates", "--to", "{tmp}/a.parquet"], KEPT_DAMAGED),
+    Command("export the rows of a run that kept none", lambda b: ["export", b.kept, "--to", "{tmp}/rows.parquet"],
+            ("kept only its statistics", "--table aggregates")),
+    Command("export the aggregates of a run of rows",
+            lambda b: ["export", b.run, "--table", "aggregates", "--to", "{tmp}/a.parquet"], ("has no aggregates",)),
     Command("series with a bad memory budget",
             lambda b: ["series", b.tiny, "--steps", "10", "--out", "{tmp}/series", "--no-progress"],
             ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
@@ -589,6 +615,12 @@ def runs(bad: Bad) -> Bad:
     bad.newer = Path(shutil.copytree(bad.run, bad.root / "newer" / bad.run.name))
     manifest = json.loads((bad.newer / "manifest.json").read_text())
     (bad.newer / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    out = bad.root / "runs-kept"  # a run that kept aggregates, and a copy with a byte flipped in their file
+    result = CliRunner().invoke(app, ["run", str(bad.tiny), *args, "--keep", "aggregates", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    (bad.kept,) = out.iterdir()
+    bad.kept_flipped = Path(shutil.copytree(bad.kept, bad.root / "kept-flipped" / bad.kept.name))
+    _flip_a_value_byte(bad.kept_flipped / "aggregates.parquet" / "merged.parquet")
     return bad
 
 

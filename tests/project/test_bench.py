@@ -111,3 +111,18 @@ def test_vit_steps_quick_mode(tmp_path):
     assert all(t["same_train_loss"] for t in results["steps_per_s"].values())
     assert 0.5 < results["gpu"]["gflop_per_image"]["softmax"] < 2
     assert out.with_suffix(".md").exists()
+
+
+def test_keep_benchmark_quick_mode(tmp_path):
+    """bench/keep.py times every keep mode after the solves and measures their bytes; aggregates take far fewer
+    bytes per row than the rows, and its results say the host's share of a GPU run."""
+    out = tmp_path / "results_keep.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "keep.py"), "--quick", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=600)
+    results = json.loads(out.read_text())
+    modes = {entry["mode"]: entry for entry in results["modes"]}
+    assert list(modes) == ["rows", "aggregates", "sample:500"]
+    assert modes["aggregates"]["bytes_per_row"] < modes["rows"]["bytes_per_row"] / 5
+    assert all(modes[m]["host_rows_per_s"] > 0 for m in ("aggregates", "sample:500"))
+    assert results["growth"]["all"]["rows"] > results["growth"]["quarter"]["rows"]
+    assert "host share of a GPU run at 16M rows/s" in out.with_suffix(".md").read_text()

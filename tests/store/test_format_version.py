@@ -41,8 +41,8 @@ def without_version(manifest: dict) -> dict:
 
 def test_a_new_run_records_the_format_it_is_written_in(finished_run):
     manifest = json.loads((finished_run / storage.MANIFEST).read_text())
-    assert manifest["format_version"] == storage.FORMAT_VERSION == 2
-    assert storage.format_version(storage.read_manifest(finished_run)) == 2
+    assert manifest["format_version"] == storage.FORMAT_VERSION == 3
+    assert storage.format_version(storage.read_manifest(finished_run)) == 3
 
 
 def test_a_run_without_a_version_is_version_1_and_reads_the_same(finished_run, tmp_path):

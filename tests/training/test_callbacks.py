@@ -235,3 +235,25 @@ def test_a_model_on_a_gpu_is_measured_there_and_agrees_with_the_cpu(tmp_path, to
     assert on_gpu.manifest["device"].startswith("cuda") and next(model.parameters()).is_cuda
     assert torch.equal(torch.cuda.get_rng_state(), state)
     assert on_gpu.rows["rel_deviation"].to_numpy() == pytest.approx(on_cpu.rows["rel_deviation"].to_numpy(), abs=1e-9)
+
+
+@pytest.mark.slow
+def test_a_measurement_that_keeps_aggregates_logs_the_numbers_of_its_rows(tmp_path, tokenizer):
+    """``keep="aggregates"``: the logged numbers of a measurement that keeps no rows, against the same
+    measurement keeping its rows (pandas and numpy over them): counts, means and shares equal, the p95 within
+    the sketch's rank error."""
+    from probe.callbacks import ProbeCallback, headline_numbers, measure
+    from probe.store.aggregates import RANK_ERROR
+
+    with pytest.raises(ProbeError, match="Unknown keep='everything'"):
+        ProbeCallback(TEXTS, 1, tmp_path / "bad", keep="everything")
+    model = _tiny_mlm()
+    kept = measure(model, tokenizer, TEXTS, tmp_path / "kept", step=3, max_length=MAX_LENGTH, keep="aggregates")
+    full = measure(model, tokenizer, TEXTS, tmp_path / "full", step=3, max_length=MAX_LENGTH)
+    numbers, expected = headline_numbers(kept), _numbers_from_rows(full.rows)
+    assert kept.kept == "aggregates" and numbers["probe/rows"] == expected["probe/rows"]
+    assert numbers["probe/mean"] == pytest.approx(expected["probe/mean"], rel=1e-9)
+    assert numbers["probe/share_above_0.1"] == expected["probe/share_above_0.1"]
+    values = np.sort(full.rows.loc[~full.rows["trivial"], "rel_deviation"].to_numpy())
+    rank = np.searchsorted(values, numbers["probe/p95"], side="right") / len(values)
+    assert abs(rank - 0.95) <= RANK_ERROR + 1 / len(values)

@@ -335,3 +335,27 @@ def test_a_checkpoint_given_twice_is_refused(training, tmp_path):
     _refused(training, "--layers", "5", "--out", tmp_path / "runs",
              match="5 is out of range for this model (self: 2 layers")
     assert not (tmp_path / "runs").exists()
+@pytest.mark.slow
+def test_a_series_of_runs_that_kept_aggregates_has_the_intervals_of_their_rows(training, tmp_path):
+    """``--keep aggregates``: the bootstrap over examples from the per-example sums the runs kept gives the mean's
+    and share's intervals of the same runs keeping their rows (to 1e-9); the p95 and its interval within a coarse
+    bin (1/128) or the sketch's rank error."""
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    tables = {}
+    for keep in ("rows", "aggregates"):
+        out = tmp_path / keep
+        for step in (20, 10):
+            done = runner.invoke(app, ["run", str(training / f"checkpoint-{step}"), "--dataset", str(texts), "--step",
+                                       str(step), "--max-length", str(MAX_LENGTH), "--out", str(out), "--no-progress",
+                                       "--keep", keep])
+            assert done.exit_code == 0, done.output
+        compared = runner.invoke(app, ["compare", *map(str, sorted(out.iterdir())), "--out", str(tmp_path / f"c-{keep}")])
+        assert compared.exit_code == 0, compared.output
+        tables[keep] = pd.read_csv(tmp_path / f"c-{keep}" / "series.csv")
+    rows, kept = tables["rows"], tables["aggregates"]
+    assert list(kept["step"]) == list(rows["step"]) and (kept["count"] == rows["count"]).all()
+    for column in ("mean", "mean_low", "mean_high", "share_above_0.1", "share_above_0.1_low", "share_above_0.1_high"):
+        assert np.allclose(kept[column], rows[column], rtol=1e-9, atol=1e-12), column
+    for column in ("p95_low", "p95_high"):
+        assert (np.abs(kept[column] - rows[column]) <= 1 / 128 + 1e-12).all(), column
