@@ -325,7 +325,7 @@ def captured_problems(model: str, length: int, count: int, device: str, dtype: s
     (every site of the batch, stacked into solver calls), on ``device``."""
     import torch
 
-    from probe.batch.rows import site_problems, site_stacks, stacked_problems
+    from probe.batch.problems import site_problems, site_stacks, stacked_problems
     from probe.capture.loading import load_model
 
     loaded = load_model(model, device=device, dtype=dtype)

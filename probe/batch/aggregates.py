@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from probe.batch.rows import SiteColumns, columns_table
+from probe.batch.columns import SiteColumns, columns_table
 from probe.store import aggregates as stored
 from probe.store.aggregates import (
     AVERAGED,
@@ -208,7 +208,7 @@ class Aggregates:
     :class:`~probe.store.aggregates.AggregateState`, :meth:`sample_table` the batch's sampled rows.
 
     ``example_ids``: the batch's example ids; ``seed``: the run's seed (the sample's hash); ``sample``: N of
-    ``--keep sample:N``, or None; ``context``: the rows' :class:`~probe.batch.rows.RowContext` (token strings)."""
+    ``--keep sample:N``, or None; ``context``: the rows' :class:`~probe.batch.columns.RowContext` (token strings)."""
 
     def __init__(self, example_ids, context, *, seed: int = 0, sample: int | None = None):
         self.example_ids = sorted(int(e) for e in example_ids)

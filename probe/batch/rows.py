@@ -1,4 +1,5 @@
-"""One batch: captured sites -> problems -> solves -> rows.
+"""One batch: captured sites -> problems (:mod:`probe.batch.problems`) -> solves -> rows (or, with ``--keep``,
+statistics: :mod:`probe.batch.aggregates`), and the manifest's totals (:mod:`probe.batch.summary`).
 
 The adapter emits each attention site while the model runs (:meth:`probe.capture.adapters.base.Adapter.capture`).
 Sites are split by examples into pieces of at most ``budget`` bytes of float64 logits, consecutive pieces
@@ -17,223 +18,30 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-import numpy as np
 import pyarrow as pa
 import torch
 
+from probe.batch.columns import RowContext, SiteColumns, columns_table
+from probe.batch.problems import (
+    STACK_BYTES,
+    dual_problems,
+    fidelity_error,
+    group_factor,
+    pieces,
+    site_bytes,
+    site_stacks,
+    solve_stacked,
+    stacked_problems,
+)
+from probe.batch.summary import Summary
 from probe.capture.adapters import SiteCapture
 from probe.capture.adapters.base import SpaceProblems, space_problems
-from probe.core.schema import DEVIATION_SCHEMA
 from probe.solve import derived
-from probe.solve.dual import DualProblems, DualSolution, solve_dual
-from probe.solve.gram import factor_from_templates, factor_gram
+from probe.solve.dual import DualProblems, DualSolution
 from probe.solve.parallel import cpu_workers, run_all
-from probe.solve.problems import shares_rows
-
-#: default bound on the float64 logits held at once (one stack of pieces)
-STACK_BYTES = 1 << 28
-
-
-# --------------------------------------------------------------------------------------------------
-# sites -> problems
-
-
-def select(site: SiteCapture, examples: slice) -> SiteCapture:
-    """The site restricted to some of its examples (views, no copies)."""
-
-    def pick(x):
-        return x if x is None or x.shape[0] == 1 else x[examples]
-
-    fields = {name: getattr(site, name) for name in SiteCapture.__dataclass_fields__}
-    for name in ("queries", "keys", "values", "log_preference", "query_mask", "key_mask", "query_ids",
-                 "model_probs", "key_hidden", "query_positions"):
-        fields[name] = pick(fields[name])
-    return SiteCapture(**fields)
-
-
-def group_factor(problems: SpaceProblems) -> torch.Tensor:
-    r""":math:`A` with :math:`AA^\top = TT^\top` for each group of the site's problems (one per example in the
-    hidden space, one per (example, key head) in the key space), ``(groups, k, r)``.
-
-    Where the templates are wider than they are many (:math:`d \ge k`, as hidden states of a short text), from
-    the Gram matrix :math:`G = TT^\top` (:func:`probe.solve.gram.factor_gram`, :math:`k \times k`).  Where
-    there are more keys than dimensions (:math:`k > d`: long contexts, the key space), from the templates
-    themselves (:func:`probe.solve.gram.factor_from_templates`, :math:`r = d`): no :math:`k \times k` matrix is
-    formed, so memory grows like :math:`O(k d)` per group, not :math:`O(k^2)`."""
-    templates = problems.templates.reshape(-1, *problems.templates.shape[-2:])
-    k, d = templates.shape[-2:]
-    if d < k:
-        return factor_from_templates(templates)
-    return factor_gram(templates @ templates.transpose(-1, -2))
-
-
-def dual_problems(site: SiteCapture, problems: SpaceProblems, alpha: float,
-                  factor: torch.Tensor | None = None) -> DualProblems:
-    r"""The site's problems for strength ``alpha``, grouped by shared templates.
-
-    Hidden space: one group per example, its ``h * q`` problems head-major.  Key space: one group per
-    (example, key head), its ``(h / g) * q`` problems head-major.  Adapters give :math:`\alpha = 1`
-    quantities; for other :math:`\alpha` the evidence is rescaled to :math:`z/\alpha` so that
-    :math:`\alpha\langle t_i, z\rangle + \log u_i` still equals the model's logits.  ``factor``: the groups'
-    :func:`group_factor` (it depends on the templates only, so one serves every alpha); computed when not given.
-    """
-    b, h, q, k = site.shape
-    factor = group_factor(problems) if factor is None else factor
-    per_group = h * q * b // factor.shape[0]
-    log_pref = site.log_preference.expand(b, h, q, k).reshape(-1, per_group, k)
-    active = site.query_mask[:, None, :].expand(b, h, q).reshape(-1, per_group)
-    logits = problems.logits.reshape(-1, per_group, k)
-    return DualProblems(
-        gram=None,
-        logits=logits if alpha == 1 else logits / alpha,  # x / 1 == x: no copy of the largest input for alpha 1
-        log_preference=log_pref,
-        evidence_sqnorm=problems.evidence_sqnorm.reshape(-1, per_group) / alpha**2,
-        alpha=alpha,
-        active=active,
-        factor=factor,
-    )
-
-
-def site_problems(site: SiteCapture, alpha: float, space: str = "hidden", *, gram: bool = True) -> DualProblems:
-    """:func:`dual_problems` of the whole site in ``space``, with its factor, and with ``gram`` its Gram matrices
-    too (``(groups, k, k)``: for comparisons with methods that take them; the pipeline never forms them)."""
-    built = space_problems(site, space)
-    problems = dual_problems(site, built, alpha)
-    if gram:
-        problems.gram = built.gram.reshape(problems.n_groups, *built.gram.shape[-2:])
-    return problems
-
-
-#: default fidelity tolerance per model dtype (max abs difference of attention probabilities).  The
-#: reconstruction is exact in float64 from the queries and keys the model multiplies; what remains is the
-#: model's own rounding of its logits and probabilities.  A logit error d moves a probability p by at most
-#: about p(1 - p) * 2d, and rounding to a p-bit mantissa gives d ~ |logit| * 2^-p: float16 (p = 11) stays
-#: within 1e-2 and bfloat16 (p = 8) within 5e-2 for logits up to about 50.  float64 models are held to 1e-6,
-#: not tighter, because several families (Llama, Mistral, Qwen2, Gemma) take their softmax in float32.
-FIDELITY_TOLERANCE = {"float64": 1e-6, "float32": 1e-5, "float16": 1e-2, "bfloat16": 5e-2}
-
-
-def fidelity_error(site: SiteCapture, problems: SpaceProblems | None = None) -> float:
-    """Max |softmax(log u + s) - model probabilities| over the site's real queries (alpha = 1)."""
-    problems = space_problems(site, site.spaces[0]) if problems is None else problems
-    reconstructed = torch.softmax(site.log_preference + problems.logits, dim=-1)
-    difference = (reconstructed - site.model_probs.to(torch.float64)).abs().amax(dim=-1)  # (b, h, q)
-    difference = difference.masked_fill(~site.query_mask[:, None, :], 0.0)
-    return float(difference.max()) if difference.numel() else 0.0
-
-
-def stacked_problems(problems: list[DualProblems]) -> DualProblems:
-    """Problems of one shape as one batch: their groups stacked along the group axis."""
-    if len(problems) == 1:
-        return problems[0]
-    return DualProblems(
-        gram=None if any(p.gram is None for p in problems) else torch.cat([p.gram for p in problems]),
-        logits=torch.cat([p.logits for p in problems]),
-        log_preference=_stacked_rows([p.log_preference for p in problems]),
-        evidence_sqnorm=torch.cat([p.evidence_sqnorm for p in problems]),
-        alpha=problems[0].alpha,
-        active=torch.cat([p.active for p in problems]),
-        factor=None if any(p.factor is None for p in problems) else torch.cat([p.factor for p in problems]),
-    )
-
-
-def _stacked_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat`` along the group axis, keeping rows that share their group's values by construction
-    (:func:`probe.solve.problems.shares_rows`, as an expanded preference) shared, so that the solver computes
-    with them once per group."""
-    if all(shares_rows(t) for t in tensors):
-        first = torch.cat([t[:, :1] for t in tensors])
-        return first.expand(first.shape[0], tensors[0].shape[1], first.shape[2])
-    return torch.cat(tensors)
-
-
-def solve_stacked(problems: list[DualProblems], rtol: float, memory_bytes: int | None = None) -> list[DualSolution]:
-    """Solve problems of one shape with one :func:`solve_dual` call, one solution per entry.
-
-    Per-call overhead is paid once and the solver's batched products run on larger batches; the
-    problems stay independent of one another.
-    """
-    budget = {} if memory_bytes is None else {"memory_budget_bytes": memory_bytes}
-    solution = solve_dual(stacked_problems(problems), rtol=rtol, **budget)
-    solutions, start = [], 0
-    for part in problems:
-        stop = start + part.n_groups
-        solutions.append(DualSolution(**{name: value[start:stop] for name, value in vars(solution).items()}))
-        start = stop
-    return solutions
-
-
-def solve_sites(sites: list[SiteCapture], alpha: float, rtol: float, space: str = "hidden") -> list[DualSolution]:
-    """Solve the problems of sites of one shape in ``space`` with one solver call, one solution per site."""
-    return solve_stacked([site_problems(site, alpha, space) for site in sites], rtol)
-
-
-def site_bytes(site: SiteCapture) -> int:
-    """Bytes of the site's float64 logits and of its groups' factors, the measure of its problems' size: the
-    logits grow with the rows (``b h q k``), the factors with the keys (``k min(k, d)`` per group:
-    :func:`group_factor`), which a long context with few selected queries makes the larger part."""
-    b, h, q, k = site.shape
-    d_head = site.queries.shape[-1]
-    hidden = site.key_hidden.shape[-1] if site.key_hidden is not None else d_head
-    factors = b * max(site.keys.shape[1] * k * min(k, d_head), k * min(k, hidden))  # the larger of the two spaces
-    return (b * h * q * k + factors) * 8
-
-
-def pieces(site: SiteCapture, limit_bytes: int) -> list[SiteCapture]:
-    """The site split by examples into pieces of at most ``limit_bytes`` of logits (at least one example)."""
-    b = site.shape[0]
-    per_example = max(1, site_bytes(site) // max(b, 1))
-    step = max(1, limit_bytes // per_example)
-    if step >= b:
-        return [site]
-    return [select(site, slice(start, start + step)) for start in range(0, b, step)]
-
-
-def site_stacks(sites, limit_bytes: int = STACK_BYTES, site_of=lambda item: item):
-    """Sites (or items holding one, ``site_of(item)``) grouped by problem shape, in order of first
-    appearance, in lists of at most ``limit_bytes`` of logits: each list is one solver call."""
-    stacks: dict[tuple, list] = {}
-    sizes: dict[tuple, int] = {}
-    for item in sites:
-        site = site_of(item)
-        key, nbytes = _stack_key(site), site_bytes(site)
-        if key in stacks and sizes[key] + nbytes > limit_bytes:
-            yield stacks.pop(key)
-            del sizes[key]
-        stacks.setdefault(key, []).append(item)
-        sizes[key] = sizes.get(key, 0) + nbytes
-    yield from stacks.values()
-
-
-def _stack_key(site: SiteCapture):
-    """Sites with equal keys have problems of one shape in every space."""
-    _, h, q, k = site.shape
-    return h, q, k, site.keys.shape[1]
-
 
 # --------------------------------------------------------------------------------------------------
 # solutions -> rows
-
-
-@dataclass
-class RowContext:
-    """What rows need beyond a site and its solution."""
-
-    example_ids: list[int]
-    special_ids: frozenset
-    token_text: dict  # token id -> token string, filled as ids are met
-    tokenizer: object = None
-
-    def tokens(self, ids: np.ndarray) -> pa.Array:
-        """The token strings of ``ids`` as a string column (each distinct id looked up once)."""
-        distinct, position = np.unique(ids, return_inverse=True)
-        missing = [int(i) for i in distinct if int(i) not in self.token_text]
-        if missing:
-            texts = self.tokenizer.convert_ids_to_tokens(missing) if self.tokenizer is not None else None
-            for i, text in zip(missing, texts or [None] * len(missing)):
-                self.token_text[i] = text if text is not None else str(i)
-        strings = pa.array([self.token_text[int(i)] for i in distinct], pa.string())
-        return strings.take(pa.array(position.reshape(-1), pa.int64()))
 
 
 @dataclass
@@ -284,41 +92,6 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
     )
 
 
-@dataclass
-class SiteColumns:
-    """The rows of one site in one space and alpha as tensors on the run's device, one entry per (example, head,
-    real query) in the order :func:`site_rows` writes them: what :func:`columns_table` turns into the parquet
-    table and :class:`probe.batch.aggregates.Aggregates` folds into statistics without building it."""
-
-    attention_type: str
-    layer: int
-    space: str
-    alpha: float
-    example: torch.Tensor  # int64, the dataset's example ids
-    head: torch.Tensor
-    query: torch.Tensor  # the query token's position
-    token_id: torch.Tensor
-    n_keys: torch.Tensor
-    role: torch.Tensor  # int64 codes into ROLES
-    values: dict  # column -> float64 (or int / bool) tensor: the measured columns of DEVIATION_SCHEMA
-
-    @property
-    def count(self) -> int:
-        return int(self.head.shape[0])
-
-    def take(self, index: torch.Tensor) -> "SiteColumns":
-        """The rows at ``index``."""
-        pick = lambda x: x[index]  # noqa: E731
-        return SiteColumns(self.attention_type, self.layer, self.space, self.alpha, pick(self.example),
-                           pick(self.head), pick(self.query), pick(self.token_id), pick(self.n_keys), pick(self.role),
-                           {name: pick(value) for name, value in self.values.items()})
-
-
-#: the measured columns of a row, as :class:`SiteColumns` holds them in ``values``
-MEASURED = ("rel_deviation", "lambda_norm", "duality_gap", "error_bound", "iterations", "converged",
-            "second_order_deviation", "attention_tv", "output_deviation", "evidence_norm", "attention_entropy")
-
-
 def site_columns(
     site: SiteCapture, space: str, problems: SpaceProblems, solution: DualSolution, quantities: Derived,
     alpha: float, context: RowContext, example_offset: int = 0,
@@ -360,34 +133,6 @@ def site_columns(
                        positions.to(torch.int64), token_ids, n_keys[ex, head, query], role, values)
 
 
-def columns_table(columns: SiteColumns, context: RowContext) -> pa.Table:
-    """The rows of :func:`site_columns` in the parquet schema (on the host)."""
-    count = columns.count
-    host = {name: value.cpu().numpy() for name, value in columns.values.items()}
-    token_ids = columns.token_id.cpu().numpy()
-    keys = columns.n_keys.cpu().numpy().astype(np.int32)
-    table = {
-        "attention_type": _repeated(columns.attention_type, count),
-        "layer": np.full(count, columns.layer, np.int32),
-        "head": columns.head.cpu().numpy().astype(np.int32),
-        "example": columns.example.cpu().numpy(),
-        "query": columns.query.cpu().numpy().astype(np.int32),
-        "n_keys": keys,
-        "alpha": np.full(count, columns.alpha, np.float64),
-        **{name: host[name] for name in ("rel_deviation", "lambda_norm", "duality_gap", "error_bound")},
-        "iterations": host["iterations"].astype(np.int32),
-        "converged": host["converged"],
-        "space": _repeated(columns.space, count),
-        "token_id": token_ids.astype(np.int32),
-        "token": context.tokens(token_ids),
-        "token_role": _ROLES.take(pa.array(columns.role.cpu().numpy())),
-        "trivial": keys == 1,
-        **{name: host[name] for name in ("second_order_deviation", "attention_tv", "output_deviation",
-                                         "evidence_norm", "attention_entropy")},
-    }
-    return pa.table(table, schema=DEVIATION_SCHEMA)
-
-
 def site_rows(
     site: SiteCapture, space: str, problems: SpaceProblems, solution: DualSolution, quantities: Derived,
     alpha: float, context: RowContext, example_offset: int = 0,
@@ -395,154 +140,6 @@ def site_rows(
     """One row per (example, head, real query) of the site in one space and alpha, in the parquet schema."""
     columns = site_columns(site, space, problems, solution, quantities, alpha, context, example_offset)
     return columns_table(columns, context)
-
-
-#: the ``token_role`` values, by code
-_ROLES = pa.array(["word", "special", "first"], pa.string())
-
-
-def _repeated(value: str, count: int) -> pa.Array:
-    """A string column of ``count`` copies of ``value``."""
-    return pa.repeat(pa.scalar(value, pa.string()), count)
-
-
-# --------------------------------------------------------------------------------------------------
-# bookkeeping
-
-
-#: the columns whose means the manifest summarises per (space, alpha)
-MEANS = ("rel_deviation", "second_order_deviation", "attention_tv", "output_deviation")
-
-
-class Summary:
-    """Running solver and fidelity summaries for the manifest."""
-
-    def __init__(self, tolerance: float):
-        self.rows = 0
-        self.not_converged = 0
-        self.max_duality_gap = 0.0
-        self.max_relative_error_bound = 0.0
-        self.iterations_total = 0
-        self.iterations_max = 0
-        self.fidelity: dict[str, float] = {}
-        self.fidelity_by_space: dict[str, float] = {}
-        self.derived_bounds: dict[str, float] = {}
-        self.by_setting: dict[str, dict] = {}  # "space, alpha=..." -> row count and sums of MEANS
-        self.tolerance = tolerance
-
-    def add(self, table: pa.Table, bounds: dict | None = None):
-        for name, bound in (bounds or {}).items():
-            self.derived_bounds[name] = max(self.derived_bounds.get(name, 0.0), bound)
-        if table.num_rows:
-            key = f"{table['space'][0].as_py()}, alpha={table['alpha'][0].as_py():g}"
-            sums = self.by_setting.setdefault(key, dict.fromkeys(("rows",) + MEANS, 0.0))
-            sums["rows"] += table.num_rows
-            for name in MEANS:
-                sums[name] += float(np.nansum(table[name].to_numpy(zero_copy_only=False)))
-            converged = table["converged"].to_numpy(zero_copy_only=False)
-            iterations = table["iterations"].to_numpy()
-            bound = table["error_bound"].to_numpy() / table["lambda_norm"].to_numpy()
-            self.rows += table.num_rows
-            self.not_converged += int((~converged).sum())
-            self.max_duality_gap = max(self.max_duality_gap, float(np.nanmax(table["duality_gap"].to_numpy())))
-            self.max_relative_error_bound = max(self.max_relative_error_bound, float(np.nanmax(bound)))
-            self.iterations_total += int(iterations.sum())
-            self.iterations_max = max(self.iterations_max, int(iterations.max()))
-
-    def add_columns(self, columns: SiteColumns, bounds: dict | None = None):
-        """:meth:`add` for rows kept as tensors (:class:`SiteColumns`): the same totals, reduced where the rows are."""
-        for name, bound in (bounds or {}).items():
-            self.derived_bounds[name] = max(self.derived_bounds.get(name, 0.0), bound)
-        if not columns.count:
-            return
-        values = columns.values
-        key = f"{columns.space}, alpha={columns.alpha:g}"
-        sums = self.by_setting.setdefault(key, dict.fromkeys(("rows",) + MEANS, 0.0))
-        sums["rows"] += columns.count
-        for name in MEANS:
-            sums[name] += float(torch.nansum(values[name]))
-        iterations = values["iterations"]
-        bound = values["error_bound"] / values["lambda_norm"]
-        self.rows += columns.count
-        self.not_converged += int((~values["converged"]).sum())
-        self.max_duality_gap = max(self.max_duality_gap, _nanmax(values["duality_gap"]))
-        self.max_relative_error_bound = max(self.max_relative_error_bound, _nanmax(bound))
-        self.iterations_total += int(iterations.sum())
-        self.iterations_max = max(self.iterations_max, int(iterations.max()))
-
-    def add_fidelity(self, attention_type: str, space: str, error: float):
-        self.fidelity[attention_type] = max(self.fidelity.get(attention_type, 0.0), error)
-        self.fidelity_by_space[space] = max(self.fidelity_by_space.get(space, 0.0), error)
-
-    def solver(self) -> dict:
-        return {
-            "method": "Newton-CG on the reduced dual with Armijo backtracking (probe.solve.dual)",
-            "dtype": "float64",
-            "newton_direction_dtype": "float32",
-            "rows": self.rows,
-            "converged": self.rows - self.not_converged,
-            "not_converged": self.not_converged,
-            "max_duality_gap": self.max_duality_gap,
-            "max_relative_error_bound": self.max_relative_error_bound,
-            "mean_iterations": self.iterations_total / self.rows if self.rows else None,
-            "max_iterations": self.iterations_max,
-            "max_derived_bound": dict(self.derived_bounds),
-        }
-
-    def settings(self) -> dict:
-        """Per (space, alpha): rows and the mean of each deviation column (all rows, trivial ones included)."""
-        return {
-            key: {"rows": int(sums["rows"]), **{f"mean_{name}": sums[name] / sums["rows"] for name in MEANS}}
-            for key, sums in self.by_setting.items()
-        }
-
-    def state(self) -> dict:
-        """The running totals as JSON values (each part file stores its batch's; see :meth:`merge`)."""
-        return copy.deepcopy(vars(self))
-
-    @classmethod
-    def from_state(cls, state: dict) -> "Summary":
-        summary = cls(state["tolerance"])
-        vars(summary).update(copy.deepcopy(state))
-        return summary
-
-    def merge(self, other: "Summary") -> "Summary":
-        """Fold another summary (another batch, segment or rank) into this one; return self."""
-        self.rows += other.rows
-        self.not_converged += other.not_converged
-        self.max_duality_gap = max(self.max_duality_gap, other.max_duality_gap)
-        self.max_relative_error_bound = max(self.max_relative_error_bound, other.max_relative_error_bound)
-        self.iterations_total += other.iterations_total
-        self.iterations_max = max(self.iterations_max, other.iterations_max)
-        for mine, theirs in (
-            (self.fidelity, other.fidelity),
-            (self.fidelity_by_space, other.fidelity_by_space),
-            (self.derived_bounds, other.derived_bounds),
-        ):
-            for key, value in theirs.items():
-                mine[key] = max(mine.get(key, 0.0), value)
-        for key, sums in other.by_setting.items():
-            mine = self.by_setting.setdefault(key, dict.fromkeys(sums, 0.0))
-            for name, value in sums.items():
-                mine[name] = mine.get(name, 0.0) + value
-        return self
-
-    def fidelity_summary(self) -> dict:
-        worst = max(self.fidelity.values(), default=0.0)
-        return {
-            "check": "max |softmax(log u + alpha s) - eager attention probabilities| over real queries",
-            "max_abs_error": worst,
-            "by_attention_type": dict(self.fidelity),
-            "by_space": dict(self.fidelity_by_space),
-            "tolerance": self.tolerance,
-            "passed": worst <= self.tolerance,
-        }
-
-
-def _nanmax(values: torch.Tensor) -> float:
-    """numpy's ``nanmax`` of a tensor: NaN when every value is."""
-    finite = values[~torch.isnan(values)]
-    return float(finite.max()) if finite.numel() else float("nan")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ class RunConfig:
     dtype: str = "float32"
     seed: int = 0
     rtol: float = 1e-9
-    fidelity_tolerance: float | None = None  # None: by the model's dtype (probe.batch.rows.FIDELITY_TOLERANCE)
+    fidelity_tolerance: float | None = None  # None: by the model's dtype (probe.batch.problems.FIDELITY_TOLERANCE)
     progress: bool = True
     name: str | None = None  # --name: the run's name (directory and report title); None: from the model's files
     # --intervene: substitutes put into the forward pass (probe.interventions), () = off; their records go to

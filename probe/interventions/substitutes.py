@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probe.batch.rows import site_problems
+from probe.batch.problems import site_problems
 from probe.capture.adapters.base import SiteCapture
 from probe.interventions.forward import site_name
 from probe.interventions.model import example_generator

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probe.batch.rows import RowContext
+from probe.batch.columns import RowContext
 from probe.capture.data import DatasetSpec, Texts, load_texts
 from probe.capture.loading import LoadedModel, device_name, load_model
 from probe.capture.selection import Selection

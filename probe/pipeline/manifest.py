@@ -11,7 +11,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from probe.batch.rows import Summary
+from probe.batch.summary import Summary
 from probe.core import naming
 from probe.core.arguments import parse_keep
 from probe.core.config import RunConfig, config_to_json

@@ -26,7 +26,8 @@ from typing import Callable
 import pyarrow as pa
 import torch
 
-from probe.batch.rows import Summary, process_batch
+from probe.batch.rows import process_batch
+from probe.batch.summary import Summary
 from probe.capture.data import DatasetSpec
 from probe.capture.loading import LoadedModel
 from probe.core import naming

@@ -104,7 +104,7 @@ def check_run(config) -> Checked:
     check_unknown_tokens(unknown, config.model, config.allow_unknown_tokens)
     from dataclasses import replace
 
-    from probe.batch.rows import FIDELITY_TOLERANCE
+    from probe.batch.problems import FIDELITY_TOLERANCE
 
     tolerance = config.fidelity_tolerance
     resolved = replace(config, spaces=spaces, fidelity_tolerance=FIDELITY_TOLERANCE[config.dtype] if tolerance is None

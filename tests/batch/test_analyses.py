@@ -136,7 +136,8 @@ def test_second_order_is_higher_order_for_fixed_evidence_on_minilm(minilm_dir):
     ratio stays of order one as alpha -> 0 (probe/solve/derived.py), which the run's columns show."""
     import torch
 
-    from probe.batch.rows import derive, site_problems
+    from probe.batch.problems import site_problems
+    from probe.batch.rows import derive
     from probe.capture.loading import load_model
     from probe.solve.dual import DualProblems, factor_gram, solve_dual
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from probe.batch.rows import fidelity_error, site_problems
+from probe.batch.problems import fidelity_error, site_problems
 from probe.capture.adapters import space_problems
 from probe.solve.dual import solve_dual
 from probe.solve.reference import cvxpy_primal, relative_deviation

@@ -19,7 +19,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from probe.batch.rows import fidelity_error
+from probe.batch.problems import fidelity_error
 from probe.capture.adapters import REGISTRY, adapter_for, space_problems
 from probe.capture.loading import load_model
 from probe.cli import app

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from probe.batch.rows import FIDELITY_TOLERANCE
+from probe.batch.problems import FIDELITY_TOLERANCE
 from probe.capture import loading
 from probe.capture.data import DatasetSpec
 from probe.core.errors import ProbeError

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from probe.batch.rows import fidelity_error, site_problems
+from probe.batch.problems import fidelity_error, site_problems
 from probe.capture.adapters import adapter_for, space_problems
 from probe.capture.adapters.t5 import T5Adapter
 from probe.capture.data import DatasetSpec
@@ -340,7 +340,7 @@ def test_stacked_sites_give_each_site_its_own_answers(tiny_t5):
     """The pipeline solves the sites of one problem shape in one stacked solver call; each
     site must get the answers it gets alone (within both certificates; the float32 Newton direction
     is the only source of difference), and sites of other shapes must not be stacked together."""
-    from probe.batch.rows import site_problems, site_stacks, solve_sites
+    from probe.batch.problems import site_problems, site_stacks, solve_sites
     from probe.solve.dual import solve_dual
 
     sites = capture_all(tiny_t5, batch(tiny_t5))

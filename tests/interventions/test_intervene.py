@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import probe.interventions as iv
-from probe.batch.rows import FIDELITY_TOLERANCE
+from probe.batch.problems import FIDELITY_TOLERANCE
 from probe.capture.adapters.mpnet import MPNetAdapter
 from probe.capture.loading import LoadedModel, load_model
 from probe.core.errors import ProbeError

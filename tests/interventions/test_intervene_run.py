@@ -253,7 +253,9 @@ def batch_with_the_rows_solver(model_dir, config):
     import torch
 
     import probe.interventions as intervene
-    from probe.batch.rows import BatchSolver, RowContext, Summary
+    from probe.batch.columns import RowContext
+    from probe.batch.rows import BatchSolver
+    from probe.batch.summary import Summary
     from probe.capture.loading import load_model
     from probe.interventions import substitutes
 

@@ -576,7 +576,7 @@ CAPTURED = {"rel": 1e-6, "abs": 1e-7}
 
 
 def test_minilm_derived_quantities_match_dense_computation(minilm_dir):
-    from probe.batch.rows import site_problems
+    from probe.batch.problems import site_problems
 
     from ..support.bert_sites import captured, explicit_problem
 

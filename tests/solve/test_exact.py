@@ -81,7 +81,7 @@ def test_peaked_and_ill_conditioned_posteriors_match_cvxpy():
 def test_posterior_is_the_rows_key_space_solution():
     """The exact posterior of templates k / sqrt(d') and evidence q (a ViT layer's ExactAttention) is the
     rows' solution of a captured site in probe's key space (probe.batch.rows), padding keys excluded."""
-    from probe.batch.rows import solve_sites
+    from probe.batch.problems import solve_sites
     from probe.capture.adapters import SiteCapture
 
     g = torch.Generator().manual_seed(3)

@@ -65,7 +65,7 @@ def test_kernel_and_torch_loops_agree_and_match_the_previous_solver(family, monk
 
 def test_kernel_agrees_on_captured_minilm_problems(minilm_dir):
     """Real problems (a padded MiniLM batch, every layer): the kernel and the torch loops agree."""
-    from probe.batch.rows import site_problems
+    from probe.batch.problems import site_problems
 
     from ..support.bert_sites import captured
 

@@ -333,7 +333,7 @@ def test_answers_agree_with_the_previous_solver(n, d, template_scale, logit_std)
 
 def test_answers_agree_with_the_previous_solver_on_minilm(minilm_dir):
     """Captured MiniLM problems (a padded batch, every layer): the same certified answers as before."""
-    from probe.batch.rows import site_problems
+    from probe.batch.problems import site_problems
 
     from ..support import previous_solver
     from ..support.bert_sites import captured
@@ -439,7 +439,7 @@ def test_rows_sharing_their_preference_by_construction(workers):
     """A preference given as a view whose rows repeat the group's (stride 0, as BERT-like masks are) is
     normalised once per group; its answers are CVXPY's, with an inactive row and a group without keys
     (all -inf: NaN rows, not converged) beside it, also through stacking."""
-    from probe.batch.rows import stacked_problems
+    from probe.batch.problems import stacked_problems
     from probe.solve.problems import shares_rows
 
     T = RNG.normal(size=(7, 5))

@@ -10,7 +10,7 @@ import pandas as pd
 import torch
 
 from probe.batch import aggregates as device
-from probe.batch.rows import SiteColumns
+from probe.batch.columns import SiteColumns
 from probe.store import aggregates as stored
 
 

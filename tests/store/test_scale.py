@@ -22,7 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from probe.batch.rows import Summary
+from probe.batch.summary import Summary
 from probe.core.config import RunConfig, config_to_json
 from probe.core.schema import DEVIATION_SCHEMA, ROW_KEY
 from probe.store import integrity, storage

@@ -23,7 +23,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from probe.batch.rows import fidelity_error
+from probe.batch.problems import fidelity_error
 from probe.capture.adapters import space_problems
 from probe.solve.reference import cvxpy_primal, relative_deviation
 
