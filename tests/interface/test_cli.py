@@ -95,10 +95,10 @@ def test_run_real_minilm_embedded_corpus(minilm_dir, tmp_path):
 
 def test_interrupted_run_keeps_finished_batches(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
     """Ctrl-C in the second batch: exit 130, the first batch's part file, the way to continue."""
-    import probe.batch.rows as rows
+    import probe.batch.problems as problems  # where the solver is called
 
     calls = {"n": 0}
-    real = rows.solve_dual
+    real = problems.solve_dual
 
     def failing_solve(*args, **kwargs):
         calls["n"] += 1
@@ -106,7 +106,7 @@ def test_interrupted_run_keeps_finished_batches(tiny_bert_dir, texts_file, tmp_p
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rows, "solve_dual", failing_solve)
+    monkeypatch.setattr(problems, "solve_dual", failing_solve)
     out = tmp_path / "runs"
     result = invoke("run", tiny_bert_dir, "--dataset", texts_file, "--batch-size", 2, "--out", out, "--no-progress")
     assert result.exit_code == 130, result.output

@@ -177,12 +177,12 @@ def test_a_real_full_disk(clean_run, tiny_bert_dir, small_tmpfs):
 def test_an_oserror_that_is_not_the_run_directory_is_not_called_a_disk_error(tiny_bert_dir, tmp_path, monkeypatch):
     """An OSError from elsewhere (here a library's 'too many open files' while solving) is not reported as
     a failed write of the run: it propagates as it is."""
-    import probe.batch.rows as rows
+    import probe.batch.problems as problems  # where the solver is called
 
     def no_more_files(*args, **kwargs):
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), "/some/library/file")
 
-    monkeypatch.setattr(rows, "solve_dual", no_more_files)
+    monkeypatch.setattr(problems, "solve_dual", no_more_files)
     result = invoke_with_one_thread("run", tiny_bert_dir, *SMALL_RUN_ARGS, "--out", tmp_path / "runs")
     assert result.exit_code != 74 and isinstance(result.exception, OSError), result.output
     assert result.exception.errno == errno.EMFILE
