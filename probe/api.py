@@ -308,7 +308,7 @@ def run(
     split: str | None = None,
     column: str | None = None,
     target_column: str | None = None,
-    samples: int | None = None,
+    samples: int | str | None = None,
     max_length: int = 128,
     batch_size: int = 8,
     alpha: float | str | Sequence[float] = 1.0,
@@ -326,7 +326,7 @@ def run(
     name: str | None = None,
     progress: bool = True,
     intervene: str | Sequence[str] | None = None,
-    intervene_modes: str | Sequence[str] = "per-site,whole",
+    intervene_modes: str | Sequence[str] | None = None,
     allow_unknown_tokens: bool = False,
     step: int | None = None,
 ) -> Run:
@@ -338,13 +338,16 @@ def run(
     ``dataset`` (a hub dataset with ``config``, ``split``, ``column``, or a local .txt/.jsonl/.csv/.parquet
     file with ``column``), or neither: the embedded corpus of 300 English sentences (``texts`` are written
     once, as JSON lines named by their SHA-256, into probe's cache, ``$PROBE_CACHE_DIR`` or
-    ``~/.cache/probe``, so that :func:`resume` can read them again).  ``alpha`` and ``space`` take one
+    ``~/.cache/probe``, so that :func:`resume` can read them again).  ``samples``: ``N`` takes the first N
+    non-empty texts, ``"random:N"`` N of them drawn at random, seeded by ``seed`` (recorded in the manifest as
+    ``config.dataset.sample_seed``: a resumed run reads the same texts).  ``alpha`` and ``space`` take one
     value, a list, or a comma-separated string; ``max_memory`` bytes or a size such as ``"4GB"``.  ``name`` names the run
     directory and the report (default: the model's real name, ``-random`` added for ``init="random"``; the
     directory of a run of ``texts`` is named ``MODEL-texts-<time>``, so that ``load("runs/MODEL")`` never picks
     a few texts tried out: ``load("runs/MODEL-texts")`` does).
     ``intervene``: substitutes to put into the forward pass (``"exact,second-order,null"``; :mod:`probe.interventions`),
-    measured per site and for the whole model (``intervene_modes``); read them as :attr:`Run.interventions`.
+    measured per site and for the whole model (``intervene_modes``, default ``"per-site,whole"``; only with
+    ``intervene``); read them as :attr:`Run.interventions`.
     A run whose tokenizer turns more than 10% of the tokens into its unknown token is refused before the
     model loads (the tokenizer does not know the texts: :mod:`probe.capture.tokens`); ``allow_unknown_tokens=True``
     runs it anyway.  ``step``: the training step of the checkpoint, recorded in the manifest (``config.step``)
@@ -355,17 +358,19 @@ def run(
     from probe.capture.data import DatasetSpec
     from probe.core.config import RunConfig
     from probe.core.spelling import option
-    from probe.pipeline.validate import check_options, parse_memory
+    from probe.pipeline.validate import check_intervene_modes_given, check_options, parse_memory, parse_samples
 
     if texts is not None and dataset is not None:
         raise ProbeError(f"Give {option('texts')} or {option('dataset')}, not both.")
     kept = _texts_file(_texts(texts)) if texts is not None else None
+    samples, drawn = parse_samples(samples)
     _check_types(samples=samples, max_length=max_length, batch_size=batch_size, threads=threads, seed=seed,
                  **({} if step is None else {"step": step}))
     if step is not None and step < 0:
         raise ProbeError(f"{option('step')} is a training step, a whole number >= 0; got {step}.")
     if fidelity_tolerance is not None and not _is_number(fidelity_tolerance):
         raise ProbeError(f"{option('fidelity_tolerance')} takes a number, got {fidelity_tolerance!r}.")
+    check_intervene_modes_given(intervene, intervene_modes)
     if model is None:
         model = demo_model()
     settings = RunConfig(
@@ -373,6 +378,7 @@ def run(
         dataset=DatasetSpec(
             name=str(kept[0]) if kept is not None else (str(dataset) if dataset is not None else None),
             config=config, split=split, column=column, target_column=target_column, samples=samples,
+            sample_seed=seed if drawn else None,
         ),
         out=Path(out), revision=revision, batch_size=batch_size, max_length=max_length,
         alphas=_numbers(alpha, "alpha"), spaces=_names(space, "space"),
@@ -380,7 +386,8 @@ def run(
         max_memory_bytes=parse_memory(max_memory) if isinstance(max_memory, str) else max_memory,
         threads=threads, device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance,
         progress=progress, name=name, intervene=_names(intervene, "intervene") or (),
-        intervene_modes=_names(intervene_modes, "intervene_modes"), allow_unknown_tokens=bool(allow_unknown_tokens),
+        intervene_modes=_names("per-site,whole" if intervene_modes is None else intervene_modes, "intervene_modes"),
+        allow_unknown_tokens=bool(allow_unknown_tokens),
         step=step,
     )
     check_options(settings)  # before torch loads: a mistyped option costs nothing

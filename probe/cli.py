@@ -26,6 +26,7 @@ from typing import Optional
 import typer
 
 from probe.core.errors import exit_with  # light: no torch
+from probe.pipeline.validate import SAMPLES_HELP  # light: option checks, nothing heavy imported
 
 # Idle OpenMP threads sleep instead of spinning: on a machine shared with other work, spinning threads
 # fight the neighbours for cores (bench/results_e2e_threads.md).  The solver's many small operations
@@ -181,7 +182,7 @@ def run(
         None, metavar="NAME",
         help="Column holding decoder targets, for encoder-decoder models (refused for others) [default: the text itself].",
     ),
-    samples: Optional[int] = typer.Option(None, metavar="N", help="Use the first N non-empty texts."),
+    samples: Optional[str] = typer.Option(None, metavar="N|random:N", help=SAMPLES_HELP),
     max_length: int = typer.Option(128, metavar="N", help="Truncate texts to this many tokens (at most the model's limit)."),
     batch_size: int = typer.Option(8, metavar="N", help="Examples per forward pass."),
     alpha: str = typer.Option(
@@ -274,7 +275,8 @@ def run(
             samples=samples, max_length=max_length, batch_size=batch_size, alpha=alpha, space=space, init=init,
             tokenizer=tokenizer, max_memory=max_memory, threads=threads, out=out, device=device, dtype=dtype,
             revision=revision, seed=seed, fidelity_tolerance=fidelity_tolerance, name=name, progress=progress,
-            intervene=intervene, intervene_modes=intervene_modes, allow_unknown_tokens=allow_unknown_tokens,
+            intervene=intervene, intervene_modes=None if intervene_modes == "per-site,whole" else intervene_modes,
+            allow_unknown_tokens=allow_unknown_tokens,
             step=step,
         )
     except ProbeError as error:
@@ -571,7 +573,7 @@ def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Option
     from probe.core.errors import ProbeError
 
     try:
-        with _banner_not_warnings():
+        with _stops_exit("the report", out or Path(run_dir) / "report"), _banner_not_warnings():
             where = api.report(run_dir, out, formats, name=name, allow_damaged=allow_damaged, control=control)
     except ProbeError as error:
         _fail(error)
@@ -581,6 +583,39 @@ def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Option
     typer.echo(f"report: {where / 'index.html'}")
     typer.echo("next: open it in a browser; `probe compare RUN_DIR RUN_DIR` sets two runs side by side (e.g. "
                "against an --init random control)")
+
+
+@contextmanager
+def _stops_exit(what: str, where: Path):
+    """SIGINT or SIGTERM while ``what`` is written into ``where`` (written whole or not at all:
+    :func:`probe.core.destination.written_whole`): one line on stderr, exit 130 or 143.  The first signal stops
+    the work wherever it is, a DuckDB query included (which reports it as its own error: the signal decides)."""
+    import signal
+    import threading
+
+    received: list[int] = []
+
+    def stop(signum, frame):
+        received.append(signum)
+        if len(received) == 1:
+            raise KeyboardInterrupt
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {signum: signal.signal(signum, stop) for signum in signals} if main_thread else {}
+    try:
+        yield
+    except BaseException as error:
+        if not received and not isinstance(error, KeyboardInterrupt):
+            raise
+        signum = received[0] if received else signal.SIGINT
+        typer.echo(f"probe: stopped by {signal.Signals(signum).name}; {where} is as it was before (a whole earlier "
+                   f"{what.removeprefix('the ')}, or nothing): {what} is moved into place only when complete.",
+                   err=True)
+        raise typer.Exit(code=128 + signum) from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _not_finished(run_dir: Path) -> None:
@@ -626,7 +661,8 @@ def compare_command(
 
     run_dirs = [_run_dir(run_dir) for run_dir in run_dirs]
     try:
-        with _banner_not_warnings(), warnings.catch_warnings(record=True) as caught:
+        with _stops_exit("the comparison", out), _banner_not_warnings(), \
+                warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", DifferentDataWarning)
             where = api.compare(run_dirs, out, report_format, names=name, allow_damaged=allow_damaged)
     except ProbeError as error:
@@ -639,7 +675,32 @@ def compare_command(
     for run_dir in run_dirs:
         if (Path(run_dir) / "manifest.json").is_file():
             _damaged_banner(run_dir, None, allow_damaged)
+    for line in _comparison_lines(where / "compare.csv"):
+        typer.echo(line)
     typer.echo(f"comparison: {where / 'index.html'}")
+
+
+def _comparison_lines(table: Path) -> list[str]:
+    """The headline comparison, as ``probe run`` ends with its headline: the slice the runs share, then per run
+    (and attention type) its non-trivial rows, mean, p95 and share above 0.1 (read from ``compare.csv``)."""
+    import pandas as pd
+
+    from probe.report.compare import rounded
+    from probe.report.data import FAR, type_label
+
+    frame = pd.read_csv(table)
+    first = frame.iloc[0]
+    where = ", ".join(part for part in (
+        f"{first['space']} space" if isinstance(first["space"], str) else "",
+        f"alpha {first['alpha']:g}" if pd.notna(first["alpha"]) else "") if part)
+    width = max(len(str(run)) for run in frame["run"])
+    several = frame["attention_type"].nunique() > 1
+    return [f"rel_deviation{', ' + where if where else ''}, over the non-trivial rows:"] + [
+        f"  {str(row['run']).ljust(width)}  " + (f"{type_label(row['attention_type'])}: " if several else "")
+        + f"{int(row['count']):,} rows: mean {rounded(row['mean'])}, p95 {rounded(row['p95'])}, "
+        f"{row[f'share_above_{FAR:g}']:.1%} above {FAR:g}"
+        for row in frame.to_dict("records")
+    ]
 
 
 @app.command("verify")
@@ -669,8 +730,44 @@ def verify_command(
     raise typer.Exit(code=0 if report.ok else 1)
 
 
+class _ReaderMayLeave:
+    """Standard output for a reader that may stop reading (``probe ... | head``): once the pipe is closed,
+    what is written goes nowhere, and the command ends as it would have (its exit status unchanged)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _gone(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+            self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def main() -> None:
-    app()
+    import sys
+
+    sys.stdout = _ReaderMayLeave(sys.stdout)
+    try:
+        app()
+    finally:
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -41,7 +41,9 @@ class DatasetSpec:
     split: str | None = None
     column: str | None = None
     target_column: str | None = None
-    samples: int | None = None
+    samples: int | None = None  # --samples N: the first N non-empty texts (None: every text)
+    # --samples random:N: N texts drawn at random by this seed (the run's --seed) instead of the first N
+    sample_seed: int | None = None
 
     @property
     def split_name(self) -> str:
@@ -60,6 +62,16 @@ class DatasetSpec:
         return path if path.exists() else None
 
     def describe(self) -> str:
+        drawn = f", a random sample of {self.samples} drawn with seed {self.sample_seed}" if self.drawn else ""
+        return self.source() + drawn
+
+    @property
+    def drawn(self) -> bool:
+        """Whether the texts are a random sample (``--samples random:N``) rather than the first N."""
+        return self.samples is not None and self.sample_seed is not None
+
+    def source(self) -> str:
+        """Where the texts come from, in words."""
         if self.name is None:
             return "embedded probe corpus"
         if self.local_path is not None:  # without this machine's layout where possible (~/data.txt)

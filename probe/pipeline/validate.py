@@ -6,7 +6,8 @@ says what is wrong and what to do:
 
 1. **options**: each alpha finite and > 0 (no repeats), tolerances finite and > 0, a known dtype, a
    device that exists here (cpu; cuda[:N] and mps only where available; never meta), batch size,
-   samples and max length >= 1, known spaces and init, a memory budget > 0;
+   samples and max length >= 1, a seed from 0 to 2^64 - 1, known spaces and init, a memory budget > 0,
+   ``--intervene-modes`` only with ``--intervene``;
 2. **output**: ``--out`` can hold a new run directory (a temporary file is created and removed in it,
    or in its nearest existing parent; ``--out`` itself is not created);
 3. **data**: readable, not empty, the text column exists and holds text (:mod:`probe.capture.data` names the
@@ -147,6 +148,28 @@ def parse_names(text: str, name: str) -> tuple[str, ...]:
     return names
 
 
+#: ``--samples``' help: how many texts a run takes, and which
+SAMPLES_HELP = ("N: the first N non-empty texts; random:N: N of them drawn at random, seeded by --seed (the same "
+                "texts on every run and resume with that seed) [default: every text].")
+
+
+def parse_samples(value, name: str = "samples") -> tuple[int | None, bool]:
+    """``--samples``: ``None`` (every text), ``N`` or ``"N"`` (the first N non-empty texts), or ``"random:N"``
+    (N of them drawn at random, seeded by the run's seed: :func:`probe.capture.data.sample_positions`).
+    Returns ``(N, drawn)``; ``N`` is checked to be at least 1 with the other options."""
+    if value is None:
+        return None, False
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, False
+    match = re.fullmatch(r"\s*(random\s*:\s*)?([+-]?[0-9]+)\s*", value) if isinstance(value, str) else None
+    if match is None:
+        raise ProbeError(
+            f"{option(name)} takes N (the first N texts) or random:N (N texts drawn at random, seeded by "
+            f"{option('seed')}), e.g. {option(name, '200')} or {option(name, 'random:200')}; got {value!r}."
+        )
+    return int(match.group(2)), match.group(1) is not None
+
+
 def parse_memory(text: str) -> int:
     """``"4GB"`` -> 4_000_000_000 bytes; units B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB,
     TiB (powers of 1024), case-insensitive."""
@@ -207,7 +230,29 @@ def check_options(config) -> None:
         raise ProbeError(f"{option('max_memory')} must be more than 0 bytes, got {config.max_memory_bytes}.")
     if config.threads is not None and config.threads < 1:
         raise ProbeError(f"{option('threads')} must be at least 1, got {config.threads}.")
+    check_seed(config.seed)
     check_intervention_options(config)
+
+
+#: the largest seed: torch's generators take 64-bit seeds, numpy's any whole number >= 0
+MAX_SEED = 2**64 - 1
+
+
+def check_seed(seed: int, name: str = "seed") -> None:
+    """A seed both torch's and numpy's generators take: a whole number from 0 to :data:`MAX_SEED`."""
+    if not 0 <= seed <= MAX_SEED:
+        raise ProbeError(f"{option(name)} must be a whole number from 0 to {MAX_SEED} (2^64 - 1, what torch's "
+                         f"generators take), got {seed}.")
+
+
+def check_intervene_modes_given(intervene, intervene_modes) -> None:
+    """``--intervene-modes`` only with ``--intervene`` (``intervene_modes`` None: not given): the modes say how
+    substitutes are put in, and without substitutes they would be ignored."""
+    if intervene_modes is not None and not intervene:
+        raise ProbeError(
+            f"{option('intervene_modes')} applies to interventions: add {option('intervene', 'exact')} (the "
+            f"substitutes to put into the forward pass), or remove {option('intervene_modes')}."
+        )
 
 
 def check_intervention_options(config) -> None:

@@ -23,14 +23,14 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from probe.core.destination import check_destination, writing
+from probe.core.destination import check_destination, check_replaceable, writing, written_whole
 from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.spelling import option
 from probe.report import explorer
 from probe.report.breakdowns import drivers_figure, positions_figure, roles_figure
 from probe.report.compare import compare_runs
-from probe.report.data import Run, read_run
+from probe.report.data import Run, read_run, require_run_dir
 from probe.report.figures import (
     heads_figure,
     heatmap_figure,
@@ -151,13 +151,15 @@ def build_report(
     run of the same model, say), whose headline numbers the first screen shows beside the run's (default:
     the run directory the manifest's ``control`` names, relative to the run directory).  Every number is
     asked of the rows through :mod:`probe.query`, so memory stays within the readers' budget
-    (``PROBE_MEMORY_BUDGET``) whatever the rows.  Raises :class:`ProbeError` for a missing run directory, a
+    (``PROBE_MEMORY_BUDGET``) whatever the rows.  The report is written whole or not at all
+    (:func:`probe.core.destination.written_whole`): ``out_dir`` holds the previous report until the new one is
+    complete, and a folder that holds anything but an earlier report is refused.  Raises :class:`ProbeError` for a missing run directory, a
     missing, unreadable or incomplete deviations table and unknown formats.  A missing or invalid
     ``manifest.json`` only warns; a table without rows gives a report that says there is no data.
     """
     check_environment()
     formats = check_formats(formats)
-    run_dir = Path(run_dir)
+    run_dir = require_run_dir(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
     say = Progress(progress)
     if control is not None and not Path(control).is_dir():  # said before the run is read
@@ -166,13 +168,21 @@ def build_report(
     if out_dir.exists() and not out_dir.is_dir():
         raise ProbeError(f"Report directory {out_dir} exists and is not a directory. "
                          f"Choose another {option('out')}.")
+    check_replaceable(out_dir, "out", "report", REPORT_MARKER)
     check_destination(out_dir, "out")  # before the run is read: writable, with room
     run = read_run(run_dir, name=name, allow_damaged=allow_damaged)
-    with writing("the report", out_dir):
-        return _build(run, run_dir, out_dir, formats, control, allow_damaged, say)
+    with writing("the report", out_dir), written_whole(out_dir) as staging:
+        _build(run, run_dir, staging, formats, control, allow_damaged, say)
+    say(f"wrote {out_dir / 'index.html'}")
+    return out_dir
 
 
-def _build(run, run_dir: Path, out_dir: Path, formats, control, allow_damaged: bool, say) -> Path:
+#: the file every report holds (its first): a folder with it is an earlier report, which a new one replaces whole
+REPORT_MARKER = "summary.json"
+
+
+def _build(run, run_dir: Path, out_dir: Path, formats, control, allow_damaged: bool, say) -> None:
+    """The report's files, written into ``out_dir`` (the hidden folder :func:`build_report` moves into place)."""
     try:
         counts = run.counts(main=False)
         say(f"read {run_dir} ({counts['rows']:,} rows in {len(run.table.files):,} part file(s), "
@@ -206,7 +216,5 @@ def _build(run, run_dir: Path, out_dir: Path, formats, control, allow_damaged: b
         html_text = page(run, summary, found, saved, explorer_html, explorer_data, quantities, section,
                          control_numbers)
         (out_dir / "index.html").write_text(html_text, encoding="utf-8")
-        say(f"wrote {out_dir / 'index.html'}")
     finally:
         run.table.close()
-    return out_dir

@@ -18,7 +18,7 @@ import pandas as pd
 from probe.capture.tokens import describe as describe_unknown
 from probe.core.version import __version__
 from probe.report import explorer
-from probe.report.data import QUANTILE_METHOD, Run, lookup, type_label
+from probe.report.data import QUANTILE_METHOD, Run, lookup, model_of, type_label
 from probe.report.findings import RULE
 from probe.report.style import Saved
 from probe.report.summary import FAR, headline, main_rows, scale_words
@@ -90,6 +90,12 @@ def _format_value(value) -> str:
     return str(value)
 
 
+def _model(run: Run) -> str:
+    """The model's own name, which a run named with ``--name`` shows beside its name."""
+    model = model_of(run.manifest)
+    return run.name if model == "unknown model" else model
+
+
 def one_line(run: Run) -> str:
     """Model · data · rows · certification · fidelity, from the data and the manifest."""
     main = run.counts()
@@ -107,7 +113,9 @@ def one_line(run: Run) -> str:
     else:
         fidelity_text = "fidelity unknown"
     revision = lookup(run.manifest, "model", "revision")
-    model = run.name + (f" @ {str(revision)[:12]}" if isinstance(revision, str) and revision else "")
+    model = _model(run)
+    model = (f"{run.name} ({model})" if model != run.name else model) + (
+        f" @ {str(revision)[:12]}" if isinstance(revision, str) and revision else "")
     return (
         f"<b>{html.escape(model)}</b> · {html.escape(run.dataset)} · {main['rows']:,} rows "
         f"({trivial:,} trivial left out) · {html.escape(certified)} · {html.escape(fidelity_text)}"
@@ -184,7 +192,8 @@ def _facts(run: Run) -> list[tuple[str, str]]:
     manifest = run.manifest
     every = run.counts(main=False)
     facts = [
-        ("model", run.name),
+        *([("run", run.name)] if run.name != _model(run) else []),  # --name, or the report's own
+        ("model", _model(run)),
         ("model type", lookup(manifest, "model", "model_type")),
         ("revision", lookup(manifest, "model", "revision")),
         ("dataset", run.dataset),
