@@ -124,6 +124,23 @@ def _torch_bin_truncated(directory):
     _truncate("pytorch_model.bin")(directory)
 
 
+class _RunsCode:
+    """An object whose unpickling calls a function: what a malicious pytorch_model.bin holds."""
+
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+def _pickle_that_runs_code(directory):
+    """The tiny BERT's weights as pytorch_model.bin, with an object beside them whose unpickling calls a
+    function (a harmless one: the refusal comes before it runs)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(directory / "model.safetensors")
+    torch.save({**tensors, "payload": _RunsCode()}, directory / "pytorch_model.bin")
+    (directory / "model.safetensors").unlink()
+
+
 def _tokenizer_larger_than_the_embeddings(directory):
     """A WordPiece vocabulary of 50,522 entries (20,000 new ones first, so the usual words get ids beyond the
     model's 30,522 embedding rows) beside the tiny BERT's 30,522-row embedding."""
@@ -160,6 +177,7 @@ def bad(tmp_path_factory, tiny_bert_dir):
     b.zero_bytes = m("zero-bytes", edit=_truncate("model.safetensors", keep=0))
     b.missing_shard = m("missing-shard", edit=_sharded_with_a_missing_shard)
     b.truncated_bin = m("truncated-bin", edit=_torch_bin_truncated)
+    b.unsafe_pickle = m("unsafe-pickle", edit=_pickle_that_runs_code)
     b.mismatched = m("mismatched", edit=_edit_json("config.json", hidden_size=128, intermediate_size=256))
     b.no_attention = m("no-query-weights", edit=_without_weights("attention.self.query"))
     b.short_tokenizer = m("short-tokenizer", edit=_edit_json("tokenizer_config.json", model_max_length=64))
@@ -208,6 +226,9 @@ def bad(tmp_path_factory, tiny_bert_dir):
     b.int_parquet = b.files / "ints.parquet"
     pd.DataFrame({"text": [1, 2, 3], "label": ["a", "b", "c"]}).to_parquet(b.int_parquet)
     b.corrupt_parquet = b.file("corrupt.parquet", b"PAR1 this is not parquet")
+    b.nul_txt = b.file("zeros.txt", bytes(4096))  # valid UTF-8, and no text
+    b.nul_in_a_line = b.file("nul-line.txt", b"fine\nalso fine\nbroken \x00 here\n")
+    b.nul_jsonl = b.file("nul.jsonl", '{"text": "fine"}\n{"text": "a\\u0000b"}\n')
     return b
 
 
@@ -245,6 +266,12 @@ CASES = [
     Case("samples zero", lambda b: [b.tiny, "--samples", "0"], ("--samples must be at least 1",)),
     Case("samples negative", lambda b: [b.tiny, "--samples", "-5"], ("--samples must be at least 1",)),
     Case("max length zero", lambda b: [b.tiny, "--max-length", "0"], ("--max-length must be at least 1",)),
+    Case("samples neither a count nor random:N", lambda b: [b.tiny, "--samples", "random:some"],
+         ("--samples takes N (the first N texts) or random:N", "'random:some'")),
+    Case("samples random zero", lambda b: [b.tiny, "--samples", "random:0"], ("--samples must be at least 1",)),
+    Case("seed beyond 64 bits", lambda b: [b.tiny, "--seed", "99999999999999999999"],
+         ("--seed must be a whole number from 0 to 18446744073709551615", "99999999999999999999")),
+    Case("seed negative", lambda b: [b.tiny, "--seed", "-1"], ("--seed must be a whole number from 0",)),
     Case("space unknown", lambda b: [b.tiny, "--space", "hidden,query"], ("Unknown --space query", "hidden, key")),
     Case("space repeated", lambda b: [b.tiny, "--space", "key,key"], ("--space lists a space twice",)),
     Case("space empty entry", lambda b: [b.tiny, "--space", "hidden,"], ("--space", "empty entry")),
@@ -300,6 +327,11 @@ CASES = [
     Case("unsupported file type", lambda b: [b.tiny, "--dataset", b.xlsx], ("Unsupported data file", ".xlsx")),
     Case("folder without data files", lambda b: [b.tiny, "--dataset", b.no_data_dir], ("No data files in the folder",)),
     Case("folder of mixed files", lambda b: [b.tiny, "--dataset", b.mixed_dir], ("mixes data files of different kinds",)),
+    Case("text file of NUL bytes", lambda b: [b.tiny, "--dataset", b.nul_txt],
+         ("zeros.txt", "line 1 holds NUL characters", "binary data")),
+    Case("text file with a NUL in a line", lambda b: [b.tiny, "--dataset", b.nul_in_a_line, "--samples", "random:2"],
+         ("nul-line.txt", "line 3 holds NUL characters")),
+    Case("jsonl text with a NUL", lambda b: [b.tiny, "--dataset", b.nul_jsonl], ("row 1", "holds NUL characters")),
     # 4. model
     Case("model path typo", lambda b: ["./no-such-model"], ("The model path './no-such-model' does not exist",)),
     Case("model absolute path typo", lambda b: [b.root / "no-such-model"], ("does not exist",)),
@@ -326,6 +358,9 @@ CASES = [
     Case("empty safetensors", lambda b: [b.zero_bytes], ("corrupt or incomplete",)),
     Case("missing weight shard", lambda b: [b.missing_shard], ("lacks 1 of the 2 weight shards",)),
     Case("truncated pytorch_model.bin", lambda b: [b.truncated_bin], ("pytorch_model.bin' is incomplete",)),
+    Case("pytorch_model.bin whose pickle runs code", lambda b: [b.unsafe_pickle],
+         ("were refused as unsafe", "weights-only", "posix.getcwd", "The file is not damaged", "safetensors"),
+         note=LOAD),
     Case("weights that do not fit the config", lambda b: [b.mismatched],
          ("do not match its config.json", "(64, 64) in the checkpoint but (128, 128)"), note=LOAD),
     Case("weights without the attention queries", lambda b: [b.no_attention],
@@ -339,6 +374,8 @@ CASES = [
     Case("intervene empty entry", lambda b: [b.tiny, "--intervene", "exact,,null"], ("--intervene", "empty entry")),
     Case("intervene unknown mode", lambda b: [b.tiny, "--intervene", "exact", "--intervene-modes", "sites"],
          ("Unknown --intervene-modes sites", "per-site, whole")),
+    Case("intervene modes without intervene", lambda b: [b.tiny, "--intervene-modes", "whole"],
+         ("--intervene-modes applies to interventions", "add --intervene exact", "or remove --intervene-modes")),
     Case("intervene on a family that cannot substitute", lambda b: [b.mpnet, "--init", "random", "--intervene", "exact"],
          ("--intervene needs a model whose attention probe can substitute", "(mpnet)", "remove --intervene")),
     # 5. max length
@@ -507,6 +544,18 @@ COMMANDS = [
             ("Unknown figure format", "svg")),
     Command("vit training with a bad memory budget", lambda b: ["vit", "train", "--out", "{tmp}/vit"],
             ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
+    # what a command is given, said as what it is
+    Command("report of a file", lambda b: ["report", b.run / "manifest.json"],
+            ("manifest.json is a file, not a run directory", "Pass the run directory")),
+    Command("compare of a file", lambda b: ["compare", b.run, b.run / "manifest.json", "--out", "{tmp}/compare"],
+            ("manifest.json is a file, not a run directory",)),
+    Command("verify with a negative seed", lambda b: ["verify", b.run, "--seed", "-1"],
+            ("--seed must be a whole number from 0",)),
+    # a report and a comparison replace their folder whole: a folder of other files is not theirs to delete
+    Command("report into a folder of other files", lambda b: ["report", b.run, "--out", b.other_files],
+            ("holds files that are not a report", "replacing the folder and everything in it")),
+    Command("compare into a folder of other files", lambda b: ["compare", b.run, b.run2, "--out", b.other_files],
+            ("holds files that are not a comparison",)),
     Command("series with a bad memory budget",
             lambda b: ["series", b.tiny, "--steps", "10", "--out", "{tmp}/series", "--no-progress"],
             ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
@@ -548,6 +597,9 @@ def runs(bad: Bad) -> Bad:
         (run_dir,) = out.iterdir()
         setattr(bad, attribute, run_dir)
     bad.flipped = Path(shutil.copytree(bad.run, bad.root / "flipped" / bad.run.name))
+    bad.other_files = bad.root / "notes"
+    bad.other_files.mkdir()
+    (bad.other_files / "draft.md").write_text("not a report\n")
     _flip_a_value_byte(bad.flipped / "deviations.parquet" / "part-000001.parquet")
     return bad
 
