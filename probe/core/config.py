@@ -11,8 +11,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from probe.core import arguments
 from probe.core.errors import ProbeError
 from probe.core.naming import expand_path, recorded_path
+from probe.core.spelling import option
 from probe.core.version import __version__
 
 #: the parameterisations, in display order: "hidden" (t = x/sqrt(d'), z = c W_k^T q), "key" (t = k/sqrt(d'), z = c q)
@@ -113,6 +115,74 @@ class RunConfig:
     # the training step of the weights measured (a checkpoint of a series, probe.training.series; the model being trained,
     # probe.callbacks); None: the run is not a step of training
     step: int | None = None
+    # what the run measures (probe.capture.selection): layers and query heads as comma-separated indices and ranges,
+    # negative from the end (None: all; probe.core.arguments.indices), attention types (None: all), and which
+    # query positions of each text (probe.core.arguments.queries: all, last, every:K, sample:N)
+    layers: str | None = None
+    heads: str | None = None
+    attention_types: tuple[str, ...] | None = None
+    queries: str = "all"
+
+    @classmethod
+    def from_options(
+        cls, model: str, *, dataset: str | None = None, config: str | None = None, split: str | None = None,
+        column: str | None = None, target_column: str | None = None, samples: int | str | None = None,
+        max_length: int = 128,
+        batch_size: int = 8, alpha=1.0, space=None, init: str = "pretrained", tokenizer=None, max_memory=None,
+        threads: int | None = None, out="runs", device: str = "auto", dtype: str = "float32",
+        revision: str | None = None, seed: int = 0, fidelity_tolerance=None, name: str | None = None,
+        progress: bool = True, intervene=None, intervene_modes=None, allow_unknown_tokens: bool = False,
+        step: int | None = None, layers=None, heads=None, attention_types=None, queries="all",
+    ) -> "RunConfig":
+        """The settings of a run from the options as the command line, the Python API and the Trainer callback
+        give them (:mod:`probe.core.arguments`: one value, a sequence or a comma-separated string; a size for
+        ``max_memory``), each read one way for all three.  A value of the wrong kind is refused by name
+        (:class:`ProbeError`); the values' ranges and their fit to the model are checked later
+        (:func:`probe.pipeline.validate.check_options`, :func:`probe.pipeline.validate.check_run`).
+        ``samples``: N (the first N texts) or ``"random:N"`` (N drawn by ``seed``); ``intervene_modes``: only with
+        ``intervene`` (None: both modes)."""
+        samples, drawn = arguments.samples(samples)
+        if intervene_modes is not None and not intervene:
+            raise ProbeError(
+                f"{option('intervene_modes')} applies to interventions: add {option('intervene', 'exact')} (the "
+                f"substitutes to put into the forward pass), or remove {option('intervene_modes')}."
+            )
+        arguments.whole_numbers(("samples", "threads", "step"), samples=samples, max_length=max_length,
+                                batch_size=batch_size, threads=threads, step=step)
+        arguments.seed(seed)
+        if step is not None and step < 0:
+            raise ProbeError(f"{option('step')} is a training step, a whole number >= 0; got {step}.")
+        if fidelity_tolerance is not None and not arguments.is_number(fidelity_tolerance):
+            raise ProbeError(f"{option('fidelity_tolerance')} takes a number, got {fidelity_tolerance!r}.")
+        if isinstance(max_memory, str):
+            max_memory = arguments.parse_size(max_memory, "max_memory")
+        elif max_memory is not None:
+            arguments.whole_numbers(max_memory=max_memory)
+        layer_ranges, head_ranges = arguments.indices(layers, "layers"), arguments.indices(heads, "heads")
+        return cls(
+            model=str(model),
+            dataset=DatasetSpec(name=None if dataset is None else str(dataset), config=config, split=split,
+                                column=column, target_column=target_column, samples=samples,
+                                sample_seed=seed if drawn else None),
+            out=Path(out), revision=revision, batch_size=batch_size, max_length=max_length,
+            alphas=arguments.numbers(alpha, "alpha"), spaces=arguments.names(space, "space"), init=init,
+            tokenizer=None if tokenizer is None else str(tokenizer), max_memory_bytes=max_memory, threads=threads,
+            device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance, progress=progress,
+            name=name, intervene=arguments.names(intervene, "intervene") or (),
+            intervene_modes=arguments.names(INTERVENTION_MODES if intervene_modes is None else intervene_modes,
+                                            "intervene_modes"),
+            allow_unknown_tokens=bool(allow_unknown_tokens), step=step,
+            layers=None if layer_ranges is None else arguments.describe_indices(layer_ranges),
+            heads=None if head_ranges is None else arguments.describe_indices(head_ranges),
+            attention_types=arguments.names(attention_types, "attention_types"),
+            queries=str(arguments.queries(queries)),
+        )
+
+    @property
+    def selects(self) -> bool:
+        """Whether the run measures less than every layer, head, attention type and query position."""
+        return (self.layers is not None or self.heads is not None or self.attention_types is not None
+                or arguments.queries(self.queries).selects)
 
 
 #: the settings that hold local paths, which the manifest records without this machine's layout

@@ -7,43 +7,53 @@ run.  The variables:
 
 - ``PROBE_MEMORY_BUDGET``: the memory one reader may hold, bytes or a size with a unit (:func:`parse_size`);
 - ``PROBE_NATIVE``: ``0`` runs the solver's torch loops instead of its compiled kernel, ``1`` (default) not;
+- ``PROBE_SCHEDULE``: ``0`` runs the solver's adaptive iterations without its fixed schedule first, ``1``
+  (default) not;
+- ``PROBE_CACHE_DIR``: probe's cache folder (default ``~/.cache/probe``);
 - ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``: whole numbers, as torchrun sets them.
 """
 
 from __future__ import annotations
 
 import os
-import re
+from pathlib import Path
 
+from probe.core import arguments
 from probe.core.errors import ProbeError
 
 #: the environment variable that sets the memory budget of one reader
 MEMORY_BUDGET_ENV = "PROBE_MEMORY_BUDGET"
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 #: the variables torchrun sets, each a whole number (0 or more)
 RANK_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def parse_size(text: str, *, what: str = MEMORY_BUDGET_ENV) -> int:
-    """Bytes from ``"600MB"``, ``"1.5GiB"``, ``"2g"`` or a plain number of bytes; a clear error otherwise."""
-    match = _SIZE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS:
-        raise ProbeError(
-            f"{what}={text!r} is not a size. Give bytes, or a number with a unit: 600MB, 1.5GiB, 2G "
-            f"(or unset {what})."
-        )
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise ProbeError(f"{what}={text!r} must be positive: give a size such as 600MB, 1.5GiB, 2G (or unset {what}).")
-    return size
+    """Bytes from a size in an environment variable ``what`` (the grammar of
+    :func:`probe.core.arguments.parse_size`, which ``--max-memory`` shares)."""
+    return arguments.parse_size(text, what, variable=True)
+
+
+def memory_budget_bytes(default: int) -> int:
+    """``PROBE_MEMORY_BUDGET`` in bytes, or ``default`` where it is not set."""
+    text = os.environ.get(MEMORY_BUDGET_ENV)
+    return default if text in (None, "") else parse_size(text)
+
+
+def cache_dir() -> Path:
+    """probe's cache folder: ``PROBE_CACHE_DIR``, else ``~/.cache/probe`` (texts given in Python, the compiled
+    Newton kernel)."""
+    return Path(os.environ.get("PROBE_CACHE_DIR") or Path.home() / ".cache" / "probe")
+
+
+def native_kernel_allowed() -> bool:
+    """``PROBE_NATIVE``: ``0`` runs the solver's torch loops instead of its compiled kernel; ``1`` (default) not."""
+    return os.environ.get("PROBE_NATIVE", "1") != "0"
+
+
+def fixed_schedule_allowed() -> bool:
+    """``PROBE_SCHEDULE``: ``0`` runs the solver's adaptive iterations alone, without the fixed schedule first
+    (for comparisons); ``1`` (default) not."""
+    return os.environ.get("PROBE_SCHEDULE", "1") != "0"
 
 
 def check_environment() -> None:
@@ -52,10 +62,11 @@ def check_environment() -> None:
     budget = os.environ.get(MEMORY_BUDGET_ENV)
     if budget not in (None, ""):
         parse_size(budget)
-    native = os.environ.get("PROBE_NATIVE")
-    if native not in (None, "", "0", "1"):
-        raise ProbeError(f"PROBE_NATIVE={native!r}: give 0 (the solver's torch loops) or 1 (its compiled kernel, the "
-                         "default), or unset it.")
+    for name, zero, one in (("PROBE_NATIVE", "the solver's torch loops", "its compiled kernel"),
+                            ("PROBE_SCHEDULE", "the adaptive iterations alone", "the fixed schedule first")):
+        value = os.environ.get(name)
+        if value not in (None, "", "0", "1"):
+            raise ProbeError(f"{name}={value!r}: give 0 ({zero}) or 1 ({one}, the default), or unset it.")
     for name in RANK_VARIABLES:
         value = os.environ.get(name)
         if value not in (None, "") and not value.strip().isdigit():

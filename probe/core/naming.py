@@ -12,7 +12,6 @@ Nothing here imports torch or transformers: run names are decided before anythin
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -80,7 +79,9 @@ TEXTS_SUFFIX = "-texts"
 def texts_folder() -> Path:
     """Where ``probe.run(texts=[...])`` keeps the texts it is given, as JSON lines named by their SHA-256:
     probe's cache (``$PROBE_CACHE_DIR``, else ``~/.cache/probe``), folder ``texts``."""
-    return Path(os.environ.get("PROBE_CACHE_DIR") or Path.home() / ".cache" / "probe") / "texts"
+    from probe.core.environment import cache_dir
+
+    return cache_dir() / "texts"
 
 
 def is_texts_file(dataset: str | None) -> bool:

@@ -11,6 +11,8 @@ import torch
 from probe.batch.rows import RowContext
 from probe.capture.data import DatasetSpec, Texts, load_texts
 from probe.capture.loading import LoadedModel, device_name, load_model
+from probe.capture.selection import Selection
+from probe.capture.selection import resolve as resolve_selection
 from probe.capture.truncation import cut_texts, kept_characters
 from probe.core import naming
 from probe.core.config import RunConfig
@@ -31,6 +33,7 @@ class Job:
     context: RowContext  # what rows need beyond sites and solutions (token texts, cached over the run)
     timings: dict
     started: float  # time.perf_counter() when the segment started loading
+    selection: Selection  # what the run measures (probe.capture.selection), resolved against the loaded model
 
 
 #: texts tokenized at once while the batches are planned (their lengths are kept, not their tokens, so
@@ -95,7 +98,8 @@ def prepare(
         example_ids=[], special_ids=frozenset(loaded.tokenizer.all_special_ids),
         token_text={}, tokenizer=loaded.tokenizer,
     )
-    return Job(config, loaded, texts, batches, lengths, device, context, timings, started)
+    selection = resolve_selection(config, loaded.adapter.stacks(loaded.model.config))
+    return Job(config, loaded, texts, batches, lengths, device, context, timings, started, selection)
 
 
 def say(config: RunConfig, message: str) -> None:

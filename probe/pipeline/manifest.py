@@ -80,6 +80,8 @@ def new_manifest(job: Job, unknown_tokens: dict) -> dict:
         "alpha": list(config.alphas),
         "spaces": list(config.spaces),
         "init": config.init,
+        # what the run measures (probe.capture.selection): every type, layer, head and query, or those selected
+        "selection": job.selection.record(),
         "parameterisation": {
             "alpha": list(config.alphas),
             "spaces": list(config.spaces),

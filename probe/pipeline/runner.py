@@ -441,7 +441,8 @@ def _start_batch(job: Job, batch: int, lane=None):
             records.extend(batch_records(job.loaded, inputs, example_ids, intervention_config, emit))
             records.append(time.perf_counter() - started)
 
-    wait = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context, lane, capture)
+    wait = process_batch(job.loaded, inputs, example_ids, job.config, summary, job.context, lane, capture,
+                         selection=job.selection)
 
     def finish() -> tuple[pa.Table, Summary, dict, pa.Table | None]:
         tables, seconds = wait()

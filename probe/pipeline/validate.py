@@ -6,8 +6,7 @@ says what is wrong and what to do:
 
 1. **options**: each alpha finite and > 0 (no repeats), tolerances finite and > 0, a known dtype, a
    device that exists here (cpu; cuda[:N] and mps only where available; never meta), batch size,
-   samples and max length >= 1, a seed from 0 to 2^64 - 1, known spaces and init, a memory budget > 0,
-   ``--intervene-modes`` only with ``--intervene``;
+   samples and max length >= 1, known spaces and init, a memory budget > 0;
 2. **output**: ``--out`` can hold a new run directory (a temporary file is created and removed in it,
    or in its nearest existing parent; ``--out`` itself is not created);
 3. **data**: readable, not empty, the text column exists and holds text (:mod:`probe.capture.data` names the
@@ -40,7 +39,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 import zipfile
 from dataclasses import dataclass
@@ -75,13 +73,6 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", 
 POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 #: A tokenizer's model_max_length at or above this means "no limit" (transformers' placeholder is 1e30).
 NO_LIMIT = 10**9
-
-#: Units of ``--max-memory`` (SI and binary), in bytes.
-MEMORY_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-
 
 @dataclass
 class Checked:
@@ -122,68 +113,6 @@ def check_run(config) -> Checked:
 
 # --------------------------------------------------------------------------------------------------
 # 1. options
-
-
-def parse_numbers(text: str, name: str) -> tuple[float, ...]:
-    """``"0.25,0.5,1"`` -> ``(0.25, 0.5, 1.0)``; one value or a comma-separated list (``name``: the
-    option's parameter name, for the message)."""
-    items = [item.strip() for item in str(text).split(",")]
-    values = []
-    for item in items:
-        try:
-            values.append(float(item))
-        except ValueError:
-            raise ProbeError(
-                f"{option(name)} takes a number or comma-separated numbers (e.g. {option(name, '0.5,1,2')}); "
-                f"{item!r} in {text!r} is not a number."
-            ) from None
-    return tuple(values)
-
-
-def parse_names(text: str, name: str) -> tuple[str, ...]:
-    """``"hidden, key"`` -> ``("hidden", "key")``."""
-    names = tuple(item.strip() for item in str(text).split(","))
-    if any(not each for each in names):
-        raise ProbeError(f"{option(name, text)} has an empty entry; separate names by single commas.")
-    return names
-
-
-#: ``--samples``' help: how many texts a run takes, and which
-SAMPLES_HELP = ("N: the first N non-empty texts; random:N: N of them drawn at random, seeded by --seed (the same "
-                "texts on every run and resume with that seed) [default: every text].")
-
-
-def parse_samples(value, name: str = "samples") -> tuple[int | None, bool]:
-    """``--samples``: ``None`` (every text), ``N`` or ``"N"`` (the first N non-empty texts), or ``"random:N"``
-    (N of them drawn at random, seeded by the run's seed: :func:`probe.capture.data.sample_positions`).
-    Returns ``(N, drawn)``; ``N`` is checked to be at least 1 with the other options."""
-    if value is None:
-        return None, False
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value, False
-    match = re.fullmatch(r"\s*(random\s*:\s*)?([+-]?[0-9]+)\s*", value) if isinstance(value, str) else None
-    if match is None:
-        raise ProbeError(
-            f"{option(name)} takes N (the first N texts) or random:N (N texts drawn at random, seeded by "
-            f"{option('seed')}), e.g. {option(name, '200')} or {option(name, 'random:200')}; got {value!r}."
-        )
-    return int(match.group(2)), match.group(1) is not None
-
-
-def parse_memory(text: str) -> int:
-    """``"4GB"`` -> 4_000_000_000 bytes; units B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB,
-    TiB (powers of 1024), case-insensitive."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", str(text), re.IGNORECASE)
-    unit = match and match.group(2).lower()
-    if not match or unit not in MEMORY_UNITS:
-        raise ProbeError(
-            f"{option('max_memory', text)} is not a memory size. Give a number and a unit, e.g. 4GB, 512MB or 8GiB "
-            f"(units: {', '.join(u.upper().replace('I', 'i') for u in MEMORY_UNITS)})."
-        )
-    size = float(match.group(1)) * MEMORY_UNITS[unit]
-    if not math.isfinite(size) or size < 1:
-        raise ProbeError(f"{option('max_memory')} must be a finite size of at least 1 byte, got {text!r}.")
-    return int(size)
 
 
 def check_options(config) -> None:
@@ -230,34 +159,22 @@ def check_options(config) -> None:
         raise ProbeError(f"{option('max_memory')} must be more than 0 bytes, got {config.max_memory_bytes}.")
     if config.threads is not None and config.threads < 1:
         raise ProbeError(f"{option('threads')} must be at least 1, got {config.threads}.")
-    check_seed(config.seed)
     check_intervention_options(config)
 
 
-#: the largest seed: torch's generators take 64-bit seeds, numpy's any whole number >= 0
-MAX_SEED = 2**64 - 1
-
-
-def check_seed(seed: int, name: str = "seed") -> None:
-    """A seed both torch's and numpy's generators take: a whole number from 0 to :data:`MAX_SEED`."""
-    if not 0 <= seed <= MAX_SEED:
-        raise ProbeError(f"{option(name)} must be a whole number from 0 to {MAX_SEED} (2^64 - 1, what torch's "
-                         f"generators take), got {seed}.")
-
-
-def check_intervene_modes_given(intervene, intervene_modes) -> None:
-    """``--intervene-modes`` only with ``--intervene`` (``intervene_modes`` None: not given): the modes say how
-    substitutes are put in, and without substitutes they would be ignored."""
-    if intervene_modes is not None and not intervene:
-        raise ProbeError(
-            f"{option('intervene_modes')} applies to interventions: add {option('intervene', 'exact')} (the "
-            f"substitutes to put into the forward pass), or remove {option('intervene_modes')}."
-        )
-
-
 def check_intervention_options(config) -> None:
-    """``--intervene`` and ``--intervene-modes`` (probe.interventions): known names, each once."""
+    """``--intervene`` and ``--intervene-modes`` (probe.interventions): known names, each once; and no selection
+    with ``--intervene``, which substitutes whole sites (every head and query) into the forward pass."""
     intervene = tuple(getattr(config, "intervene", ()) or ())
+    if intervene and config.selects:
+        from probe.capture.selection import describe_config
+
+        raise ProbeError(
+            f"{option('intervene')} puts each site's exact posterior into the forward pass for every head and query, "
+            f"so it measures the whole model, but this run selects part of it ({describe_config(config)}). Remove "
+            f"{option('intervene')}, or the selection ({option('layers')}, {option('heads')}, "
+            f"{option('attention_types')}, {option('queries')})."
+        )
     modes = tuple(getattr(config, "intervene_modes", INTERVENTION_MODES) or ())
     for name, values, choices in (("intervene", intervene, INTERVENTION_SUBSTITUTES),
                                   ("intervene_modes", modes, INTERVENTION_MODES)):
@@ -389,6 +306,9 @@ def check_model(config):
     adapter = adapter_for(model_config.model_type)  # an architecture without adapter fails before anything else
     adapter.model_class(model_config)  # the adapter may refuse a checkpoint (an encoder-only T5, for example)
     check_family_options(config, model_config, adapter)
+    from probe.capture.selection import resolve as resolve_selection
+
+    resolve_selection(config, adapter.stacks(model_config))  # --layers, --heads, --attention-types against the model
     spaces = tuple(config.spaces or adapter.spaces[:1])  # None: the adapter's default (rotary models: key)
     unsupported = [space for space in spaces if space not in adapter.spaces]
     if unsupported:

@@ -61,10 +61,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from probe.core import arguments
 from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.schema import ROW_KEY
-from probe.pipeline.validate import check_seed
 from probe.store import integrity, storage
 
 #: absolute slack added to every bound: rounding of the explicit form rebuilt from the reduced one
@@ -372,7 +372,7 @@ def _bounds(stored: dict, ref: dict, derived_bounds: dict | None = None) -> dict
 def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
     """Check every part's checksum and re-solve ``sample`` rows drawn with ``seed`` (see the module)."""
     check_environment()
-    check_seed(seed)
+    arguments.seed(seed)
     run_dir = Path(run_dir)
     manifest = storage.read_manifest(run_dir)
     parts = integrity.check_parts(run_dir, manifest, checksums=True)

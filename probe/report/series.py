@@ -42,7 +42,7 @@ P95_BINS = 1024
 SHARE = f"share_above_{FAR:g}"
 #: the statistics drawn against the step, each with ``_low`` and ``_high`` columns in ``series.csv``
 STATISTICS = ("mean", "p95", SHARE)
-SERIES_COLUMNS = ("step", "run", "run_dir", "attention_type", "layer", "examples", "count",
+SERIES_COLUMNS = ("step", "run", "run_dir", "checkpoint", "attention_type", "layer", "examples", "count",
                   *(f"{s}{end}" for s in STATISTICS for end in ("", "_low", "_high")))
 FINDING_COLUMNS = ("step", "event", "attention_type", "finding", "ratio", "text")
 
@@ -95,6 +95,16 @@ def _interval(values: np.ndarray) -> tuple[float, float]:
     return float(low), float(high)
 
 
+def checkpoint(run: Run) -> str:
+    """Where the run's weights came from, as its manifest records them: the model's path or hub id, with its
+    revision (``MODEL@REV``) and ``(random init)`` for a random initialisation."""
+    config = run.manifest.get("config") or {}
+    where = str(config.get("model") or "")
+    if config.get("revision"):
+        where += f"@{config['revision']}"
+    return where + (" (random init)" if config.get("init") == "random" else "")
+
+
 def run_statistics(run: Run, attention_type: str, label: str, step: int) -> list[dict]:
     """The rows of ``series.csv`` for one run and attention type: the whole model, then each layer."""
     measured = f"{run.measured_where} AND attention_type = '{attention_type}'"
@@ -131,7 +141,8 @@ def run_statistics(run: Run, attention_type: str, label: str, step: int) -> list
         pooled = weights @ histogram
         p95s = np.where(pooled.sum(axis=1) > 0, histogram_quantile(pooled, edges, 0.95), np.nan)
         point = whole if layer is None else layer_stats.loc[layer]
-        record = {"step": step, "run": label, "run_dir": run.run_dir.name, "attention_type": attention_type,
+        record = {"step": step, "run": label, "run_dir": run.run_dir.name, "checkpoint": checkpoint(run),
+                  "attention_type": attention_type,
                   "layer": layer, "examples": int(sums.loc[pick, "example"].nunique()), "count": int(point["count"])}
         for statistic, replicates in (("mean", means), ("p95", p95s), (SHARE, shares)):
             record[statistic] = float(point[statistic])
@@ -254,11 +265,11 @@ def series_html(table: pd.DataFrame, events: pd.DataFrame) -> str:
     """The page's part: the whole model's numbers per step, and the findings that appear or vanish."""
     esc = html.escape
     whole = table[table["layer"].isna()]
-    header = "".join(f"<th>{esc(h)}</th>" for h in ("attention type", "step", "run", "rows measured",
+    header = "".join(f"<th>{esc(h)}</th>" for h in ("attention type", "step", "run", "checkpoint", "rows measured",
                                                      *(NAMES[s] + f" [{LEVEL:.0%} interval]" for s in STATISTICS)))
     rows = "".join(
         "<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in (
-            type_label(r["attention_type"]), f"{r['step']:,}", r["run"], f"{r['count']:,}",
+            type_label(r["attention_type"]), f"{r['step']:,}", r["run"], r["checkpoint"], f"{r['count']:,}",
             *(_cell(r[s], r[f"{s}_low"], r[f"{s}_high"]) for s in STATISTICS))) + "</tr>"
         for r in whole.to_dict("records"))
     said = {"present": "found at the first step", "appears": "appears", "vanishes": "vanishes"}

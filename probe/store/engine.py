@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from probe.core.environment import MEMORY_BUDGET_ENV, parse_size  # noqa: F401 (re-exported)
+from probe.core.environment import MEMORY_BUDGET_ENV, memory_budget_bytes, parse_size  # noqa: F401 (re-exported)
 from probe.core.errors import ProbeError
 
 #: the memory budget when ``PROBE_MEMORY_BUDGET`` is not set (bytes)
@@ -25,8 +25,7 @@ DUCKDB_SHARE = 0.5
 
 def memory_budget() -> int:
     """The memory one reader may use, in bytes (``PROBE_MEMORY_BUDGET``, default 1 GiB)."""
-    text = os.environ.get(MEMORY_BUDGET_ENV)
-    return DEFAULT_MEMORY_BUDGET if text in (None, "") else parse_size(text)
+    return memory_budget_bytes(DEFAULT_MEMORY_BUDGET)
 
 
 #: DuckDB's memory limit is never set below this (it needs a few buffers per thread to run at all)

@@ -9,8 +9,10 @@ from typing import Optional
 import typer
 
 from probe.core.errors import exit_with as _fail  # the one error paragraph and exit status 2 of probe's commands
+from probe.run_options import PER_RUN, with_run_options
 
 
+@with_run_options(leave_out=PER_RUN)
 def series_command(
     checkpoints: list[str] = typer.Argument(
         ..., metavar="CHECKPOINT", help="A Trainer's output folder (its checkpoint-* folders), checkpoint folders, or "
@@ -26,21 +28,6 @@ def series_command(
     random_init: bool = typer.Option(
         False, "--random-init", help="Add the architecture with random weights (--init random) as step 0.",
     ),
-    dataset: Optional[str] = typer.Option(
-        None, metavar="FILE|NAME", help="Hub dataset name or a local .txt/.jsonl/.csv/.parquet file [default: the "
-        "embedded corpus].",
-    ),
-    config: Optional[str] = typer.Option(None, metavar="NAME", help="Hub dataset configuration."),
-    split: Optional[str] = typer.Option(None, metavar="NAME", help="Hub dataset split [default: train]."),
-    column: Optional[str] = typer.Option(None, metavar="NAME", help="Column holding the texts [default: text]."),
-    samples: Optional[int] = typer.Option(None, metavar="N", help="Use the first N non-empty texts."),
-    max_length: int = typer.Option(128, metavar="N", help="Truncate texts to this many tokens."),
-    batch_size: int = typer.Option(8, metavar="N", help="Examples per forward pass."),
-    alpha: str = typer.Option("1", metavar="A[,A...]", help="Strength(s) alpha of the inference problem."),
-    space: Optional[str] = typer.Option(None, metavar="SPACE[,SPACE]", help="Parameterisation(s): hidden and/or key."),
-    device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option("float32", "--dtype", metavar="DTYPE", help="Model dtype (float32, float64, ...)."),
-    out: Path = typer.Option(Path("runs"), metavar="DIR", help="Parent directory of the runs."),
     name: Optional[str] = typer.Option(
         None, "--name", metavar="NAME", help="The series' name: its runs are NAME-step<N> [default: the model's name].",
     ),
@@ -49,22 +36,21 @@ def series_command(
     ),
     report_format: str = typer.Option("png", "--format", metavar="FMT[,FMT]", help="Figure formats (png,pdf)."),
     progress: bool = typer.Option(True, help="Say what each run is doing; --no-progress prints the final lines only."),
+    **options,
 ):
     """Measure every checkpoint of a training on the same texts, ordered by step, and draw the series.
 
-    Every checkpoint is checked first (its files, its step, one architecture for all): a problem exits with
-    status 2 and nothing is written. Each run is an ordinary run (probe resume, probe report take it).
+    Every checkpoint is checked first (its files, its step, one architecture for all) and so are the run options,
+    which each run takes as `probe run` does: a problem exits with status 2 and nothing is written. Each run is an
+    ordinary run (probe resume, probe report take it).
     """
     from probe.core.errors import ProbeError
     from probe.training.series import run_series
 
     try:  # a stop (Ctrl-C) goes up to the command line, which says where the stopped run is
         series = run_series(
-            checkpoints, revisions=revision, steps=steps, random_init=random_init, out=out, name=name,
-            compare=compare if compare is not None else True, dataset=dataset, config=config, split=split,
-            column=column, samples=samples,
-            max_length=max_length, batch_size=batch_size, alpha=alpha, space=space, device=device, dtype=dtype,
-            formats=report_format, progress=progress,
+            checkpoints, revisions=revision, steps=steps, random_init=random_init, name=name,
+            compare=compare if compare is not None else True, formats=report_format, progress=progress, **options,
         )
     except ProbeError as error:
         _fail(error)

@@ -146,6 +146,14 @@ def checkpoints(models: str | Sequence[str], *, revisions: str | Sequence[str] |
         first = found[0]
         found.append(Checkpoint(model=first.model, revision=first.revision, step=0, source="random init",
                                 init="random"))
+    places_seen: dict[tuple, Checkpoint] = {}
+    for each in found:
+        place = (str(Path(each.model).expanduser().resolve()) if Path(each.model).expanduser().exists() else each.model,
+                 each.revision, each.init)
+        if place in places_seen:
+            raise ProbeError(f"The checkpoint {each.model}{'@' + each.revision if each.revision else ''} is given twice "
+                             f"(as {places_seen[place].label} and {each.label}); give each checkpoint once.")
+        places_seen[place] = each
     steps_seen: dict[int, Checkpoint] = {}
     for each in found:
         if each.step in steps_seen:
@@ -161,9 +169,12 @@ def architecture(config) -> dict:
     return {key: data[key] for key in ARCHITECTURE_KEYS if data.get(key) is not None}
 
 
-def check_series(series: list[Checkpoint], *, spaces=None, tokenizer: str | None = None) -> None:
-    """Every checkpoint's files and config (:func:`probe.pipeline.validate.check_model`), and one architecture for all;
+def check_series(series: list[Checkpoint], settings=None) -> None:
+    """Every checkpoint's files and config (:func:`probe.pipeline.validate.check_model`, which checks the run
+    options ``settings`` against the model: spaces, tokenizer, the selection), and one architecture for all;
     nothing is written.  A revision or folder that cannot be read is named with its step."""
+    from dataclasses import replace
+
     from probe.capture.loading import load_config
     from probe.core.config import RunConfig
     from probe.pipeline.validate import check_model
@@ -174,8 +185,8 @@ def check_series(series: list[Checkpoint], *, spaces=None, tokenizer: str | None
     shapes = []
     for each in series:
         try:
-            check_model(RunConfig(model=each.model, revision=each.revision, init=each.init, spaces=spaces,
-                                  tokenizer=tokenizer))
+            check_model(replace(settings or RunConfig(model=each.model), model=each.model, revision=each.revision,
+                                init=each.init))
             shapes.append(architecture(load_config(each.model, each.revision)))
         except ProbeError as error:
             raise ProbeError(f"The checkpoint {each.label} cannot be measured: {error}") from None
@@ -229,7 +240,14 @@ def run_series(models: str | Sequence[str], *, revisions: str | Sequence[str] | 
     if options.get("init") is not None or options.get("revision") is not None or options.get("step") is not None:
         raise ProbeError("A series sets each run's init, revision and step itself: use --random-init, --revision "
                          "and --steps.")
-    check_series(series, spaces=api._names(options.get("space"), "space"), tokenizer=options.get("tokenizer"))
+    from probe.core.config import RunConfig
+    from probe.pipeline.validate import check_options
+
+    # every run's options as probe.run reads them, checked before the first run (the selection against the model
+    # in check_series)
+    settings = RunConfig.from_options(series[0].model, out=out, dataset=dataset, **options)
+    check_options(settings)
+    check_series(series, settings)
     base = name or _series_name(next(c for c in series if c.init != "random"))
     compare_dir = None if compare is False else Path(out) / f"{slug(base)}-series" if compare is True else Path(compare)
     if compare_dir is not None and compare_dir.exists() and not compare_dir.is_dir():

@@ -104,14 +104,14 @@ def test_a_random_sample_of_the_embedded_corpus():
                                            ("random:12", (12, True)), (" random : 3 ", (3, True)),
                                            ("0", (0, False)), ("random:-2", (-2, True))])
 def test_samples_are_a_count_or_random_count(value, parsed):
-    from probe.pipeline.validate import parse_samples
+    from probe.core.arguments import samples as parse_samples
 
     assert parse_samples(value) == parsed
 
 
 @pytest.mark.parametrize("value", ["random", "random:", "first:3", "3.5", "random:3.5", "", True, 2.0])
 def test_other_samples_are_refused(value):
-    from probe.pipeline.validate import parse_samples
+    from probe.core.arguments import samples as parse_samples
 
     with pytest.raises(ProbeError, match=r"samples= takes N \(the first N texts\) or random:N"):
         parse_samples(value)

@@ -269,18 +269,35 @@ CASES = [
     Case("samples neither a count nor random:N", lambda b: [b.tiny, "--samples", "random:some"],
          ("--samples takes N (the first N texts) or random:N", "'random:some'")),
     Case("samples random zero", lambda b: [b.tiny, "--samples", "random:0"], ("--samples must be at least 1",)),
-    Case("seed beyond 64 bits", lambda b: [b.tiny, "--seed", "99999999999999999999"],
-         ("--seed must be a whole number from 0 to 18446744073709551615", "99999999999999999999")),
-    Case("seed negative", lambda b: [b.tiny, "--seed", "-1"], ("--seed must be a whole number from 0",)),
     Case("space unknown", lambda b: [b.tiny, "--space", "hidden,query"], ("Unknown --space query", "hidden, key")),
     Case("space repeated", lambda b: [b.tiny, "--space", "key,key"], ("--space lists a space twice",)),
     Case("space empty entry", lambda b: [b.tiny, "--space", "hidden,"], ("--space", "empty entry")),
     Case("init unknown", lambda b: [b.tiny, "--init", "xavier"], ("Unknown --init xavier", "pretrained or random")),
-    Case("max memory unit", lambda b: [b.tiny, "--max-memory", "4XB"], ("--max-memory 4XB is not a memory size",)),
-    Case("max memory no unit", lambda b: [b.tiny, "--max-memory", "4"], ("is not a memory size",)),
-    Case("max memory words", lambda b: [b.tiny, "--max-memory", "lots"], ("is not a memory size",)),
-    Case("max memory negative", lambda b: [b.tiny, "--max-memory", "-1GB"], ("is not a memory size",)),
-    Case("max memory zero", lambda b: [b.tiny, "--max-memory", "0GB"], ("--max-memory must be a finite size of at least 1 byte",)),
+    Case("max memory unit", lambda b: [b.tiny, "--max-memory", "4XB"], ("--max-memory 4XB is not a size",)),
+    Case("max memory words", lambda b: [b.tiny, "--max-memory", "lots"], ("is not a size",)),
+    Case("max memory negative", lambda b: [b.tiny, "--max-memory", "-1GB"], ("is not a size",)),
+    Case("max memory zero", lambda b: [b.tiny, "--max-memory", "0GB"], ("--max-memory 0GB must be a finite size of at least 1 byte",)),
+    # the selection: the tiny BERT has 2 layers and 4 heads of one attention type, self
+    Case("layer out of range", lambda b: [b.tiny, "--layers", "0,2"],
+         ("--layers 0,2: 2 is out of range for this model", "self: 2 layers, 0 to 1 (or -2 to -1)")),
+    Case("layer negative out of range", lambda b: [b.tiny, "--layers", "-3"], ("-3 is out of range", "2 layers")),
+    Case("layer range reversed", lambda b: [b.tiny, "--layers", "1-0"], ("1-0 is out of range",)),
+    Case("layers malformed", lambda b: [b.tiny, "--layers", "1;2"], ("--layers '1;2': '1;2' is not an index",)),
+    Case("layers empty entry", lambda b: [b.tiny, "--layers", "0,,1"], ("'' is not an index or a range a-b",)),
+    Case("head out of range", lambda b: [b.tiny, "--heads", "4"], ("--heads 4: 4 is out of range", "4 heads, 0 to 3")),
+    Case("heads words", lambda b: [b.tiny, "--heads", "all"], ("--heads all: 'all' is not an index",)),
+    Case("attention type absent", lambda b: [b.tiny, "--attention-types", "cross"],
+         ("--attention-types cross: the model has no such attention type; its types are self",)),
+    Case("queries unknown", lambda b: [b.tiny, "--queries", "first"], ("Unknown --queries first",)),
+    Case("queries every zero", lambda b: [b.tiny, "--queries", "every:0"], ("K must be at least 1, got 0",)),
+    Case("queries sample negative", lambda b: [b.tiny, "--queries", "sample:-2"], ("N must be at least 1, got -2",)),
+    Case("queries sample no number", lambda b: [b.tiny, "--queries", "sample:"], ("sample:N needs a whole number N",)),
+    Case("queries sample words", lambda b: [b.tiny, "--queries", "sample:many"], ("sample:N needs a whole number",)),
+    Case("queries last with a number", lambda b: [b.tiny, "--queries", "last:3"], ("last takes no number",)),
+    Case("selection with interventions", lambda b: [b.tiny, "--layers", "0", "--intervene", "exact"],
+         ("--intervene puts each site's exact posterior", "Remove --intervene, or the selection",)),
+    Case("seed out of range", lambda b: [b.tiny, "--seed", "99999999999999999999"],
+         ("--seed must be a whole number from 0 to 9223372036854775807",)),
     # 2. output location
     Case("out is a file", lambda b: [b.tiny, "--out", b.a_file], ("is a file, not a folder",)),
     Case("out below a file", lambda b: [b.tiny, "--out", b.a_file / "runs"], ("cannot be created", "is a file")),
@@ -401,7 +418,7 @@ CASES = [
     # 8. environment variables, checked with the options (not after the run)
     Case("memory budget not a size", lambda b: [b.tiny], ("PROBE_MEMORY_BUDGET='garbage' is not a size",),
          env={"PROBE_MEMORY_BUDGET": "garbage"}),
-    Case("memory budget zero", lambda b: [b.tiny], ("PROBE_MEMORY_BUDGET='0' must be positive",),
+    Case("memory budget zero", lambda b: [b.tiny], ("PROBE_MEMORY_BUDGET='0' must be a finite size of at least 1 byte",),
          env={"PROBE_MEMORY_BUDGET": "0"}),
     Case("memory budget negative", lambda b: [b.tiny], ("PROBE_MEMORY_BUDGET='-5' is not a size",),
          env={"PROBE_MEMORY_BUDGET": "-5"}),
@@ -705,16 +722,25 @@ def test_random_init_needs_no_weights(bad, tmp_path):
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("4GB", 4 * 10**9), ("4 gb", 4 * 10**9), ("512MiB", 512 * 2**20), ("1.5GiB", 3 * 2**29), ("100B", 100)],
+    [("4GB", 4 * 10**9), ("4 gb", 4 * 10**9), ("512MiB", 512 * 2**20), ("1.5GiB", 3 * 2**29), ("100B", 100),
+     # the spellings PROBE_MEMORY_BUDGET took: plain bytes, one-letter binary units
+     ("4096", 4096), ("2G", 2 * 2**30), ("600m", 600 * 2**20), ("1k", 1024),
+     # the spellings --max-memory took: scientific notation, with or without a unit
+     ("1e9B", 10**9), ("1e9", 10**9), ("2.5e3 KB", 2_500_000)],
 )
-def test_max_memory_units(text, expected):
-    from probe.pipeline.validate import parse_memory
+def test_one_size_grammar_for_the_option_and_the_variable(text, expected, monkeypatch):
+    """--max-memory and PROBE_MEMORY_BUDGET read sizes by one grammar: every spelling either took is
+    read the same by both."""
+    from probe.core.arguments import parse_size
+    from probe.core.environment import memory_budget_bytes
 
-    assert parse_memory(text) == expected
+    assert parse_size(text) == expected
+    monkeypatch.setenv("PROBE_MEMORY_BUDGET", text)
+    assert memory_budget_bytes(1) == expected
 
 
 def test_alpha_lists():
-    from probe.pipeline.validate import parse_numbers
+    from probe.core.arguments import parse_numbers
 
     assert parse_numbers("0.25, 0.5,1", "alpha") == (0.25, 0.5, 1.0)
     assert parse_numbers("2", "alpha") == (2.0,)

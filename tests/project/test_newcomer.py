@@ -355,7 +355,7 @@ def test_texts_name_their_bad_item(tiny_bert_dir, tmp_path, texts, fragment):
     (dict(batch_size=0), "batch_size= must be at least 1"),
     (dict(batch_size="8"), "batch_size= takes a whole number, got '8'"),
     (dict(space="query"), "Unknown space='query'"),
-    (dict(max_memory="4XB"), "max_memory='4XB' is not a memory size"),
+    (dict(max_memory="4XB"), "max_memory='4XB' is not a size"),
     (dict(intervene="posterior"), "Unknown intervene='posterior'"),
     (dict(dtype="float8"), "Unknown dtype='float8'"),
     (dict(fidelity_tolerance=-1.0), "fidelity_tolerance= must be a finite number > 0"),

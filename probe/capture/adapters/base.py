@@ -38,7 +38,9 @@ from typing import Callable
 
 import torch
 
+from probe.capture.selection import Stack
 from probe.core.config import SPACES  # the parameterisations, in display order
+from probe.core.errors import ProbeError
 
 
 @dataclass
@@ -66,6 +68,8 @@ class SiteCapture:
         key_weight: :math:`W_k`, ``(g * d', D)``, with ``key_hidden``.
         query_positions: each query's position within its own sequence (``(b, q)``; ``None`` means the
             column index, which differs under left padding).
+        head_ids: each query head's index in the model, when the site holds some of its heads only
+            (:func:`probe.capture.selection.restrict`); ``None`` means heads ``0 .. h - 1``.
     """
 
     attention_type: str
@@ -82,6 +86,7 @@ class SiteCapture:
     key_hidden: torch.Tensor | None = None
     key_weight: torch.Tensor | None = None
     query_positions: torch.Tensor | None = None
+    head_ids: tuple[int, ...] | None = None
 
     @property
     def spaces(self) -> tuple[str, ...]:
@@ -93,6 +98,23 @@ class SiteCapture:
         """``(b, h, q, k)``."""
         b, h, q, _ = self.queries.shape
         return b, h, q, self.keys.shape[2]
+
+
+#: config.json entries that give the number of layers, and of query heads, of the encoder's (or the only)
+#: stack and of the decoder's, in the order they are looked for
+LAYER_ENTRIES = {"source": ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers"),
+                 "target": ("num_decoder_layers", "decoder_layers", "num_hidden_layers", "num_layers", "n_layer")}
+HEAD_ENTRIES = {"source": ("num_attention_heads", "num_heads", "n_head", "n_heads", "encoder_attention_heads"),
+                "target": ("decoder_attention_heads", "num_attention_heads", "num_heads", "n_head", "n_heads")}
+
+
+def config_entry(config, names: tuple[str, ...]) -> int | None:
+    """The first of ``names`` that ``config`` sets to a whole number > 0 (None: none does)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 @dataclass
@@ -204,19 +226,42 @@ class Adapter(ABC):
         """Tokenise a batch into the model's keyword inputs (padded)."""
 
     @abstractmethod
-    def capture(self, model, inputs: dict, emit: Callable[[SiteCapture], None]) -> None:
-        """Run the model on ``inputs`` and call ``emit`` with each attention site as soon as it is computed."""
+    def capture(self, model, inputs: dict, emit: Callable[[SiteCapture], None], selection=None) -> None:
+        """Run the model on ``inputs`` and call ``emit`` with each attention site as soon as it is computed;
+        with a ``selection`` (:class:`probe.capture.selection.BatchSelection`), only the selected sites, each cut
+        to its selected heads and queries (:func:`probe.capture.selection.restrict`)."""
 
-    def sites(self, model, inputs: dict) -> list[SiteCapture]:
-        """Every site of one forward pass, as a list (for tests and interactive use; holds them all)."""
+    def sites(self, model, inputs: dict, selection=None) -> list[SiteCapture]:
+        """Every site of one forward pass (or those ``selection`` measures), as a list (for tests and interactive
+        use; holds them all)."""
         collected: list[SiteCapture] = []
         with torch.no_grad():
-            self.capture(model, inputs, collected.append)
+            self.capture(model, inputs, collected.append, selection)
         return collected
 
     def describe(self) -> dict:
         """Conventions recorded in the manifest (parameterisation, decoder input, ...)."""
         return {}
+
+    def stacks(self, config) -> dict[str, Stack]:
+        """Each attention type's number of layers and query heads, read from the model's config before any
+        weight loads (:mod:`probe.capture.selection` checks ``--layers`` and ``--heads`` against them).  The
+        decoder's attention types (``decoder_self``, ``cross``) read the decoder's entries, the others the
+        encoder's (or the only stack's); a family with other entries overrides this."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        found = {}
+        for kind in self.attention_types:
+            stack = "target" if kind in ("decoder_self", "cross") else "source"
+            layers, heads = config_entry(text, LAYER_ENTRIES[stack]), config_entry(text, HEAD_ENTRIES[stack])
+            if layers is None or heads is None:
+                raise ProbeError(
+                    f"probe cannot tell the number of {'layers' if layers is None else 'attention heads'} of this "
+                    f"{config.model_type} model's {kind} attention from its config.json (none of "
+                    f"{', '.join(LAYER_ENTRIES[stack] if layers is None else HEAD_ENTRIES[stack])}); its adapter must "
+                    "say (probe.capture.adapters, Adapter.stacks)."
+                )
+            found[kind] = Stack(layers, heads)
+        return found
 
 
 def head_split(x: torch.Tensor, heads: int) -> torch.Tensor:

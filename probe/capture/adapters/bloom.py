@@ -34,6 +34,7 @@ import torch
 from probe.capture.adapters.base import Adapter, SiteCapture, head_split, padded_batch
 from probe.capture.adapters.hooks import recording
 from probe.capture.adapters.interface import mask_to_log
+from probe.capture.selection import selected
 from probe.core.errors import ProbeError
 
 #: further BloomAttention inputs to record, as (keyword, positional index)
@@ -82,7 +83,8 @@ class BloomAdapter(Adapter):
             "queries": "real tokens; query = position within the token's own sequence (also under left padding)",
         }
 
-    def capture(self, model, inputs, emit):
+    def capture(self, model, inputs, emit, selection=None):
+        emit = selected(emit, selection)  # the sites and rows a run measures (probe.capture.selection)
         modules = [block.self_attention for block in model.h]
         mask = inputs.get("attention_mask")
         key_mask = (torch.ones_like(inputs["input_ids"]) if mask is None else mask).bool()

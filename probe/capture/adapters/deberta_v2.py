@@ -39,6 +39,7 @@ import torch
 from probe.capture.adapters.base import Adapter, SiteCapture, padded_batch, project
 from probe.capture.adapters.hooks import recording
 from probe.capture.adapters.interface import mask_to_log
+from probe.capture.selection import selected
 from probe.core.errors import ProbeError
 
 #: further DisentangledSelfAttention inputs to record, as (keyword, positional index)
@@ -87,7 +88,8 @@ class DebertaV2Adapter(Adapter):
             "logit_identity": "alpha <t_i, z> + log u_i = q.k_i / sqrt(s d') + c2p + p2c + mask (alpha = 1)",
         }
 
-    def capture(self, model, inputs, emit):
+    def capture(self, model, inputs, emit, selection=None):
+        emit = selected(emit, selection)  # the sites and rows a run measures (probe.capture.selection)
         modules = [layer.attention.self for layer in model.encoder.layer]
         key_mask = inputs["attention_mask"].bool()
 

@@ -43,6 +43,7 @@ from probe.capture.adapters.interface import (
     eager_attention_calls,
     mask_to_log,
 )
+from probe.capture.selection import SiteRows, site_rows
 from probe.core.errors import ProbeError
 
 #: how inputs are encoded (and which attention types exist)
@@ -216,7 +217,7 @@ class InterfaceAdapter(Adapter):
             )
         return found
 
-    def capture(self, model, inputs, emit):
+    def capture(self, model, inputs, emit, selection=None):
         sites = self.site_modules(model)
         names = {module: name for name, module in model.named_modules()}
         roles = self._roles(inputs)
@@ -240,7 +241,10 @@ class InterfaceAdapter(Adapter):
             layer = per_type[attention_type]
             per_type[attention_type] += 1
             called.add(call.module)
-            emit(self._site(call, attention_type, layer, roles[attention_type], key_inputs.pop(call.module, None)))
+            key_input = key_inputs.pop(call.module, None)
+            if selection is not None and not selection.wants(attention_type, layer):
+                return  # a site left out: nothing of it is kept
+            emit(self._site(call, attention_type, layer, roles[attention_type], key_input, selection))
 
         extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
         try:
@@ -275,15 +279,21 @@ class InterfaceAdapter(Adapter):
             "cross": (target_ids, target_mask, source_mask),
         }
 
-    def _site(self, call: AttentionCall, attention_type, layer, role, key_input) -> SiteCapture:
+    def _site(self, call: AttentionCall, attention_type, layer, role, key_input, selection=None) -> SiteCapture:
+        """The site of one attention call; with a ``selection``, only its selected heads and queries, cut from
+        the call's tensors before anything is converted to float64 (:class:`probe.capture.selection.SiteRows`)."""
         device = call.query.device
         keys = call.key.shape[2]
+        query_ids, query_mask, key_mask = (x.to(device) for x in role)
+        b, h, _, d_head = call.query.shape
+        rows = None if selection is None else site_rows(selection, attention_type, h, call.key.shape[1], query_mask)
+        rows = rows or SiteRows(batch=b)
         log_u = torch.zeros((1, 1, 1, keys), dtype=torch.float64, device=device)
         if call.attention_mask is not None:
-            log_u = log_u + mask_to_log(call.attention_mask[..., :keys]).to(device)
+            log_u = log_u + mask_to_log(rows.per_head_and_query(call.attention_mask[..., :keys])).to(device)
         if call.position_bias is not None:
-            log_u = log_u + call.position_bias[..., :keys].to(device=device, dtype=torch.float64)
-        query_ids, query_mask, key_mask = (x.to(device) for x in role)
+            bias = rows.per_head_and_query(call.position_bias[..., :keys])
+            log_u = log_u + bias.to(device=device, dtype=torch.float64)
         key_hidden = key_weight = None
         if self.family.key is not None:
             if key_input is None:
@@ -291,22 +301,23 @@ class InterfaceAdapter(Adapter):
                     f"{self.family.name}: the key projection '{self.family.key}' did not run before attention."
                 )
             key_hidden = key_input.to(device)
-            key_weight = self._key_weight(getattr(call.module, self.family.key)).to(device)
+            key_weight = rows.key_weight(self._key_weight(getattr(call.module, self.family.key)).to(device), d_head)
         return SiteCapture(
             attention_type=attention_type,
             layer=layer,
-            queries=call.query,
-            keys=call.key,
-            values=call.value,
+            queries=rows.per_head_and_query(call.query),
+            keys=rows.per_key_head(call.key),
+            values=rows.per_key_head(call.value),
             logit_scale=call.scaling,
             log_preference=log_u,
-            query_mask=query_mask,
+            query_mask=rows.query_mask(query_mask),
             key_mask=key_mask,
-            query_ids=query_ids,
-            model_probs=call.probs,
+            query_ids=rows.per_query(query_ids),
+            model_probs=rows.per_head_and_query(call.probs),
             key_hidden=key_hidden,
             key_weight=key_weight,
-            query_positions=query_mask.long().cumsum(-1) - 1,
+            query_positions=rows.per_query(query_mask.long().cumsum(-1) - 1),
+            head_ids=rows.head_ids(None),
         )
 
     def _key_weight(self, projection) -> torch.Tensor:

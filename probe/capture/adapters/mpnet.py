@@ -29,6 +29,7 @@ import torch
 from probe.capture.adapters.base import Adapter, SiteCapture, padded_batch, project
 from probe.capture.adapters.hooks import recording
 from probe.capture.adapters.interface import mask_to_log
+from probe.capture.selection import selected
 from probe.core.errors import ProbeError
 
 #: further MPNetSelfAttention inputs to record, as (keyword, positional index)
@@ -54,7 +55,8 @@ class MPNetAdapter(Adapter):
             "logit_identity": "alpha <t_i, z> + log u_i = q.k_i / sqrt(d') + position_bias + mask (alpha = 1)",
         }
 
-    def capture(self, model, inputs, emit):
+    def capture(self, model, inputs, emit, selection=None):
+        emit = selected(emit, selection)  # the sites and rows a run measures (probe.capture.selection)
         modules = [layer.attention.attn for layer in model.encoder.layer]
         key_mask = inputs["attention_mask"].bool()
 
