@@ -175,6 +175,30 @@ class Run:
         return report(self.run_dir, out, formats, name=name, allow_damaged=self.allow_damaged, progress=progress,
                       control=control)
 
+    def show(self, example: int, layer: int, head: int, *, attention_type: str | None = None,
+             space: str | None = None, alpha: float | None = None, out: str | Path | None = None):
+        """One text (``example``, its number in the rows) at one site (``attention_type``, ``layer``) and
+        ``head``: the model's attention and the exact posterior p* as matrices over query x key tokens, and their
+        difference, each query's relative deviation and certificate beside its row
+        (:class:`probe.report.text_view.TextView`; a notebook shows it as its figure; ``.save(path)`` writes a
+        PNG or PDF, as ``out`` does).  Recomputed from the model files the manifest names, which must be the
+        run's, and checked against the stored rows (:func:`probe.pipeline.recompute.text_view`).  ``space`` and
+        ``alpha`` default to the report's main slice, ``attention_type`` to the run's only one."""
+        from probe.core.destination import check_destination, writing
+        from probe.pipeline.recompute import text_view
+        from probe.report.text_view import view_format
+
+        if out is not None:  # before the model loads: a .png or .pdf that can be written
+            view_format(out)
+            check_destination(out, "out", kind="file")
+        view = text_view(self.run_dir, example, layer, head, attention_type=attention_type, space=space,
+                         alpha=alpha, allow_damaged=self.allow_damaged)
+        if out is not None:
+            Path(out).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            with writing("the text view", out):
+                view.save(Path(out).expanduser())
+        return view
+
     def export(self, to: str | Path, table: str = "deviations") -> int:
         """Write the rows (``table="interventions"``: the intervention records) into one file, Parquet or
         CSV by its extension; return the row count."""
@@ -356,11 +380,21 @@ def report(run_dir: str | Path | Run, out: str | Path | None = None, formats: st
            control: str | Path | Run | None = None) -> Path:
     """Build a run's report (figures, ``summary.csv``/``.json``, ``index.html``); return its directory.
     ``progress``: say each stage on stderr; ``control``: a control run (e.g. ``init="random"``) whose headline
-    numbers the first screen shows beside the run's."""
+    numbers the first screen shows beside the run's.  The page shows the worst row's text at its site and head
+    (:meth:`Run.show`), recomputed from the model's files where they are still the run's."""
     from probe.report import build_report
 
-    return build_report(_run_path(run_dir), out, _formats(formats), name=name, allow_damaged=allow_damaged,
-                        progress=progress, control=None if control is None else _run_path(control))
+    path = _run_path(run_dir)
+
+    def worst_text(row: dict):
+        from probe.pipeline.recompute import text_view
+
+        return text_view(path, row["example"], row["layer"], row["head"], attention_type=row["attention_type"],
+                         space=row["space"], alpha=row["alpha"], allow_damaged=allow_damaged)
+
+    return build_report(path, out, _formats(formats), name=name, allow_damaged=allow_damaged,
+                        progress=progress, control=None if control is None else _run_path(control),
+                        text_view=worst_text)
 
 
 def compare(runs: Sequence[str | Path | Run], out: str | Path = "compare", formats: str | Sequence[str] = "png", *,

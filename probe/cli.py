@@ -1,6 +1,7 @@
 """The ``probe`` command line (a typer app): ``probe run [MODEL]``, ``probe resume RUN_DIR``,
 ``probe status [RUN_DIR]``, ``probe export RUN_DIR --to FILE``, ``probe report RUN_DIR``,
-``probe compare RUN_DIR RUN_DIR...``, ``probe verify RUN_DIR`` and ``probe --version``.
+``probe compare RUN_DIR RUN_DIR...``, ``probe show RUN_DIR --example E --layer L --head H``,
+``probe verify RUN_DIR`` and ``probe --version``.
 
 Each command is a thin layer over :mod:`probe.api` (the same functions a notebook calls): it turns
 options into arguments, prints the final lines, and turns a :class:`probe.core.errors.ProbeError` into one
@@ -623,6 +624,55 @@ def _comparison_lines(table: Path) -> list[str]:
         f"{row[f'share_above_{FAR:g}']:.1%} above {FAR:g}"
         for row in frame.to_dict("records")
     ]
+
+
+@app.command("show")
+def show_command(
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help=RUN_DIR_HELP),
+    example: int = typer.Option(
+        ..., "--example", metavar="E", help="The text: its number in the run's rows (column example: its place in "
+        "the data, blank lines counted)."),
+    layer: int = typer.Option(..., "--layer", metavar="L", help="The layer, within its attention type's stack."),
+    head: int = typer.Option(..., "--head", metavar="H", help="The query head."),
+    attention_type: Optional[str] = typer.Option(
+        None, "--attention-type", metavar="T", help="self, causal_self, encoder_self, decoder_self or cross "
+        "[default: the run's only one]."),
+    space: Optional[str] = typer.Option(None, "--space", metavar="SPACE", help="hidden or key [default: hidden "
+                                        "where the run has it]."),
+    alpha: Optional[float] = typer.Option(None, "--alpha", metavar="A", help="[default: 1 where the run has it, "
+                                          "else its smallest]."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", metavar="FILE", help="A .png or .pdf to write [default: RUN_DIR/show/text-E-layerL-headH.png]."),
+    allow_damaged: bool = typer.Option(False, "--allow-damaged", help=ALLOW_DAMAGED_HELP),
+):
+    """Draw one text at one attention site and head: the model's attention and the exact posterior p* over query x
+    key tokens, and their difference, with each query's relative deviation and certificate beside its row.
+
+    p* is recomputed from the model files the manifest names (refused if they changed since the run) by running the
+    text's batch again, and checked against the run's stored rows: they must agree within their certificates.
+    """
+    import numpy as np
+
+    from probe import api
+    from probe.core.errors import ProbeError
+
+    run_dir = _run_dir(run_dir)
+    try:
+        run = api.load(run_dir, allow_damaged=allow_damaged)
+        if out is None:
+            out = run_dir / "show" / f"text-{example}{f'-{attention_type}' if attention_type else ''}-layer{layer}-" \
+                f"head{head}.png"
+        with _banner_not_warnings():
+            view = run.show(example, layer, head, attention_type=attention_type, space=space, alpha=alpha, out=out)
+    except ProbeError as error:
+        _fail(error)
+    compared = int(np.isfinite(view.stored_rel_deviation).sum())
+    typer.echo(f"{view.title}: {len(view.query_tokens)} queries x {len(view.key_tokens)} keys")
+    typer.echo(f"relative deviation: mean {view.rel_deviation.mean():.3g}, max {view.rel_deviation.max():.3g}; "
+               f"largest |p* - attention| {abs(view.difference).max():.3g}")
+    typer.echo(f"recomputed from the model's files: {compared} stored row(s) agree within their certificates "
+               f"(largest difference {view.largest_ratio:.2g} of what they allow)")
+    typer.echo(f"view: {out}")
 
 
 @app.command("verify")

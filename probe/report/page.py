@@ -236,10 +236,11 @@ def figure_html(figure: Saved) -> str:
 
 def page(run: Run, summary: pd.DataFrame, findings: list[dict], figures: list[Saved], explorer_html: str,
          explorer_data: dict | None, quantities: pd.DataFrame, interventions_html: str = "",
-         control: dict | None = None) -> str:
+         control: dict | None = None, worst_text_html: str = "") -> str:
     """The whole page (``interventions_html``: the section of a run with ``--intervene``,
     :func:`probe.report.interventions.section_html`; ``control``: the control run's headline numbers,
-    :func:`probe.report.summary.control_headline`)."""
+    :func:`probe.report.summary.control_headline`; ``worst_text_html``: the section on the worst row's text,
+    :func:`probe.report.text_view.section_html`)."""
     esc = html.escape
     notes = "".join(f"<li>{esc(note)}</li>" for note in run.notes)
     if findings:
@@ -288,10 +289,11 @@ def page(run: Run, summary: pd.DataFrame, findings: list[dict], figures: list[Sa
 <p class="note rule">{esc(RULE)}</p></div>
 </div>
 </header>
-<nav><a href="#explorer">Explorer</a><a href="#figures">Figures</a>{'<a href="#interventions">Interventions</a>' if interventions_html else ''}<a href="#tables">Tables</a><a href="#run">Run</a></nav>
+<nav><a href="#explorer">Explorer</a>{'<a href="#worst-text">Worst text</a>' if worst_text_html else ''}<a href="#figures">Figures</a>{'<a href="#interventions">Interventions</a>' if interventions_html else ''}<a href="#tables">Tables</a><a href="#run">Run</a></nav>
 <section id="explorer"><h2>Explorer</h2>
 {explorer_html}
 </section>
+{worst_text_html}
 <section id="figures"><h2>Figures</h2>
 {images or "<p>No data, no figures.</p>"}
 </section>

@@ -573,6 +573,31 @@ COMMANDS = [
             ("holds files that are not a report", "replacing the folder and everything in it")),
     Command("compare into a folder of other files", lambda b: ["compare", b.run, b.run2, "--out", b.other_files],
             ("holds files that are not a comparison",)),
+    # probe show: what to show, checked against the run before the model loads; then the model files
+    Command("show a text the run does not have", lambda b: ["show", b.run, "--example", "9", "--layer", "0",
+                                                            "--head", "0"],
+            ("has no rows of text --example 9", "numbered 0 to 3")),
+    Command("show a layer the run does not have", lambda b: ["show", b.run, "--example", "1", "--layer", "7",
+                                                             "--head", "0"], ("no rows of --layer 7", "its layers are 0, 1")),
+    Command("show a head the run does not have", lambda b: ["show", b.run, "--example", "1", "--layer", "1",
+                                                            "--head", "9"], ("no rows of --head 9", "its heads are 0, 1, 2, 3")),
+    Command("show an attention type the run does not have",
+            lambda b: ["show", b.run, "--example", "1", "--layer", "1", "--head", "0", "--attention-type", "cross"],
+            ("no --attention-type cross rows", "its attention types are self")),
+    Command("show a space the run does not have",
+            lambda b: ["show", b.run, "--example", "1", "--layer", "1", "--head", "0", "--space", "key"],
+            ("no --space key rows", "its spaces are hidden")),
+    Command("show an alpha the run does not have",
+            lambda b: ["show", b.run, "--example", "1", "--layer", "1", "--head", "0", "--alpha", "2"],
+            ("no rows at --alpha 2", "its alphas are 1")),
+    Command("show into a file that is not a png or a pdf",
+            lambda b: ["show", b.run, "--example", "1", "--layer", "1", "--head", "0", "--out", "{tmp}/view.svg"],
+            ("ends in .svg", "a .png or a .pdf")),
+    Command("show of a file", lambda b: ["show", b.run / "manifest.json", "--example", "1", "--layer", "1", "--head",
+                                         "0"], ("manifest.json is a file, not a run directory",)),
+    Command("show a run whose model files changed",
+            lambda b: ["show", b.changed_run, "--example", "1", "--layer", "1", "--head", "0"],
+            ("The model files of", "changed since the run (config.json changed", "Restore the files in")),
     Command("series with a bad memory budget",
             lambda b: ["series", b.tiny, "--steps", "10", "--out", "{tmp}/series", "--no-progress"],
             ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
@@ -614,6 +639,12 @@ def runs(bad: Bad) -> Bad:
         (run_dir,) = out.iterdir()
         setattr(bad, attribute, run_dir)
     bad.flipped = Path(shutil.copytree(bad.run, bad.root / "flipped" / bad.run.name))
+    model = Path(shutil.copytree(bad.tiny, bad.root / "changed-model"))  # a run of it, then its config changed
+    result = CliRunner().invoke(app, ["run", str(model), *args, "--out", str(bad.root / "runs-changed")])
+    assert result.exit_code == 0, result.output
+    (bad.changed_run,) = (bad.root / "runs-changed").iterdir()
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "layer_norm_eps": 1e-6}))
     bad.other_files = bad.root / "notes"
     bad.other_files.mkdir()
     (bad.other_files / "draft.md").write_text("not a report\n")
