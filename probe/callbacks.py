@@ -8,10 +8,11 @@ numbers go through the Trainer's own logging: they are added to the ``logs`` of 
 the callback asks for at that step), so ``on_log`` callbacks, ``report_to`` (TensorBoard, W&B, ...) and
 ``trainer.state.log_history`` receive them under ``probe/...`` names.
 
-What a measurement does to the training: none of its numbers, weights or random streams change.  The model
-is put in eval mode (no dropout) with eager attention for the measurement and each of its modules is given
-back the mode it had, and its attention implementation; the random number generators are saved and restored
-(the pipeline seeds its own); no gradient is computed and the optimizer is never touched.  It costs the
+What a measurement does to the training: none of its numbers, weights or random streams change.  For the
+measurement the model is put in eval mode (no dropout) and runs probe's attention function (its family's eager
+attention, selected for this model alone); afterwards each of its modules is given back the mode it had, and
+the model its attention implementation; the random number generators are saved and restored (the pipeline
+seeds its own); no gradient is computed and the optimizer is never touched.  It costs the
 training the measurement's time, on the model's own device, which the run's manifest records (``timings_s``)
 and the logs state (``probe/seconds``).
 
@@ -114,35 +115,26 @@ def check_in_memory(config, loaded):
 
 @contextmanager
 def measuring(model):
-    """The model as probe measures it, meanwhile: eval mode and eager attention, no gradients, and the random
-    number generators (CPU and the model's GPU) as they were; afterwards each module's mode, the attention
+    """The model as probe measures it, meanwhile: eval mode, probe's attention function (its family's eager
+    attention, observable: :func:`probe.capture.adapters.interface.runs_probe_attention`), no gradients, and the
+    random number generators (CPU and the model's GPU) as they were; afterwards each module's mode, the attention
     implementation and the generators are given back."""
     import torch
 
+    from probe.capture.adapters.interface import runs_probe_attention
+
     modes = [(module, module.training) for module in model.modules()]
-    config = model.config
-    implementation = getattr(config, "_attn_implementation", None)
     device = next(model.parameters()).device
     index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
     devices = [index] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         try:
             model.eval()
-            if implementation != "eager":
-                _set_attention(model, "eager")
-            yield model
+            with runs_probe_attention(model):
+                yield model
         finally:
-            if implementation != "eager":
-                _set_attention(model, implementation)
             for module, training in modes:
                 module.training = training
-
-
-def _set_attention(model, implementation) -> None:
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(implementation)
-    else:
-        model.config._attn_implementation = implementation
 
 
 def _config(loaded, texts_name: str, out: Path, *, step, name, options: dict):

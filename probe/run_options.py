@@ -52,8 +52,8 @@ RUN_OPTIONS: tuple[inspect.Parameter, ...] = (
             help="Measure only these attention types, e.g. cross alone on a T5 (self, causal_self, encoder_self, "
             "decoder_self, cross) [default: all]."),
     _option("queries", str, "all", metavar="RULE",
-            help="Which query positions of each text to measure: all; last (its last real token); every:K (positions "
-            "0, K, 2K, ...); sample:N (N positions per text, seeded by --seed, the same at every site and head). Only "
+            help="Which query positions of each text to measure: all; last, its last real token; every:K, positions "
+            "0, K, 2K, ...; sample:N, N positions per text drawn with --seed, the same at every site and head. Only "
             "what is selected is captured, solved and written."),
     _option("tokenizer", Optional[str], None, metavar="PATH|ID",
             help="Directory (or hub id) of the tokenizer, when it is not beside the model."),

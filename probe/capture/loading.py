@@ -197,6 +197,8 @@ def load_model(
     or from ``tokenizer`` when it is not beside the model (``--tokenizer``).
     """
     from probe.capture.adapters import adapter_for
+    from probe.capture.adapters.interface import ATTENTION
+    from probe.capture.adapters.interface import register as register_attention
 
     if dtype not in DTYPES:
         raise ProbeError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
@@ -211,7 +213,7 @@ def load_model(
     config = load_config(name, revision)
     adapter = adapter_for(config.model_type)
     saved_implementation = getattr(config, "_attn_implementation", None)
-    config._attn_implementation = "eager"
+    config._attn_implementation = register_attention()  # the family's eager attention, observable by probe
     try:
         with quiet_transformers():  # its "Loading weights" bar would break probe's lines
             if init == "random":
@@ -226,10 +228,10 @@ def load_model(
             "weights (model.safetensors or pytorch_model.bin); for a hub id, check your connection."
         ) from None
     loaded_tokenizer = load_tokenizer(tokenizer or name, None if tokenizer else revision)
-    if model.config._attn_implementation != "eager":
+    if model.config._attn_implementation != ATTENTION:
         raise ProbeError(
             f"'{name}' loaded with {model.config._attn_implementation} attention, which hides attention "
-            "probabilities; probe needs eager attention. Remove _attn_implementation from its config.json."
+            "probabilities; probe needs its eager attention. Remove _attn_implementation from its config.json."
         )
     model.eval()
     if device_map is None:

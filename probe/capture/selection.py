@@ -22,7 +22,7 @@ for ``self``, ``encoder_self`` and ``causal_self`` sites; the decoder's for ``de
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -30,9 +30,6 @@ import torch
 from probe.core.arguments import QueryRule, describe_indices, indices, queries
 from probe.core.errors import ProbeError
 from probe.core.spelling import option
-
-if TYPE_CHECKING:  # pragma: no cover
-    from probe.capture.adapters.base import SiteCapture
 
 #: attention types whose queries are decoder (target) tokens; the others' are the encoder's (source)
 TARGET_QUERY_TYPES = ("decoder_self", "cross")
@@ -338,8 +335,8 @@ def site_rows(chosen: "BatchSelection", attention_type: str, query_heads: int, k
                     columns=columns, selected=selected)
 
 
-def restrict(site: "SiteCapture", chosen: BatchSelection | None) -> "SiteCapture | None":
-    """The part of ``site`` that ``chosen`` measures (None when the site is not measured at all): its selected
+def restrict(site, chosen: BatchSelection | None):
+    """The part of ``site`` (a :class:`probe.capture.adapters.base.SiteCapture`) that ``chosen`` measures (None when the site is not measured at all): its selected
     query heads (with the key and value heads they read) and, per example, its selected query positions
     (``query_mask`` False where an example has fewer than the batch's widest selection); ``query_positions``
     keep each query's position in its own sequence and ``head_ids`` each head's index in the model."""

@@ -10,8 +10,8 @@ What is substituted
 An *attention site* is one attention module call of a forward pass (attention type, layer; the same
 ``(attention type, layer)`` as the rows).  At a substituted site every head's attention weights
 :math:`p_{att}` (``(b, h, q, k)``) are replaced by substitute weights :math:`p_{sub}` and the model goes
-on with :math:`p_{sub} V` through its own code: a function registered under ``"eager"`` in transformers'
-attention interface (as :mod:`probe.capture.adapters.interface` does for the capture) runs the family's own
+on with :math:`p_{sub} V` through its own code: probe's attention function, which the model runs
+(:mod:`probe.capture.adapters.interface`), hands the forward's calls to a substitution that runs the family's own
 ``eager_attention_forward`` (for the site's problems and the check below), then returns
 ``(p_sub @ V).transpose(1, 2)`` with the key/value heads repeated for grouped-query attention
 (``repeat_kv``), exactly the form every family's eager function returns its output in.  That this is the

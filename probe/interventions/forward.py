@@ -13,7 +13,7 @@ import torch
 
 from probe.capture.adapters.base import SiteCapture
 from probe.capture.adapters.generic import ENCODER_DECODER
-from probe.capture.adapters.interface import eager_call, eager_registered
+from probe.capture.adapters.interface import attention_handler, eager_call, runs_probe_attention
 from probe.core.errors import ProbeError
 from probe.interventions.model import inputs_kind, lm_kind
 
@@ -295,7 +295,8 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | No
         return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
 
     try:
-        with eager_registered(substituting_attention, "attention substitution and capture blocks"):
+        with runs_probe_attention(loaded.model), attention_handler(substituting_attention,
+                                                              "attention substitution and capture blocks"):
             yield
     finally:
         for handle in handles:
@@ -309,7 +310,7 @@ def _substituting(loaded, inputs: dict, at_site: SiteFunction, trace: Trace | No
     if silent:
         raise ProbeError(
             f"{', '.join(silent[:3])} computed attention without transformers' eager attention function, so "
-            "probe could not substitute its weights; load the model with attn_implementation='eager'."
+            "probe could not substitute its weights: its family computes attention in code of its own."
         )
 
 

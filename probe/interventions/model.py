@@ -18,6 +18,7 @@ from probe.capture.adapters.generic import (
     ENCODER_DECODER,
     InterfaceAdapter,
 )
+from probe.capture.adapters.interface import register as register_attention
 from probe.core.errors import ProbeError
 
 _F64 = torch.float64
@@ -81,9 +82,6 @@ def can_intervene(loaded) -> str | None:
             "the families that compute attention through transformers' attention interface (BERT, T5, BART, GPT-2, "
             "Llama, ...)"
         )
-    implementation = getattr(loaded.model.config, "_attn_implementation", None)
-    if implementation != "eager":
-        return f"the model runs {implementation} attention; interventions need eager attention"
     return None
 
 
@@ -156,7 +154,7 @@ def with_lm_head(loaded):
     device = next(loaded.model.parameters()).device
     if loaded.info.get("init") == "random":
         torch.manual_seed(loaded.info.get("init_seed") or 0)
-        model = loader.from_config(config, attn_implementation="eager", dtype=dtype)
+        model = loader.from_config(config, attn_implementation=register_attention(), dtype=dtype)
     else:
         from transformers.utils import logging as hf_logging
 
@@ -169,7 +167,7 @@ def with_lm_head(loaded):
             with quiet_transformers():  # no "Loading weights" bar in probe's lines
                 model, report = loader.from_pretrained(
                     source, config=config, revision=loaded.info.get("revision"), dtype=dtype,
-                    attn_implementation="eager", output_loading_info=True,
+                    attn_implementation=register_attention(), output_loading_info=True,
                 )
         except (OSError, ValueError, RuntimeError) as error:
             raise ProbeError(f"Could not load the language-model head of '{source}': {error}.") from None

@@ -63,6 +63,7 @@ def new_manifest(job: Job, unknown_tokens: dict) -> dict:
                   **{key: naming.recorded_path(loaded.info[key]) for key in ("id", "path") if loaded.info[key]}},
         "adapter": type(loaded.adapter).__name__,
         "attention_types": list(loaded.adapter.attention_types),
+        # the family's eager_attention_forward, through probe's registered attention function
         "attention_implementation": "eager",
         "dtype": config.dtype,
         "device": str(job.device),

@@ -108,8 +108,9 @@ e^{-\omega/2}) / (\sigma e^{\omega/2} + (1-\sigma)e^{-\omega/2})`, maximal at
 *TV bound.*  :math:`\hat p` and :math:`p^*` have logits :math:`\langle t_i, \lambda(y)\rangle` and
 :math:`\langle t_i, \lambda^*\rangle` (plus :math:`\log u_i`), so :math:`d_i - d_j = \langle t_i -
 t_j, \lambda(y) - \lambda^*\rangle` and :math:`\omega \le D\,\varepsilon/2` with the template diameter
-:math:`D = \max_{i,j} \|t_i - t_j\|`, :math:`\|t_i - t_j\|^2 = G_{ii} + G_{jj} - 2G_{ij}`, over the keys
-of the group that carry probability in some row.  By the triangle inequality
+:math:`D = \max_{i,j} \|t_i - t_j\|`, :math:`\|t_i - t_j\|^2 = G_{ii} + G_{jj} - 2G_{ij}` (equally
+:math:`\|a_i - a_j\|^2` for the rows of any factor :math:`AA^\top = G`, which needs no :math:`n \times n`
+matrix), over the keys of the group that carry probability in some row.  By the triangle inequality
 
 .. math::  |TV(\hat p, p_{att}) - TV(p^*, p_{att})| \le TV(\hat p, p^*) \le \tanh(D\varepsilon/8) =: \tau
            \ (\le D\varepsilon/8 \le \max_i\|t_i\|\,\varepsilon/4).
@@ -512,7 +513,8 @@ def model_attention(
 
 
 def attention_tv(
-    attention: torch.Tensor, p_att: torch.Tensor, gram: torch.Tensor, error_bound: torch.Tensor
+    attention: torch.Tensor, p_att: torch.Tensor, gram: torch.Tensor | None, error_bound: torch.Tensor,
+    *, factor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Total variation :math:`\tfrac12\sum_i|p^*_i - p_{att,i}|` between the optimal attention and the
     model's.
@@ -521,19 +523,22 @@ def attention_tv(
         attention: the solver's :math:`\hat p` ``(g, m, n)`` (at its dual iterate, within
             :math:`\varepsilon/2` of :math:`\lambda^*`).
         p_att: :func:`model_attention`, ``(g, m, n)``.
-        gram: :math:`G` ``(g, n, n)``.
+        gram: :math:`G` ``(g, n, n)``, or ``None`` with ``factor``.
         error_bound: the solver's :math:`\varepsilon` ``(g, m)``.
+        factor: any :math:`A` with :math:`AA^\top = G`, ``(g, n, r)``, used instead of ``gram`` when given
+            (memory :math:`O(nr)`, no :math:`n \times n` matrix).
 
     Returns:
         ``(value, bound)`` ``(g, m)``: :math:`|value - \text{true}| \le bound = \tanh(D\varepsilon/8)`,
         :math:`D` the diameter of the group's templates (module docstring).
     """
-    common = _AttentionDifference(attention, p_att, gram, error_bound)
+    common = _AttentionDifference(attention, p_att, gram, error_bound, factor)
     return common.tv(), common.tau
 
 
 def output_deviation(
-    attention: torch.Tensor, p_att: torch.Tensor, values: torch.Tensor, gram: torch.Tensor, error_bound: torch.Tensor
+    attention: torch.Tensor, p_att: torch.Tensor, values: torch.Tensor, gram: torch.Tensor | None,
+    error_bound: torch.Tensor, *, factor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r""":math:`\|\sum_i(p^*_i - p_{att,i})v_i\| / \|\sum_i p_{att,i}v_i\|`, the relative change of the
     attention output.
@@ -544,22 +549,25 @@ def output_deviation(
         values: :math:`v_i` per value head, ``(g, H, n, d_v)``; row ``j`` uses head ``j // (m / H)``.  With
             grouped-query attention pass the key/value heads: the consecutive query heads that share one
             are consecutive blocks of rows.
-        gram: :math:`G` ``(g, n, n)``.
+        gram: :math:`G` ``(g, n, n)``, or ``None`` with ``factor``.
         error_bound: the solver's :math:`\varepsilon` ``(g, m)``.
+        factor: any :math:`A` with :math:`AA^\top = G`, ``(g, n, r)``, used instead of ``gram`` when given.
 
     Returns:
         ``(value, bound)`` ``(g, m)``: :math:`|value - \text{true}| \le bound = 2\tanh(D\varepsilon/8)\,R /
         \|\sum_i p_{att,i}v_i\|`, :math:`R` the radius of the head's values (module docstring).
     """
-    return _AttentionDifference(attention, p_att, gram, error_bound).output(values)
+    return _AttentionDifference(attention, p_att, gram, error_bound, factor).output(values)
 
 
 def attention_deviations(
-    attention: torch.Tensor, p_att: torch.Tensor, values: torch.Tensor, gram: torch.Tensor, error_bound: torch.Tensor
+    attention: torch.Tensor, p_att: torch.Tensor, values: torch.Tensor, gram: torch.Tensor | None,
+    error_bound: torch.Tensor, *, factor: torch.Tensor | None = None,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """:func:`attention_tv` and :func:`output_deviation` of the same rows at once, ``((tv, tv_bound),
-    (output, output_bound))``: they share :math:`\\hat p - p_{att}`, the keys in use and the TV bound."""
-    common = _AttentionDifference(attention, p_att, gram, error_bound)
+    (output, output_bound))``: they share :math:`\\hat p - p_{att}`, the keys in use and the TV bound.
+    ``gram`` or ``factor`` as in :func:`attention_tv`."""
+    common = _AttentionDifference(attention, p_att, gram, error_bound, factor)
     return (common.tv(), common.tau), common.output(values)
 
 
@@ -567,12 +575,18 @@ class _AttentionDifference:
     r"""What the attention quantities of a batch share: :math:`\hat p - p_{att}`, the keys in use and
     the certified :math:`\tau = \tanh(D\varepsilon/8) \ge TV(\hat p, p^*)`."""
 
-    def __init__(self, attention, p_att, gram, error_bound):
+    def __init__(self, attention, p_att, gram, error_bound, factor=None):
+        if gram is None and factor is None:
+            raise ValueError("the attention deviations need the templates: gram or factor")
         self.attention = attention.to(_F64)
         self.p_att = p_att.to(device=self.attention.device, dtype=_F64)
         self.difference = self.attention - self.p_att
         self.keys = _keys_in_use(self.attention, self.p_att)
-        self.tau = _tv_to_optimum(self.keys, gram, error_bound)
+        if factor is not None:
+            diameter = _diameter_from_factor(self.keys, factor)
+        else:
+            diameter = _diameter_from_gram(self.keys, gram)
+        self.tau = _tv_to_optimum(diameter, error_bound)
 
     def tv(self):
         return 0.5 * torch.linalg.vector_norm(self.difference, ord=1, dim=-1)
@@ -595,14 +609,43 @@ class _AttentionDifference:
         return value, bound
 
 
-def _tv_to_optimum(keys, gram, error_bound):
-    r"""The certified :math:`\tau = \tanh(D\varepsilon/8) \ge TV(\hat p, p^*)`, ``(g, m)``."""
+def _diameter_from_gram(keys: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    r"""The diameter :math:`D = \max_{i,j}\|t_i - t_j\|` over the ``keys`` ``(g, n)`` of each group, from
+    :math:`\|t_i - t_j\|^2 = G_{ii} + G_{jj} - 2G_{ij}`, ``(g,)``."""
     gram = gram.to(device=keys.device, dtype=_F64)
     diagonal = torch.diagonal(gram, dim1=-2, dim2=-1)
     squared = diagonal.unsqueeze(-1) + diagonal.unsqueeze(-2) - 2 * gram  # ||t_i - t_j||^2
     pairs = keys.unsqueeze(-1) & keys.unsqueeze(-2)
-    diameter = torch.where(pairs, squared, 0.0).amax(dim=(-2, -1)).clamp_min(0).sqrt()  # (g,)
-    eps = error_bound.to(device=keys.device, dtype=_F64)
+    return torch.where(pairs, squared, 0.0).amax(dim=(-2, -1)).clamp_min(0).sqrt()
+
+
+#: bytes of the blocks of squared distances :func:`_diameter_from_factor` holds at once
+_DIAMETER_BLOCK_BYTES = 1 << 22
+
+
+def _diameter_from_factor(keys: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    r""":func:`_diameter_from_gram` from any :math:`A` with :math:`AA^\top = G` ``(g, n, r)``: the rows
+    :math:`a_i` of :math:`A` have the templates' distances, :math:`\|a_i - a_j\|^2 = G_{ii} + G_{jj} -
+    2G_{ij}`.  Formed in blocks of rows against all columns, so that memory stays :math:`O(nr)` plus a
+    block of :data:`_DIAMETER_BLOCK_BYTES`, never :math:`O(n^2)`; the same sums as from :math:`G`."""
+    factor = factor.to(device=keys.device, dtype=_F64)
+    g_count, n, _ = factor.shape
+    norms = row_dot(factor, factor)  # G_ii
+    diameter_sq = torch.zeros(g_count, dtype=_F64, device=factor.device)
+    step = max(1, _DIAMETER_BLOCK_BYTES // (8 * max(1, n) * max(1, g_count)))
+    for i0 in range(0, n, step):
+        block = factor[:, i0 : i0 + step]
+        squared = torch.baddbmm(norms.unsqueeze(-2), block, factor.transpose(1, 2), alpha=-2.0)
+        squared.add_(norms[:, i0 : i0 + step].unsqueeze(-1))  # ||a_i - a_j||^2 for i in the block
+        pairs = keys[:, i0 : i0 + step].unsqueeze(-1) & keys.unsqueeze(-2)
+        diameter_sq = torch.maximum(diameter_sq, torch.where(pairs, squared, 0.0).amax(dim=(-2, -1)))
+    return diameter_sq.clamp_min(0).sqrt()
+
+
+def _tv_to_optimum(diameter, error_bound):
+    r"""The certified :math:`\tau = \tanh(D\varepsilon/8) \ge TV(\hat p, p^*)`, ``(g, m)``, for the diameters
+    :math:`D` ``(g,)`` of the groups' templates."""
+    eps = error_bound.to(device=diameter.device, dtype=_F64)
     tau = torch.tanh(diameter.unsqueeze(-1) * eps / 8)
     return torch.where((diameter.unsqueeze(-1) == 0) & ~torch.isnan(eps), 0.0, tau)  # D = 0 even if eps = inf
 

@@ -148,16 +148,21 @@ def solve_dual(
         raise ValueError(f"alpha must be positive, got {problems.alpha}")
     if not (dtype.is_floating_point and direction_dtype.is_floating_point):
         raise ValueError(f"dtype and direction_dtype must be floating point, got {dtype} and {direction_dtype}")
-    device = problems.gram.device
+    if problems.gram is None and problems.factor is None:
+        raise ValueError("DualProblems needs its templates: gram, factor, or both")
+    device = problems.device
     n_groups, m, n = problems.logits.shape
+    gram_ok = problems.gram is None or problems.gram.shape == (n_groups, n, n)
+    factor_ok = problems.factor is None or (problems.factor.dim() == 3 and problems.factor.shape[:2] == (n_groups, n))
     if (
-        problems.gram.shape != (n_groups, n, n)
+        not (gram_ok and factor_ok)
         or problems.log_preference.shape != problems.logits.shape
         or problems.evidence_sqnorm.shape != (n_groups, m)
     ):
+        shape = lambda tensor: None if tensor is None else tuple(tensor.shape)  # noqa: E731
         raise ValueError(
-            f"inconsistent shapes: gram {tuple(problems.gram.shape)}, logits {tuple(problems.logits.shape)}, "
-            f"log_preference {tuple(problems.log_preference.shape)}, "
+            f"inconsistent shapes: gram {shape(problems.gram)}, factor {shape(problems.factor)}, "
+            f"logits {tuple(problems.logits.shape)}, log_preference {tuple(problems.log_preference.shape)}, "
             f"evidence_sqnorm {tuple(problems.evidence_sqnorm.shape)}"
         )
     out = schedule.empty_solution(n_groups, m, n, dtype, device)

@@ -1,6 +1,8 @@
-"""The Gram matrix :math:`G = TT^\top` factored once per group, :math:`G = AA^\top` (:func:`factor_gram`):
-batched Cholesky where :math:`G` is positive definite, the eigendecomposition where it is not (duplicate
-templates, more templates than dimensions).  Notation: :mod:`probe.solve.dual`."""
+r"""A factor :math:`A` with :math:`AA^\top = G = TT^\top` for each group, the form in which the solvers
+take the templates.  From the Gram matrix (:func:`factor_gram`): batched Cholesky where :math:`G` is
+positive definite, the eigendecomposition where it is not (duplicate templates, more templates than
+dimensions).  From the templates themselves (:func:`factor_from_templates`): :math:`T`, or its QR
+reduction, with no :math:`n \times n` matrix at all, for long contexts.  Notation: :mod:`probe.solve.dual`."""
 
 from __future__ import annotations
 
@@ -51,3 +53,23 @@ def factor_cholesky(gram: torch.Tensor) -> torch.Tensor:
         factor[groups] = factor_gram(gram[groups], method="eigh")
     return factor
 
+
+
+def factor_from_templates(templates: torch.Tensor) -> torch.Tensor:
+    r"""Return :math:`A` with :math:`AA^\top = TT^\top = G` for templates ``(..., n, d)``, without forming
+    :math:`G`: ``(..., n, r)`` in float64 with :math:`r = \min(n, d)`.
+
+    Where :math:`d \le n` (long contexts: more keys than dimensions) :math:`A = T` itself: the reduced
+    dual (R-D) is then the dual (D) in its own coordinates.  Where :math:`d > n` the templates are
+    QR-reduced, :math:`T^\top = QR` with :math:`Q` of orthonormal columns, so :math:`A = R^\top` is
+    :math:`n \times n` (:math:`AA^\top = R^\top Q^\top Q R = TT^\top`).  Either way the cost is
+    :math:`O(n d \min(n, d))` and the memory :math:`O(n d)`: no :math:`n \times n` Gram matrix and no
+    eigendecomposition.  :math:`T` may be rank-deficient (duplicate or padding templates): any :math:`A`
+    with :math:`AA^\top = G` gives the same problem (R-D), and (R-D) stays strongly concave.
+    """
+    templates = templates.to(torch.float64)
+    n, d = templates.shape[-2:]
+    if d <= n:
+        return templates.contiguous()
+    upper = torch.linalg.qr(templates.transpose(-1, -2), mode="r")[1]  # (..., n, n)
+    return upper.transpose(-1, -2).contiguous()

@@ -14,9 +14,11 @@ class DualProblems:
     r"""A batch of reduced dual problems, laid out by group.
 
     Shapes: ``n_groups`` groups that each share one Gram matrix, ``m`` problems per group, ``n`` keys.
+    The templates of a group are given by :math:`G`, by a factor :math:`A` of it, or by both.
 
     Attributes:
-        gram: :math:`G = TT^\top`, ``(n_groups, n, n)``.
+        gram: :math:`G = TT^\top`, ``(n_groups, n, n)``, or ``None`` where ``factor`` is given (then
+            nothing of size :math:`n \times n` is formed: long contexts).
         logits: :math:`s = Tz` (without :math:`\alpha`), ``(n_groups, m, n)``.
         log_preference: :math:`\log u` up to an additive constant per problem, ``-inf`` for keys that
             are not part of the problem, ``(n_groups, m, n)``.
@@ -24,18 +26,29 @@ class DualProblems:
         alpha: strength :math:`\alpha > 0`.
         active: which problems to solve, ``(n_groups, m)`` bool; inactive ones (e.g. padding queries)
             are skipped and their outputs are NaN.  ``None`` means all.
-        factor: :math:`A` with :math:`AA^\top = G` from :func:`probe.solve.gram.factor_gram`, ``(n_groups, n, r)``, when
-            the caller has it (it depends on :math:`G` only, so one factorisation serves every alpha);
-            ``None``: computed here.
+        factor: any :math:`A` with :math:`AA^\top = G`, ``(n_groups, n, r)`` with any width :math:`r`
+            (rank-deficient allowed): from :func:`probe.solve.gram.factor_gram` or
+            :func:`probe.solve.gram.factor_from_templates`, :math:`T` itself included.  It depends on the
+            templates only, so one factorisation serves every alpha.  ``None``: factored from ``gram``.
     """
 
-    gram: torch.Tensor
+    gram: torch.Tensor | None
     logits: torch.Tensor
     log_preference: torch.Tensor
     evidence_sqnorm: torch.Tensor
     alpha: float = 1.0
     active: torch.Tensor | None = None
     factor: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the templates (``gram``, else ``factor``), where the solvers run."""
+        return (self.gram if self.gram is not None else self.factor).device
+
+    @property
+    def n_groups(self) -> int:
+        """The number of groups."""
+        return self.logits.shape[0]
 
 
 @dataclass

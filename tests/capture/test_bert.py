@@ -53,7 +53,7 @@ def test_tiny_bert_capture_reproduces_attention(tiny_bert_dir):
 def test_models_saved_under_either_attention_implementation(tmp_path, minilm_dir, implementation):
     directory = save_tiny_bert(tmp_path / implementation, minilm_dir, attn_implementation=implementation, seed=3)
     loaded, inputs, sites, reference = captured(directory)
-    assert loaded.model.config._attn_implementation == "eager"
+    assert loaded.model.config._attn_implementation == "probe"  # the family's eager attention, through probe
     assert_reproduces_model_attention(sites, inputs, reference)
 
 

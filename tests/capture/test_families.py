@@ -20,11 +20,21 @@ import torch
 from typer.testing import CliRunner
 
 from probe.batch.rows import fidelity_error
-from probe.capture.adapters import REGISTRY, space_problems
+from probe.capture.adapters import REGISTRY, adapter_for, space_problems
 from probe.capture.loading import load_model
 from probe.cli import app
+from probe.core.errors import ProbeError
 from probe.solve.reference import cvxpy_primal, relative_deviation
-from tests.support.families import ALL, CORPUS, ROTARY_TYPES, TARGETS, save_tiny, spec
+from tests.support.families import (
+    ALL,
+    CORPUS,
+    ROTARY_TYPES,
+    TARGETS,
+    bpe_tokenizer,
+    build_config,
+    save_tiny,
+    spec,
+)
 
 
 @pytest.fixture(scope="module", params=ALL)
@@ -62,11 +72,11 @@ def reported_attentions(model, inputs, kind):
 def test_capture_reproduces_model_attention(family, loaded):
     family_spec, _ = family
     assert family_spec.model_type in REGISTRY
-    assert loaded.model.config._attn_implementation == "eager"
+    assert loaded.model.config._attn_implementation == "probe"  # the family's eager attention, through probe
     inputs = encode(loaded, family_spec.texts)
     assert inputs["attention_mask"].sum(-1).unique().numel() > 2  # really padded
     sites = loaded.adapter.sites(loaded.model, inputs)
-    layers = loaded.model.config.num_hidden_layers if family_spec.kind != "encoder_decoder" else 2
+    layers = loaded.model.config.get_text_config().num_hidden_layers if family_spec.kind != "encoder_decoder" else 2
     expected = sorted((kind, layer) for kind in family_spec.attention_types for layer in range(layers))
     assert sorted((site.attention_type, site.layer) for site in sites) == expected
     assert loaded.adapter.spaces == (("key",) if family_spec.rotary else ("hidden", "key"))
@@ -80,7 +90,24 @@ def test_capture_reproduces_model_attention(family, loaded):
             rebuilt = torch.softmax(site.log_preference + problems.logits, dim=-1)
             assert float((rebuilt - model_probs).abs()[real].max()) <= 1e-5, (site.attention_type, site.layer, space)
     if family_spec.kind == "decoder":
+        for site in sites:
+            assert_support_is_the_window(site, sliding_window(loaded.model.config, site.layer))
         assert_left_and_right_padding_agree(loaded)
+
+
+def assert_support_is_the_window(site, window):
+    """Decoder-only: the preference's support (finite log u) of each real query j is exactly the real keys
+    i with j - W < i <= j (W = the layer's sliding window, else no lower bound); with a window, some rows
+    have keys that fall outside it."""
+    b, h, q, k = site.shape
+    support = torch.isfinite(site.log_preference.expand(b, h, q, k))
+    positions = site.query_positions  # key positions too: self-attention over the same tokens
+    j, i = positions[:, :, None], positions[:, None, :]
+    allowed = site.key_mask[:, None, :] & (i <= j) & (i > j - (window or k))
+    real = site.query_mask
+    assert torch.equal(support.transpose(1, 2)[real], allowed[real][:, None, :].expand(-1, h, -1))
+    if window:
+        assert bool((real & (positions >= window)).any())  # the window excludes keys of the longer texts
 
 
 def assert_left_and_right_padding_agree(loaded):
@@ -153,7 +180,8 @@ def test_cli_run_rows_converged_and_faithful(family, cli_run):
     tokenizer = AutoTokenizer.from_pretrained(directory)
     assert tokenizer.padding_side == ("left" if family_spec.kind == "decoder" else "right")  # the run's padding
     config = AutoConfig.from_pretrained(directory)
-    heads = getattr(config, "num_attention_heads", None) or config.num_heads
+    text = config.get_text_config()
+    heads = getattr(text, "num_attention_heads", None) or text.num_heads
     layers = 2
     source = token_lengths(tokenizer, family_spec.texts)
     target = token_lengths(tokenizer, TARGETS)
@@ -168,7 +196,6 @@ def test_cli_run_rows_converged_and_faithful(family, cli_run):
     assert manifest["spaces"] == spaces and manifest["attention_types"] == list(family_spec.attention_types)
     assert manifest["parameterisation"]["spaces_supported"] == spaces
     # keys per row, from the lengths and the masks' definitions
-    window = getattr(config, "sliding_window", None) if family_spec.name == "mistral" else None
     for kind in family_spec.attention_types:
         part = frame[frame["attention_type"] == kind]
         own = queries[kind][part["example"].to_numpy()]
@@ -177,8 +204,9 @@ def test_cli_run_rows_converged_and_faithful(family, cli_run):
             n_keys = source[part["example"].to_numpy()]
         else:
             n_keys = part["query"].to_numpy() + 1
-            if window:
-                n_keys = np.minimum(n_keys, window)
+            if family_spec.kind == "decoder":
+                windows = np.asarray([sliding_window(config, layer) or np.inf for layer in range(layers)])
+                n_keys = np.minimum(n_keys, windows[part["layer"].to_numpy()])
         assert (part["n_keys"].to_numpy() == n_keys).all(), kind
 
 
@@ -191,6 +219,50 @@ def test_rotary_models_refuse_the_hidden_space(name, tmp_path, minilm_dir):
                                       "--out", str(tmp_path / "runs"), "--no-progress"])
     assert result.exit_code == 2
     assert "rotary" in result.output and "--space key" in result.output
+
+
+# --------------------------------------------------------------------------------------------------
+# Gemma: soft-capped attention logits are refused, by name and with the reason
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("gemma2", {"attn_logit_softcapping": 50.0}),  # Gemma 2's released value
+    ("gemma3_text", {"attn_logit_softcapping": 30.0}),
+    ("gemma3", {"attn_logit_softcapping": 30.0}),  # set in the multimodal config's text_config
+])
+def test_soft_capped_gemma_is_refused_before_it_loads(name, overrides):
+    """The adapter refuses the config (``probe run``, ``probe.run`` and the callback ask it before loading:
+    tests/interface/test_bad_inputs.py shows the CLI's exit 2); no number is computed."""
+    config = build_config(spec(name), bpe_tokenizer(), **overrides)
+    cap = overrides["attn_logit_softcapping"]
+    with pytest.raises(ProbeError) as refused:
+        adapter_for(config.model_type).model_class(config)
+    message = str(refused.value)
+    assert f"this {name} model" in message and f"attn_logit_softcapping = {cap}" in message
+    assert "soft-capping is not linear in the evidence" in message
+
+
+def test_soft_capping_that_reaches_attention_is_refused_there():
+    """Past the config check (an adapter made without it), Gemma 2's attention function receives the cap and
+    the capture point refuses the call: a soft-capped logit never becomes a row."""
+    from transformers import AutoModel
+
+    from probe.capture.adapters.generic import DECODER, ROTARY_DECODER_SITES, Family, InterfaceAdapter
+
+    tokenizer = bpe_tokenizer()
+    config = build_config(spec("gemma2"), tokenizer, attn_logit_softcapping=50.0)
+    model = AutoModel.from_config(config, attn_implementation="eager").eval()
+    adapter = InterfaceAdapter(Family("gemma2", DECODER, ROTARY_DECODER_SITES, key=None))  # no config check
+    adapter.prepare(model)
+    inputs = adapter.encode(tokenizer, CORPUS[:2], None, 64)
+    with pytest.raises(ProbeError, match="soft-capping"):
+        adapter.sites(model, inputs)
+
+
+def test_bidirectional_gemma3_is_refused():
+    config = build_config(spec("gemma3_text"), bpe_tokenizer(), use_bidirectional_attention=True)
+    with pytest.raises(ProbeError, match="use_bidirectional_attention"):
+        adapter_for("gemma3_text").model_class(config)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -212,7 +284,9 @@ def layout(family_spec, attention_type, layer):
     if name == "gpt2":
         return f"h.{layer}.attn.c_attn", f"h.{layer}.attn.c_attn", 0
     if family_spec.kind == "decoder":
-        base = f"layers.{layer}.self_attn"
+        base = f"{'language_model.' if name == 'gemma3' else ''}layers.{layer}.self_attn"
+        if name == "phi3":
+            return f"{base}.qkv_proj", f"{base}.qkv_proj", 0
         return f"{base}.q_proj", f"{base}.k_proj", 0
     if family_spec.model_type in ("t5", "mt5", "umt5"):
         stack = "encoder" if attention_type == "encoder_self" else "decoder"
@@ -225,8 +299,9 @@ def layout(family_spec, attention_type, layer):
     return f"{base}.q_proj", f"{base}.k_proj", 0
 
 
-def affine(module, x, part=None):
-    """``W x + b`` in float64 numpy (Conv1D: ``x W + b``); ``part`` = (index, count) of a fused output."""
+def affine(module, x, part=None, rows=None):
+    """``W x + b`` in float64 numpy (Conv1D: ``x W + b``); ``part`` = (index, count) of a fused output
+    cut in equal parts, ``rows`` = a slice of the output (Phi-3's ``qkv_proj``: q, k, v of unequal sizes)."""
     weight = module.weight.detach().double().numpy()
     bias = module.bias.detach().double().numpy() if module.bias is not None else 0.0
     fused = type(module).__name__ == "Conv1D"
@@ -234,17 +309,65 @@ def affine(module, x, part=None):
     if part is not None:
         size = weight.shape[0] // part[1]
         rows = slice(part[0] * size, (part[0] + 1) * size)
+    if rows is not None:
         weight, bias = weight[rows], bias[rows] if np.ndim(bias) else bias
     return x @ weight.T + bias, weight
 
 
-def rotate(x, positions, theta):
-    """Rotary position encoding (rotate-half convention) of rows ``x`` (n, d) at ``positions``."""
-    d = x.shape[-1]
+def rotate(x, positions, theta, rotated=None):
+    """Rotary position encoding (rotate-half convention) of rows ``x`` (n, d) at ``positions``, on the
+    first ``rotated`` dimensions (all by default; the rest pass unchanged: partial rotary)."""
+    d = x.shape[-1] if rotated is None else rotated
+    x, rest = x[:, :d], x[:, d:]
     inv_freq = 1.0 / theta ** (np.arange(0, d, 2) / d)
     angles = np.concatenate([np.outer(positions, inv_freq)] * 2, axis=-1)
     half = np.concatenate([-x[:, d // 2:], x[:, : d // 2]], axis=-1)
-    return x * np.cos(angles) + half * np.sin(angles)
+    return np.concatenate([x * np.cos(angles) + half * np.sin(angles), rest], axis=-1)
+
+
+def rms_norm(x, gain, eps):
+    """RMSNorm of the rows of ``x``: ``x / sqrt(mean(x^2) + eps) * gain``."""
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * gain
+
+
+def qk_norms(family_spec, model, q_name, q_all, k_all, heads, d):
+    """The q/k norms of the families that have them, applied to the projected queries and keys:
+    OLMo-2 normalises the whole projection, Qwen3 and Gemma 3 each head (Gemma's gain is 1 + w)."""
+    name = family_spec.name
+    if name not in ("olmo2", "qwen3", "gemma3_text", "gemma3"):
+        return q_all, k_all
+    attention = model.get_submodule(q_name.rsplit(".", 1)[0])
+    eps = model.config.get_text_config().rms_norm_eps
+    gains = [norm.weight.detach().double().numpy() + (1.0 if name.startswith("gemma") else 0.0)
+             for norm in (attention.q_norm, attention.k_norm)]
+    if name == "olmo2":
+        return rms_norm(q_all, gains[0], eps), rms_norm(k_all, gains[1], eps)
+
+    def per_head(x, gain):
+        n = x.shape[0]
+        return rms_norm(x.reshape(n, -1, d), gain, eps).reshape(n, -1)
+
+    return per_head(q_all, gains[0]), per_head(k_all, gains[1])
+
+
+def sliding_window(config, layer):
+    """The layer's sliding window (keys j - W < i <= j), or None: ``layer_types`` where the config has them,
+    else ``sliding_window`` on every layer (Mistral)."""
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is not None and types[layer] != "sliding_attention":
+        return None
+    return window
+
+
+def rotary_theta(config, layer):
+    """The rotary base of a layer (Gemma 3: one per layer type)."""
+    text = config.get_text_config()
+    parameters = text.rope_parameters
+    if "rope_theta" not in parameters:
+        parameters = parameters[text.layer_types[layer]]
+    return parameters["rope_theta"]
 
 
 def single_example_inputs(family_spec, model, tokenizer, example):
@@ -296,27 +419,39 @@ def explicit_problem(family_spec, model, tokenizer, row, cache):
         names = {layout(family_spec, t, l)[i] for t in family_spec.attention_types for l in range(2) for i in (0, 1)}
         cache[example] = recorded_projection_inputs(model, inputs, sorted(names))
     x_q, x_k = cache[example][q_name][call], cache[example][k_name][call]
-    fused = family_spec.name == "gpt2"
-    q_all, _ = affine(model.get_submodule(q_name), x_q, (0, 3) if fused else None)
-    k_all, w_k = affine(model.get_submodule(k_name), x_k, (1, 3) if fused else None)
-    heads = getattr(config, "num_attention_heads", None) or config.num_heads
-    d = q_all.shape[-1] // heads
+    text = config.get_text_config()
+    heads = getattr(text, "num_attention_heads", None) or text.num_heads
+    if family_spec.name == "phi3":  # qkv_proj = [q (h d'), k (g d'), v (g d')]
+        d = text.head_dim
+        q_all, _ = affine(model.get_submodule(q_name), x_q, rows=slice(0, heads * d))
+        k_all, w_k = affine(model.get_submodule(k_name), x_k,
+                            rows=slice(heads * d, (heads + text.num_key_value_heads) * d))
+    else:
+        fused = family_spec.name == "gpt2"
+        q_all, _ = affine(model.get_submodule(q_name), x_q, (0, 3) if fused else None)
+        k_all, w_k = affine(model.get_submodule(k_name), x_k, (1, 3) if fused else None)
+        d = q_all.shape[-1] // heads
+    q_all, k_all = qk_norms(family_spec, model, q_name, q_all, k_all, heads, d)
     kv_heads = k_all.shape[-1] // d
     g = head // (heads // kv_heads)
     q = q_all[:, head * d:(head + 1) * d]
     k = k_all[:, g * d:(g + 1) * d]
     n = k.shape[0]
     if family_spec.rotary:
-        theta = config.rope_parameters["rope_theta"]
-        q, k = rotate(q, np.arange(q.shape[0]), theta), rotate(k, np.arange(n), theta)
+        theta = rotary_theta(config, layer)
+        rotated = int(d * text.rope_parameters.get("partial_rotary_factor", 1.0)) if family_spec.name == "phi3" else None
+        q = rotate(q, np.arange(q.shape[0]), theta, rotated)
+        k = rotate(k, np.arange(n), theta, rotated)
     scale = 1.0 if family_spec.model_type in ("t5", "mt5", "umt5") else d**-0.5
+    if family_spec.name in ("gemma2", "gemma3_text", "gemma3"):
+        scale = text.query_pre_attn_scalar**-0.5
     c = scale * np.sqrt(d)
     log_u = np.zeros(n)
     if family_spec.model_type in ("t5", "mt5", "umt5"):
         log_u = log_u + t5_bias(model, kind, layer, q.shape[0], n)[head, j]
     if kind in ("causal_self", "decoder_self"):
         log_u[j + 1:] = -np.inf
-        window = getattr(config, "sliding_window", None) if family_spec.name == "mistral" else None
+        window = sliding_window(config, layer) if family_spec.kind == "decoder" else None
         if window:
             log_u[: max(0, j - window + 1)] = -np.inf
     if row.space == "hidden":

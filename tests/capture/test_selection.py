@@ -265,3 +265,13 @@ def test_a_selection_that_keeps_everything_is_everything():
     stacks = {"self": Stack(2, 4)}
     assert resolve(settings(layers="0-1", heads="-4--1", queries="all"), stacks).everything
     assert isinstance(resolve(settings(), stacks), Selection)
+
+
+def test_verify_re_solves_a_selective_runs_rows(models, tmp_path_factory):
+    """`probe verify` of a run that kept some heads and sampled positions: its sampled rows are found in the
+    model's sites again and agree with an independent solver."""
+    from probe.pipeline.verify import verify
+
+    run = _run(models, "llama", tmp_path_factory, heads="1,3", queries="sample:3", seed=2, batch_size=2)
+    report = verify(run.run_dir, sample=6, seed=0)
+    assert report.ok, "\n".join(report.lines())

@@ -159,7 +159,7 @@ def test_encode_shifts_targets_right(tiny_t5):
 
 def test_tiny_t5_fidelity_all_sites(tiny_t5):
     assert isinstance(tiny_t5.adapter, T5Adapter)
-    assert tiny_t5.model.config._attn_implementation == "eager"
+    assert tiny_t5.model.config._attn_implementation == "probe"  # the family's eager attention, through probe
     inputs = batch(tiny_t5)
     enc_lengths = inputs["attention_mask"].sum(-1).tolist()
     dec_lengths = inputs["decoder_attention_mask"].sum(-1).tolist()
@@ -201,15 +201,20 @@ def test_tiny_t5_fidelity_all_sites(tiny_t5):
         assert torch.equal(site.query_mask, enc_mask if site.attention_type == "encoder_self" else dec_mask)
 
 
-def test_capture_rejects_non_eager(tiny_t5_dir):
+def test_a_model_running_sdpa_is_captured_through_its_eager_attention(tiny_t5_dir):
+    """A T5 loaded with sdpa attention is measured with its family's eager attention (probe's attention function,
+    selected for the forward pass alone): the same sites as the model probe loads, and sdpa afterwards."""
     from transformers import AutoModelForSeq2SeqLM
-
-    from probe.core.errors import ProbeError
 
     loaded = load_model(str(tiny_t5_dir), device="cpu")
     model = AutoModelForSeq2SeqLM.from_pretrained(tiny_t5_dir, attn_implementation="sdpa").eval()
-    with pytest.raises(ProbeError, match="eager"):
-        loaded.adapter.sites(model, batch(loaded))
+    inputs = batch(loaded)
+    for mine, theirs in zip(loaded.adapter.sites(loaded.model, inputs), loaded.adapter.sites(model, inputs),
+                            strict=True):
+        assert (mine.attention_type, mine.layer) == (theirs.attention_type, theirs.layer)
+        torch.testing.assert_close(mine.model_probs, theirs.model_probs, rtol=0, atol=1e-6)
+        torch.testing.assert_close(mine.log_preference, theirs.log_preference, rtol=0, atol=1e-6)
+    assert model.config._attn_implementation == "sdpa"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -197,6 +197,15 @@ def bad(tmp_path_factory, tiny_bert_dir):
     for name in TOKENIZER:
         if (b.tiny / name).exists():
             shutil.copy(b.tiny / name, b.mpnet / name)
+    from transformers import AutoModel, Gemma2Config
+
+    b.gemma2 = b.models / "gemma2"  # attention logit soft-capping (50, Gemma 2's default): not probe's logit form
+    gemma2 = Gemma2Config(vocab_size=30522, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, pad_token_id=0)
+    AutoModel.from_config(gemma2).save_pretrained(b.gemma2)
+    for name in TOKENIZER:
+        if (b.tiny / name).exists():
+            shutil.copy(b.tiny / name, b.gemma2 / name)
     b.a_file = b.file("a-file", "not a folder\n")
     b.texts = b.file("texts.txt", "one text\nanother text\n")
     b.jsonl_ok = b.file("ok.jsonl", '{"text": "one"}\n{"text": "two"}\n')
@@ -364,6 +373,8 @@ CASES = [
          ("no adapter for model type 'xlnet'", "Supported model types:", "bert", "gpt2")),
     Case("checkpoint the adapter refuses", lambda b: [b.t5_encoder],
          ("T5EncoderModel", "only one half of the encoder-decoder", "no decoder")),
+    Case("attention logit soft-capping", lambda b: [b.gemma2],
+         ("this gemma2 model", "attn_logit_softcapping = 50.0", "soft-capping is not linear")),
     Case("no weights", lambda b: [b.no_weights], ("has no weights", "model.safetensors")),
     Case("no tokenizer files", lambda b: [b.no_tokenizer], ("has no tokenizer files", "--tokenizer")),
     Case("tokenizer path typo", lambda b: [b.no_tokenizer, "--tokenizer", "./no-such-tokenizer"],

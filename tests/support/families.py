@@ -21,8 +21,10 @@ import torch
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "albert", "distilbert")
 T5_TYPES = ("t5", "flan-t5", "mt5", "umt5")
 BART_TYPES = ("bart", "mbart", "marian")
-DECODER_TYPES = ("gpt2", "llama", "mistral", "qwen2", "gemma")
-ROTARY_TYPES = ("llama", "mistral", "qwen2", "gemma")
+DECODER_TYPES = ("gpt2", "llama", "mistral", "qwen2", "gemma", "qwen3", "phi3", "olmo2", "gemma2", "gemma3_text", "gemma3")
+ROTARY_TYPES = ("llama", "mistral", "qwen2", "gemma", "qwen3", "phi3", "olmo2", "gemma2", "gemma3_text", "gemma3")
+#: sliding-window attention: window 5 (mistral: every layer; gemma2, gemma3: layer 0, layer 1 is global)
+WINDOW = 5
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -110,7 +112,8 @@ def tokenizer_for(spec: Spec, minilm_dir, padding_side=None):
     return bpe_tokenizer(padding_side or "right")
 
 
-def build_config(spec: Spec, tokenizer):
+def build_config(spec: Spec, tokenizer, **overrides):
+    """The family's tiny config; ``overrides`` replace entries of a decoder-only config (e.g. soft-capping)."""
     import transformers as T
 
     vocab = len(tokenizer)
@@ -148,35 +151,55 @@ def build_config(spec: Spec, tokenizer):
     if spec.name == "gpt2":
         return T.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=layers, n_head=heads, n_positions=128,
                             bos_token_id=eos, eos_token_id=eos)
-    config_class = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config,
-                    "gemma": T.GemmaConfig}[spec.name]
-    extra = {"sliding_window": 5} if spec.name == "mistral" else {}
-    if spec.name == "qwen2":
-        extra = {}  # q/k biases (attention_bias is always on in Qwen2)
-    if spec.name == "llama":
-        extra = {"attention_bias": True}
-    return config_class(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+    config_class = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "gemma": T.GemmaConfig,
+                    "qwen3": T.Qwen3Config, "phi3": T.Phi3Config, "olmo2": T.Olmo2Config, "gemma2": T.Gemma2Config,
+                    "gemma3_text": T.Gemma3TextConfig, "gemma3": T.Gemma3TextConfig}[spec.name]
+    # Gemma 2 and 3: a sliding layer then a global one, and a logit scale 1/sqrt(24) that is not 1/sqrt(d')
+    gemma = {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"],
+             "query_pre_attn_scalar": 24, "attn_logit_softcapping": None}
+    extra = {
+        "llama": {"attention_bias": True},
+        "mistral": {"sliding_window": WINDOW},
+        "qwen2": {},  # q/k biases (attention_bias is always on in Qwen2)
+        "phi3": {"partial_rotary_factor": 0.5},  # fused qkv_proj; rotary on half of each head's dimensions
+        "gemma2": gemma,
+        "gemma3_text": gemma,
+        "gemma3": gemma,
+    }.get(spec.name, {})
+    text = config_class(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
                         num_attention_heads=heads, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                        bos_token_id=eos, eos_token_id=eos, pad_token_id=None, **extra)
+                        bos_token_id=eos, eos_token_id=eos, pad_token_id=None, **{**extra, **overrides})
+    if spec.name != "gemma3":
+        return text
+    # the multimodal Gemma 3 (model_type gemma3): the text model above beside a tiny SigLIP vision tower
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    return T.Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=vocab, boi_token_index=vocab, eoi_token_index=vocab,
+                          bos_token_id=eos, eos_token_id=eos, pad_token_id=None)
 
 
 def strengthen(model, spec: Spec, generator):
-    """Large query/key biases and position biases, so that their handling is exercised."""
+    """Large query/key biases, position biases and q/k norm gains, so that their handling is exercised."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             last = name.rsplit(".", 2)
             if last[-1] == "bias" and last[-2] in ("query", "key", "q_lin", "k_lin", "q_proj", "k_proj", "c_attn"):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+            if last[-2] in ("q_norm", "k_norm"):  # q/k norm gains away from their initial 1 (or 0: Gemma's 1 + w)
+                parameter.copy_(1.0 + torch.randn(parameter.shape, generator=generator) * 0.5)
             if "relative_attention_bias" in name:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 1.5)
 
 
-def save_tiny(spec: Spec, directory, minilm_dir, *, padding_side: str | None = None, seed: int = 0):
-    """Build the family's tiny random model, save it with its tokenizer and return the directory."""
+def save_tiny(spec: Spec, directory, minilm_dir, *, padding_side: str | None = None, seed: int = 0,
+              overrides: dict | None = None):
+    """Build the family's tiny random model, save it with its tokenizer and return the directory
+    (``overrides``: config entries of a decoder-only family, see :func:`build_config`)."""
     from transformers import AutoModel, AutoModelForSeq2SeqLM
 
     tokenizer = tokenizer_for(spec, minilm_dir, padding_side)  # saved with the tokenizer (decoder-only)
-    config = build_config(spec, tokenizer)
+    config = build_config(spec, tokenizer, **(overrides or {}))
     torch.manual_seed(seed)
     model_class = AutoModelForSeq2SeqLM if spec.kind == "encoder_decoder" else AutoModel
     model = model_class.from_config(config, attn_implementation="eager")

@@ -19,6 +19,7 @@ from probe.capture.adapters.base import (
 from probe.capture.adapters.bert import BertAdapter
 from probe.capture.adapters.bloom import BloomAdapter
 from probe.capture.adapters.deberta_v2 import DebertaV2Adapter
+from probe.capture.adapters.gemma import UncappedFamily
 from probe.capture.adapters.generic import (
     BART_SITES,
     DECODER,
@@ -54,6 +55,14 @@ REGISTRY: dict[str, Callable[[], Adapter]] = {
     "mistral": Family("mistral", DECODER, ROTARY_DECODER_SITES, key=None),
     "qwen2": Family("qwen2", DECODER, ROTARY_DECODER_SITES, key=None),
     "gemma": Family("gemma", DECODER, ROTARY_DECODER_SITES, key=None),
+    "qwen3": Family("qwen3", DECODER, ROTARY_DECODER_SITES, key=None),  # q/k norms: inside q and k
+    "phi3": Family("phi3", DECODER, ROTARY_DECODER_SITES, key=None),  # fused qkv_proj, partial rotary
+    "olmo2": Family("olmo2", DECODER, ROTARY_DECODER_SITES, key=None),  # q/k norms: inside q and k
+    # Gemma 2 and 3: refused where the config soft-caps attention logits (gemma.py)
+    "gemma2": UncappedFamily("gemma2", DECODER, ROTARY_DECODER_SITES, key=None),
+    "gemma3_text": UncappedFamily("gemma3_text", DECODER, ROTARY_DECODER_SITES, key=None),
+    "gemma3": UncappedFamily("gemma3", DECODER, {"causal_self": r"(^|\.)language_model\.layers\.\d+\.self_attn$"},
+                             key=None),  # the multimodal model's language model (text inputs only)
     "mpnet": MPNetAdapter,
     "deberta-v2": DebertaV2Adapter,
     "bloom": BloomAdapter,

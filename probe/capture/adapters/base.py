@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from probe.capture.adapters.interface import register as register_attention
 from probe.capture.selection import Stack
 from probe.core.config import SPACES  # the parameterisations, in display order
 from probe.core.errors import ProbeError
@@ -192,9 +193,10 @@ class Adapter(ABC):
         return AutoModel
 
     def load_model(self, name_or_path: str, *, config, revision: str | None, dtype: torch.dtype, device_map=None):
-        """Load pretrained weights with eager attention (so that attention probabilities are observable).
+        """Load pretrained weights running probe's attention function (the family's eager attention, observable:
+        :mod:`probe.capture.adapters.interface`).
 
-        ``config`` is the checkpoint's config with its attention implementation already set to eager
+        ``config`` is the checkpoint's config with its attention implementation already set to probe's
         (a value saved in config.json would otherwise win over the ``attn_implementation`` argument).
         ``device_map="auto"`` shards the model over the visible GPUs (accelerate); ``None`` loads it whole.
         """
@@ -205,16 +207,16 @@ class Adapter(ABC):
         placement = {"device_map": device_map} if device_map is not None else {}
         model = from_pretrained_checked(
             self.model_class(config), name_or_path, config=config, revision=revision, dtype=dtype,
-            attn_implementation="eager", **placement,
+            attn_implementation=register_attention(), **placement,
         )
         self.prepare(model)
         return model
 
     def init_model(self, config, *, dtype: torch.dtype, seed: int):
         """The same architecture with fresh random weights (the random-init control): exactly
-        ``torch.manual_seed(seed)`` then ``model_class.from_config(config)`` with eager attention."""
+        ``torch.manual_seed(seed)`` then ``model_class.from_config(config)``, running probe's attention function."""
         torch.manual_seed(seed)
-        model = self.model_class(config).from_config(config, attn_implementation="eager", dtype=dtype)
+        model = self.model_class(config).from_config(config, attn_implementation=register_attention(), dtype=dtype)
         self.prepare(model)
         return model
 

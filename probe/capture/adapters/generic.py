@@ -42,6 +42,7 @@ from probe.capture.adapters.interface import (
     AttentionCall,
     eager_attention_calls,
     mask_to_log,
+    runs_probe_attention,
 )
 from probe.capture.selection import SiteRows, site_rows
 from probe.core.errors import ProbeError
@@ -248,7 +249,7 @@ class InterfaceAdapter(Adapter):
 
         extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
         try:
-            with eager_attention_calls(on_call), torch.no_grad():
+            with runs_probe_attention(model), eager_attention_calls(on_call), torch.no_grad():
                 model(**inputs, **extra)
         finally:
             for handle in handles:
@@ -257,9 +258,9 @@ class InterfaceAdapter(Adapter):
         if silent:
             raise ProbeError(
                 f"{', '.join(silent[:3])}{' ...' if len(silent) > 3 else ''} computed attention without "
-                "transformers' eager attention function, so probe saw neither its logits nor its probabilities. "
-                "probe loads models with attn_implementation='eager'; load yours that way (and turn off options that "
-                "bypass the attention interface, e.g. GPT-2's reorder_and_upcast_attn)."
+                "transformers' attention interface, so probe saw neither its logits nor its probabilities: its family "
+                "computes attention in code of its own, which needs an adapter of its own (docs/models.md, 'Adding an "
+                "architecture')."
             )
 
     def _roles(self, inputs) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -7,18 +7,19 @@ implementation name::
     attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
     output, probs = attention_interface(self, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs)
 
-(``transformers/modeling_utils.py``: ``AttentionInterface.get_interface`` returns
-``super().get(attn_implementation, default)``, so for ``"eager"`` an entry registered under that name wins
-over the family's default, its module-level ``eager_attention_forward``; ``GeneralInterface.__setitem__``
-/ ``__delitem__`` (``transformers/utils/generic.py``) register and remove such an entry on the shared
-``ALL_ATTENTION_FUNCTIONS`` instance only.)
-
-:func:`eager_attention_calls` registers, for the duration of a ``with`` block, a probe function under
-``"eager"`` that delegates to the calling family's own ``eager_attention_forward`` (looked up in the
-module that defines the attention module's class, ``sys.modules[type(module).__module__]``), so the
-probabilities are the model's own, and hands an :class:`AttentionCall` with everything that entered the
-logits to a callback, as soon as the call returns.  The eager functions of the families probe declares
-compute
+transformers' attention interface lets a library add an attention function under a name of its own
+(``AttentionInterface.register(name, function)``, with the masks it takes: ``AttentionMaskInterface.register``)
+and a model select it (``model.set_attn_implementation(name)``); every other model keeps its implementation.
+probe registers :func:`probe_attention` as :data:`ATTENTION` (``"probe"``, with eager attention's masks,
+:func:`register`) and a model it measures runs it: probe loads its models that way, and a model given in
+memory runs it while it is measured (:func:`runs_probe_attention`).  Outside a measurement the function is the
+calling family's own ``eager_attention_forward`` (looked up in the module that defines the attention module's
+class, ``sys.modules[type(module).__module__]``).  Within an :func:`eager_attention_calls` block the calls of
+the thread that entered it also hand an :class:`AttentionCall`, with everything that entered the
+logits, to a callback as soon as the call returns (a context variable holds the block's handler, so that a
+model run meanwhile by another thread is not measured, and two measurements in two threads stay apart).  The
+probabilities are the model's own: the family's eager function computes them.  The eager functions of the
+families probe declares compute
 
 .. math::  \mathrm{softmax}\big(\text{scaling}\; q\cdot k_i + \text{position\_bias} + \text{attention\_mask}\big)
 
@@ -36,6 +37,7 @@ read by flash attention.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import sys
@@ -114,6 +116,9 @@ def unrepresentable(module: torch.nn.Module, eager: Callable, arguments: dict) -
             return reason
     if getattr(module, "sinks", None) is not None:
         return UNREPRESENTABLE["sinks"]
+    if getattr(module, "reorder_and_upcast_attn", False):
+        return ("its reorder_and_upcast_attn option computes attention outside the attention interface (upcast to "
+                "float32, scaled before the product); set it to False to measure its eager attention")
     unknown = [
         name for name, parameter in _signature(eager).parameters.items()
         if name not in KNOWN_PARAMETERS and parameter.kind is not inspect.Parameter.VAR_KEYWORD
@@ -154,41 +159,86 @@ def eager_call(module, query, key, value, attention_mask, *args, **kwargs):
     return output, probs, call
 
 
-@contextmanager
-def eager_registered(function: Callable, what: str = "probe's attention blocks"):
-    """Within the block, ``function`` answers every eager attention call made through transformers'
-    ``ALL_ATTENTION_FUNCTIONS`` (registered under ``"eager"`` on that instance only); the previous entry is
-    put back on exit, also after an exception.  Probe's registrations (capture, substitution) do not nest:
-    a second one inside the block is refused."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+#: the name under which probe's attention function is registered with transformers (``AttentionInterface`` and
+#: ``AttentionMaskInterface``); a model measured by probe runs it (``config._attn_implementation``)
+ATTENTION = "probe"
+#: this thread's handler of probe's attention calls (None: the family's own eager attention answers them)
+_HANDLER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("probe_attention_handler", default=None)
 
-    local = ALL_ATTENTION_FUNCTIONS._local_mapping  # GeneralInterface's per-instance overrides
-    previous = local.get("eager")
-    if getattr(previous, "_probe_capture", False):
+
+def probe_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """probe's attention function, registered as :data:`ATTENTION`: the handler of the calling thread's block
+    (:func:`attention_handler`), or outside any block the calling family's own ``eager_attention_forward``, so
+    that a model set to run it computes exactly its eager attention whenever probe is not measuring it."""
+    handler = _HANDLER.get()
+    if handler is None:
+        return family_eager_function(module)(module, query, key, value, attention_mask, *args, **kwargs)
+    return handler(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def register() -> str:
+    """Register :func:`probe_attention` with transformers under :data:`ATTENTION` (once per process), with eager
+    attention's masks (``AttentionMaskInterface``: the additive masks the families' eager functions take); return
+    the name.  Registering adds a name and changes no other: models that do not select it are untouched."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTENTION, probe_attention)
+    AttentionMaskInterface.register(ATTENTION, eager_mask)
+    return ATTENTION
+
+
+def set_attention(model, implementation: str) -> None:
+    """Make ``model`` (and its sub-models) run the attention ``implementation``."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(implementation)
+    else:
+        model.config._attn_implementation = implementation
+
+
+@contextmanager
+def runs_probe_attention(model):
+    """Within the block ``model`` runs :func:`probe_attention` (selected for this model alone, as transformers'
+    attention interface documents: every other model keeps its own implementation); afterwards it runs the
+    implementation it had.  A model that already runs it (as probe loads models) is left as it is."""
+    previous = getattr(model.config, "_attn_implementation", None)
+    if previous == register():
+        yield model
+        return
+    set_attention(model, ATTENTION)
+    try:
+        yield model
+    finally:
+        set_attention(model, previous)
+
+
+@contextmanager
+def attention_handler(function: Callable, what: str = "probe's attention blocks"):
+    """Within the block, the calls that this thread's models make to :func:`probe_attention` go to ``function``
+    (with the attention function's arguments); other threads, and models that do not run probe's attention, are
+    not affected.  Blocks do not nest within a thread: a second one inside the block is refused."""
+    register()
+    if _HANDLER.get() is not None:
         raise RuntimeError(f"{what} do not nest")
-    function._probe_capture = True
-    ALL_ATTENTION_FUNCTIONS["eager"] = function
+    token = _HANDLER.set(function)
     try:
         yield
     finally:
-        if previous is None:
-            del ALL_ATTENTION_FUNCTIONS["eager"]
-        else:
-            ALL_ATTENTION_FUNCTIONS["eager"] = previous
+        _HANDLER.reset(token)
 
 
 @contextmanager
 def eager_attention_calls(on_call: Callable[[AttentionCall], None]):
-    """Within the block, every eager attention call made through ``ALL_ATTENTION_FUNCTIONS`` runs the
-    calling family's own ``eager_attention_forward`` and is then handed to ``on_call`` (before the model
-    goes on).  The registration is removed on exit, also after an exception; blocks do not nest."""
+    """Within the block, every call of this thread's models to :func:`probe_attention` runs the calling family's own
+    ``eager_attention_forward`` and is then handed to ``on_call`` (before the model goes on).  Blocks do not nest."""
 
-    def probe_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    def calls(module, query, key, value, attention_mask, *args, **kwargs):
         output, probs, call = eager_call(module, query, key, value, attention_mask, *args, **kwargs)
         on_call(call)
         return output, probs
 
-    with eager_registered(probe_attention, "eager_attention_calls blocks"):
+    with attention_handler(calls, "eager_attention_calls blocks"):
         yield
 
 
