@@ -27,6 +27,7 @@ from typing import Optional
 import typer
 
 from probe.core.errors import exit_with  # light: no torch
+from probe.core.terminal import stops_exit  # light
 from probe.run_options import with_run_options
 
 # Idle OpenMP threads sleep instead of spinning: on a machine shared with other work, spinning threads
@@ -496,7 +497,7 @@ def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Option
     from probe.core.errors import ProbeError
 
     try:
-        with _stops_exit("the report", out or Path(run_dir) / "report"), _banner_not_warnings():
+        with stops_exit("the report", out or Path(run_dir) / "report"), _banner_not_warnings():
             where = api.report(run_dir, out, formats, name=name, allow_damaged=allow_damaged, control=control)
     except ProbeError as error:
         _fail(error)
@@ -506,39 +507,6 @@ def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Option
     typer.echo(f"report: {where / 'index.html'}")
     typer.echo("next: open it in a browser; `probe compare RUN_DIR RUN_DIR` sets two runs side by side (e.g. "
                "against an --init random control)")
-
-
-@contextmanager
-def _stops_exit(what: str, where: Path):
-    """SIGINT or SIGTERM while ``what`` is written into ``where`` (written whole or not at all:
-    :func:`probe.core.destination.written_whole`): one line on stderr, exit 130 or 143.  The first signal stops
-    the work wherever it is, a DuckDB query included (which reports it as its own error: the signal decides)."""
-    import signal
-    import threading
-
-    received: list[int] = []
-
-    def stop(signum, frame):
-        received.append(signum)
-        if len(received) == 1:
-            raise KeyboardInterrupt
-
-    signals = (signal.SIGINT, signal.SIGTERM)
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = {signum: signal.signal(signum, stop) for signum in signals} if main_thread else {}
-    try:
-        yield
-    except BaseException as error:
-        if not received and not isinstance(error, KeyboardInterrupt):
-            raise
-        signum = received[0] if received else signal.SIGINT
-        typer.echo(f"probe: stopped by {signal.Signals(signum).name}; {where} is as it was before (a whole earlier "
-                   f"{what.removeprefix('the ')}, or nothing): {what} is moved into place only when complete.",
-                   err=True)
-        raise typer.Exit(code=128 + signum) from None
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def _not_finished(run_dir: Path) -> None:
@@ -584,7 +552,7 @@ def compare_command(
 
     run_dirs = [_run_dir(run_dir) for run_dir in run_dirs]
     try:
-        with _stops_exit("the comparison", out), _banner_not_warnings(), \
+        with stops_exit("the comparison", out), _banner_not_warnings(), \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", DifferentDataWarning)
             where = api.compare(run_dirs, out, report_format, names=name, allow_damaged=allow_damaged)
@@ -598,32 +566,13 @@ def compare_command(
     for run_dir in run_dirs:
         if (Path(run_dir) / "manifest.json").is_file():
             _damaged_banner(run_dir, None, allow_damaged)
-    for line in _comparison_lines(where / "compare.csv"):
-        typer.echo(line)
-    typer.echo(f"comparison: {where / 'index.html'}")
-
-
-def _comparison_lines(table: Path) -> list[str]:
-    """The headline comparison, as ``probe run`` ends with its headline: the slice the runs share, then per run
-    (and attention type) its non-trivial rows, mean, p95 and share above 0.1 (read from ``compare.csv``)."""
     import pandas as pd
 
-    from probe.report.compare import rounded
-    from probe.report.data import FAR, type_label
+    from probe.report.compare import headline_lines
 
-    frame = pd.read_csv(table)
-    first = frame.iloc[0]
-    where = ", ".join(part for part in (
-        f"{first['space']} space" if isinstance(first["space"], str) else "",
-        f"alpha {first['alpha']:g}" if pd.notna(first["alpha"]) else "") if part)
-    width = max(len(str(run)) for run in frame["run"])
-    several = frame["attention_type"].nunique() > 1
-    return [f"rel_deviation{', ' + where if where else ''}, over the non-trivial rows:"] + [
-        f"  {str(row['run']).ljust(width)}  " + (f"{type_label(row['attention_type'])}: " if several else "")
-        + f"{int(row['count']):,} rows: mean {rounded(row['mean'])}, p95 {rounded(row['p95'])}, "
-        f"{row[f'share_above_{FAR:g}']:.1%} above {FAR:g}"
-        for row in frame.to_dict("records")
-    ]
+    for line in headline_lines(pd.read_csv(where / "compare.csv")):  # as `probe run` ends with its headline
+        typer.echo(line)
+    typer.echo(f"comparison: {where / 'index.html'}")
 
 
 @app.command("show")
@@ -702,44 +651,11 @@ def verify_command(
     raise typer.Exit(code=0 if report.ok else 1)
 
 
-class _ReaderMayLeave:
-    """Standard output for a reader that may stop reading (``probe ... | head``): once the pipe is closed,
-    what is written goes nowhere, and the command ends as it would have (its exit status unchanged)."""
-
-    def __init__(self, stream):
-        self._stream = stream
-
-    def _gone(self) -> None:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self._stream.fileno())
-        os.close(devnull)
-
-    def write(self, text):
-        try:
-            return self._stream.write(text)
-        except BrokenPipeError:
-            self._gone()
-            return len(text)
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except BrokenPipeError:
-            self._gone()
-            self._stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
 def main() -> None:
-    import sys
+    from probe.core.terminal import reader_may_leave
 
-    sys.stdout = _ReaderMayLeave(sys.stdout)
-    try:
+    with reader_may_leave():  # `probe ... | head` is no error
         app()
-    finally:
-        sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -147,6 +147,24 @@ def numbers_html(table: pd.DataFrame, labels: list[str], controls: list[bool]) -
             + "".join(rows) + "</table>")
 
 
+def headline_lines(table: pd.DataFrame) -> list[str]:
+    """The headline comparison in words, for a terminal: the slice the runs share, then per run (and attention
+    type) its non-trivial rows, their mean, p95 and share above 0.1 (``table``: :func:`comparison_table`, as
+    ``compare.csv`` holds it)."""
+    first = table.iloc[0]
+    where = ", ".join(part for part in (
+        f"{first['space']} space" if isinstance(first["space"], str) else "",
+        f"alpha {first['alpha']:g}" if pd.notna(first["alpha"]) else "") if part)
+    width = max(len(str(run)) for run in table["run"])
+    several = table["attention_type"].nunique() > 1
+    return [f"rel_deviation{', ' + where if where else ''}, over the non-trivial rows:"] + [
+        f"  {str(row['run']).ljust(width)}  " + (f"{type_label(row['attention_type'])}: " if several else "")
+        + f"{int(row['count']):,} rows: mean {rounded(row['mean'])}, p95 {rounded(row['p95'])}, "
+        f"{row[f'share_above_{FAR:g}']:.1%} above {FAR:g}"
+        for row in table.to_dict("records")
+    ]
+
+
 def difference_sentences(table: pd.DataFrame, labels: list[str], controls: list[bool]) -> list[str]:
     """Per attention type, the difference between the runs in one sentence: each run's mean relative deviation
     as a multiple of the reference run's (the control, when one run is; else the first run)."""

@@ -134,7 +134,7 @@ def test_ctrl_c_leaves_the_previous_report_or_none(run_dir, tmp_path, stage, pre
     code, lines = stop_at(["report", str(run_dir), "--out", str(out)], stage)
     assert code == 130, lines
     assert len(lines) == 1 and lines[0].startswith("probe: stopped by SIGINT;"), lines  # one line, no traceback
-    assert f"{out} is as it was before" in lines[0]
+    assert f"{out} holds a whole report or none, never part of one" in lines[0]
     assert contents(out) == before  # the previous report, byte for byte, or none: never a partial one
     assert (out / "index.html").exists() == previous
     assert leftovers(tmp_path) == []
