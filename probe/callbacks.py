@@ -31,11 +31,14 @@ import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from transformers import TrainerCallback
 
 from probe.core.errors import ProbeError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
 
 #: a row deviates "far" above this relative deviation (the report's headline share)
 FAR = 0.1
@@ -260,7 +263,8 @@ class ProbeCallback(TrainerCallback):
     """
 
     def __init__(self, texts: Iterable[str], every_n_steps: int, out_dir: str | Path, *, name: str | None = None,
-                 tokenizer=None, at_start: bool = False, progress: bool = False, **options):
+                 tokenizer: PreTrainedTokenizerBase | None = None, at_start: bool = False, progress: bool = False,
+                 **options: Any):
         from probe.capture.given import GivenTexts
         from probe.core.arguments import whole_numbers
         from probe.core.config import RunConfig

@@ -25,7 +25,8 @@ from probe.capture.adapters import SiteCapture
 from probe.capture.adapters.base import SpaceProblems, space_problems
 from probe.core.schema import DEVIATION_SCHEMA
 from probe.solve import derived
-from probe.solve.dual import DualProblems, DualSolution, factor_gram, solve_dual
+from probe.solve.dual import DualProblems, DualSolution, solve_dual
+from probe.solve.gram import factor_from_templates, factor_gram
 from probe.solve.parallel import cpu_workers, run_all
 from probe.solve.problems import shares_rows
 
@@ -50,33 +51,57 @@ def select(site: SiteCapture, examples: slice) -> SiteCapture:
     return SiteCapture(**fields)
 
 
-def dual_problems(site: SiteCapture, problems: SpaceProblems, alpha: float) -> DualProblems:
-    r"""The site's problems for strength ``alpha``, grouped by shared Gram matrix.
+def group_factor(problems: SpaceProblems) -> torch.Tensor:
+    r""":math:`A` with :math:`AA^\top = TT^\top` for each group of the site's problems (one per example in the
+    hidden space, one per (example, key head) in the key space), ``(groups, k, r)``.
+
+    Where the templates are wider than they are many (:math:`d \ge k`, as hidden states of a short text), from
+    the Gram matrix :math:`G = TT^\top` (:func:`probe.solve.gram.factor_gram`, :math:`k \times k`).  Where
+    there are more keys than dimensions (:math:`k > d`: long contexts, the key space), from the templates
+    themselves (:func:`probe.solve.gram.factor_from_templates`, :math:`r = d`): no :math:`k \times k` matrix is
+    formed, so memory grows like :math:`O(k d)` per group, not :math:`O(k^2)`."""
+    templates = problems.templates.reshape(-1, *problems.templates.shape[-2:])
+    k, d = templates.shape[-2:]
+    if d < k:
+        return factor_from_templates(templates)
+    return factor_gram(templates @ templates.transpose(-1, -2))
+
+
+def dual_problems(site: SiteCapture, problems: SpaceProblems, alpha: float,
+                  factor: torch.Tensor | None = None) -> DualProblems:
+    r"""The site's problems for strength ``alpha``, grouped by shared templates.
 
     Hidden space: one group per example, its ``h * q`` problems head-major.  Key space: one group per
     (example, key head), its ``(h / g) * q`` problems head-major.  Adapters give :math:`\alpha = 1`
     quantities; for other :math:`\alpha` the evidence is rescaled to :math:`z/\alpha` so that
-    :math:`\alpha\langle t_i, z\rangle + \log u_i` still equals the model's logits.
+    :math:`\alpha\langle t_i, z\rangle + \log u_i` still equals the model's logits.  ``factor``: the groups'
+    :func:`group_factor` (it depends on the templates only, so one serves every alpha); computed when not given.
     """
     b, h, q, k = site.shape
-    groups = problems.gram.reshape(-1, k, k)
-    per_group = h * q * b // groups.shape[0]
+    factor = group_factor(problems) if factor is None else factor
+    per_group = h * q * b // factor.shape[0]
     log_pref = site.log_preference.expand(b, h, q, k).reshape(-1, per_group, k)
     active = site.query_mask[:, None, :].expand(b, h, q).reshape(-1, per_group)
     logits = problems.logits.reshape(-1, per_group, k)
     return DualProblems(
-        gram=groups,
+        gram=None,
         logits=logits if alpha == 1 else logits / alpha,  # x / 1 == x: no copy of the largest input for alpha 1
         log_preference=log_pref,
         evidence_sqnorm=problems.evidence_sqnorm.reshape(-1, per_group) / alpha**2,
         alpha=alpha,
         active=active,
+        factor=factor,
     )
 
 
-def site_problems(site: SiteCapture, alpha: float, space: str = "hidden") -> DualProblems:
-    """:func:`dual_problems` of the whole site in ``space``."""
-    return dual_problems(site, space_problems(site, space), alpha)
+def site_problems(site: SiteCapture, alpha: float, space: str = "hidden", *, gram: bool = True) -> DualProblems:
+    """:func:`dual_problems` of the whole site in ``space``, with its factor, and with ``gram`` its Gram matrices
+    too (``(groups, k, k)``: for comparisons with methods that take them; the pipeline never forms them)."""
+    built = space_problems(site, space)
+    problems = dual_problems(site, built, alpha)
+    if gram:
+        problems.gram = built.gram.reshape(problems.n_groups, *built.gram.shape[-2:])
+    return problems
 
 
 #: default fidelity tolerance per model dtype (max abs difference of attention probabilities).  The
@@ -102,7 +127,7 @@ def stacked_problems(problems: list[DualProblems]) -> DualProblems:
     if len(problems) == 1:
         return problems[0]
     return DualProblems(
-        gram=torch.cat([p.gram for p in problems]),
+        gram=None if any(p.gram is None for p in problems) else torch.cat([p.gram for p in problems]),
         logits=torch.cat([p.logits for p in problems]),
         log_preference=_stacked_rows([p.log_preference for p in problems]),
         evidence_sqnorm=torch.cat([p.evidence_sqnorm for p in problems]),
@@ -132,7 +157,7 @@ def solve_stacked(problems: list[DualProblems], rtol: float, memory_bytes: int |
     solution = solve_dual(stacked_problems(problems), rtol=rtol, **budget)
     solutions, start = [], 0
     for part in problems:
-        stop = start + part.gram.shape[0]
+        stop = start + part.n_groups
         solutions.append(DualSolution(**{name: value[start:stop] for name, value in vars(solution).items()}))
         start = stop
     return solutions
@@ -144,9 +169,14 @@ def solve_sites(sites: list[SiteCapture], alpha: float, rtol: float, space: str 
 
 
 def site_bytes(site: SiteCapture) -> int:
-    """Bytes of the site's float64 logits, the measure of its problems' size."""
+    """Bytes of the site's float64 logits and of its groups' factors, the measure of its problems' size: the
+    logits grow with the rows (``b h q k``), the factors with the keys (``k min(k, d)`` per group:
+    :func:`group_factor`), which a long context with few selected queries makes the larger part."""
     b, h, q, k = site.shape
-    return b * h * q * k * 8
+    d_head = site.queries.shape[-1]
+    hidden = site.key_hidden.shape[-1] if site.key_hidden is not None else d_head
+    factors = b * max(site.keys.shape[1] * k * min(k, d_head), k * min(k, hidden))  # the larger of the two spaces
+    return (b * h * q * k + factors) * 8
 
 
 def pieces(site: SiteCapture, limit_bytes: int) -> list[SiteCapture]:
@@ -237,9 +267,9 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
     p_att = log_p_att.exp()
     # value heads: row j of a group uses value head j // (m / H); key space: one key head per group
     b, _, _, k = site.shape
-    values = site.values.to(torch.float64).reshape(problems.gram.shape[0], -1, k, site.values.shape[-1])
+    values = site.values.to(torch.float64).reshape(problems.n_groups, -1, k, site.values.shape[-1])
     (tv, tv_bound), (output, output_bound) = derived.attention_deviations(
-        solution.attention, p_att, values, problems.gram, solution.error_bound
+        solution.attention, p_att, values, problems.gram, solution.error_bound, factor=factor,
     )
 
     def worst(bound):
@@ -525,8 +555,7 @@ class BatchSolver:
 
             def build(site, space=space):
                 built = space_problems(site, space)
-                factor = factor_gram(built.gram.reshape(-1, *built.gram.shape[-2:]))
-                return built, fidelity_error(site, built), factor
+                return built, fidelity_error(site, built), group_factor(built)
 
             built_sites = run_all([lambda site=site: build(site) for site in sites], workers)
             problems = [built for built, _, _ in built_sites]
@@ -534,9 +563,9 @@ class BatchSolver:
                 self.summary.add_fidelity(site.attention_type, space, error)
             factors = [factor for _, _, factor in built_sites]
             for alpha in self.alphas:
-                duals = [dual_problems(site, built, alpha) for site, built in zip(sites, problems)]
-                for dual, factor in zip(duals, factors):
-                    dual.factor = factor  # one factorisation per space, shared by every alpha
+                # one factor per space, shared by every alpha
+                duals = [dual_problems(site, built, alpha, factor) for site, built, factor in zip(sites, problems,
+                                                                                                    factors)]
                 solutions = solve_stacked(duals, self.rtol, self.solver_bytes)
 
                 def rows_of(site, offset, built, dual, solution, space=space, alpha=alpha):

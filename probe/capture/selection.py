@@ -51,7 +51,7 @@ class Selection:
     Attributes:
         layers: attention type -> the layers measured (every selected type has an entry).
         heads: attention type -> the query heads measured, ascending.
-        stacks: attention type -> its :class:`~probe.capture.adapters.base.Stack` (every type of the model).
+        stacks: attention type -> its :class:`Stack` (every type of the model).
         queries: the query rule.
         seed: the run's seed (``sample:N``).
     """

@@ -12,7 +12,7 @@ from probe.capture.adapters.base import SiteCapture
 from probe.interventions.forward import site_name
 from probe.interventions.model import example_generator
 from probe.solve import derived
-from probe.solve.dual import DualProblems, DualSolution, factor_gram, solve_dual
+from probe.solve.dual import DualProblems, DualSolution, solve_dual
 
 _F64 = torch.float64
 
@@ -38,8 +38,7 @@ class Substitute:
 
 
 def _solve(site: SiteCapture, alpha: float, space: str, rtol: float) -> tuple[DualProblems, DualSolution]:
-    problems = site_problems(site, alpha, space)
-    problems.factor = factor_gram(problems.gram)
+    problems = site_problems(site, alpha, space, gram=False)  # its factor only
     return problems, solve_dual(problems, rtol=rtol)
 
 
@@ -114,8 +113,7 @@ def site_substitutes(site: SiteCapture, kinds, alpha: float, space: str, rtol: f
                 active, per_example(solution.error_bound / solution.lambda_norm), -torch.inf).amax(-1).cpu(),
         )
     else:
-        problems = site_problems(site, alpha, space)
-        problems.factor = factor_gram(problems.gram)
+        problems = site_problems(site, alpha, space, gram=False)  # its factor only
         solution, stats = None, None
     log_pref = problems.log_preference.expand_as(problems.logits)
     p_att = None

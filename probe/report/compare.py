@@ -333,11 +333,12 @@ def _compare(paths: list[Path], out_dir: Path, formats, names, allow_damaged: bo
     )
     controls = [is_control(run) for run in runs]
     run_rows = "".join(
-        f"<tr><th>{esc(label)}</th><td>{esc(model_of(run.manifest))}</td><td>{esc(run.dataset)}</td><td>{esc(run.run_dir.name)}</td>"
-        f"<td>{'control (random initialisation)' if control else 'pretrained'}</td></tr>"
+        f"<tr><th>{esc(label)}</th><td>{esc(model_of(run.manifest))}</td><td>{esc(run.dataset)}</td>"
+        f"<td>{esc(run.run_dir.name)}</td><td>{'control (random initialisation)' if control else 'pretrained'}</td>"
+        f"<td>{esc(run.measured or 'every layer, head and query position')}</td></tr>"
         for run, label, control in zip(runs, labels, controls))
     runs_html = ("<table class=\"runs\"><tr><th>run</th><th>model</th><th>data</th><th>run directory</th><th>weights</th>"
-                 f"</tr>{run_rows}</table>")
+                 f"<th>measured</th></tr>{run_rows}</table>")
     differences = "".join(f"<li>{esc(sentence)}</li>" for sentence in difference_sentences(table, labels, controls))
     table_html = numbers_html(table, labels, controls)
     table_html += _interventions_html(runs, labels, out_dir, allow_damaged) + series_part

@@ -298,6 +298,13 @@ class Run:
     def title(self) -> str:
         return f"{self.name} · {shorten(self.dataset, 40)} · {self.slice_text}"
 
+    @property
+    def measured(self) -> str | None:
+        """What the run measured when it selected part of the model (``"layers 0, 5, 11; 32 sampled query
+        positions per text"``: the manifest's ``selection``, :mod:`probe.capture.selection`); None for a run of
+        every layer, head and query position."""
+        return selection_text(self.manifest)
+
 
 def main_slice(census: pd.DataFrame) -> tuple[str | None, float | None]:
     """The slice the main figures show: alpha = 1 if present (else the smallest alpha), space "hidden"
@@ -392,6 +399,13 @@ def model_of(manifest: dict, rows: pd.DataFrame | None = None) -> str:
     if isinstance(init, str) and init not in ("pretrained", ""):
         name += f" ({init} init)"
     return name or model_id
+
+
+def selection_text(manifest: dict) -> str | None:
+    """What a run measured, in words, when it selected part of the model (None: everything, or a run recorded
+    without a selection)."""
+    description = lookup(manifest, "selection", "description")
+    return None if description in (None, "every layer, head and query position") else str(description)
 
 
 def dataset_text(manifest: dict, covered: int | None = None) -> str:

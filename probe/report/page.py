@@ -132,6 +132,8 @@ def slice_line(run: Run) -> str:
     text = f"Main figures and numbers: {run.slice_text}"
     if others:
         text += f" (the run also has {'; '.join(others)}: see the α and space figures and summary.csv)"
+    if run.measured:
+        text += f". Measured: {run.measured} (the run's selection; other rows were not measured)"
     return html.escape(text + ". Trivial rows (one key, λ* = αz exactly) are left out of every statistic.")
 
 
@@ -202,6 +204,7 @@ def _facts(run: Run) -> list[tuple[str, str]]:
         ("alpha", run.alphas or lookup(manifest, "alpha")),
         ("spaces", run.spaces or None),
         ("attention types", ", ".join(type_label(t) for t in run.types) or "none"),
+        ("measured", run.measured or "every layer, head and query position"),
         ("rows (every slice)", f"{every['rows']:,} ({every['non_converged']:,} not converged, "
                                f"{every['trivial']:,} trivial)"),
         ("attention implementation", lookup(manifest, "attention_implementation")),

