@@ -586,10 +586,10 @@ def show_command(
     attention_type: Optional[str] = typer.Option(
         None, "--attention-type", metavar="T", help="self, causal_self, encoder_self, decoder_self or cross "
         "[default: the run's only one]."),
-    space: Optional[str] = typer.Option(None, "--space", metavar="SPACE", help="hidden or key [default: hidden "
-                                        "where the run has it]."),
-    alpha: Optional[float] = typer.Option(None, "--alpha", metavar="A", help="[default: 1 where the run has it, "
-                                          "else its smallest]."),
+    space: Optional[str] = typer.Option(None, "--space", metavar="SPACE", help="The parameterisation, hidden or key "
+                                        "[default: hidden where the run has it]."),
+    alpha: Optional[float] = typer.Option(None, "--alpha", metavar="A", help="The strength alpha [default: 1 where "
+                                          "the run has it, else its smallest]."),
     out: Optional[Path] = typer.Option(
         None, "--out", metavar="FILE", help="A .png or .pdf to write [default: RUN_DIR/show/text-E-layerL-headH.png]."),
     allow_damaged: bool = typer.Option(False, "--allow-damaged", help=ALLOW_DAMAGED_HELP),
