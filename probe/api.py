@@ -225,6 +225,30 @@ class Run:
         return report(self.run_dir, out, formats, name=name, allow_damaged=self.allow_damaged, progress=progress,
                       control=control)
 
+    def show(self, example: int, layer: int, head: int, *, attention_type: str | None = None,
+             space: str | None = None, alpha: float | None = None, out: str | Path | None = None):
+        """One text (``example``, its number in the rows) at one site (``attention_type``, ``layer``) and
+        ``head``: the model's attention and the exact posterior p* as matrices over query x key tokens, and their
+        difference, each query's relative deviation and certificate beside its row
+        (:class:`probe.report.text_view.TextView`; a notebook shows it as its figure; ``.save(path)`` writes a
+        PNG or PDF, as ``out`` does).  Recomputed from the model files the manifest names, which must be the
+        run's, and checked against the stored rows (:func:`probe.pipeline.recompute.text_view`).  ``space`` and
+        ``alpha`` default to the report's main slice, ``attention_type`` to the run's only one."""
+        from probe.core.destination import check_destination, writing
+        from probe.pipeline.recompute import text_view
+        from probe.report.text_view import view_format
+
+        if out is not None:  # before the model loads: a .png or .pdf that can be written
+            view_format(out)
+            check_destination(out, "out", kind="file")
+        view = text_view(self.run_dir, example, layer, head, attention_type=attention_type, space=space,
+                         alpha=alpha, allow_damaged=self.allow_damaged)
+        if out is not None:
+            Path(out).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            with writing("the text view", out):
+                view.save(Path(out).expanduser())
+        return view
+
     def export(self, to: str | Path, table: str = "deviations") -> int:
         """Write the rows (``table="interventions"``: the intervention records) into one file, Parquet or
         CSV by its extension; return the row count."""
@@ -245,7 +269,7 @@ def run(
     split: str | None = None,
     column: str | None = None,
     target_column: str | None = None,
-    samples: int | None = None,
+    samples: int | str | None = None,
     max_length: int = 128,
     batch_size: int = 8,
     alpha: float | str | Sequence[float] = 1.0,
@@ -263,7 +287,7 @@ def run(
     name: str | None = None,
     progress: bool = True,
     intervene: str | Sequence[str] | None = None,
-    intervene_modes: str | Sequence[str] = "per-site,whole",
+    intervene_modes: str | Sequence[str] | None = None,
     allow_unknown_tokens: bool = False,
     step: int | None = None,
     layers: str | int | Sequence[int] | None = None,
@@ -290,7 +314,9 @@ def run(
         split: the hub dataset's split (default ``train``).
         column: the column holding the texts (default ``text``).
         target_column: the column of decoder targets, for encoder-decoder models (default: the text itself).
-        samples: use the first N non-empty texts.
+        samples: ``N`` takes the first N non-empty texts; ``"random:N"`` N of them drawn at random, seeded by
+            ``seed`` (recorded in the manifest as ``config.dataset.sample_seed``: a resumed run reads the same
+            texts).
         max_length: truncate texts to this many tokens (at most the model's limit).
         batch_size: examples per forward pass.
         alpha: the strength(s) of the inference problem, each solved from one capture.
@@ -314,7 +340,7 @@ def run(
         progress: say what the run is doing, with a progress bar, on stderr.
         intervene: substitutes to put into the forward pass (``"exact,second-order,null"``;
             :mod:`probe.interventions`), read back as :attr:`Run.interventions`.
-        intervene_modes: with ``intervene``: ``per-site`` and/or ``whole``.
+        intervene_modes: with ``intervene`` only: ``per-site`` and/or ``whole`` (default: both).
         allow_unknown_tokens: run although the tokenizer turns more than 10% of the tokens into its unknown
             token (refused otherwise, before the model loads: :mod:`probe.capture.tokens`).
         step: the training step of the checkpoint, recorded in the manifest (``config.step``) for a series
@@ -408,11 +434,21 @@ def report(run_dir: str | Path | Run, out: str | Path | None = None, formats: st
            control: str | Path | Run | None = None) -> Path:
     """Build a run's report (figures, ``summary.csv``/``.json``, ``index.html``); return its directory.
     ``progress``: say each stage on stderr; ``control``: a control run (e.g. ``init="random"``) whose headline
-    numbers the first screen shows beside the run's."""
+    numbers the first screen shows beside the run's.  The page shows the worst row's text at its site and head
+    (:meth:`Run.show`), recomputed from the model's files where they are still the run's."""
     from probe.report import build_report
 
-    return build_report(_run_path(run_dir), out, _formats(formats), name=name, allow_damaged=allow_damaged,
-                        progress=progress, control=None if control is None else _run_path(control))
+    path = _run_path(run_dir)
+
+    def worst_text(row: dict):
+        from probe.pipeline.recompute import text_view
+
+        return text_view(path, row["example"], row["layer"], row["head"], attention_type=row["attention_type"],
+                         space=row["space"], alpha=row["alpha"], allow_damaged=allow_damaged)
+
+    return build_report(path, out, _formats(formats), name=name, allow_damaged=allow_damaged,
+                        progress=progress, control=None if control is None else _run_path(control),
+                        text_view=worst_text)
 
 
 def compare(runs: Sequence[str | Path | Run], out: str | Path = "compare", formats: str | Sequence[str] = "png", *,

@@ -1,6 +1,7 @@
 """The ``probe`` command line (a typer app): ``probe run [MODEL]``, ``probe resume RUN_DIR``,
 ``probe status [RUN_DIR]``, ``probe export RUN_DIR --to FILE``, ``probe report RUN_DIR``,
-``probe compare RUN_DIR RUN_DIR...``, ``probe verify RUN_DIR`` and ``probe --version``.
+``probe compare RUN_DIR RUN_DIR...``, ``probe show RUN_DIR --example E --layer L --head H``,
+``probe verify RUN_DIR`` and ``probe --version``.
 
 Each command is a thin layer over :mod:`probe.api` (the same functions a notebook calls): it turns
 options into arguments, prints the final lines, and turns a :class:`probe.core.errors.ProbeError` into one
@@ -26,6 +27,7 @@ from typing import Optional
 import typer
 
 from probe.core.errors import exit_with  # light: no torch
+from probe.core.terminal import stops_exit  # light
 from probe.run_options import with_run_options
 
 # Idle OpenMP threads sleep instead of spinning: on a machine shared with other work, spinning threads
@@ -512,7 +514,7 @@ def _build_report(run_dir: Path, out: Optional[Path], formats: str, name: Option
     from probe.core.errors import ProbeError
 
     try:
-        with _banner_not_warnings():
+        with stops_exit("the report", out or Path(run_dir) / "report"), _banner_not_warnings():
             where = api.report(run_dir, out, formats, name=name, allow_damaged=allow_damaged, control=control)
     except ProbeError as error:
         _fail(error)
@@ -567,7 +569,8 @@ def compare_command(
 
     run_dirs = [_run_dir(run_dir) for run_dir in run_dirs]
     try:
-        with _banner_not_warnings(), warnings.catch_warnings(record=True) as caught:
+        with stops_exit("the comparison", out), _banner_not_warnings(), \
+                warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", DifferentDataWarning)
             where = api.compare(run_dirs, out, report_format, names=name, allow_damaged=allow_damaged)
     except ProbeError as error:
@@ -580,7 +583,62 @@ def compare_command(
     for run_dir in run_dirs:
         if (Path(run_dir) / "manifest.json").is_file():
             _damaged_banner(run_dir, None, allow_damaged)
+    import pandas as pd
+
+    from probe.report.compare import headline_lines
+
+    for line in headline_lines(pd.read_csv(where / "compare.csv")):  # as `probe run` ends with its headline
+        typer.echo(line)
     typer.echo(f"comparison: {where / 'index.html'}")
+
+
+@app.command("show")
+def show_command(
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help=RUN_DIR_HELP),
+    example: int = typer.Option(
+        ..., "--example", metavar="E", help="The text: its number in the run's rows (column example: its place in "
+        "the data, blank lines counted)."),
+    layer: int = typer.Option(..., "--layer", metavar="L", help="The layer, within its attention type's stack."),
+    head: int = typer.Option(..., "--head", metavar="H", help="The query head."),
+    attention_type: Optional[str] = typer.Option(
+        None, "--attention-type", metavar="T", help="self, causal_self, encoder_self, decoder_self or cross "
+        "[default: the run's only one]."),
+    space: Optional[str] = typer.Option(None, "--space", metavar="SPACE", help="The parameterisation, hidden or key "
+                                        "[default: hidden where the run has it]."),
+    alpha: Optional[float] = typer.Option(None, "--alpha", metavar="A", help="The strength alpha [default: 1 where "
+                                          "the run has it, else its smallest]."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", metavar="FILE", help="A .png or .pdf to write [default: RUN_DIR/show/text-E-layerL-headH.png]."),
+    allow_damaged: bool = typer.Option(False, "--allow-damaged", help=ALLOW_DAMAGED_HELP),
+):
+    """Draw one text at one attention site and head: the model's attention and the exact posterior p* over query x
+    key tokens, and their difference, with each query's relative deviation and certificate beside its row.
+
+    p* is recomputed from the model files the manifest names (refused if they changed since the run) by running the
+    text's batch again, and checked against the run's stored rows: they must agree within their certificates.
+    """
+    import numpy as np
+
+    from probe import api
+    from probe.core.errors import ProbeError
+
+    run_dir = _run_dir(run_dir)
+    try:
+        run = api.load(run_dir, allow_damaged=allow_damaged)
+        if out is None:
+            out = run_dir / "show" / f"text-{example}{f'-{attention_type}' if attention_type else ''}-layer{layer}-" \
+                f"head{head}.png"
+        with _banner_not_warnings():
+            view = run.show(example, layer, head, attention_type=attention_type, space=space, alpha=alpha, out=out)
+    except ProbeError as error:
+        _fail(error)
+    compared = int(np.isfinite(view.stored_rel_deviation).sum())
+    typer.echo(f"{view.title}: {len(view.query_tokens)} queries x {len(view.key_tokens)} keys")
+    typer.echo(f"relative deviation: mean {view.rel_deviation.mean():.3g}, max {view.rel_deviation.max():.3g}; "
+               f"largest |p* - attention| {abs(view.difference).max():.3g}")
+    typer.echo(f"recomputed from the model's files: {compared} stored row(s) agree within their certificates "
+               f"(largest difference {view.largest_ratio:.2g} of what they allow)")
+    typer.echo(f"view: {out}")
 
 
 @app.command("verify")
@@ -611,7 +669,10 @@ def verify_command(
 
 
 def main() -> None:
-    app()
+    from probe.core.terminal import reader_may_leave
+
+    with reader_may_leave():  # `probe ... | head` is no error
+        app()
 
 
 if __name__ == "__main__":

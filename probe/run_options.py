@@ -32,7 +32,9 @@ RUN_OPTIONS: tuple[inspect.Parameter, ...] = (
     _option("target_column", Optional[str], None, metavar="NAME",
             help="Column holding decoder targets, for encoder-decoder models (refused for others) [default: the text "
             "itself]."),
-    _option("samples", Optional[int], None, metavar="N", help="Use the first N non-empty texts."),
+    _option("samples", Optional[str], None, metavar="N|random:N",
+            help="N: the first N non-empty texts; random:N: N of them drawn at random, seeded by --seed (the same "
+            "texts on every run and resume with that seed) [default: every text]."),
     _option("max_length", int, 128, metavar="N", help="Truncate texts to this many tokens (at most the model's limit)."),
     _option("batch_size", int, 8, metavar="N", help="Examples per forward pass."),
     _option("alpha", str, "1", metavar="A[,A...]",
@@ -79,9 +81,9 @@ RUN_OPTIONS: tuple[inspect.Parameter, ...] = (
             "(docs/interventions.md): exact (the exact posterior p*), second-order, null (a random change of the same "
             "size), model (its own weights: the identity check); records go to interventions.parquet/ beside the rows "
             "[default: off]."),
-    _option("intervene_modes", str, "per-site,whole", metavar="MODE[,MODE]",
+    _option("intervene_modes", Optional[str], None, metavar="MODE[,MODE]",
             help="With --intervene: per-site (each attention site substituted on its own) and/or whole (every site at "
-            "once, solved in order)."),
+            "once, solved in order) [default: per-site,whole]."),
     _option("allow_unknown_tokens", bool, False, "--allow-unknown-tokens",
             help="Run although the tokenizer turns more than 10% of the texts' tokens into its unknown token (refused "
             "otherwise: the tokenizer does not know the texts). The share is recorded either way."),

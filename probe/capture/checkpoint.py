@@ -1,9 +1,13 @@
 """A checkpoint's weights read with what can go wrong as one-paragraph
-:class:`~probe.core.errors.ProbeError` messages: a corrupt or incomplete file, weights of other shapes than the config asks for, weights the model needs that the
-checkpoint lacks.  Used by the adapters' ``load_model`` (:mod:`probe.capture.adapters.base`), below
+:class:`~probe.core.errors.ProbeError` messages: a corrupt or incomplete file, a pickled file refused as unsafe
+(pickled weights load weights-only), weights of other shapes than the config asks for, weights the model needs
+that the checkpoint lacks.  Used by the adapters' ``load_model`` (:mod:`probe.capture.adapters.base`), below
 :mod:`probe.capture.loading`, which calls the adapters: so the dependency runs one way."""
 
 from __future__ import annotations
+
+import pickle
+import re
 
 from probe.core.errors import ProbeError
 
@@ -31,6 +35,8 @@ def from_pretrained_checked(loader, name_or_path: str, **kwargs):
     except ProbeError:
         raise
     except Exception as error:  # safetensors, torch.load, OSError, RuntimeError: all say "cannot read"
+        if is_unsafe_pickle(error):
+            raise ProbeError(unsafe_pickle_message(name_or_path, error)) from None
         raise ProbeError(
             f"Could not load the weights of '{name_or_path}': {type(error).__name__}: {first_line(error)}. "
             "The weights file is corrupt or incomplete (an interrupted download or copy?): copy or download "
@@ -66,3 +72,23 @@ def first_line(error: BaseException) -> str:
     """An exception's first line, without a final full stop (for one-paragraph messages)."""
     text = str(error).strip()
     return text.splitlines()[0].rstrip(".") if text else type(error).__name__
+
+
+def is_unsafe_pickle(error: BaseException) -> bool:
+    """Whether ``error`` is ``torch.load(weights_only=True)`` refusing a pickle (``pytorch_model.bin``) that
+    would import or call something other than tensors' constructors: code it would run when unpickled."""
+    return isinstance(error, pickle.UnpicklingError) and str(error).lower().startswith("weights only load failed")
+
+
+def unsafe_pickle_message(name_or_path: str, error: BaseException) -> str:
+    """What to say when :func:`is_unsafe_pickle`: the file was refused, not damaged; what it asked for (torch
+    names the global, e.g. ``posix.system``), and that safetensors holds tensors only."""
+    found = re.search(r"(?:unsupported GLOBAL|Unsupported global: GLOBAL) ([\w.]+)", str(error))
+    asked = f" (it asks for {found.group(1)})" if found else ""
+    return (
+        f"The weights of '{name_or_path}' were refused as unsafe: its pickled weights file (pytorch_model.bin) "
+        f"would import or run code when loaded{asked}, and probe loads pickled weights weights-only "
+        "(torch.load(weights_only=True)), which allows tensors and nothing else. The file is not damaged. Use "
+        "the model in safetensors instead (model.safetensors, which holds tensors only): the model's own copy, or "
+        "one that save_pretrained writes from a copy you trust."
+    )

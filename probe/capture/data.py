@@ -335,8 +335,9 @@ def _check_text_feature(spec: DatasetSpec, dataset, column: str) -> None:
 
 def _dataset_rows(spec: DatasetSpec):
     """(text, target) pairs of a local file or hub dataset, after checking that the columns exist
-    and hold text; a stream is read only as far as the caller iterates."""
-    streaming = spec.samples is not None
+    and hold text; a stream is read only as far as the caller iterates (the first N texts of ``--samples N``;
+    a random sample reads them all)."""
+    streaming = spec.samples is not None and spec.sample_seed is None
     dataset = _load_dataset(spec, streaming)
     columns = dataset.column_names
     if columns is None:  # a stream that does not declare its features: look at its first row
@@ -355,15 +356,28 @@ def _dataset_rows(spec: DatasetSpec):
         yield from zip(dataset[spec.text_column], dataset[spec.target_column] if spec.target_column else repeat(None))
 
 
+#: the character no text holds: a file with it is binary data (a file of zero bytes, an image, a database)
+NUL = "\x00"
+
+
+def nul_problem(where: str) -> str:
+    """What to say of a text (at ``where``: "line 3", "row 2") that holds :data:`NUL` characters."""
+    return (f"{where} holds NUL characters (0x00), which no text holds: it is binary data, refused as a file "
+            "that is not UTF-8 is. Pass texts (.txt, .jsonl, .csv or .parquet)")
+
+
 #: characters read from a text file at a time: a long line is read in pieces of this size
 TEXT_PIECE = 1 << 20
 
 
-def _read_text_files(spec: DatasetSpec, files: list[Path], keep_chars: int) -> Texts:
+def _read_text_files(spec: DatasetSpec, files: list[Path], keep_chars: int, *, limit: int | None = None,
+                     lines: set[int] | None = None) -> Texts:
     """The texts of local ``.txt`` files, one per line, as ``datasets``' text builder reads them (UTF-8,
     universal newlines, split at each line end), read in pieces of :data:`TEXT_PIECE` characters: each text
     keeps its first ``keep_chars`` characters only, so that a long line costs no more memory than that,
-    while the texts' hash (:attr:`Texts.sha256`) is computed over every character as read."""
+    while the texts' hash (:attr:`Texts.sha256`) is computed over every character as read.  ``limit``: stop
+    after that many texts; ``lines``: read only the lines of these indices (counted over the files from 0,
+    blank lines included), the others are only counted."""
     digest = hashlib.sha256()
     texts, indices, skipped, index = [], [], 0, 0
     kept: list[str] = []
@@ -377,8 +391,12 @@ def _read_text_files(spec: DatasetSpec, files: list[Path], keep_chars: int) -> T
                 pending.append(piece)
                 return
             state["blank"] = False
+            if lines is not None and index not in lines:
+                return
             digest.update(f"{index}\0".encode())
             pieces, pending[:] = [*pending, piece], []
+        elif lines is not None and index not in lines:
+            return
         else:
             pieces = [piece]
         for part in pieces:
@@ -392,7 +410,7 @@ def _read_text_files(spec: DatasetSpec, files: list[Path], keep_chars: int) -> T
         nonlocal index, skipped
         if state["blank"]:
             skipped += 1
-        else:
+        elif lines is None or index in lines:
             digest.update(b"\0")
             texts.append("".join(kept))
             indices.append(index)
@@ -403,17 +421,21 @@ def _read_text_files(spec: DatasetSpec, files: list[Path], keep_chars: int) -> T
 
     try:
         for file in files:
+            line = 1
             with open(file, encoding="utf-8") as handle:  # universal newlines, as datasets opens it
                 while piece := handle.readline(TEXT_PIECE):
                     ends = piece.endswith("\n")
+                    if NUL in piece:
+                        raise ProbeError(f"Cannot read the dataset file '{file}': {nul_problem(f'line {line}')}.")
+                    line += ends
                     add(piece[:-1] if ends else piece)
                     if ends:
                         end_line()
-                        if spec.samples is not None and len(texts) >= spec.samples:
+                        if limit is not None and len(texts) >= limit:
                             break
                 if state["open"]:  # the last line, without a line end
                     end_line()
-            if spec.samples is not None and len(texts) >= spec.samples:
+            if limit is not None and len(texts) >= limit:
                 break
     except (UnicodeDecodeError, OSError) as error:
         raise unreadable(spec, files, error) from None
@@ -429,10 +451,16 @@ def load_texts(spec: DatasetSpec, keep_chars: int | None = None) -> Texts:
     """
     if spec.samples is not None and spec.samples < 1:
         raise ProbeError(f"{option('samples')} must be at least 1, got {spec.samples}.")
+    drawn = spec.samples is not None and spec.sample_seed is not None  # a random sample: every text is read
     if keep_chars is not None and spec.local_path is not None and spec.target_column is None:
         files = local_files(spec.local_path)
         if files[0].suffix == ".txt":
-            texts = _read_text_files(spec, files, keep_chars)
+            if drawn:  # which lines are texts first (one character kept of each), then only the drawn ones
+                every = _read_text_files(spec, files, 1).indices
+                lines = {every[i] for i in sample_positions(len(every), spec.samples, spec.sample_seed)}
+                texts = _read_text_files(spec, files, keep_chars, lines=lines)
+            else:
+                texts = _read_text_files(spec, files, keep_chars, limit=spec.samples)
             if texts.texts:
                 return texts
             # no text: the reader below says why, as for any file
@@ -458,10 +486,13 @@ def load_texts(spec: DatasetSpec, keep_chars: int | None = None) -> Texts:
                 if text is None or not text.strip():
                     skipped += 1
                     continue
+                if NUL in text:
+                    raise ProbeError(f"The dataset '{spec.name}' cannot be read as text: "
+                                     f"{nul_problem(f'row {i} (counting from 0)')}.")
                 texts.append(text)
                 indices.append(i)
                 targets.append(target if isinstance(target, str) or target is None else str(target))
-                if spec.samples is not None and len(texts) >= spec.samples:
+                if spec.samples is not None and not drawn and len(texts) >= spec.samples:
                     break
     except ProbeError:
         raise
@@ -476,8 +507,22 @@ def load_texts(spec: DatasetSpec, keep_chars: int | None = None) -> Texts:
             + ". Choose another dataset"
             + (" or column." if local is not None else ", split or column.")
         )
+    if drawn:
+        chosen = sample_positions(len(texts), spec.samples, spec.sample_seed)
+        texts, indices, targets = ([values[i] for i in chosen] for values in (texts, indices, targets))
     return Texts(texts=texts, indices=indices, targets=targets if spec.target_column else None,
                  skipped_empty=skipped, spec=spec)
+
+
+def sample_positions(total: int, samples: int, seed: int) -> list[int]:
+    """Which of ``total`` texts a random sample of ``samples`` takes (``--samples random:N``): positions drawn
+    without replacement by ``numpy.random.default_rng(seed)``, in the texts' own order; every text when there
+    are no more than ``samples``."""
+    import numpy as np
+
+    if samples >= total:
+        return list(range(total))
+    return sorted(int(i) for i in np.random.default_rng(seed).choice(total, size=samples, replace=False))
 
 
 # --------------------------------------------------------------------------------------------------

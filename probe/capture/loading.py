@@ -8,6 +8,7 @@ The cheap checks of the files themselves run earlier, in :mod:`probe.pipeline.va
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,10 +96,36 @@ class quiet_transformers:
             hf_logging.enable_progress_bar()
 
 
+#: transformers' warnings about what probe does not use: a config's classification labels that disagree with
+#: its ``num_labels`` (probe loads the model without its head), said each time the config is read
+HANDLED_WARNINGS = {"transformers.configuration_utils": ("which is incompatible to the `id2label` map",)}
+
+
+class HandledWarnings(logging.Filter):
+    """Drops a logger's records whose message holds one of ``texts``: warnings about what probe handles."""
+
+    def __init__(self, texts: tuple[str, ...]):
+        super().__init__()
+        self.texts = texts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(text in message for text in self.texts)
+
+
+def silence_handled_warnings() -> None:
+    """Install :class:`HandledWarnings` on the loggers of :data:`HANDLED_WARNINGS`, once per process."""
+    for name, texts in HANDLED_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(each, HandledWarnings) for each in logger.filters):
+            logger.addFilter(HandledWarnings(texts))
+
+
 def load_config(name: str, revision: str | None = None):
     """The model's transformers config, or a ProbeError that says why it cannot be read."""
     from transformers import AutoConfig
 
+    silence_handled_warnings()
     try:
         return AutoConfig.from_pretrained(name, revision=revision)
     except (OSError, ValueError, KeyError) as error:  # a JSONDecodeError is a ValueError

@@ -58,7 +58,8 @@ def cut_text(tokenizer, text: str, max_length: int, special: int) -> tuple[str, 
     length = CHARS_PER_TOKEN * max_length + 64
     while True:
         prefix = _prefix(text, length)
-        tokens = len(tokenizer(prefix, add_special_tokens=False)["input_ids"])
+        # verbose=False: no warning that the prefix is longer than the model takes (it is cut after this)
+        tokens = len(tokenizer(prefix, add_special_tokens=False, verbose=False)["input_ids"])
         if prefix is text or len(prefix) == len(text):
             return text, tokens + special > max_length
         if tokens >= max_length + MARGIN_TOKENS:

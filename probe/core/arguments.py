@@ -10,7 +10,8 @@ Each function here takes every spelling of its kind and returns one canonical va
 The kinds:
 
 * numbers and names: one, a sequence, or a comma-separated string (:func:`numbers`, :func:`names`);
-* whole numbers (:func:`whole_numbers`, :func:`seed`);
+* whole numbers (:func:`whole_numbers`, :func:`seed`), and how many texts (:func:`samples`: the first N, or N
+  drawn at random);
 * sizes in bytes, for ``--max-memory`` and ``PROBE_MEMORY_BUDGET`` alike (:func:`parse_size`, table
   :data:`SIZE_UNITS`);
 * texts given in Python (:func:`texts`);
@@ -31,7 +32,7 @@ from probe.core.spelling import option
 
 __all__ = [
     "SIZE_UNITS", "SEED_MAX", "QUERY_RULES", "IndexRange", "QueryRule", "numbers", "names", "parse_numbers",
-    "parse_names", "is_number", "whole_numbers", "seed", "parse_size", "texts", "indices", "queries",
+    "parse_names", "is_number", "whole_numbers", "seed", "samples", "parse_size", "texts", "indices", "queries",
     "describe_indices", "parse_keep", "describe_keep",
 ]
 
@@ -129,6 +130,26 @@ def seed(value, name: str = "seed") -> int:
     if not 0 <= value <= SEED_MAX:
         raise ProbeError(f"{option(name)} must be a whole number from 0 to {SEED_MAX} (2**63 - 1), got {value}.")
     return value
+
+
+def samples(value, name: str = "samples") -> tuple[int | None, bool]:
+    """``--samples``: ``None`` (every text), ``N`` or ``"N"`` (the first N non-empty texts), or ``"random:N"``
+    (N of them drawn at random, seeded by the run's seed: :func:`probe.capture.data.sample_positions`).
+    Returns ``(N, drawn)``; that N is at least 1 is checked with the other options."""
+    if value is None:
+        return None, False
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, False
+    found = _SAMPLES.fullmatch(value) if isinstance(value, str) else None
+    if found is None:
+        raise ProbeError(
+            f"{option(name)} takes N (the first N texts) or random:N (N texts drawn at random, seeded by "
+            f"{option('seed')}), e.g. {option(name, '200')} or {option(name, 'random:200')}; got {value!r}."
+        )
+    return int(found.group(2)), found.group(1) is not None
+
+
+_SAMPLES = re.compile(r"\s*(random\s*:\s*)?([+-]?[0-9]+)\s*")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -46,7 +46,9 @@ class DatasetSpec:
     split: str | None = None
     column: str | None = None
     target_column: str | None = None
-    samples: int | None = None
+    samples: int | None = None  # --samples N: the first N non-empty texts (None: every text)
+    # --samples random:N: N texts drawn at random by this seed (the run's --seed) instead of the first N
+    sample_seed: int | None = None
 
     @property
     def split_name(self) -> str:
@@ -65,6 +67,16 @@ class DatasetSpec:
         return path if path.exists() else None
 
     def describe(self) -> str:
+        drawn = f", a random sample of {self.samples} drawn with seed {self.sample_seed}" if self.drawn else ""
+        return self.source() + drawn
+
+    @property
+    def drawn(self) -> bool:
+        """Whether the texts are a random sample (``--samples random:N``) rather than the first N."""
+        return self.samples is not None and self.sample_seed is not None
+
+    def source(self) -> str:
+        """Where the texts come from, in words."""
         if self.name is None:
             return "embedded probe corpus"
         if self.local_path is not None:  # without this machine's layout where possible (~/data.txt)
@@ -120,18 +132,27 @@ class RunConfig:
     @classmethod
     def from_options(
         cls, model: str, *, dataset: str | None = None, config: str | None = None, split: str | None = None,
-        column: str | None = None, target_column: str | None = None, samples: int | None = None, max_length: int = 128,
+        column: str | None = None, target_column: str | None = None, samples: int | str | None = None,
+        max_length: int = 128,
         batch_size: int = 8, alpha=1.0, space=None, init: str = "pretrained", tokenizer=None, max_memory=None,
         threads: int | None = None, out="runs", device: str = "auto", dtype: str = "float32",
         revision: str | None = None, seed: int = 0, fidelity_tolerance=None, name: str | None = None,
-        progress: bool = True, intervene=None, intervene_modes="per-site,whole", allow_unknown_tokens: bool = False,
+        progress: bool = True, intervene=None, intervene_modes=None, allow_unknown_tokens: bool = False,
         step: int | None = None, layers=None, heads=None, attention_types=None, queries="all", keep="rows",
     ) -> "RunConfig":
         """The settings of a run from the options as the command line, the Python API and the Trainer callback
         give them (:mod:`probe.core.arguments`: one value, a sequence or a comma-separated string; a size for
         ``max_memory``), each read one way for all three.  A value of the wrong kind is refused by name
         (:class:`ProbeError`); the values' ranges and their fit to the model are checked later
-        (:func:`probe.pipeline.validate.check_options`, :func:`probe.pipeline.validate.check_run`)."""
+        (:func:`probe.pipeline.validate.check_options`, :func:`probe.pipeline.validate.check_run`).
+        ``samples``: N (the first N texts) or ``"random:N"`` (N drawn by ``seed``); ``intervene_modes``: only with
+        ``intervene`` (None: both modes)."""
+        samples, drawn = arguments.samples(samples)
+        if intervene_modes is not None and not intervene:
+            raise ProbeError(
+                f"{option('intervene_modes')} applies to interventions: add {option('intervene', 'exact')} (the "
+                f"substitutes to put into the forward pass), or remove {option('intervene_modes')}."
+            )
         arguments.whole_numbers(("samples", "threads", "step"), samples=samples, max_length=max_length,
                                 batch_size=batch_size, threads=threads, step=step)
         arguments.seed(seed)
@@ -147,13 +168,15 @@ class RunConfig:
         return cls(
             model=str(model),
             dataset=DatasetSpec(name=None if dataset is None else str(dataset), config=config, split=split,
-                                column=column, target_column=target_column, samples=samples),
+                                column=column, target_column=target_column, samples=samples,
+                                sample_seed=seed if drawn else None),
             out=Path(out), revision=revision, batch_size=batch_size, max_length=max_length,
             alphas=arguments.numbers(alpha, "alpha"), spaces=arguments.names(space, "space"), init=init,
             tokenizer=None if tokenizer is None else str(tokenizer), max_memory_bytes=max_memory, threads=threads,
             device=device, dtype=dtype, seed=seed, fidelity_tolerance=fidelity_tolerance, progress=progress,
             name=name, intervene=arguments.names(intervene, "intervene") or (),
-            intervene_modes=arguments.names(intervene_modes, "intervene_modes"),
+            intervene_modes=arguments.names(INTERVENTION_MODES if intervene_modes is None else intervene_modes,
+                                            "intervene_modes"),
             allow_unknown_tokens=bool(allow_unknown_tokens), step=step,
             layers=None if layer_ranges is None else arguments.describe_indices(layer_ranges),
             heads=None if head_ranges is None else arguments.describe_indices(head_ranges),

@@ -10,6 +10,11 @@ at least :data:`MIN_FREE_BYTES`, or what the caller says the output needs.
 
 An :class:`OSError` while writing, after the check (a disk that fills up meanwhile), is turned into a
 :class:`probe.core.errors.RunIOError` by :func:`writing` (exit status 74).
+
+A folder of output (a report, a comparison) is written whole or not at all (:func:`written_whole`): into a
+hidden folder beside its destination, moved into place when complete, so that a command stopped half-way
+(Ctrl-C, a full disk) leaves the previous folder as it was, or none.  :func:`check_replaceable` refuses,
+before any work, a destination that holds anything else, which the move would delete.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -86,3 +93,84 @@ def writing(what: str, where: str | Path):
             "incomplete. Fix the cause (free space, permissions, a read-only file system), then run the command "
             "again."
         ) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# a folder written whole
+
+
+def check_replaceable(path: str | Path, name: str, what: str, marker: str) -> None:
+    """Refuse (:class:`ProbeError`) a destination folder that :func:`written_whole` would replace while it holds
+    something other than an earlier ``what`` (``"report"``; a folder that holds the file ``marker``): the
+    move deletes what the folder held.  A folder that does not exist yet, or is empty, is fine."""
+    path = Path(path).expanduser()
+    if not path.is_dir() or not any(path.iterdir()) or (path / marker).is_file():
+        return
+    raise ProbeError(
+        f"{option(name, str(path))} holds files that are not a {what} (it has no {marker}): probe writes the "
+        f"{what} into a new folder and moves it into place whole, replacing the folder and everything in it. "
+        f"Pass a new folder, or the folder of an earlier {what}."
+    )
+
+
+@contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM held back while the block runs (in the main thread; elsewhere nothing changes),
+    then delivered to the handlers that were in place: a step that must not be cut in two (a folder being
+    swapped) finishes first."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: pending.append(signum))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
+
+
+def _hidden_folder(destination: Path, role: str) -> Path:
+    """A new folder ``.NAME.ROLE-PID-RANDOM`` beside ``destination``, made with the permissions any folder gets
+    (the umask's; a temporary folder's 0700 would follow the report into place)."""
+    while True:
+        folder = destination.parent / f".{destination.name}.{role}-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+
+
+@contextmanager
+def written_whole(destination: str | Path):
+    """A hidden folder beside ``destination`` to write into (yielded), moved into place as ``destination``
+    when the block ends without an error; the folder ``destination`` was is deleted then.  On any error or
+    signal the hidden folder is removed and ``destination`` stays as it was: whoever reads it sees the
+    previous folder, or none, never a half-written one.  The swap itself runs with SIGINT and SIGTERM
+    held back (:func:`signals_deferred`).  The destination's parent folders are created."""
+    destination = Path(destination).expanduser()
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = _hidden_folder(destination, "writing")
+    try:
+        yield staging
+        with signals_deferred():
+            previous = None
+            if destination.exists():
+                previous = _hidden_folder(destination, "previous")
+                os.replace(destination, previous / destination.name)
+            try:
+                os.replace(staging, destination)
+            except BaseException:
+                if previous is not None:  # the previous folder back in place
+                    os.replace(previous / destination.name, destination)
+                raise
+            finally:
+                if previous is not None:
+                    shutil.rmtree(previous, ignore_errors=True)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)

@@ -61,9 +61,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from probe.core import arguments
 from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.schema import ROW_KEY
+from probe.pipeline.recompute import batch_sites, load_job, row_problem
 from probe.store import aggregates, integrity, storage
 
 #: absolute slack added to every bound: rounding of the explicit form rebuilt from the reduced one
@@ -191,74 +193,6 @@ def _sample_rows(check: integrity.PartsCheck, sample: int, seed: int) -> pa.Tabl
         table = pq.read_schema(next(iter(check.readable.values()))).empty_table().select(wanted)
         return table.append_column("batch", pa.array([], pa.int64()))
     return pa.concat_tables(tables)
-
-
-def _load_job(run_dir: Path, manifest: dict):
-    """The model, texts and batch plan as resume loads them (refused if the model files or texts changed)."""
-    from probe.core.config import config_from_json
-    from probe.pipeline.runner import prepare_resume
-
-    if "config" not in manifest or "inputs" not in manifest:
-        raise ProbeError(f"{run_dir} does not record the settings and inputs it was computed from (a version-1 run "
-                         "without them), so its rows cannot be re-solved; `probe verify --sample 0` checks its parts.")
-    config = config_from_json(manifest["config"])
-    config.progress = False
-    return prepare_resume(run_dir, manifest, config, config.device)
-
-
-def _batch_sites(job, batch: int, needed: set[tuple[str, int]]) -> dict:
-    """Run batch ``batch`` of the plan through the model again; keep the sites ``needed`` ((type, layer))."""
-    import torch
-
-    positions = job.batches[batch]
-    texts = [job.texts.texts[i] for i in positions]
-    targets = [job.texts.targets[i] for i in positions] if job.texts.targets is not None else None
-    inputs = job.loaded.adapter.encode(job.loaded.tokenizer, texts, targets, job.config.max_length)
-    inputs = {key: value.to(job.device) for key, value in inputs.items()}
-    sites = {}
-
-    def keep(site):
-        if (site.attention_type, site.layer) in needed:
-            sites[(site.attention_type, site.layer)] = site
-
-    with torch.no_grad():
-        job.loaded.adapter.capture(job.loaded.model, inputs, keep)
-    return sites, [job.texts.indices[i] for i in positions]
-
-
-@dataclass
-class RowProblem:
-    """The reduced problem of one row, as the reference solve takes it."""
-
-    gram: np.ndarray  #: the Gram matrix of the templates, (k, k)
-    logits: np.ndarray  #: s = T z at alpha = 1, (k,)
-    evidence_sqnorm: float  #: ||z||^2 at alpha = 1
-    log_u: np.ndarray  #: log u, -inf where a key is excluded, (k,)
-    values: np.ndarray  #: the values v_i of the row's head, (k, d_v)
-
-
-def _row_problem(site, space: str, alpha: float, position: int, head: int, query: int) -> RowProblem:
-    """The reduced problem of one row."""
-    import torch
-
-    from probe.capture.adapters.base import space_problems
-
-    problems = space_problems(site, space, slice(position, position + 1))
-    columns = np.flatnonzero(site.query_mask[position].cpu().numpy())
-    if site.query_positions is not None:
-        columns = [c for c in columns if int(site.query_positions[position, c]) == query]
-        column = int(columns[0])
-    else:
-        column = query
-    b, h, q, k = site.shape
-    gram = problems.gram[0]
-    if gram.dim() == 3:  # key space: one Gram matrix per key head
-        gram = gram[head // (h // gram.shape[0])]
-    log_u = site.log_preference.expand(b, h, q, k)[position, head, column]
-    values = site.values[position, head // (h // site.values.shape[1])]  # query head -> its value head
-    return RowProblem(gram.cpu().numpy(), problems.logits[0, head, column].cpu().numpy(),
-                      float(problems.evidence_sqnorm[0, head, column]), log_u.to(dtype=gram.dtype).cpu().numpy(),
-                      values.to(torch.float64).cpu().numpy())
 
 
 def _reference(gram, logits, evidence_sqnorm, log_u, alpha, values=None):
@@ -400,6 +334,7 @@ def _bounds(stored: dict, ref: dict, derived_bounds: dict | None = None) -> dict
 def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
     """Check every part's checksum and re-solve ``sample`` rows drawn with ``seed`` (see the module)."""
     check_environment()
+    arguments.seed(seed)
     run_dir = Path(run_dir)
     manifest = storage.read_manifest(run_dir)
     parts = integrity.check_parts(run_dir, manifest, checksums=True)
@@ -418,7 +353,7 @@ def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
     if not rows:  # a run that kept no rows (--keep aggregates)
         return report
     report.sampled = len(rows)
-    job = _load_job(run_dir, manifest)
+    job = load_job(run_dir, manifest)
     derived_bounds = (manifest.get("solver") or {}).get("max_derived_bound") or {}
     if "second_order_deviation" not in derived_bounds:  # (every run that records its inputs records it)
         report.columns["second_order_deviation"].note = (
@@ -427,7 +362,8 @@ def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
     for row in rows:
         by_batch.setdefault(row["batch"], []).append(row)
     for batch, batch_rows in sorted(by_batch.items()):
-        sites, example_ids = _batch_sites(job, batch, {(r["attention_type"], r["layer"]) for r in batch_rows})
+        captured = batch_sites(job, batch, {(r["attention_type"], r["layer"]) for r in batch_rows})
+        sites, example_ids = captured.sites, captured.example_ids
         report.batches_rerun += 1
         for row in batch_rows:
             site = sites.get((row["attention_type"], row["layer"]))
@@ -437,7 +373,7 @@ def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
                     f"{row['example']}) that the run's batch plan does not produce: the part does not belong to "
                     f"this run. Move it away and run `probe resume {run_dir}`."
                 )
-            problem = _row_problem(site, row["space"], row["alpha"], example_ids.index(row["example"]),
+            problem = row_problem(site, row["space"], row["alpha"], example_ids.index(row["example"]),
                                    row["head"], row["query"])
             ref = _reference(problem.gram, problem.logits, problem.evidence_sqnorm, problem.log_u, row["alpha"],
                              problem.values)

@@ -12,6 +12,8 @@ One idea per module:
 * :mod:`.breakdowns`: by token role, query position and likely drivers;
 * :mod:`.quantities`: across alphas and spaces, and the other measured quantities;
 * :mod:`.explorer` and :mod:`.page`: the interactive, self-contained page;
+* :mod:`.text_view`: one text at one site and head, its attention against the exact posterior (``probe show``,
+  and the page's section on the worst row);
 * :mod:`.compare`: several runs on shared axes.
 """
 
@@ -21,16 +23,16 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-from probe.core.destination import check_destination, writing
+from probe.core.destination import check_destination, check_replaceable, writing, written_whole
 from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.spelling import option
 from probe.report import explorer
 from probe.report.breakdowns import drivers_figure, positions_figure, roles_figure
 from probe.report.compare import compare_runs
-from probe.report.data import ReportRun, read_run
+from probe.report.data import ReportRun, read_run, require_run_dir
 from probe.report.figures import (
     heads_figure,
     heatmap_figure,
@@ -54,6 +56,8 @@ from probe.report.summary import (
     summarize,
     summary_json,
 )
+from probe.report.text_view import TextView, view_figure, worst_row
+from probe.report.text_view import section_html as text_view_section
 
 __all__ = ["FORMATS", "Drawn", "build_report", "compare_runs", "draw_figures", "read_run"]
 
@@ -142,6 +146,7 @@ def build_report(
     allow_damaged: bool = False,
     progress: bool = False,
     control: str | Path | None = None,
+    text_view: Callable[[dict], TextView] | None = None,
 ) -> Path:
     """Build figures, ``summary.csv``, ``summary.json`` and ``index.html`` for a run; return the report directory.
 
@@ -149,15 +154,20 @@ def build_report(
     page embeds PNG renderings whatever is written); ``name`` overrides the model's name in titles;
     ``progress`` prints each stage on stderr; ``control``: a control run's directory (a random-initialisation
     run of the same model, say), whose headline numbers the first screen shows beside the run's (default:
-    the run directory the manifest's ``control`` names, relative to the run directory).  Every number is
+    the run directory the manifest's ``control`` names, relative to the run directory); ``text_view``: a function
+    that gives the :class:`probe.report.text_view.TextView` of a row's text, site and head (the API's, which
+    recomputes it from the model's files: :func:`probe.pipeline.recompute.text_view`), for the section on the
+    worst row (None: no such section; a :class:`ProbeError` it raises is said in the section).  Every number is
     asked of the rows through :mod:`probe.query`, so memory stays within the readers' budget
-    (``PROBE_MEMORY_BUDGET``) whatever the rows.  Raises :class:`ProbeError` for a missing run directory, a
+    (``PROBE_MEMORY_BUDGET``) whatever the rows.  The report is written whole or not at all
+    (:func:`probe.core.destination.written_whole`): ``out_dir`` holds the previous report until the new one is
+    complete, and a folder that holds anything but an earlier report is refused.  Raises :class:`ProbeError` for a missing run directory, a
     missing, unreadable or incomplete deviations table and unknown formats.  A missing or invalid
     ``manifest.json`` only warns; a table without rows gives a report that says there is no data.
     """
     check_environment()
     formats = check_formats(formats)
-    run_dir = Path(run_dir)
+    run_dir = require_run_dir(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
     say = Progress(progress)
     if control is not None and not Path(control).is_dir():  # said before the run is read
@@ -166,13 +176,39 @@ def build_report(
     if out_dir.exists() and not out_dir.is_dir():
         raise ProbeError(f"Report directory {out_dir} exists and is not a directory. "
                          f"Choose another {option('out')}.")
+    check_replaceable(out_dir, "out", "report", REPORT_MARKER)
     check_destination(out_dir, "out")  # before the run is read: writable, with room
     run = read_run(run_dir, name=name, allow_damaged=allow_damaged)
-    with writing("the report", out_dir):
-        return _build(run, run_dir, out_dir, formats, control, allow_damaged, say)
+    with writing("the report", out_dir), written_whole(out_dir) as staging:
+        _build(run, run_dir, staging, formats, control, allow_damaged, say, text_view)
+    say(f"wrote {out_dir / 'index.html'}")
+    return out_dir
 
 
-def _build(run, run_dir: Path, out_dir: Path, formats, control, allow_damaged: bool, say) -> Path:
+#: the file every report holds (its first): a folder with it is an earlier report, which a new one replaces whole
+REPORT_MARKER = "summary.json"
+
+
+def _worst_text(run: ReportRun, out_dir: Path, formats, text_view, say) -> str:
+    """The section on the worst row: the text view of its text, site and head (written as ``text_*`` figures),
+    or why there is none."""
+    from probe.report.page import figure_html
+
+    row = worst_row(run)
+    if row is None:
+        return ""
+    try:
+        view = text_view(row)
+    except ProbeError as error:
+        return text_view_section("", row, str(error))
+    with style():
+        saved = save(view_figure(view), out_dir, formats)
+    say(f"the worst row's text, recomputed from the model's files: {saved.stem}")
+    return text_view_section(figure_html(saved), row, None)
+
+
+def _build(run, run_dir: Path, out_dir: Path, formats, control, allow_damaged: bool, say, text_view=None) -> None:
+    """The report's files, written into ``out_dir`` (the hidden folder :func:`build_report` moves into place)."""
     try:
         counts = run.counts(main=False)
         say(f"read {run_dir} ({counts['rows']:,} rows in {len(run.table.files):,} part file(s), "
@@ -205,10 +241,10 @@ def _build(run, run_dir: Path, out_dir: Path, formats, control, allow_damaged: b
             )
             say("explorer: worst rows and per-head histograms")
         section = _interventions_section(run, out_dir, formats, allow_damaged)
+        worst = "" if text_view is None or explorer_data is None else _worst_text(run, out_dir, formats, text_view,
+                                                                                  say)
         html_text = page(run, summary, found, saved, explorer_html, explorer_data, quantities, section,
-                         control_numbers)
+                         control_numbers, worst)
         (out_dir / "index.html").write_text(html_text, encoding="utf-8")
-        say(f"wrote {out_dir / 'index.html'}")
     finally:
         run.table.close()
-    return out_dir

@@ -24,11 +24,11 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from probe.core.destination import check_destination, writing
+from probe.core.destination import check_destination, check_replaceable, writing, written_whole
 from probe.core.environment import check_environment
 from probe.core.errors import ProbeError
 from probe.core.spelling import option
-from probe.report.data import FAR, ReportRun, lookup, read_run, type_label
+from probe.report.data import FAR, ReportRun, lookup, model_of, read_run, require_run_dir, type_label
 from probe.report.series import is_series, write_series
 from probe.report.style import (
     DEVIATION_LABEL,
@@ -43,7 +43,7 @@ from probe.report.style import (
 )
 from probe.store.engine import connect
 
-COMPARE_COLUMNS = ("run", "model", "run_dir", "attention_type", "layers", "rows", "trivial", "count", "mean", "median",
+COMPARE_COLUMNS = ("run", "model", "run_dir", "space", "alpha", "attention_type", "layers", "rows", "trivial", "count", "mean", "median",
                    "p95", "max", f"share_above_{FAR:g}")
 RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 
@@ -84,7 +84,8 @@ def _labels(runs: list[ReportRun], names: Sequence[str] | None) -> list[str]:
 
 
 def comparison_table(runs: list[ReportRun], labels: list[str], types: list[str]) -> pd.DataFrame:
-    """Per run and attention type: layers, rows, trivial rows, and statistics of the non-trivial rows."""
+    """Per run and attention type: the slice compared (space, alpha), layers, rows, trivial rows, and statistics
+    of the non-trivial rows."""
     records = []
     for run, label in zip(runs, labels):
         stats = run.main_deviation("type").set_index("attention_type")
@@ -93,7 +94,8 @@ def comparison_table(runs: list[ReportRun], labels: list[str], types: list[str])
             known = attention_type in stats.index and stats.loc[attention_type, "count"] > 0
             value = (lambda c, row=stats.loc[attention_type]: float(row[c])) if known else (lambda c: math.nan)
             records.append({
-                "run": label, "model": run.name, "run_dir": run.run_dir.name, "attention_type": attention_type,
+                "run": label, "model": model_of(run.manifest), "run_dir": run.run_dir.name, "space": run.space,
+                "alpha": run.alpha, "attention_type": attention_type,
                 "layers": len(run.layers(attention_type)), "rows": counts["rows"], "trivial": counts["trivial"],
                 "count": int(stats.loc[attention_type, "count"]) if known else 0, "mean": value("mean"),
                 "median": value("median"), "p95": value("p95"), "max": value("max"),
@@ -143,6 +145,24 @@ def numbers_html(table: pd.DataFrame, labels: list[str], controls: list[bool]) -
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(cell))}</td>" for cell in cells) + "</tr>")
     return ('<table class="numbers"><tr>' + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"
             + "".join(rows) + "</table>")
+
+
+def headline_lines(table: pd.DataFrame) -> list[str]:
+    """The headline comparison in words, for a terminal: the slice the runs share, then per run (and attention
+    type) its non-trivial rows, their mean, p95 and share above 0.1 (``table``: :func:`comparison_table`, as
+    ``compare.csv`` holds it)."""
+    first = table.iloc[0]
+    where = ", ".join(part for part in (
+        f"{first['space']} space" if isinstance(first["space"], str) else "",
+        f"alpha {first['alpha']:g}" if pd.notna(first["alpha"]) else "") if part)
+    width = max(len(str(run)) for run in table["run"])
+    several = table["attention_type"].nunique() > 1
+    return [f"rel_deviation{', ' + where if where else ''}, over the non-trivial rows:"] + [
+        f"  {str(row['run']).ljust(width)}  " + (f"{type_label(row['attention_type'])}: " if several else "")
+        + f"{int(row['count']):,} rows: mean {rounded(row['mean'])}, p95 {rounded(row['p95'])}, "
+        f"{row[f'share_above_{FAR:g}']:.1%} above {FAR:g}"
+        for row in table.to_dict("records")
+    ]
 
 
 def difference_sentences(table: pd.DataFrame, labels: list[str], controls: list[bool]) -> list[str]:
@@ -246,6 +266,8 @@ def compare_runs(
 ) -> Path:
     """Compare runs on shared axes; write ``depth`` and ``ecdf`` figures, ``compare.csv`` and ``index.html``.
 
+    The comparison is written whole or not at all (:func:`probe.core.destination.written_whole`): ``out_dir``
+    holds the previous comparison until the new one is complete; a folder holding other files is refused.
     Raises :class:`ProbeError` for fewer than two runs, a run given twice, runs that share no attention
     type or no (space, alpha) slice, and for everything :func:`probe.report.data.read_run` rejects.
     """
@@ -258,16 +280,28 @@ def compare_runs(
     resolved = [p.resolve() for p in paths]
     if len(set(resolved)) < len(resolved):
         raise ProbeError("A run directory is given twice; give each run once.")
+    for path in paths:
+        require_run_dir(path)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ProbeError(f"{out_dir} exists and is not a directory. Choose another {option('out')}.")
+    check_replaceable(out_dir, "out", "comparison", COMPARE_MARKER)
     check_destination(out_dir, "out")  # before any run is read: writable, with room
     connection = connect()  # one DuckDB, one memory budget, for every run
     try:
-        with writing("the comparison", out_dir):
-            return _compare(paths, Path(out_dir), formats, names, allow_damaged, connection)
+        with writing("the comparison", out_dir), written_whole(out_dir) as staging:
+            _compare(paths, staging, formats, names, allow_damaged, connection)
     finally:
         connection.close()
+    return out_dir
 
 
-def _compare(paths: list[Path], out_dir: Path, formats, names, allow_damaged: bool, connection) -> Path:
+#: the file every comparison holds (its first): a folder with it is an earlier comparison, which a new one replaces whole
+COMPARE_MARKER = "compare.csv"
+
+
+def _compare(paths: list[Path], out_dir: Path, formats, names, allow_damaged: bool, connection) -> None:
+    """The comparison's files, written into ``out_dir`` (the hidden folder :func:`compare_runs` moves into place)."""
     runs = [read_run(path, allow_damaged=allow_damaged, connection=connection, view=f"rows_{i}")
             for i, path in enumerate(paths)]
     empty = [str(run.run_dir) for run in runs if not run.counts(main=False)["rows"]]
@@ -285,9 +319,6 @@ def _compare(paths: list[Path], out_dir: Path, formats, names, allow_damaged: bo
     x_max = x_max if x_max > 0 else 1.0
     title = f"{' vs '.join(labels)} · {runs[0].slice_text}"
 
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ProbeError(f"{out_dir} exists and is not a directory. Choose another {option('out')}.")
-    out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(out_dir / "compare.csv", index=False)
     series_part = ""
     with style():
@@ -305,8 +336,8 @@ def _compare(paths: list[Path], out_dir: Path, formats, names, allow_damaged: bo
     )
     controls = [is_control(run) for run in runs]
     run_rows = "".join(
-        f"<tr><th>{esc(label)}</th><td>{esc(run.name)}</td><td>{esc(run.dataset)}</td><td>{esc(run.run_dir.name)}</td>"
-        f"<td>{'control (random initialisation)' if control else 'pretrained'}</td>"
+        f"<tr><th>{esc(label)}</th><td>{esc(model_of(run.manifest))}</td><td>{esc(run.dataset)}</td>"
+        f"<td>{esc(run.run_dir.name)}</td><td>{'control (random initialisation)' if control else 'pretrained'}</td>"
         f"<td>{esc(run.measured or 'every layer, head and query position')}</td></tr>"
         for run, label, control in zip(runs, labels, controls))
     runs_html = ("<table class=\"runs\"><tr><th>run</th><th>model</th><th>data</th><th>run directory</th><th>weights</th>"
@@ -329,4 +360,3 @@ figure {{ margin: 1em 0; }} figure img {{ max-width: 100%; height: auto; }}</sty
 """,
         encoding="utf-8",
     )
-    return out_dir

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from probe.core.errors import ProbeError
+from probe.core.naming import expand_path, is_texts_file
 from probe.query import Rank, RunTable, Table, both, where
 from probe.query.aggregates import AVERAGED, AggregateTable, keeps
 from probe.query.aggregates import QUANTILE_METHOD as SKETCH_METHOD
@@ -445,14 +446,24 @@ def _looks_like_path(text: str) -> bool:
 
 
 def run_title(manifest: dict, rows: pd.DataFrame | None = None) -> str:
-    """The run as a reader knows it: the name given with ``probe run --name``; else the model's real
-    name as the run recorded it (``model.name``, read from its files by :mod:`probe.core.naming`), its hub id,
-    or the name of its directory for a local model; for a version-1 run that records neither
-    (:data:`probe.store.storage.FORMAT_VERSION`), the ``model`` column of ``rows`` (a frame with at least one
-    of its values).  A random-initialisation control (``init`` in the manifest) is marked as such."""
+    """The run as a reader knows it: the name given with ``probe run --name``; else the model's name
+    (:func:`model_of`)."""
+    given = given_name(manifest)
+    return given if given is not None else model_of(manifest, rows)
+
+
+def given_name(manifest: dict) -> str | None:
+    """The name given with ``probe run --name`` (None: none was given)."""
     given = lookup(manifest, "config", "name")
-    if isinstance(given, str) and given.strip():
-        return given
+    return given if isinstance(given, str) and given.strip() else None
+
+
+def model_of(manifest: dict, rows: pd.DataFrame | None = None) -> str:
+    """The model's real name as the run recorded it (``model.name``, read from its files by
+    :mod:`probe.core.naming`), its hub id, or the name of its directory for a local model; for a version-1 run
+    that records neither (:data:`probe.store.storage.FORMAT_VERSION`), the ``model`` column of ``rows`` (a frame
+    with at least one of its values).  A random-initialisation control (``init`` in the manifest) is marked as
+    such."""
     info = lookup(manifest, "model")
     model_id = lookup(info, "name")
     local = False
@@ -495,6 +506,9 @@ def dataset_text(manifest: dict, covered: int | None = None) -> str:
             return f"{description}{count}"
         return f"embedded probe corpus{count}"
     source = str(source)
+    if is_texts_file(expand_path(source)):  # probe.run(texts=[...]): a file of probe's cache, named by a hash
+        return f"{n:,} texts given in Python" if isinstance(n, int) and not isinstance(n, bool) else \
+            "texts given in Python"
     local = _looks_like_path(source) or Path(source).suffix.lower() in (".txt", ".text", ".jsonl", ".json", ".csv", ".parquet")
     parts = [Path(source).name if local else source]
     if spec.get("config"):
@@ -567,6 +581,17 @@ def _texts_covered(table: RunTable, manifest: dict, aggregates: AggregateTable |
     return int(table.frame(f"SELECT count(DISTINCT example) AS n FROM {table.relation_name}")["n"].iloc[0])
 
 
+def require_run_dir(run_dir: str | Path) -> Path:
+    """``run_dir`` as a path, when it is a folder; a :class:`ProbeError` that says what it is otherwise (a file,
+    nothing), before anything else is checked: the readers' first check."""
+    run_dir = Path(run_dir)
+    if run_dir.is_dir():
+        return run_dir
+    what = "is a file, not a run directory" if run_dir.exists() else "does not exist"
+    raise ProbeError(f"{run_dir} {what}. Pass the run directory printed by `probe run` (it holds manifest.json and "
+                     "deviations.parquet), or DIR/NAME for the newest run named NAME.")
+
+
 def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: bool = False, connection=None,
              view: str = "rows") -> ReportRun:
     """Read a run directory (``deviations.parquet`` file or directory, and ``manifest.json``) as a query.
@@ -577,12 +602,7 @@ def read_run(run_dir: str | Path, *, name: str | None = None, allow_damaged: boo
     ``allow_damaged`` read without its damaged parts under a banner on the page.  Reads one pass of the
     rows (the census); ``connection`` and ``view``: a DuckDB connection and view name to share (compare).
     """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ProbeError(
-            f"Run directory {run_dir} does not exist (or is not a directory). "
-            "Pass the run directory printed by `probe run`."
-        )
+    run_dir = require_run_dir(run_dir)
     table_path = run_dir / "deviations.parquet"
     if not table_path.exists():
         raise ProbeError(

@@ -51,7 +51,8 @@ def recover_texts(manifest: dict) -> dict[int, str]:
         if not Path(str(name)).is_file():
             return {}
     try:
-        fields = {key: spec.get(key) for key in ("name", "config", "split", "column", "target_column", "samples")}
+        fields = {key: spec.get(key) for key in ("name", "config", "split", "column", "target_column", "samples",
+                                                 "sample_seed")}
         fields["split"] = fields["split"] or "train"
         fields["column"] = fields["column"] or "text"
         texts = load_texts(DatasetSpec(**fields))

@@ -18,7 +18,7 @@ import pandas as pd
 from probe.capture.tokens import describe as describe_unknown
 from probe.core.version import __version__
 from probe.report import explorer
-from probe.report.data import ReportRun, lookup, type_label
+from probe.report.data import ReportRun, lookup, model_of, type_label
 from probe.report.findings import RULE
 from probe.report.style import Saved
 from probe.report.summary import FAR, headline, main_rows, scale_words
@@ -90,6 +90,12 @@ def _format_value(value) -> str:
     return str(value)
 
 
+def _model(run: ReportRun) -> str:
+    """The model's own name, which a run named with ``--name`` shows beside its name."""
+    model = model_of(run.manifest)
+    return run.name if model == "unknown model" else model
+
+
 def one_line(run: ReportRun) -> str:
     """Model · data · rows · certification · fidelity, from the data and the manifest."""
     main = run.counts()
@@ -107,7 +113,9 @@ def one_line(run: ReportRun) -> str:
     else:
         fidelity_text = "fidelity unknown"
     revision = lookup(run.manifest, "model", "revision")
-    model = run.name + (f" @ {str(revision)[:12]}" if isinstance(revision, str) and revision else "")
+    model = _model(run)
+    model = (f"{run.name} ({model})" if model != run.name else model) + (
+        f" @ {str(revision)[:12]}" if isinstance(revision, str) and revision else "")
     return (
         f"<b>{html.escape(model)}</b> · {html.escape(run.dataset)} · {main['rows']:,} rows "
         f"({trivial:,} trivial left out) · {html.escape(certified)} · {html.escape(fidelity_text)}"
@@ -186,7 +194,8 @@ def _facts(run: ReportRun) -> list[tuple[str, str]]:
     manifest = run.manifest
     every = run.counts(main=False)
     facts = [
-        ("model", run.name),
+        *([("run", run.name)] if run.name != _model(run) else []),  # --name, or the report's own
+        ("model", _model(run)),
         ("model type", lookup(manifest, "model", "model_type")),
         ("revision", lookup(manifest, "model", "revision")),
         ("dataset", run.dataset),
@@ -243,10 +252,11 @@ def _kept_text(run: ReportRun) -> str:
 
 def page(run: ReportRun, summary: pd.DataFrame, findings: list[dict], figures: list[Saved], explorer_html: str,
          explorer_data: dict | None, quantities: pd.DataFrame, interventions_html: str = "",
-         control: dict | None = None) -> str:
+         control: dict | None = None, worst_text_html: str = "") -> str:
     """The whole page (``interventions_html``: the section of a run with ``--intervene``,
     :func:`probe.report.interventions.section_html`; ``control``: the control run's headline numbers,
-    :func:`probe.report.summary.control_headline`)."""
+    :func:`probe.report.summary.control_headline`; ``worst_text_html``: the section on the worst row's text,
+    :func:`probe.report.text_view.section_html`)."""
     esc = html.escape
     notes = "".join(f"<li>{esc(note)}</li>" for note in run.notes)
     if findings:
@@ -295,10 +305,11 @@ def page(run: ReportRun, summary: pd.DataFrame, findings: list[dict], figures: l
 <p class="note rule">{esc(RULE)}</p></div>
 </div>
 </header>
-<nav><a href="#explorer">Explorer</a><a href="#figures">Figures</a>{'<a href="#interventions">Interventions</a>' if interventions_html else ''}<a href="#tables">Tables</a><a href="#run">Run</a></nav>
+<nav><a href="#explorer">Explorer</a>{'<a href="#worst-text">Worst text</a>' if worst_text_html else ''}<a href="#figures">Figures</a>{'<a href="#interventions">Interventions</a>' if interventions_html else ''}<a href="#tables">Tables</a><a href="#run">Run</a></nav>
 <section id="explorer"><h2>Explorer</h2>
 {explorer_html}
 </section>
+{worst_text_html}
 <section id="figures"><h2>Figures</h2>
 {images or "<p>No data, no figures.</p>"}
 </section>

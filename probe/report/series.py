@@ -206,10 +206,26 @@ def finding_events(runs: list[ReportRun], labels: list[str]) -> pd.DataFrame:
     return pd.DataFrame.from_records(events, columns=list(FINDING_COLUMNS))
 
 
+#: at most this many steps get a tick each; more get whole-number ticks where matplotlib puts them
+STEP_TICKS = 10
+
+
 def _x_axis(ax, values) -> None:
-    positive = [v for v in values if v > 0]
-    if positive and max(positive) / min(positive) > 100:
+    """The training step: whole numbers only (a tick at each step when there are few), on a symmetric log
+    scale when the steps span more than a factor of 100."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    steps = sorted({int(v) for v in values})
+    positive = [v for v in steps if v > 0]
+    logarithmic = bool(positive) and max(positive) / min(positive) > 100
+    if logarithmic:
         ax.set_xscale("symlog", linthresh=min(positive))
+    if len(steps) <= STEP_TICKS:
+        ax.set_xticks(steps)
+        ax.minorticks_off()
+    elif not logarithmic:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
     ax.set_xlabel("training step")
 
 
@@ -242,8 +258,9 @@ def series_figure(table: pd.DataFrame, types: list[str], title: str, *, by_layer
             ax.set_ylabel(DEVIATION_LABEL if statistic != SHARE else f"share above {FAR:g}")
             ax.set_ylim(bottom=0)
             _x_axis(ax, part["step"])
-        if by_layer:
-            row[-1].legend(fontsize="x-small", loc="best", ncol=2)
+        if by_layer:  # beside the panels, never over the lines
+            row[-1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0,
+                           ncol=1 + len(layers) // 13)
     details = suptitle(figure, title, "trivial rows left out",
                        f"{LEVEL:.0%} bootstrap intervals over the examples ({REPLICATES} replicates)"
                        + ("; bands: per layer" if by_layer else "; bars: whole model"))

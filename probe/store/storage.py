@@ -219,7 +219,9 @@ def read_manifest(run_dir: Path, *, check_liveness: bool = True) -> dict:
     run_dir = Path(run_dir)
     path = run_dir / MANIFEST
     if not run_dir.is_dir():
-        raise ProbeError(f"Run directory {run_dir} does not exist. Pass the run directory printed by `probe run`.")
+        what = "is a file, not a run directory" if run_dir.exists() else "does not exist"
+        raise ProbeError(f"{run_dir} {what}. Pass the run directory printed by `probe run` (it holds manifest.json "
+                         "and deviations.parquet), or DIR/NAME for the newest run named NAME.")
     if not path.is_file():
         raise ProbeError(f"{path} does not exist: {run_dir} is not a probe run directory (or its run never started).")
     try:

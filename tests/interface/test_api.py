@@ -81,6 +81,17 @@ def test_texts_are_the_examples_in_order(api_run):
     assert api_run.manifest["dataset"]["n_examples"] == len(TEXTS)
 
 
+def test_texts_given_in_python_are_said_so_in_the_report(api_run, tmp_path):
+    """The report names the texts as what they are, not as the file probe keeps them in (a hash-named .jsonl)."""
+    import json
+
+    out = api_run.report(tmp_path / "report", progress=False)
+    described = f"{len(TEXTS)} texts given in Python"
+    assert json.loads((out / "summary.json").read_text())["dataset"] == described
+    first_screen = (out / "index.html").read_text().split('<p class="oneline">', 1)[-1].split("</p>", 1)[0]
+    assert described in first_screen and ".jsonl" not in first_screen
+
+
 def test_load_reads_the_same_run_and_refuses_a_non_run(api_run, tmp_path):
     again = probe.load(api_run.run_dir)
     pd.testing.assert_frame_equal(again.rows, api_run.rows)

@@ -124,6 +124,23 @@ def _torch_bin_truncated(directory):
     _truncate("pytorch_model.bin")(directory)
 
 
+class _RunsCode:
+    """An object whose unpickling calls a function: what a malicious pytorch_model.bin holds."""
+
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+def _pickle_that_runs_code(directory):
+    """The tiny BERT's weights as pytorch_model.bin, with an object beside them whose unpickling calls a
+    function (a harmless one: the refusal comes before it runs)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(directory / "model.safetensors")
+    torch.save({**tensors, "payload": _RunsCode()}, directory / "pytorch_model.bin")
+    (directory / "model.safetensors").unlink()
+
+
 def _tokenizer_larger_than_the_embeddings(directory):
     """A WordPiece vocabulary of 50,522 entries (20,000 new ones first, so the usual words get ids beyond the
     model's 30,522 embedding rows) beside the tiny BERT's 30,522-row embedding."""
@@ -160,6 +177,7 @@ def bad(tmp_path_factory, tiny_bert_dir):
     b.zero_bytes = m("zero-bytes", edit=_truncate("model.safetensors", keep=0))
     b.missing_shard = m("missing-shard", edit=_sharded_with_a_missing_shard)
     b.truncated_bin = m("truncated-bin", edit=_torch_bin_truncated)
+    b.unsafe_pickle = m("unsafe-pickle", edit=_pickle_that_runs_code)
     b.mismatched = m("mismatched", edit=_edit_json("config.json", hidden_size=128, intermediate_size=256))
     b.no_attention = m("no-query-weights", edit=_without_weights("attention.self.query"))
     b.short_tokenizer = m("short-tokenizer", edit=_edit_json("tokenizer_config.json", model_max_length=64))
@@ -217,6 +235,9 @@ def bad(tmp_path_factory, tiny_bert_dir):
     b.int_parquet = b.files / "ints.parquet"
     pd.DataFrame({"text": [1, 2, 3], "label": ["a", "b", "c"]}).to_parquet(b.int_parquet)
     b.corrupt_parquet = b.file("corrupt.parquet", b"PAR1 this is not parquet")
+    b.nul_txt = b.file("zeros.txt", bytes(4096))  # valid UTF-8, and no text
+    b.nul_in_a_line = b.file("nul-line.txt", b"fine\nalso fine\nbroken \x00 here\n")
+    b.nul_jsonl = b.file("nul.jsonl", '{"text": "fine"}\n{"text": "a\\u0000b"}\n')
     return b
 
 
@@ -254,6 +275,9 @@ CASES = [
     Case("samples zero", lambda b: [b.tiny, "--samples", "0"], ("--samples must be at least 1",)),
     Case("samples negative", lambda b: [b.tiny, "--samples", "-5"], ("--samples must be at least 1",)),
     Case("max length zero", lambda b: [b.tiny, "--max-length", "0"], ("--max-length must be at least 1",)),
+    Case("samples neither a count nor random:N", lambda b: [b.tiny, "--samples", "random:some"],
+         ("--samples takes N (the first N texts) or random:N", "'random:some'")),
+    Case("samples random zero", lambda b: [b.tiny, "--samples", "random:0"], ("--samples must be at least 1",)),
     Case("space unknown", lambda b: [b.tiny, "--space", "hidden,query"], ("Unknown --space query", "hidden, key")),
     Case("space repeated", lambda b: [b.tiny, "--space", "key,key"], ("--space lists a space twice",)),
     Case("space empty entry", lambda b: [b.tiny, "--space", "hidden,"], ("--space", "empty entry")),
@@ -329,6 +353,11 @@ CASES = [
     Case("unsupported file type", lambda b: [b.tiny, "--dataset", b.xlsx], ("Unsupported data file", ".xlsx")),
     Case("folder without data files", lambda b: [b.tiny, "--dataset", b.no_data_dir], ("No data files in the folder",)),
     Case("folder of mixed files", lambda b: [b.tiny, "--dataset", b.mixed_dir], ("mixes data files of different kinds",)),
+    Case("text file of NUL bytes", lambda b: [b.tiny, "--dataset", b.nul_txt],
+         ("zeros.txt", "line 1 holds NUL characters", "binary data")),
+    Case("text file with a NUL in a line", lambda b: [b.tiny, "--dataset", b.nul_in_a_line, "--samples", "random:2"],
+         ("nul-line.txt", "line 3 holds NUL characters")),
+    Case("jsonl text with a NUL", lambda b: [b.tiny, "--dataset", b.nul_jsonl], ("row 1", "holds NUL characters")),
     # 4. model
     Case("model path typo", lambda b: ["./no-such-model"], ("The model path './no-such-model' does not exist",)),
     Case("model absolute path typo", lambda b: [b.root / "no-such-model"], ("does not exist",)),
@@ -357,6 +386,9 @@ CASES = [
     Case("empty safetensors", lambda b: [b.zero_bytes], ("corrupt or incomplete",)),
     Case("missing weight shard", lambda b: [b.missing_shard], ("lacks 1 of the 2 weight shards",)),
     Case("truncated pytorch_model.bin", lambda b: [b.truncated_bin], ("pytorch_model.bin' is incomplete",)),
+    Case("pytorch_model.bin whose pickle runs code", lambda b: [b.unsafe_pickle],
+         ("were refused as unsafe", "weights-only", "posix.getcwd", "The file is not damaged", "safetensors"),
+         note=LOAD),
     Case("weights that do not fit the config", lambda b: [b.mismatched],
          ("do not match its config.json", "(64, 64) in the checkpoint but (128, 128)"), note=LOAD),
     Case("weights without the attention queries", lambda b: [b.no_attention],
@@ -370,6 +402,8 @@ CASES = [
     Case("intervene empty entry", lambda b: [b.tiny, "--intervene", "exact,,null"], ("--intervene", "empty entry")),
     Case("intervene unknown mode", lambda b: [b.tiny, "--intervene", "exact", "--intervene-modes", "sites"],
          ("Unknown --intervene-modes sites", "per-site, whole")),
+    Case("intervene modes without intervene", lambda b: [b.tiny, "--intervene-modes", "whole"],
+         ("--intervene-modes applies to interventions", "add --intervene exact", "or remove --intervene-modes")),
     Case("intervene on a family that cannot substitute", lambda b: [b.mpnet, "--init", "random", "--intervene", "exact"],
          ("--intervene needs a model whose attention probe can substitute", "(mpnet)", "remove --intervene")),
     # 5. max length
@@ -565,6 +599,43 @@ COMMANDS = [
             ("kept only its statistics", "--table aggregates")),
     Command("export the aggregates of a run of rows",
             lambda b: ["export", b.run, "--table", "aggregates", "--to", "{tmp}/a.parquet"], ("has no aggregates",)),
+    # what a command is given, said as what it is
+    Command("report of a file", lambda b: ["report", b.run / "manifest.json"],
+            ("manifest.json is a file, not a run directory", "Pass the run directory")),
+    Command("compare of a file", lambda b: ["compare", b.run, b.run / "manifest.json", "--out", "{tmp}/compare"],
+            ("manifest.json is a file, not a run directory",)),
+    Command("verify with a negative seed", lambda b: ["verify", b.run, "--seed", "-1"],
+            ("--seed must be a whole number from 0",)),
+    # a report and a comparison replace their folder whole: a folder of other files is not theirs to delete
+    Command("report into a folder of other files", lambda b: ["report", b.run, "--out", b.other_files],
+            ("holds files that are not a report", "replacing the folder and everything in it")),
+    Command("compare into a folder of other files", lambda b: ["compare", b.run, b.run2, "--out", b.other_files],
+            ("holds files that are not a comparison",)),
+    # probe show: what to show, checked against the run before the model loads; then the model files
+    Command("show a text the run does not have", lambda b: ["show", b.run, "--example", "9", "--layer", "0",
+                                                            "--head", "0"],
+            ("has no rows of text --example 9", "numbered 0 to 3")),
+    Command("show a layer the run does not have", lambda b: ["show", b.run, "--example", "1", "--layer", "7",
+                                                             "--head", "0"], ("no rows of --layer 7", "its layers are 0, 1")),
+    Command("show a head the run does not have", lambda b: ["show", b.run, "--example", "1", "--layer", "1",
+                                                            "--head", "9"], ("no rows of --head 9", "its heads are 0, 1, 2, 3")),
+    Command("show an attention type the run does not have",
+            lambda b: ["show", b.run, "--example", "1", "--layer", "1", "--head", "0", "--attention-type", "cross"],
+            ("no --attention-type cross rows", "its attention types are self")),
+    Command("show a space the run does not have",
+            lambda b: ["show", b.run, "--example", "1", "--layer", "1", "--head", "0", "--space", "key"],
+            ("no --space key rows", "its spaces are hidden")),
+    Command("show an alpha the run does not have",
+            lambda b: ["show", b.run, "--example", "1", "--layer", "1", "--head", "0", "--alpha", "2"],
+            ("no rows at --alpha 2", "its alphas are 1")),
+    Command("show into a file that is not a png or a pdf",
+            lambda b: ["show", b.run, "--example", "1", "--layer", "1", "--head", "0", "--out", "{tmp}/view.svg"],
+            ("ends in .svg", "a .png or a .pdf")),
+    Command("show of a file", lambda b: ["show", b.run / "manifest.json", "--example", "1", "--layer", "1", "--head",
+                                         "0"], ("manifest.json is a file, not a run directory",)),
+    Command("show a run whose model files changed",
+            lambda b: ["show", b.changed_run, "--example", "1", "--layer", "1", "--head", "0"],
+            ("The model files of", "changed since the run (config.json changed", "Restore the files in")),
     Command("series with a bad memory budget",
             lambda b: ["series", b.tiny, "--steps", "10", "--out", "{tmp}/series", "--no-progress"],
             ("PROBE_MEMORY_BUDGET='garbage' is not a size",), env=GARBAGE),
@@ -611,6 +682,15 @@ def runs(bad: Bad) -> Bad:
         (run_dir,) = out.iterdir()
         setattr(bad, attribute, run_dir)
     bad.flipped = Path(shutil.copytree(bad.run, bad.root / "flipped" / bad.run.name))
+    model = Path(shutil.copytree(bad.tiny, bad.root / "changed-model"))  # a run of it, then its config changed
+    result = CliRunner().invoke(app, ["run", str(model), *args, "--out", str(bad.root / "runs-changed")])
+    assert result.exit_code == 0, result.output
+    (bad.changed_run,) = (bad.root / "runs-changed").iterdir()
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "layer_norm_eps": 1e-6}))
+    bad.other_files = bad.root / "notes"
+    bad.other_files.mkdir()
+    (bad.other_files / "draft.md").write_text("not a report\n")
     _flip_a_value_byte(bad.flipped / "deviations.parquet" / "part-000001.parquet")
     bad.newer = Path(shutil.copytree(bad.run, bad.root / "newer" / bad.run.name))
     manifest = json.loads((bad.newer / "manifest.json").read_text())

@@ -107,3 +107,25 @@ def test_compare_command(runs, tmp_path):
     assert result.exit_code == 2 and "at least two run directories" in result.output
     assert "Traceback" not in result.output
 
+
+
+def test_compare_prints_the_headline_comparison(runs, tmp_path):
+    """As `probe run` ends with its headline numbers, `probe compare` prints each run's: the non-trivial rows of
+    the slice the runs share, their mean, p95 and share above 0.1, computed here with pandas."""
+    (deep, deep_dir), (shallow, shallow_dir) = runs["deep"], runs["shallow"]
+    result = CliRunner().invoke(app, ["compare", str(deep_dir), str(shallow_dir), "--out", str(tmp_path / "c"),
+                                      "--name", "pretrained", "--name", "random init"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "rel_deviation, hidden space, alpha 1, over the non-trivial rows:", lines
+    assert lines[-1] == f"comparison: {tmp_path / 'c' / 'index.html'}"
+    for label, rows in (("pretrained", deep), ("random init", shallow)):
+        values = rows[(rows["alpha"] == 1.0) & (rows["space"] == "hidden") & ~rows["trivial"]]["rel_deviation"]
+        (line,) = [line for line in lines if line.strip().startswith(label + " ")]
+        found = re.fullmatch(r"\s+" + re.escape(label) + r"\s+([\d,]+) rows: mean ([\d.e-]+), p95 ([\d.e-]+), "
+                             r"([\d.]+)% above 0\.1", line)
+        assert found, line
+        assert int(found.group(1).replace(",", "")) == len(values)
+        assert float(found.group(2)) == pytest.approx(values.mean(), rel=5e-3)
+        assert float(found.group(3)) == pytest.approx(values.quantile(0.95), rel=5e-3)
+        assert float(found.group(4)) == pytest.approx(100 * (values > 0.1).mean(), abs=0.05)

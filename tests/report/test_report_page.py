@@ -146,3 +146,17 @@ def test_the_head_heatmap_fits_the_window_with_12_16_and_32_heads(reports_by_hea
                 assert fit["maps"] == 1
                 assert fit["cut"] <= 0 and fit["right"] <= fit["window"] and fit["page"] <= fit["window"], \
                     (heads, width, state, fit)
+
+
+def test_a_named_run_shows_its_name_and_its_model(tmp_path):
+    """A run named with ``--name`` keeps the model's own name on its page: both are shown."""
+    manifest = {**manifest_for(name="all-MiniLM-L6-v2"), "config": {"name": "ablation A"}}
+    run_dir = write_run(tmp_path / "run", deviation_rows({"self": (2, 2)}, examples=3), manifest)
+    page = (build_report(run_dir) / "index.html").read_text(encoding="utf-8")
+    assert '<p class="oneline"><b>ablation A (all-MiniLM-L6-v2)</b>' in page
+    assert "<tr><th>run</th><td>ablation A</td></tr>" in page
+    assert "<tr><th>model</th><td>all-MiniLM-L6-v2</td></tr>" in page
+    unnamed = write_run(tmp_path / "unnamed", deviation_rows({"self": (2, 2)}, examples=3),
+                        manifest_for(name="all-MiniLM-L6-v2"))
+    page = (build_report(unnamed) / "index.html").read_text(encoding="utf-8")
+    assert '<p class="oneline"><b>all-MiniLM-L6-v2</b>' in page and "<tr><th>run</th>" not in page
