@@ -232,7 +232,7 @@ def text_view(run_dir: str | Path, example: int, layer: int, head: int, *, atten
     model files the manifest names and checked against the run's stored rows (see the module).  Every
     argument is checked against the run before the model loads (:func:`resolve`)."""
     from probe.query import RunTable
-    from probe.report.data import model_name, model_of
+    from probe.report.data import model_of, run_title
     from probe.store.storage import read_manifest
 
     run_dir = Path(run_dir)
@@ -246,7 +246,7 @@ def text_view(run_dir: str | Path, example: int, layer: int, head: int, *, atten
     captured = batch_sites(job, batch, {(request.attention_type, request.layer)})
     row = captured.example_ids.index(request.example)
     view = _solved_view(captured, row, request, job)
-    view.run, view.model = model_name(manifest), model_of(manifest)
+    view.run, view.model = run_title(manifest), model_of(manifest)
     view.text = job.texts.texts[position]
     view.largest_ratio = _check(view, stored, run_dir)
     return view
@@ -256,7 +256,7 @@ def _solved_view(captured: BatchSites, row: int, request: ViewRequest, job) -> T
     """The request's site and head for the text in row ``row`` of the batch: solved, with its tokens."""
     import torch
 
-    from probe.batch.rows import dual_problems, select
+    from probe.batch.problems import dual_problems, select
     from probe.capture.adapters.base import space_problems
     from probe.solve.dual import solve_dual
 

@@ -183,7 +183,7 @@ def view_png(view: TextView) -> bytes:
 def worst_row(run) -> dict | None:
     """The row of largest relative deviation in the run's main slice (:class:`probe.report.data.ReportRun`; ties: the
     first text and query), or None without a measured row: what the report's section shows the text of."""
-    from probe.query import literal
+    from probe.store.engine import literal
 
     whole = run.main_deviation("slice")
     if whole.empty or not whole["count"].sum():
