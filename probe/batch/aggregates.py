@@ -266,20 +266,8 @@ class Aggregates:
         site.rel.add_sorted(rel[index], group[index], groups, trivial_groups)
 
         # the worst rows: per (head, role), the largest WORST_ROWS and their ties (chosen exactly on the host)
-        if len(index):  # each group's values in a row of a matrix, -inf beyond them; its top WORST_ROWS
-            in_group, values_measured = group[index], rel[index]
-            sizes = torch.bincount(in_group, minlength=groups)
-            order = torch.argsort(in_group, stable=True)
-            rank = torch.empty_like(index)
-            rank[order] = torch.arange(len(index), device=device) - (torch.cumsum(sizes, 0) - sizes)[in_group[order]]
-            masked = torch.full((groups, int(sizes.max())), -np.inf, dtype=torch.float64, device=device)
-            masked[in_group, rank] = values_measured
-            threshold = torch.topk(masked, min(WORST_ROWS, masked.shape[1]), dim=1).values[:, -1]
-            chosen = index[values_measured >= threshold[in_group]]
-            site.worst.append({"head": _host(head[chosen]), "rel_deviation": _host(rel[chosen]),
-                               "example": _host(columns.example[chosen]), "query": _host(columns.query[chosen]),
-                               "token_id": _host(columns.token_id[chosen]), "role": _host(role[chosen]),
-                               "n_keys": _host(columns.n_keys[chosen])})
+        if len(index):
+            _fold_worst(site, columns, index, group, groups, rel)
 
         # the other measured quantities, per site: reductions and a histogram (no sort, no sketch)
         for column in QUANTITY_COLUMNS:
@@ -287,8 +275,28 @@ class Aggregates:
             site.quantities[column].add_dense(value[nontrivial & torch.isfinite(value)], int(trivial.sum()))
 
         # per (example, query): the deviation averaged over the layer's heads; the query's token and role
-        cell = local * positions + columns.query
+        self._fold_queries(site, key, columns, local, positions, measured, nontrivial, trivial, rel)
         rel_measured = torch.where(measured, rel, torch.zeros_like(rel))
+
+        # per (head, example), per query position and per (example, coarse bin): findings and the bootstrap
+        found = _added(local * heads + head, torch.stack([measured, rel_measured, measured & (rel > FAR)], 1),
+                       examples * heads).reshape(examples, heads, 3)
+        site.examples = found if site.examples is None else _grown(site.examples, found.shape) + _grown(
+            found, site.examples.shape)
+        found = _added(columns.query, torch.stack([nontrivial, measured, rel_measured], 1), positions)
+        site.positions = _grown(site.positions, found.shape) + _grown(found, site.positions.shape)
+        coarse = torch.as_tensor(COARSE_OF_FINE, device=device)[fine_bins(rel[index])]
+        cells, counted = torch.unique(local[index] * stored.COARSE_BINS + coarse, return_counts=True)
+        site.example_bins.append((_host(cells), _host(counted)))
+
+    def _fold_queries(self, site, key: tuple, columns: SiteColumns, local: torch.Tensor, positions: int,
+                      measured: torch.Tensor, nontrivial: torch.Tensor, trivial: torch.Tensor,
+                      rel: torch.Tensor) -> None:
+        """Per (example, query): the relative deviation averaged over the site's heads (into the site's sketch of
+        it), and the running per-query sums of the layer's type with each query's token and role."""
+        device, role, examples = rel.device, columns.role, len(self.example_ids)
+        rel_measured = torch.where(measured, rel, torch.zeros_like(rel))
+        cell = local * positions + columns.query
         grid = torch.zeros((examples * positions, 5), dtype=torch.float64, device=device).index_add_(
             0, cell, torch.stack([nontrivial, measured, rel_measured, trivial, torch.ones_like(trivial)], 1).to(
                 torch.float64))
@@ -315,17 +323,6 @@ class Aggregates:
             running[slot][:, :positions] = np.where(present, _host(found).reshape(examples, positions),
                                                     running[slot][:, :positions])
         self.tokens.update(_host(torch.unique(columns.token_id)).tolist())
-
-        # per (head, example), per query position and per (example, coarse bin): findings and the bootstrap
-        found = _added(local * heads + head, torch.stack([measured, rel_measured, measured & (rel > FAR)], 1),
-                       examples * heads).reshape(examples, heads, 3)
-        site.examples = found if site.examples is None else _grown(site.examples, found.shape) + _grown(
-            found, site.examples.shape)
-        found = _added(columns.query, torch.stack([nontrivial, measured, rel_measured], 1), positions)
-        site.positions = _grown(site.positions, found.shape) + _grown(found, site.positions.shape)
-        coarse = torch.as_tensor(COARSE_OF_FINE, device=device)[fine_bins(rel[index])]
-        cells, counted = torch.unique(local[index] * stored.COARSE_BINS + coarse, return_counts=True)
-        site.example_bins.append((_host(cells), _host(counted)))
 
     def _sample(self, columns: SiteColumns) -> None:
         """Keep the piece's rows of smallest hash, at most N over the batch."""
@@ -491,3 +488,24 @@ def _sparse(pieces: list) -> tuple[np.ndarray, np.ndarray]:
     counts = np.concatenate([c for _, c in pieces])
     unique, inverse = np.unique(bins, return_inverse=True)
     return unique, np.bincount(inverse, weights=counts).astype(np.int64)
+
+
+def _fold_worst(site, columns: SiteColumns, index: torch.Tensor, group: torch.Tensor, groups: int,
+                rel: torch.Tensor) -> None:
+    """Keep, per (head, role) group, the site's largest :data:`WORST_ROWS` relative deviations and their ties
+    (chosen exactly on the host later): each group's values in a row of a matrix, -inf beyond them; its top ones."""
+    device, head, role = rel.device, columns.head, columns.role
+    in_group, values_measured = group[index], rel[index]
+    sizes = torch.bincount(in_group, minlength=groups)
+    order = torch.argsort(in_group, stable=True)
+    rank = torch.empty_like(index)
+    rank[order] = torch.arange(len(index), device=device) - (torch.cumsum(sizes, 0) - sizes)[in_group[order]]
+    masked = torch.full((groups, int(sizes.max())), -np.inf, dtype=torch.float64, device=device)
+    masked[in_group, rank] = values_measured
+    threshold = torch.topk(masked, min(WORST_ROWS, masked.shape[1]), dim=1).values[:, -1]
+    chosen = index[values_measured >= threshold[in_group]]
+    site.worst.append({"head": _host(head[chosen]), "rel_deviation": _host(rel[chosen]),
+                       "example": _host(columns.example[chosen]), "query": _host(columns.query[chosen]),
+                       "token_id": _host(columns.token_id[chosen]), "role": _host(role[chosen]),
+                       "n_keys": _host(columns.n_keys[chosen])})
+

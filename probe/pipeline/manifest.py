@@ -149,8 +149,8 @@ class PartIndex:
         #: batch -> the manifest's record of its part file (name, bytes, rows, SHA-256); the ones the manifest
         #: already holds (checked by resume) are taken as they are, new ones are described when first seen
         self.parts: dict[int, dict] = dict(recorded or {})
-        #: the same for the run's other tables, written before the deviations' part of each batch: the
-        #: interventions (--intervene) and the aggregates (--keep aggregates or sample:N)
+        #: the same for the run's other tables, whose part of each batch is written ahead of its deviations'
+        #: part: the interventions (--intervene) and the aggregates (--keep aggregates or sample:N)
         self.other_parts: dict[str, dict[int, dict]] = {}
 
     @property
@@ -162,7 +162,7 @@ class PartIndex:
         return self.with_table(storage.INTERVENTIONS, recorded)
 
     def with_table(self, table: str, recorded: dict[int, dict]) -> "PartIndex":
-        """Follow another table of the run (its parts are written before the deviations' of each batch)."""
+        """Follow another table of the run (each batch's part of it is written ahead of its deviations' part)."""
         self.other_parts[table] = dict(recorded)
         return self
 

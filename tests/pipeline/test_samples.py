@@ -10,7 +10,12 @@ from typer.testing import CliRunner
 
 import probe
 from probe.cli import app
-from tests.pipeline.test_resume import interrupted_run, sorted_rows
+from probe.core.schema import ROW_KEY
+from ..support.runs import interrupted_run
+
+def sorted_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.sort_values(list(ROW_KEY)).reset_index(drop=True)
+
 
 TEXTS = [f"Sentence {i} of a corpus sorted by its source, about {word}." for i, word in
          enumerate(["cats", "dogs", "rivers", "mountains", "cities", "music", "rain", "books", "trains", "salt"])]

@@ -54,9 +54,9 @@ def independent_posteriors(run_dir: Path, view) -> np.ndarray:
     keys = np.flatnonzero(site.key_mask[row].cpu().numpy())
     rows = []
     for query in view.query_positions:
-        gram, logits, sqnorm, log_u, _ = row_problem(site, view.space, view.alpha, row, view.head, query)
-        templates, evidence = templates_from_reduced(gram, logits, sqnorm)  # alpha = 1: T z1 = s
-        _, p = cvxpy_primal(templates, evidence / view.alpha, log_u, view.alpha)
+        problem = row_problem(site, view.space, view.alpha, row, view.head, query)
+        templates, evidence = templates_from_reduced(problem.gram, problem.logits, problem.evidence_sqnorm)  # T z1 = s
+        _, p = cvxpy_primal(templates, evidence / view.alpha, problem.log_u, view.alpha)
         rows.append(p[keys])
     return np.array(rows)
 
@@ -144,7 +144,7 @@ def test_a_report_whose_model_is_gone_says_why_it_has_no_text_view(tiny_bert_dir
 def test_cross_attention_has_the_encoders_tokens_as_keys(tmp_path, minilm_dir):
     """On a tiny T5: a cross-attention view's queries are the decoder's tokens and its keys the encoder's, as the
     run's own rows name them (decoder_self and encoder_self queries)."""
-    from tests.support.families import SOURCES, TARGETS, save_tiny, spec
+    from ..support.families import SOURCES, TARGETS, save_tiny, spec
 
     model = save_tiny(spec("t5"), tmp_path / "t5", minilm_dir)
     data = tmp_path / "pairs.jsonl"

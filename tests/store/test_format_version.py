@@ -67,7 +67,7 @@ def test_resume_keeps_a_runs_version(finished_run, tmp_path):
 
 
 @pytest.mark.parametrize("version, message", [
-    (3, "records run format 3, newer than this probe"),
+    (4, "records run format 4, newer than this probe"),
     ("2", "is not a run format"),
     (0, "is not a run format"),
     (True, "is not a run format"),
