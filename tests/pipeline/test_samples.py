@@ -11,7 +11,9 @@ from typer.testing import CliRunner
 import probe
 from probe.cli import app
 from probe.core.schema import ROW_KEY
+
 from ..support.runs import interrupted_run
+
 
 def sorted_rows(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.sort_values(list(ROW_KEY)).reset_index(drop=True)

@@ -23,6 +23,7 @@ import pytest
 from probe.core.destination import check_replaceable, written_whole
 from probe.core.errors import ProbeError
 from probe.report import build_report
+
 from ..support.synthetic_runs import deviation_rows, manifest_for, write_run
 
 ROOT = Path(__file__).resolve().parents[2]
