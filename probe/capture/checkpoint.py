@@ -9,7 +9,7 @@ from __future__ import annotations
 import pickle
 import re
 
-from probe.core.errors import ProbeError
+from probe.core.errors import ProbeError, first_line
 
 #: Parts of a checkpoint that probe never uses: missing from a checkpoint, they do not matter (a
 #: BertModel loaded from a masked-LM checkpoint has no pooler weights, for example).
@@ -68,10 +68,6 @@ def from_pretrained_checked(loader, name_or_path: str, **kwargs):
     return model
 
 
-def first_line(error: BaseException) -> str:
-    """An exception's first line, without a final full stop (for one-paragraph messages)."""
-    text = str(error).strip()
-    return text.splitlines()[0].rstrip(".") if text else type(error).__name__
 
 
 def is_unsafe_pickle(error: BaseException) -> bool:

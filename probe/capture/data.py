@@ -19,7 +19,7 @@ from pathlib import Path
 
 from probe.capture.hub import check_hub_name, hub_reachable, no_connection
 from probe.core.config import DatasetSpec
-from probe.core.errors import ProbeError
+from probe.core.errors import ProbeError, first_line
 from probe.core.spelling import option
 
 #: Local file endings and the ``datasets`` builder that reads them.
@@ -155,14 +155,11 @@ def _load_dataset(spec: DatasetSpec, streaming: bool):
 def _load_error(spec: DatasetSpec, error: Exception) -> ProbeError:
     return ProbeError(
         f"Could not load the hub dataset '{spec.name}' (config '{spec.config}', split '{spec.split_name}'): "
-        f"{_first_line(error)}. Check the dataset name, {option('config')} and {option('split')}, or pass a local "
+        f"{first_line(error)}. Check the dataset name, {option('config')} and {option('split')}, or pass a local "
         ".txt/.jsonl/.csv/.parquet file."
     )
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0].rstrip(".") if text else type(error).__name__
 
 
 # --------------------------------------------------------------------------------------------------
@@ -177,7 +174,7 @@ def unreadable(spec: DatasetSpec, files: list[Path], error: Exception) -> ProbeE
             return ProbeError(f"Cannot read the dataset file '{file}': {problem}. Fix the file or pass another one.")
     cause = error.__cause__ or error.__context__ or error
     return ProbeError(
-        f"Cannot read the dataset '{spec.name}': {_first_line(cause)}. Check that it is a valid "
+        f"Cannot read the dataset '{spec.name}': {first_line(cause)}. Check that it is a valid "
         f"{', '.join(sorted({f.suffix for f in files}))} file."
     )
 
@@ -214,7 +211,7 @@ def diagnose_file(file: Path, column: str) -> str | None:
             for _ in pq.ParquetFile(file).iter_batches():
                 pass
         except Exception as error:  # pyarrow: ArrowInvalid, OSError, ...
-            return f"it is not a readable parquet file ({_first_line(error)})"
+            return f"it is not a readable parquet file ({first_line(error)})"
         return None
     try:
         if file.suffix == ".json":

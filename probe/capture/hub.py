@@ -18,19 +18,13 @@ import threading
 from pathlib import Path
 
 from probe.core.errors import ProbeError
+from probe.core.naming import looks_like_path
 
 #: Seconds the connection probe may take before the Hub counts as unreachable.
 PROBE_TIMEOUT_S = 2.0
 
 _closed_because: str | None = None  # decided once per process: "" when reachable, else why not
 
-
-def looks_like_path(name: str) -> bool:
-    """Whether ``name`` was meant as a path: ``./x``, ``../x``, ``/x``, ``~x``, or separators a hub
-    id cannot have (a hub id is ``name`` or ``namespace/name``)."""
-    if name.startswith((".", "/", "~")) or (os.altsep and os.altsep in name):
-        return True
-    return os.sep in name and (os.sep != "/" or name.count("/") > 1 or name.endswith("/"))
 
 
 def is_hub_id(name: str) -> bool:

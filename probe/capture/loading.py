@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from probe.capture.checkpoint import first_line as _first_line
-from probe.core.errors import ProbeError
+from probe.core.errors import ProbeError, first_line
 from probe.core.spelling import option
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,7 +129,7 @@ def load_config(name: str, revision: str | None = None):
         return AutoConfig.from_pretrained(name, revision=revision)
     except (OSError, ValueError, KeyError) as error:  # a JSONDecodeError is a ValueError
         raise ProbeError(
-            f"Could not read the config of model '{name}': {_first_line(error)}. "
+            f"Could not read the config of model '{name}': {first_line(error)}. "
             "A model directory needs the config.json written by save_pretrained."
         ) from None
 
@@ -145,7 +144,7 @@ def load_tokenizer(source: str, revision: str | None = None):
         tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
     except Exception as error:  # tokenizers raise OSError, ValueError, Exception from the Rust side, ...
         raise ProbeError(
-            f"Could not load the tokenizer from '{source}': {_first_line(error)}. Pass a directory with the "
+            f"Could not load the tokenizer from '{source}': {first_line(error)}. Pass a directory with the "
             f"model's tokenizer files (tokenizer.json, vocab.txt, spiece.model, ...) with {option('tokenizer')}."
         ) from None
     ids = tokenizer(VOCABULARY_PROBE, add_special_tokens=False)["input_ids"]
@@ -224,7 +223,7 @@ def load_model(
                 )
     except (OSError, ValueError) as error:
         raise ProbeError(
-            f"Could not load the weights of '{name}': {_first_line(error)}. A model directory needs its "
+            f"Could not load the weights of '{name}': {first_line(error)}. A model directory needs its "
             "weights (model.safetensors or pytorch_model.bin); for a hub id, check your connection."
         ) from None
     loaded_tokenizer = load_tokenizer(tokenizer or name, None if tokenizer else revision)

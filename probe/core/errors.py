@@ -36,3 +36,9 @@ def exit_with(error: Exception):
 
     typer.secho(f"{ERROR_PREFIX}{error}", err=True, fg=typer.colors.RED)
     raise typer.Exit(code=getattr(error, "exit_code", 2))
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's first line, without a final full stop (for one-paragraph messages)."""
+    text = str(error).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(error).__name__

@@ -12,6 +12,7 @@ Nothing here imports torch or transformers: run names are decided before anythin
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -70,6 +71,14 @@ def model_name(model: str) -> str:
         if name:
             return name
     return path.resolve().name or str(model)
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether ``name`` was meant as a path: ``./x``, ``../x``, ``/x``, ``~x``, or separators a hub
+    id cannot have (a hub id is ``name`` or ``namespace/name``)."""
+    if name.startswith((".", "/", "~")) or (os.altsep and os.altsep in name):
+        return True
+    return os.sep in name and (os.sep != "/" or name.count("/") > 1 or name.endswith("/"))
 
 
 #: what the default name of a run of texts given in memory (``probe.run(texts=[...])``) ends with

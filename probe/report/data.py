@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from probe.core.errors import ProbeError
-from probe.core.naming import expand_path, is_texts_file
+from probe.core.naming import expand_path, is_texts_file, looks_like_path
 from probe.query import Rank, RunTable, Table, both, where
 from probe.query.aggregates import AVERAGED, AggregateTable, keeps
 from probe.query.aggregates import QUANTILE_METHOD as SKETCH_METHOD
@@ -440,9 +440,6 @@ def lookup(mapping, *keys):
     return mapping
 
 
-def _looks_like_path(text: str) -> bool:
-    """A local path rather than a hub id (``name`` or ``org/name``)."""
-    return text.startswith(("/", ".", "~")) or "\\" in text or text.count("/") > 1
 
 
 def run_title(manifest: dict, rows: pd.DataFrame | None = None) -> str:
@@ -472,7 +469,7 @@ def model_of(manifest: dict, rows: pd.DataFrame | None = None) -> str:
         if (not isinstance(model_id, str) or not model_id.strip()) and rows is not None and "model" in rows.columns \
                 and len(rows) and rows["model"].notna().any():
             model_id = str(rows["model"].dropna().iloc[0])
-        local = isinstance(lookup(info, "path"), str) or (isinstance(model_id, str) and _looks_like_path(model_id))
+        local = isinstance(lookup(info, "path"), str) or (isinstance(model_id, str) and looks_like_path(model_id))
     if not isinstance(model_id, str) or not model_id.strip():
         return "unknown model"
     name = Path(model_id.rstrip("/\\")).name if local else model_id
@@ -509,7 +506,7 @@ def dataset_text(manifest: dict, covered: int | None = None) -> str:
     if is_texts_file(expand_path(source)):  # probe.run(texts=[...]): a file of probe's cache, named by a hash
         return f"{n:,} texts given in Python" if isinstance(n, int) and not isinstance(n, bool) else \
             "texts given in Python"
-    local = _looks_like_path(source) or Path(source).suffix.lower() in (".txt", ".text", ".jsonl", ".json", ".csv", ".parquet")
+    local = looks_like_path(source) or Path(source).suffix.lower() in (".txt", ".text", ".jsonl", ".json", ".csv", ".parquet")
     parts = [Path(source).name if local else source]
     if spec.get("config"):
         parts.append(str(spec["config"]))

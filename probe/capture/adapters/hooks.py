@@ -20,7 +20,8 @@ class Record:
     outputs: tuple = ()  # everything it returned
 
 
-def _detached(value):
+def detached(value):
+    """``value`` detached from autograd when it is a tensor; anything else as it is."""
     return value.detach() if isinstance(value, torch.Tensor) else value
 
 
@@ -42,10 +43,10 @@ def recording(modules, on_record, *, probs_index: int = 1, inputs: tuple[tuple[s
         def hook(module, args, kwargs, output):
             record.hidden_states = (args[0] if args else kwargs["hidden_states"]).detach()
             record.inputs = {
-                name: _detached(kwargs[name] if name in kwargs else (args[index] if len(args) > index else None))
+                name: detached(kwargs[name] if name in kwargs else (args[index] if len(args) > index else None))
                 for name, index in inputs
             }
-            record.outputs = tuple(_detached(x) for x in output) if isinstance(output, tuple) else (output,)
+            record.outputs = tuple(detached(x) for x in output) if isinstance(output, tuple) else (output,)
             probs = record.outputs[probs_index] if len(record.outputs) > probs_index else None
             if probs is None:
                 raise ProbeError(

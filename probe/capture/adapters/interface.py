@@ -47,6 +47,7 @@ from typing import Callable
 
 import torch
 
+from probe.capture.adapters.hooks import detached
 from probe.core.errors import ProbeError
 
 #: parameters (or keyword arguments) that change the softmax in ways probe's logit form cannot represent
@@ -152,7 +153,7 @@ def eager_call(module, query, key, value, attention_mask, *args, **kwargs):
         value=value.detach(),
         attention_mask=None if attention_mask is None else attention_mask.detach(),
         scaling=float(query.shape[-1] ** -0.5 if scaling is None else scaling),
-        position_bias=_detached(arguments.get("position_bias")),
+        position_bias=detached(arguments.get("position_bias")),
         probs=probs.detach(),
         kwargs=dict(arguments.get("kwargs", {})),
     )
@@ -240,10 +241,6 @@ def eager_attention_calls(on_call: Callable[[AttentionCall], None]):
 
     with attention_handler(calls, "eager_attention_calls blocks"):
         yield
-
-
-def _detached(value):
-    return value.detach() if isinstance(value, torch.Tensor) else None
 
 
 def mask_to_log(mask: torch.Tensor | None) -> torch.Tensor | None:
