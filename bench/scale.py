@@ -15,13 +15,13 @@ process) and its wall time.
 
 * ``end of run``: what the pipeline does after its last batch: the manifest's totals folded from every
   part's record (:class:`probe.pipeline.runner.PartIndex`, as rank 0 and ``probe resume`` fold them) and written
-  (``record_completion``), then the final lines (``probe.cli._print_summary``, which calls
+  (``record_completion``), then the final lines (``probe.cli.print_summary``, which calls
   ``Run.headline()``);
 * ``report``, ``compare`` (the run against its twin: a second run directory whose part files are hard links
   to the run's, so two runs are read), ``export`` (to Parquet, in the row key's
   order), ``status``;
 * ``verify``: ``probe verify --sample 0`` (every part's SHA-256), and ``verify sample``: reading its seeded
-  sample of 64 rows (``probe.pipeline.verify._sample_rows``); on the real run, ``verify re-solve``: ``probe verify``
+  sample of 64 rows (``probe.pipeline.verify.sample_rows``); on the real run, ``verify re-solve``: ``probe verify``
   with its default sample re-solved from the model;
 * ``headline``: ``probe.load(RUN).headline()``.
 
@@ -132,10 +132,10 @@ def probe_command(*args) -> list[str]:
 RUN = """
 import json, resource, sys
 from probe import api
-from probe.cli import _print_summary
+from probe.cli import print_summary
 run = api.run(**json.loads(sys.argv[1]))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-_print_summary(run.run_dir)
+print_summary(run.run_dir)
 print("BENCH " + json.dumps({"run_dir": str(run.run_dir), "run_peak_rss_mb": before / 1024}))
 """
 
@@ -143,7 +143,7 @@ print("BENCH " + json.dumps({"run_dir": str(run.run_dir), "run_peak_rss_mb": bef
 END_OF_RUN = """
 import sys, time
 from pathlib import Path
-from probe.cli import _print_summary
+from probe.cli import print_summary
 from probe.core.config import config_from_json
 from probe.pipeline import manifest as pipeline
 from probe.store import storage
@@ -155,14 +155,14 @@ index.refresh()
 segment = manifest["segments"][-1]
 pipeline.record_completion(run_dir, manifest, segment, index, config,
                             time.perf_counter() - segment["timings_s"]["total_s"])
-_print_summary(run_dir)
+print_summary(run_dir)
 """
 
 VERIFY_SAMPLE = """
 import sys
 from probe.store import integrity
-from probe.pipeline.verify import _sample_rows
-print(_sample_rows(integrity.check_parts(sys.argv[1]), 64, 0).num_rows, "rows sampled")
+from probe.pipeline.verify import sample_rows
+print(sample_rows(integrity.check_parts(sys.argv[1]), 64, 0).num_rows, "rows sampled")
 """
 
 HEADLINE = """

@@ -78,8 +78,9 @@ class Run:
 
         return run_title(self.manifest)
 
-    def _open(self):
-        """A fresh query over the run's checked part files (a damaged run refused, or read with a warning)."""
+    def open_table(self):
+        """A fresh query over the run's checked part files (a damaged run refused, or read with a warning), to
+        close after use (``with run.open_table() as table: ...``); :attr:`query` keeps one open."""
         from probe.query import RunTable
 
         table = RunTable.open(self.run_dir, allow_damaged=self.allow_damaged)
@@ -130,7 +131,7 @@ class Run:
         none, and is refused (:attr:`aggregates` holds its statistics).
         """
         self._rows_kept("run.query")
-        return self._open()
+        return self.open_table()
 
     def sql(self, query: str):
         """``query`` over the view ``rows`` as a lazy DuckDB relation (``.df()`` for pandas, ``.pl()`` for
@@ -207,7 +208,7 @@ class Run:
         if self.aggregates is not None:  # a run that kept aggregates: the p95 from its merged sketch
             (stats,) = self.aggregates.stats("rel_deviation", [("space", "alpha")], quantiles={"p95": 0.95})
         else:
-            with self._open() as table:
+            with self.open_table() as table:
                 (stats,) = table.stats("rel_deviation", [("space", "alpha")], where(trivial=False),
                                        quantiles={"p95": 0.95})
         stats = stats.dropna(subset=["space", "alpha"]).sort_values(["space", "alpha"])

@@ -182,7 +182,7 @@ def headline_numbers(run) -> dict[str, float]:
                                         above={"share": FAR})
         stats["above"] = np.rint(stats["share"] * stats["count"]).astype(np.int64)
     else:
-        with run._open() as table:
+        with run.open_table() as table:
             (stats,) = table.stats("rel_deviation", [("space", "alpha")], where(trivial=False),
                                    quantiles={"p95": 0.95})
             (above,) = table.aggregate({"above": f"CAST(count_if(rel_deviation > {FAR!r}) AS BIGINT)"},

@@ -208,7 +208,7 @@ def run(
     except _run_stopped() as stop:
         _stopped(stop)
     if _main_process():
-        _print_summary(result.run_dir, report_next=not report)
+        print_summary(result.run_dir, report_next=not report)
         if report:
             _build_report(result.run_dir, None, ",".join(formats))
 
@@ -300,7 +300,7 @@ def resume_command(
     except _run_stopped() as stop:
         _stopped(stop)
     if _main_process():
-        _print_summary(run_dir, report_next=not report)
+        print_summary(run_dir, report_next=not report)
         if report:
             _build_report(run_dir, None, report_format)
 
@@ -423,7 +423,7 @@ def export_command(
     typer.echo(f"{rows:,} rows written to {to}{note}")
 
 
-def _print_summary(run_dir: Path, *, report_next: bool = True) -> None:
+def print_summary(run_dir: Path, *, report_next: bool = True) -> None:
     """The final lines: rows and their certification, the headline deviation of each (space, alpha)
     slice (defined as in the report's landing table), the texts and their unknown tokens, the run directory
     and the next command."""

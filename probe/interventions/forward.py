@@ -85,7 +85,7 @@ class Trace:
     projections: dict = field(default_factory=dict)
 
 
-def _blocks(model, site_modules) -> list | None:
+def site_blocks(model, site_modules) -> list | None:
     """The blocks of the model's sites (:class:`Trace`), or ``None`` if some site is in no ``ModuleList``."""
     named = dict(model.named_modules())
     names = {module: name for name, module in named.items()}
@@ -143,7 +143,7 @@ def layout_of(loaded) -> Layout:
             for site in sites
         }
         cached = adapter, Layout(sites=sites, names={module: name for name, module in model.named_modules()},
-                                  blocks=_blocks(model, sites), extra={"use_cache": False} if accepts else {},
+                                  blocks=site_blocks(model, sites), extra={"use_cache": False} if accepts else {},
                                   projections=projections)
         LAYOUTS[model] = cached
     return cached[1]

@@ -166,7 +166,7 @@ class VerifyReport:
         return out
 
 
-def _sample_rows(check: integrity.PartsCheck, sample: int, seed: int) -> pa.Table:
+def sample_rows(check: integrity.PartsCheck, sample: int, seed: int) -> pa.Table:
     """``sample`` rows drawn uniformly (without replacement, seeded) from the readable parts, with the
     batch each came from.  The draw is over the rows' positions (the parts in batch order, each part's rows
     in its order), numbered from the parts' footers; then only the row groups that hold a drawn row are read,
@@ -349,7 +349,7 @@ def verify(run_dir: Path, *, sample: int = 64, seed: int = 0) -> VerifyReport:
         report.merged_problem = aggregates.merged_problem(run_dir, manifest) or ""
     if sample <= 0 or not parts.readable:
         return report
-    rows = _sample_rows(parts, sample, seed).to_pylist()
+    rows = sample_rows(parts, sample, seed).to_pylist()
     if not rows:  # a run that kept no rows (--keep aggregates)
         return report
     report.sampled = len(rows)

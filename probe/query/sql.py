@@ -52,7 +52,7 @@ def read_limit() -> int:
     return max(memory_budget() // 256, 1024)
 
 
-def _log_bin(value: str) -> str:
+def log_bin(value: str) -> str:
     """The pass-1 bin of a value: 0 for zero, else sign * (C + floor(log2 |v| * BINS_PER_OCTAVE)), a
     non-decreasing function of the value (C keeps every positive value's bin above 0)."""
     offset = 1100 * BINS_PER_OCTAVE

@@ -15,9 +15,9 @@ import pandas as pd
 from probe.core.errors import ProbeError
 from probe.query.sql import (
     SPLIT_BINS,
-    _log_bin,
     edges_bin,
     edges_guess,
+    log_bin,
     read_limit,
 )
 from probe.store.engine import literal, name, over_budget
@@ -203,7 +203,7 @@ class Table:
         with self._guard():
             return self.connection.sql(
                 f"SELECT {keys_sql}_b, CAST(count(*) AS BIGINT) AS _n, fsum(_v) AS _s, min(_v) AS _lo, max(_v) AS _hi"
-                f"{above} FROM (SELECT {keys_sql}_v, {_log_bin('_v')} AS _b FROM {source}) GROUP BY ALL"
+                f"{above} FROM (SELECT {keys_sql}_v, {log_bin('_v')} AS _b FROM {source}) GROUP BY ALL"
             ).to_arrow_table()
 
     def _read_ranks(self, source, union, finest, parts) -> None:
@@ -295,7 +295,7 @@ class Table:
             with self._guard():
                 return self.connection.sql(
                     f"{select} FROM (SELECT * FROM (SELECT {''.join(name(k) + ', ' for k in union)}_v, "
-                    f"{_log_bin('_v')} AS _b FROM {source}) WHERE _b IN ({bins})) s JOIN {view} m ON {on} "
+                    f"{log_bin('_v')} AS _b FROM {source}) WHERE _b IN ({bins})) s JOIN {view} m ON {on} "
                     f"WHERE s._v BETWEEN m._lo AND m._hi {group}"
                 ).fetchnumpy()
         finally:

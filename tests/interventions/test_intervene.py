@@ -28,7 +28,7 @@ from probe.batch.problems import FIDELITY_TOLERANCE
 from probe.capture.adapters.mpnet import MPNetAdapter
 from probe.capture.loading import LoadedModel, load_model
 from probe.core.errors import ProbeError
-from probe.interventions.forward import _blocks
+from probe.interventions.forward import site_blocks
 
 from ..support.families import CORPUS, SOURCES, TARGETS, build_config, save_tiny, spec, tokenizer_for
 from ..support.models import save_tiny_bert
@@ -463,7 +463,7 @@ def test_whole_model_starts_after_the_per_site_forward_of_the_first_site(bert):
     inputs = encode(bert, TEXTS)
     kinds = ("exact", "second-order", "null", "model")
     config = iv.InterventionConfig(substitutes=kinds, alphas=(1.0, 3.0))
-    first_block = _blocks(bert.model, bert.adapter.site_modules(bert.model))[0]
+    first_block = site_blocks(bert.model, bert.adapter.site_modules(bert.model))[0]
     original, calls = first_block.forward, []
 
     def counting(*args, **kwargs):
@@ -614,7 +614,7 @@ def assert_from_site_equals_full(loaded, inputs):
     sites = {}
     iv.run_forward(loaded, inputs, lambda name, site: sites.__setitem__(name, site), trace=trace)
     assert len(sites) >= 2 and set(trace.block_of) == set(sites)
-    first_block = _blocks(loaded.model, loaded.adapter.site_modules(loaded.model))[0]
+    first_block = site_blocks(loaded.model, loaded.adapter.site_modules(loaded.model))[0]
     original = first_block.forward
     calls = []
 

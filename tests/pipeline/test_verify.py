@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from probe.pipeline.verify import _sample_rows
+from probe.pipeline.verify import sample_rows
 from probe.store import integrity, storage
 
 from ..support.runs import flip_a_byte, invoke_with_one_thread, part
@@ -40,7 +40,7 @@ def tamper(run_dir: Path, column: str, factor: float) -> dict:
     """Multiply ``column`` of the first sampled row by ``factor`` in its part file (rewritten with its
     metadata), and record the new file's size and SHA-256 in the manifest, as a careful forger would."""
     check = integrity.check_parts(run_dir)
-    target = _sample_rows(check, 12, 3).slice(0, 1).to_pylist()[0]
+    target = sample_rows(check, 12, 3).slice(0, 1).to_pylist()[0]
     path = part(run_dir, target["batch"])
     table = pq.read_table(path)
     hit = np.ones(table.num_rows, bool)
@@ -98,7 +98,7 @@ def test_a_run_of_several_alphas_in_both_spaces_verifies(tiny_bert_dir, tmp_path
     result = invoke_with_one_thread("verify", run_dir, "--sample", "16", "--seed", "1")
     assert result.exit_code == 0, result.output
     assert "verified: every check holds" in result.output
-    sampled = _sample_rows(integrity.check_parts(run_dir), 16, 1)
+    sampled = sample_rows(integrity.check_parts(run_dir), 16, 1)
     assert set(sampled["space"].to_pylist()) == {"hidden", "key"} and set(sampled["alpha"].to_pylist()) == {0.5, 2.0}
 
 

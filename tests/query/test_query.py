@@ -116,7 +116,7 @@ def test_stats_stay_exact_when_bins_overlap_and_when_a_bin_is_split(values, tmp_
     merged; while the values to read are more than read_limit(), the largest intervals are split into
     equal sub-bins, recursively."""
     table = frame_table(values, tmp_path)
-    monkeypatch.setattr(query_table, "_log_bin", lambda v: f"(floor({v} * 1000) % 7)")  # overlapping bins everywhere
+    monkeypatch.setattr(query_table, "log_bin", lambda v: f"(floor({v} * 1000) % 7)")  # overlapping bins everywhere
     monkeypatch.setattr(query_table, "read_limit", lambda: 200)  # most intervals are split, some twice
     results = table.stats("v", [("g", "h"), ()], quantiles=QUANTILES, ranks=RANKS, above={"share": 0.1})
     for got, keys in zip(results, [["g", "h"], []]):

@@ -116,15 +116,15 @@ def test_export_sorts_a_run_larger_than_the_budget_out_of_core(large_run, tmp_pa
 def test_verify_draws_its_sample_without_loading_the_run(large_run):
     """The seeded sample is the one drawn over the whole table (positions in batch order), read one row
     group at a time."""
-    from probe.pipeline.verify import _sample_rows
+    from probe.pipeline.verify import sample_rows
 
     run_dir, size = large_run
-    peak, _ = arrow_peak("import sys; from probe.store import integrity; from probe.pipeline.verify import _sample_rows; "
-                         "_sample_rows(integrity.check_parts(sys.argv[1]), 64, 5)", run_dir)
+    peak, _ = arrow_peak("import sys; from probe.store import integrity; from probe.pipeline.verify import sample_rows; "
+                         "sample_rows(integrity.check_parts(sys.argv[1]), 64, 5)", run_dir)
     assert peak < size / 4, (peak, size)
     whole = pa.concat_tables([pq.read_table(path) for _, path in sorted(storage.part_files(run_dir).items())])
     chosen = np.sort(np.random.default_rng(5).choice(whole.num_rows, size=64, replace=False))
-    sample = _sample_rows(integrity.check_parts(run_dir), 64, 5)
+    sample = sample_rows(integrity.check_parts(run_dir), 64, 5)
     for name in ("layer", "head", "example", "query", "rel_deviation", "error_bound"):
         assert sample[name].to_pylist() == whole[name].take(pa.array(chosen)).to_pylist(), name
 
