@@ -81,8 +81,8 @@ at most the sum of their :math:`\varepsilon_2`.
 (The direct solve's residual comes from the formed :math:`H_u` and :math:`b`, whose rounding is that of
 the final products.)
 
-*Deviation.*  :math:`\hat\lambda - \hat\lambda_2 = V(A^\top\hat c - y_2)`, so the computed value
-is :math:`\hat v = \|A^\top\hat c - y_2\| / \|\hat\lambda\|`.  Its numerator is within
+*Deviation.*  :math:`\hat\lambda - \hat\lambda_2 = V(A^\top\hat c - y_2)` (the solver returns
+:math:`A^\top\hat c`, formed with its certificate), so the computed value is :math:`\hat v = \|A^\top\hat c - y_2\| / \|\hat\lambda\|`.  Its numerator is within
 :math:`\delta = \varepsilon + \varepsilon_2` of :math:`\|\lambda^* - \lambda_2\|` and its denominator
 within :math:`\varepsilon` of :math:`\|\lambda^*\|`; the worst case over both intervals is
 
@@ -451,8 +451,7 @@ def _tiles(g_count, m, rows_per_tile):
 
 
 def second_order_deviation(
-    factor: torch.Tensor,
-    coefficients: torch.Tensor,
+    correction: torch.Tensor,
     point: torch.Tensor,
     lambda_norm: torch.Tensor,
     error_bound: torch.Tensor,
@@ -462,9 +461,8 @@ def second_order_deviation(
     \|\hat\lambda\|` (module docstring, "Deviation").
 
     Args:
-        factor: :math:`A`, ``(g, n, r)``.
-        coefficients: the solver's :math:`\hat c`, ``(g, m, n)``.
-        point: :math:`y_2` from :func:`second_order_point`, ``(g, m, r)``.
+        correction: the solver's :math:`A^\top\hat c` (``DualSolution.correction``), ``(g, m, r)``.
+        point: :math:`y_2` from :func:`second_order_point` with the factor the solver used, ``(g, m, r)``.
         lambda_norm: the solver's :math:`\|\hat\lambda\|`, ``(g, m)``.
         error_bound: the solver's :math:`\varepsilon \ge \|\hat\lambda - \lambda^*\|`, ``(g, m)``.
         point_error: :math:`\varepsilon_2 \ge \|\hat\lambda_2 - \lambda_2\|`, ``(g, m)``.
@@ -474,9 +472,8 @@ def second_order_deviation(
         :math:`|value - \text{true}| \le bound = (\varepsilon + \varepsilon_2 + value\cdot\varepsilon) /
         (\|\hat\lambda\| - \varepsilon)` (:math:`\infty` when :math:`\|\hat\lambda\| \le \varepsilon`).
     """
-    correction = torch.bmm(coefficients.to(_F64), factor.to(_F64))  # A^T c: lambda_hat - alpha z in V
     lambda_norm, eps, eps2 = (x.to(_F64) for x in (lambda_norm, error_bound, point_error))
-    value = correction.sub_(point.to(_F64)).norm(dim=-1) / lambda_norm
+    value = torch.sub(correction.to(_F64), point.to(device=correction.device, dtype=_F64)).norm(dim=-1) / lambda_norm
     bound = (eps + eps2 + value * eps) / (lambda_norm - eps)
     bound = torch.where(lambda_norm > eps, bound, torch.inf)
     return value, torch.where(torch.isnan(value + eps + eps2), _NAN, bound)

@@ -65,6 +65,10 @@ class DualSolution:
         error_bound: certified bound on :math:`\|\hat\lambda - \lambda^*\|`.
         iterations: Newton iterations taken.
         converged: ``error_bound <= rtol * lambda_norm + atol``.
+        correction: :math:`A^\top\hat c`, which is :math:`\hat\lambda - \alpha z = VA^\top\hat c` in the
+            coordinates of the factor's columns (those of ``DualProblems.factor``, or of
+            :func:`probe.solve.gram.factor_gram` of ``gram`` where none was given), ``(n_groups, m, r)``:
+            what :func:`probe.solve.derived.second_order_deviation` compares with the second-order point.
     """
 
     coefficients: torch.Tensor
@@ -75,6 +79,7 @@ class DualSolution:
     error_bound: torch.Tensor
     iterations: torch.Tensor
     converged: torch.Tensor
+    correction: torch.Tensor
 
 
 def _log_softmax_normalised(log_preference: torch.Tensor) -> torch.Tensor:
