@@ -1,7 +1,9 @@
-"""``probe.solver``: the stable public path of the batched, certified dual solver.
+"""``probe.solver``: the batched, certified dual solver's public names, for ``from probe.solver import ...``.
 
-It lives in :mod:`probe.solve.dual`, with the other solvers; this module re-exports its public names so that
-``from probe.solver import ...`` keeps working.  probe's own modules import from :mod:`probe.solve.dual`.
+The canonical place of the solver is :mod:`probe.solve.dual` (with the other solvers in :mod:`probe.solve`);
+probe's own modules and its documentation import from there.  This module re-exports its ``__all__``
+unchanged, so that code written against ``probe.solver`` keeps working; new code should import from
+:mod:`probe.solve.dual`.
 """
 
 from probe.solve.dual import *  # noqa: F403 (the names of its __all__)

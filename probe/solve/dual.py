@@ -64,9 +64,9 @@ from probe.solve.problems import DualProblems, DualSolution, duality_gap_reduced
 __all__ = ["DualProblems", "DualSolution", "solve_dual", "duality_gap_reduced", "factor_gram", "solve_spd_reduced"]
 
 
-def _solve_tile(work: WorkingSet, active, rtol, atol, max_iter, out):
+def _solve_tile(work: WorkingSet, active, rtol, atol, max_iter, out) -> bool:
     """Newton-CG on every active problem of a tile, written into ``out`` (views of the tile in the call's
-    output, which then needs no copy).
+    output, which then needs no copy); returns whether the inactive problems are written too.
 
     On a CPU the compiled kernel (:mod:`probe.solve.native`) solves and certifies the tile; the adaptive
     iterations of :mod:`probe.solve.newton_cg` continue from its iterates the problems it left above their
@@ -85,56 +85,24 @@ def _solve_tile(work: WorkingSet, active, rtol, atol, max_iter, out):
         remaining = max_iter - int(out.iterations.max())
         if remaining > 0 and bool(left.any()):
             newton_cg.continue_rows(work, y, left, out.iterations, active, rtol, atol, remaining, out)
-        return out
+        return True
     if fixed.applies(max_iter):  # the fixed schedule, then what remains
-        return fixed.solve_by_schedule(work, active, rtol, atol, max_iter, out)
+        fixed.solve_by_schedule(work, active, rtol, atol, max_iter, out)
+        return False
     iterations = torch.zeros(active.shape, dtype=torch.int32, device=active.device)
-    return newton_cg.adaptive(work, Progress(work.initial_state(), iterations, active.clone()), active, rtol, atol,
-                              max_iter, out)
+    newton_cg.adaptive(work, Progress(work.initial_state(), iterations, active.clone()), active, rtol, atol,
+                       max_iter, out)
+    return False
 
 
-def solve_dual(
-    problems: DualProblems,
-    *,
-    rtol: float = 1e-9,
-    atol: float = 1e-12,
-    max_iter: int = 100,
-    dtype: torch.dtype = torch.float64,
-    direction_dtype: torch.dtype = torch.float32,
-    memory_budget_bytes: int | None = None,
-    workers: int | None = None,
-) -> DualSolution:
-    r"""Solve every dual problem in ``problems`` (eq. (D) of the module docstring, reduced to (R-D)).
-
-    Runs on the device of the templates (``problems.gram``, else ``problems.factor``) in ``dtype``.
-    Problems are processed in tiles of whole groups (or slices of a group) whose working set stays within
-    :func:`probe.solve.tiles.tile_bytes` (on a CPU, about its cache; on a GPU, a share of its free memory)
-    and within ``memory_budget_bytes`` when given.  Beyond its inputs, the solver holds one tile's working
-    set and its outputs.  Where the compiled kernel (:mod:`probe.solve.native`) does not run, each tile is
-    solved by the fixed schedule of :mod:`probe.solve.fixed` first, with no host synchronisation.
-
-    The Newton directions (the conjugate-gradient solves, most of the work) are computed in
-    ``direction_dtype``; the gradient, the line search and the certificate stay in ``dtype``, so a
-    float32 direction (the default, about 1.5x faster) changes how a problem gets to its answer but
-    not what is certified about it.  Pass ``direction_dtype=torch.float64`` for answers that do not
-    depend on the rest of the batch beyond 1e-16 rounding.
-
-    On a CPU the tiles are solved ``workers`` at a time (default: the intra-op thread count), each by a
-    thread of its own with one intra-op thread (:mod:`probe.solve.parallel`; ``workers=0``: one after another
-    in this thread, each operation on all of torch's threads); the tiles, and so the answers, do not
-    depend on ``workers``.  With a memory budget, fewer workers run when their tiles would not fit in
-    it together.
-
-    Returns a :class:`DualSolution`.  ``converged`` is true only where the certified error bound on
-    :math:`\hat\lambda` is at most ``rtol * lambda_norm + atol``.
-    """
+def _check(problems: DualProblems, dtype: torch.dtype, direction_dtype: torch.dtype) -> None:
+    """A one-line ``ValueError`` for arguments :func:`solve_dual` cannot solve."""
     if problems.alpha <= 0:
         raise ValueError(f"alpha must be positive, got {problems.alpha}")
     if not (dtype.is_floating_point and direction_dtype.is_floating_point):
         raise ValueError(f"dtype and direction_dtype must be floating point, got {dtype} and {direction_dtype}")
     if problems.gram is None and problems.factor is None:
         raise ValueError("DualProblems needs its templates: gram, factor, or both")
-    device = problems.device
     n_groups, m, n = problems.logits.shape
     gram_ok = problems.gram is None or problems.gram.shape == (n_groups, n, n)
     factor_ok = problems.factor is None or (problems.factor.dim() == 3 and problems.factor.shape[:2] == (n_groups, n))
@@ -149,6 +117,56 @@ def solve_dual(
             f"logits {tuple(problems.logits.shape)}, log_preference {tuple(problems.log_preference.shape)}, "
             f"evidence_sqnorm {tuple(problems.evidence_sqnorm.shape)}"
         )
+
+
+def solve_dual(
+    problems: DualProblems,
+    *,
+    rtol: float = 1e-9,
+    atol: float = 1e-12,
+    max_iter: int = 100,
+    dtype: torch.dtype = torch.float64,
+    direction_dtype: torch.dtype = torch.float32,
+    memory_budget_bytes: int | None = None,
+    workers: int | None = None,
+) -> DualSolution:
+    r"""Solve every dual problem in ``problems`` (eq. (D) of the module docstring, reduced to (R-D)) and
+    certify each answer.
+
+    Runs on the device of the templates (``problems.gram``, else ``problems.factor``).  Problems are
+    processed in tiles of whole groups (or slices of a group) whose working set stays within
+    :func:`probe.solve.tiles.tile_bytes` (on a CPU, about its cache; on a GPU, a share of its free memory)
+    and within ``memory_budget_bytes``.  Beyond its inputs, the solver holds one tile's working set and its
+    outputs.  On a CPU the compiled kernel (:mod:`probe.solve.native`) solves each tile; elsewhere the fixed
+    schedule of :mod:`probe.solve.fixed` runs first, with no host synchronisation; the adaptive iterations
+    of :mod:`probe.solve.newton_cg` take the problems either leaves.  A problem stops as soon as its
+    certificate holds.
+
+    Args:
+        problems: the problems, with their templates as ``gram``, ``factor`` or both (:class:`DualProblems`).
+        rtol: relative tolerance: a problem is ``converged`` where its certified ``error_bound`` on
+            :math:`\hat\lambda` is at most ``rtol * lambda_norm + atol``.
+        atol: absolute tolerance, for problems whose :math:`\hat\lambda` is near 0.
+        max_iter: Newton iterations allowed per problem; those not certified by then come back with
+            ``converged`` false and their honest certificate.
+        dtype: the precision of the gradient, the line search and the certificate (float64).
+        direction_dtype: the precision of the Newton directions (the conjugate-gradient solves, most of the
+            work).  float32 (the default, the faster) changes how a problem gets to its answer, not what is
+            certified about it; float64 gives answers that do not depend on the rest of the batch beyond
+            1e-16 rounding.  The compiled kernel runs for float64 with float32 directions.
+        memory_budget_bytes: a bound on the tiles' working sets together; ``None``: the device's tile size.
+            With a budget, fewer workers run where their tiles would not fit in it together.
+        workers: on a CPU, how many tiles are solved at a time, each by a thread of its own with one intra-op
+            thread (:mod:`probe.solve.parallel`); default the intra-op thread count; 0: one after another in
+            this thread.  The tiles, and so the answers, do not depend on it.
+
+    Returns:
+        A :class:`DualSolution`: per problem the certified answer, its certificate and ``correction``
+        (:math:`A^\top\hat c`, in the coordinates of the factor).  Inactive problems are NaN.
+    """
+    _check(problems, dtype, direction_dtype)
+    device = problems.device
+    n_groups, m, n = problems.logits.shape
     if m == 0 or n_groups == 0 or n == 0:
         width = 0 if problems.factor is None else problems.factor.shape[-1]
         return tiles.empty_solution(n_groups, m, n, width, dtype, device)
@@ -176,7 +194,8 @@ def solve_dual(
         work = WorkingSet(factor[g0:g1], factor_low[g0:g1], inputs.logits, inputs.base, inputs.u,
                           inputs.evidence_sqnorm, problems.alpha)
         tile = DualSolution(**{name: value[g0:g1, j0:j1] for name, value in vars(out).items()})
-        _solve_tile(work, active, rtol, atol, max_iter, tile)
+        if _solve_tile(work, active, rtol, atol, max_iter, tile):
+            return
         inactive = ~active
         for name, target in vars(tile).items():  # inactive problems: NaN (iterations 0), with no host read
             if name != "converged":

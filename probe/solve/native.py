@@ -175,18 +175,25 @@ def describe(device) -> str:
     return f"torch loops (the compiled kernel is not available: {unavailable_reason()})"
 
 
+#: the working set of a block of rows: large enough for the products over its rows to run near the BLAS's
+#: full rate (at 1 MiB, a block of 22 rows at 512 keys took 1.25x as long), small enough for two workers'
+#: blocks to stay in a shared L3 cache
+BLOCK_BYTES = 12 << 20
+
+
 def block_rows(n: int, r: int) -> int:
-    """Rows per block: about 1 MiB of the kernel's working set (a core's L2 cache holds it), as the
-    kernel itself counts it (``probe_block_bytes``)."""
+    """Rows per block: about :data:`BLOCK_BYTES` of the kernel's working set, as the kernel itself counts it
+    (``probe_block_bytes``), and 16 to 256 rows."""
     bytes_of = _kernel()[1]
     per_row = bytes_of(n, r, 2) - bytes_of(n, r, 1)
-    return max(16, min(256, (1 << 20) // max(1, per_row)))
+    return max(16, min(256, BLOCK_BYTES // max(1, per_row)))
 
 
 def newton_tile(work, active: torch.Tensor, rtol: float, atol: float, max_iter: int, forcing_floor: float, out):
     """Newton-CG (:mod:`probe.solve.newton_cg`'s method) on every active problem of a tile by the compiled
-    kernel, which writes each active row's solution and certificate into ``out`` (the tile's
-    :class:`probe.solve.problems.DualSolution`; inactive rows are left to the caller) and returns the
+    kernel, which writes each row's solution and certificate into ``out`` (the tile's
+    :class:`probe.solve.problems.DualSolution`; NaN, no iterations and not converged for inactive rows) and
+    returns the
     iterates ``y`` ``(g, m, r)``; or None where the kernel does not apply (not a CPU, not float64 with
     float32 directions, or not available), with ``out`` untouched.  ``work`` is the tile's
     :class:`probe.solve.newton_cg.WorkingSet`."""

@@ -522,7 +522,10 @@ static void solve_block(Block *b, int R, const unsigned char *active, double rto
         double *att = out->attention + (size_t)j * n, *coef = out->coefficients + (size_t)j * n;
         double *corr = out->correction + (size_t)j * r, *yo = out->y + (size_t)j * r;
         const double *yj = b->y + (size_t)j * r, *gj = b->grad + (size_t)j * r;
-        if (!active[j]) { /* the caller fills inactive rows */
+        if (!active[j]) { /* inactive: NaN, no iterations, not converged */
+            for (int i = 0; i < n; i++) att[i] = coef[i] = NAN;
+            for (int i = 0; i < r; i++) corr[i] = yo[i] = NAN;
+            out->error_bound[j] = out->gap[j] = out->lambda_norm[j] = out->rel_deviation[j] = NAN;
             out->converged[j] = 0;
             continue;
         }
