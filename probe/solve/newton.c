@@ -47,23 +47,32 @@ typedef void (*dgemm_t)(const char *, const char *, const int *, const int *, co
                         const double *, const int *, const double *, const int *, const double *, double *,
                         const int *);
 
+/* The products, each adding its 2 rows n r flops to counted[0] (float32) or counted[1] (float64). */
 /* out (rows x n) = X (rows x r) A^T, A (n x r): column-major, out^T = A X^T */
-static void sprod_at(sgemm_t gemm, int rows, int n, int r, const float *X, const float *A, float *out, float beta) {
+static void sprod_at(sgemm_t gemm, int rows, int n, int r, const float *X, const float *A, float *out, float beta,
+                     double *counted) {
     const float one = 1.0f;
     gemm("T", "N", &n, &rows, &r, &one, A, &r, X, &r, &beta, out, &n);
+    counted[0] += 2.0 * rows * n * r;
 }
 /* out (rows x r) = W (rows x n) A + beta out */
-static void sprod_a(sgemm_t gemm, int rows, int n, int r, const float *W, const float *A, float *out, float beta) {
+static void sprod_a(sgemm_t gemm, int rows, int n, int r, const float *W, const float *A, float *out, float beta,
+                    double *counted) {
     const float one = 1.0f;
     gemm("N", "N", &r, &rows, &n, &one, A, &r, W, &n, &beta, out, &r);
+    counted[0] += 2.0 * rows * n * r;
 }
-static void dprod_at(dgemm_t gemm, int rows, int n, int r, const double *X, const double *A, double *out) {
+static void dprod_at(dgemm_t gemm, int rows, int n, int r, const double *X, const double *A, double *out,
+                     double *counted) {
     const double one = 1.0, zero = 0.0;
     gemm("T", "N", &n, &rows, &r, &one, A, &r, X, &r, &zero, out, &n);
+    counted[1] += 2.0 * rows * n * r;
 }
-static void dprod_a(dgemm_t gemm, int rows, int n, int r, const double *W, const double *A, double *out) {
+static void dprod_a(dgemm_t gemm, int rows, int n, int r, const double *W, const double *A, double *out,
+                    double *counted) {
     const double one = 1.0, zero = 0.0;
     gemm("N", "N", &r, &rows, &n, &one, A, &r, W, &n, &zero, out, &r);
+    counted[1] += 2.0 * rows * n * r;
 }
 
 static double ddot(int k, const double *a, const double *b) {
@@ -131,6 +140,7 @@ typedef struct {
     double alpha;
     sgemm_t sgemm;
     dgemm_t dgemm;
+    double counted[2]; /* flops of the products, float32 and float64 */
     /* per row of the block, float64 */
     double *y, *theta, *p, *lse, *grad, *gsq, *obj, *ydm, *ysq, *lnorm, *gnorm0, *gnorm, *spsq;
     double *dir, *adir, *spread, *diff, *scratch, *gather;
@@ -212,9 +222,9 @@ static void state_terms(Block *b, int k, const int *rows, int exact) {
         }
     }
     if (exact) {
-        dprod_a(b->dgemm, k, n, r, b->diff, b->A, b->spread);
+        dprod_a(b->dgemm, k, n, r, b->diff, b->A, b->spread, b->counted);
     } else {
-        sprod_a(b->sgemm, k, n, r, b->diff32, b->A32, b->spread32, 0.0f);
+        sprod_a(b->sgemm, k, n, r, b->diff32, b->A32, b->spread32, 0.0f, b->counted);
         for (size_t i = 0; i < (size_t)k * r; i++) b->spread[i] = (double)b->spread32[i];
     }
     for (int s = 0; s < k; s++) {
@@ -246,7 +256,7 @@ static void refresh_rows(Block *b, int k, const int *rows) {
     if (k == 0) return;
     int n = b->n, r = b->r;
     for (int s = 0; s < k; s++) memcpy(b->gather + (size_t)s * r, b->y + (size_t)rows[s] * r, sizeof(double) * r);
-    dprod_at(b->dgemm, k, n, r, b->gather, b->A, b->diff); /* A y, as rows */
+    dprod_at(b->dgemm, k, n, r, b->gather, b->A, b->diff, b->counted); /* A y, as rows */
     for (int s = 0; s < k; s++) {
         int j = rows[s];
         double *th = b->theta + (size_t)j * n;
@@ -308,7 +318,7 @@ static void conjugate_gradient(Block *b, int k, const int *rows, const double *f
             }
             width = w;
         }
-        sprod_at(b->sgemm, width, n, r, b->d32, b->A32, b->Ad32, 0.0f); /* A d */
+        sprod_at(b->sgemm, width, n, r, b->d32, b->A32, b->Ad32, 0.0f, b->counted); /* A d */
         for (int s = 0; s < width; s++) { /* Sigma_p A d in place, A d kept for A x */
             float *ad = b->Ad32 + (size_t)s * n;
             const float *p32 = b->p32 + (size_t)s * n;
@@ -322,7 +332,7 @@ static void conjugate_gradient(Block *b, int k, const int *rows, const double *f
                 ad[i] = (ad[i] - mean) * p32[i];
             }
         }
-        sprod_a(b->sgemm, width, n, r, b->Ad32, b->A32, b->Hd32, inv_alpha); /* d / alpha + A^T Sigma_p A d */
+        sprod_a(b->sgemm, width, n, r, b->Ad32, b->A32, b->Hd32, inv_alpha, b->counted); /* d / alpha + A^T Sigma_p A d */
         for (int s = 0; s < width; s++) {
             if (b->stop[s]) continue;
             float *d = b->d32 + (size_t)s * r, *hd = b->Hd32 + (size_t)s * r, *res = b->r32 + (size_t)s * r;
@@ -415,7 +425,7 @@ static void iterate(Block *b, int R, const unsigned char *active, double rtol, d
             }
         }
         if (k2 > 0) {
-            dprod_at(b->dgemm, k2, n, r, b->gather, b->A, b->diff);
+            dprod_at(b->dgemm, k2, n, r, b->gather, b->A, b->diff, b->counted);
             for (int t = 0; t < k2; t++) {
                 int s = list[t];
                 const double *bj = b->base + (size_t)order[s] * n, *ay = b->diff + (size_t)t * n;
@@ -557,15 +567,16 @@ typedef int (*set_threads_t)(int);
 
 /* Every group of a tile, in blocks of at most block_rows rows.  ``outputs``: y, attention, coefficients,
  * correction, lambda_norm, rel_deviation, duality_gap, error_bound (float64), iterations (int32),
- * converged (bytes), each of the tile's shape.  ``shared``: u and mvec hold one row per group.
+ * converged (bytes), each of the tile's shape.  ``shared``: u and mvec hold one row per group.  ``counted``
+ * (two doubles) gains the flops of the tile's products, float32 and float64.
  * set_threads: MKL's mkl_set_num_threads_local or NULL; the products run on one thread (the caller runs
  * tiles side by side), so that their rounding does not depend on the thread count.  Returns 0, or -1 if
  * memory ran out. */
 int probe_newton_tile(int g, int m, int n, int r, int block_rows, const double *A, const float *A32,
                       const double *base, const double *u, int shared, const double *logits, const double *mvec,
                       const double *esq, const unsigned char *active, double alpha, double rtol, double atol,
-                      int max_iter, double eps, double forcing_floor, void **outputs, void *sgemm, void *dgemm,
-                      void *set_threads) {
+                      int max_iter, double eps, double forcing_floor, void **outputs, double *counted, void *sgemm,
+                      void *dgemm, void *set_threads) {
     int B = block_rows < m ? block_rows : m;
     if (B < 1) return 0;
     Block b = {.n = n, .r = r, .B = B, .alpha = alpha, .sgemm = (sgemm_t)sgemm, .dgemm = (dgemm_t)dgemm};
@@ -597,6 +608,8 @@ int probe_newton_tile(int g, int m, int n, int r, int block_rows, const double *
         }
     }
     if (set_threads) ((set_threads_t)set_threads)(previous_threads);
+    counted[0] += b.counted[0];
+    counted[1] += b.counted[1];
     free(memory);
     return 0;
 }
@@ -610,9 +623,10 @@ double probe_check_blas(void *sgemm, void *dgemm) {
     for (int i = 0; i < N * R; i++) A32[i] = (float)(A[i] = 0.25 * (i % 7) - 0.5);
     for (int i = 0; i < ROWS * R; i++) X32[i] = (float)(X[i] = 0.5 * (i % 5) - 1.0);
     for (int i = 0; i < ROWS * N; i++) W[i] = 0.125 * (i % 3) + 0.25;
-    dprod_at((dgemm_t)dgemm, ROWS, N, R, X, A, out_at);
-    dprod_a((dgemm_t)dgemm, ROWS, N, R, W, A, out_a);
-    sprod_at((sgemm_t)sgemm, ROWS, N, R, X32, A32, out32, 0.0f);
+    double counted[2] = {0.0, 0.0};
+    dprod_at((dgemm_t)dgemm, ROWS, N, R, X, A, out_at, counted);
+    dprod_a((dgemm_t)dgemm, ROWS, N, R, W, A, out_a, counted);
+    sprod_at((sgemm_t)sgemm, ROWS, N, R, X32, A32, out32, 0.0f, counted);
     double worst = 0.0;
     for (int j = 0; j < ROWS; j++) {
         for (int i = 0; i < N; i++) {
