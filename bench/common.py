@@ -102,13 +102,18 @@ def header(results: dict) -> str:
     if env.get("gpu"):
         machine += f", {env['gpu']}"
     if env.get("torch"):
-        machine += f"; torch {env['torch']} ({env.get('threads', '?')} threads, OMP_WAIT_POLICY={env.get('omp_wait_policy')})"
+        settings = [f"{env['threads']} threads" if env.get("threads") is not None else None,
+                    f"OMP_WAIT_POLICY={env['omp_wait_policy']}" if env.get("omp_wait_policy") else None]
+        settings = ", ".join(item for item in settings if item)
+        machine += f"; torch {env['torch']}" + (f" ({settings})" if settings else "")
     parts.append(machine + ".")
     if env.get("solver"):
         parts.append(f"The solver's Newton iterations: {env['solver']}.")
-    if env.get("load_average") is not None or env.get("load_average_end") is not None:
-        parts.append(f"Load average at the start {env.get('load_average')}, at the end {env.get('load_average_end')}"
-                     " (the machine is shared: compare ratios measured in one run).")
+    loads = [f"at the start {env['load_average']}" if env.get("load_average") is not None else None,
+             f"at the end {env['load_average_end']}" if env.get("load_average_end") is not None else None]
+    if any(loads):
+        parts.append("Load average " + ", ".join(item for item in loads if item)
+                     + " (the machine is shared: compare ratios measured in one run).")
     return " ".join(parts)
 
 

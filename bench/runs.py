@@ -156,6 +156,51 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
+#: the environment variables of thread settings (a child reports them as it started with them)
+THREAD_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+
+
+def configuration_child(spec: dict) -> None:
+    """Run one configuration in this (child) process (``mode`` "load": only load the model; "run": a run, with
+    the plain forward first where ``forward``) and print its measurements for :func:`run_child`."""
+    import torch  # noqa: F401  (after the parent set this process's environment)
+
+    workdir = Path(spec["workdir"])
+    if spec["mode"] == "load":
+        from probe.capture.loading import load_model
+
+        load_model(spec["model"], device="cpu")
+        out = {}
+    else:
+        texts = json.loads(Path(spec["texts_file"]).read_text()) if spec.get("texts_file") else None
+        extra = {"threads": spec["threads"]} if spec.get("threads") else {}
+        if spec.get("max_memory_bytes"):
+            extra["max_memory_bytes"] = spec["max_memory_bytes"]
+        config = run_config(spec["model"], texts, spec["length"], spec["batch_size"], workdir,
+                            samples=spec.get("samples"), **extra)
+        forward_s = None
+        if spec.get("forward"):  # the plain forward of the same batches first, under the same settings
+            import torch
+
+            from probe.capture.loading import load_model
+
+            if spec.get("threads"):
+                torch.set_num_threads(spec["threads"])
+            loaded = load_model(spec["model"], device="cpu")
+            batches = forward_batches(loaded, config, texts)
+            forward_seconds(loaded.model, batches[:1])  # warm-up
+            forward_s = forward_seconds(loaded.model, batches)
+            del loaded
+        cpu_start = resource.getrusage(resource.RUSAGE_SELF)
+        out = analysis(config)
+        cpu_end = resource.getrusage(resource.RUSAGE_SELF)
+        out["cpu_s"] = (cpu_end.ru_utime - cpu_start.ru_utime) + (cpu_end.ru_stime - cpu_start.ru_stime)
+        out["forward_s"] = forward_s
+    out["peak_rss_mb"] = peak_rss_mb()
+    out["environment"] = {name: os.environ.get(name) for name in THREAD_VARIABLES}  # as this process started
+    child_result(out)
+
+
 def run_child(module: str, spec: dict, environment: dict | None = None, root: Path | None = None) -> dict:
     """``child_main(spec)`` of the benchmark ``module`` (a bench/ script's name) in a fresh process, with
     ``environment`` (default this one's) and ``import probe`` finding the checkout ``root`` (default this

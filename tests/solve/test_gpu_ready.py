@@ -259,7 +259,7 @@ def test_a_shared_preference_moves_as_one_row_per_group():
         tiles._on = saved
     assert (2, 1, 8) in moved and (2, 6, 8) in moved  # the preference's one row, the logits' every row
     assert shares_rows(u)
-    import gpu
+    import gpu_agreement
 
-    on_meta = gpu._moved(problems, "meta")
+    on_meta = gpu_agreement._moved(problems, "meta")
     assert on_meta.log_preference.shape == (2, 6, 8) and shares_rows(on_meta.log_preference)
