@@ -96,11 +96,13 @@ def header(results: dict) -> str:
     """The environment paragraph of a results file's markdown: command, date and duration, machine,
     threads and wait policy, the solver's iterations, and the load at the start and the end."""
     env = results.get("environment", {})
-    parts = [f"Command: `{env.get('command', '?')}`, run {env.get('date', '?')}"
+    command = env.get("command") or f"python bench/{results.get('benchmark', '?')}.py"
+    parts = [f"Command: `{command}`, run {env.get('date', 'on a date not recorded')}"
              + (f" ({env['seconds']:.0f} s)" if env.get("seconds") is not None else "") + "."]
-    machine = f"Machine: {env.get('machine', '?')}, {env.get('cores', '?')} cores"
-    if env.get("gpu"):
-        machine += f", {env['gpu']}"
+    machine = "Machine: " + ", ".join(str(item) for item in (
+        env.get("machine"), f"{env['cores']} cores" if env.get("cores") else None, env.get("gpu")) if item)
+    if machine == "Machine: ":
+        machine = "Machine: not recorded"
     if env.get("torch"):
         settings = [f"{env['threads']} threads" if env.get("threads") is not None else None,
                     f"OMP_WAIT_POLICY={env['omp_wait_policy']}" if env.get("omp_wait_policy") else None]
@@ -216,6 +218,25 @@ def rendered(args, markdown: Callable[[dict], str]) -> bool:
     render(args.render, markdown)
     print(f"wrote {args.render.with_suffix('.md')}")
     return True
+
+
+def fill_markers(path: Path, values: dict) -> None:
+    """Replace what stands between ``<!-- NAME -->`` and ``<!-- /NAME -->`` in ``path`` by ``values[NAME]``: the
+    numbers and tables the documentation quotes from results files."""
+    text = path.read_text(encoding="utf-8")
+    for name, value in values.items():
+        text, found = re.subn(rf"(<!-- {re.escape(name)} -->).*?(<!-- /{re.escape(name)} -->)",
+                              lambda match, value=value: f"{match.group(1)}{value}{match.group(2)}", text, flags=re.S)
+        if not found:
+            raise SystemExit(f"{path} has no <!-- {name} --> marker")
+    path.write_text(text, encoding="utf-8")
+
+
+def marked(path: Path, name: str) -> str | None:
+    """What stands between ``<!-- NAME -->`` and ``<!-- /NAME -->`` in ``path`` (None: no such marker)."""
+    found = re.search(rf"<!-- {re.escape(name)} -->(.*?)<!-- /{re.escape(name)} -->", path.read_text(encoding="utf-8"),
+                      flags=re.S)
+    return None if found is None else found.group(1)
 
 
 def on_path() -> None:

@@ -81,3 +81,21 @@ def markdown(results: dict) -> str:
         "three; it says nothing about a GPU.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def docs_table(results: dict) -> str:
+    """The counters docs/speed.md quotes: per size, the solver before the fixed schedule and now."""
+    lines = ["| keys | | host syncs per call | operators per call | per CG step | per Newton iteration, CG steps "
+             "apart | graph breaks |", "|---|---|---|---|---|---|---|"]
+    labels = {"before": "adaptive iterations alone", "now": "fixed schedule first"}
+    for size in results["sizes"]:
+        for name, label in labels.items():
+            entry = size[name]
+            step, newton = entry["cg_step"], entry["newton_iteration"]
+            step_text = f"{step['operators']:.0f} operators" + (f", {step['syncs']:.0f} sync" if step["syncs"] else "")
+            newton_text = (f"{newton['operators']:.0f} operators"
+                           + (f", {newton['syncs']} syncs" if newton["syncs"] else ""))
+            breaks = entry.get("graph_breaks", {}).get("graph_breaks", "?")
+            lines.append(f"| {size['keys']} | {label} | {entry['syncs_per_call']} | {entry['operators_per_call']:,} | "
+                         f"{step_text} | {newton_text} | {breaks} |")
+    return "\n".join(lines)

@@ -60,7 +60,14 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
-from scale_report import REPORT_TARGET, RUN_GROWTH_TARGET, markdown, publish, verdicts  # noqa: E402
+from scale_report import (  # noqa: E402
+    REPORT_TARGET,
+    RUN_GROWTH_TARGET,
+    docs_block,  # noqa: E402, F401 (the table of docs/large-runs.md, read from here)
+    markdown,
+    publish,
+    verdicts,
+)
 from scale_runs import (  # noqa: E402
     END_OF_RUN,
     HEADLINE,

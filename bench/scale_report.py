@@ -175,20 +175,6 @@ def docs_block(results: dict) -> str:
 
 
 
-def fill_markers(path: Path, values: dict) -> None:
-    """Replace what stands between ``<!-- NAME -->`` and ``<!-- /NAME -->`` in ``path`` by ``values[NAME]``."""
-    import re
-
-    text = path.read_text(encoding="utf-8")
-    for name, value in values.items():
-        text, found = re.subn(rf"(<!-- {re.escape(name)} -->).*?(<!-- /{re.escape(name)} -->)",
-                              lambda match, value=value: f"{match.group(1)}{value}{match.group(2)}", text, flags=re.S)
-        if not found:
-            raise SystemExit(f"{path} has no <!-- {name} --> marker")
-    path.write_text(text, encoding="utf-8")
-
-
-
 def markdown(results: dict) -> str:
     lines = [
         "# Scale: memory and time of every command against the number of rows",
@@ -220,7 +206,7 @@ def publish(results: dict) -> None:
     """The figure and the table of docs/large-runs.md, from the results."""
     if results["scale"]:
         draw_figure(results, FIGURE)
-    fill_markers(DOCS, {"scale:table": "\n" + docs_block(results) + "\n"})
+    common.fill_markers(DOCS, {"scale:table": "\n" + docs_block(results) + "\n"})
 
 
 

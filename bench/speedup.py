@@ -25,6 +25,7 @@ must agree within what the two certificates allow, ``2 (error_bound / lambda_nor
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -81,7 +82,10 @@ def child_main(spec: dict) -> None:
     runs.forward_seconds(loaded.model, batches[:1])  # warm-up
     forward_s = runs.forward_seconds(loaded.model, batches)
     del loaded
+    cpu_start = resource.getrusage(resource.RUSAGE_SELF)
     measured = runs.analysis(config)
+    cpu_end = resource.getrusage(resource.RUSAGE_SELF)
+    measured["cpu_s"] = cpu_end.ru_utime - cpu_start.ru_utime + cpu_end.ru_stime - cpu_start.ru_stime
     run_dir = max((workdir / "runs").iterdir(), key=lambda path: path.stat().st_mtime)
     runs.child_result({**measured, "forward_s": forward_s, "run_dir": str(run_dir)})
 
@@ -146,6 +150,8 @@ def measure_length(tokens: int, count: int, roots: dict, repeats: int, workdir: 
                     "max_relative_error_bound": max(r["max_relative_error_bound"] for r in measured[way])}
     row["speedup_ratios"] = [new["seconds"] / old["seconds"] for old, new in zip(measured[WAYS[0]], measured[WAYS[1]])]
     row["time_ratio_median"] = statistics.median(row["speedup_ratios"])
+    row["cpu_ratios"] = [new["cpu_s"] / old["cpu_s"] for old, new in zip(measured[WAYS[0]], measured[WAYS[1]])]
+    row["cpu_ratio_median"] = statistics.median(row["cpu_ratios"])
     row["answers"] = compare_answers(last[WAYS[0]], last[WAYS[1]])
     first = {**spec, "threads": 1, "texts_file": str(texts_file)}
     subset = workdir / f"texts-{tokens}-first-batch.json"
@@ -168,7 +174,7 @@ def measure_length(tokens: int, count: int, roots: dict, repeats: int, workdir: 
 
 
 def markdown(results: dict) -> str:
-    lines = [
+    return "\n".join([
         "# The analysis against the baseline's: time, counted flops and answers",
         "",
         common.header(results),
@@ -177,16 +183,24 @@ def markdown(results: dict) -> str:
         f"`{results.get('current_commit', '?')}`. The real all-MiniLM-L6-v2, texts of exactly L tokens, batches of 8, "
         "2 threads, each run a child process of its own, the two alternating. *processing s*: the manifest's "
         "`total_s - load_model_s - load_data_s`; *time ratio*: the median of the per-repeat ratios this checkout / "
-        "baseline (the target is at most 0.5). *analysis / forward*: processing time over the plain forward of the "
-        "same batches, timed in the same child. *products per row*: matrix-product flops beyond the forward per "
-        "problem in units of `2 n r` (r = min(n, 384)), counted over the first batch; the baseline's on its torch "
-        "replica of its kernel's method, this checkout's as torch ops plus the kernel's own count "
+        "baseline (the target is at most 0.5); *CPU time ratio*: the same for the run's CPU seconds (user and system, "
+        "every thread), which a shared machine's load moves less. *analysis / forward*: processing time over the "
+        "plain forward of the same batches, timed in the same child. *products per row*: matrix-product flops beyond "
+        "the forward per problem in units of `2 n r` (r = min(n, 384)), counted over the first batch; the baseline's "
+        "on its torch replica of its kernel's method, this checkout's as torch ops plus the kernel's own count "
         "(float32 + float64 products in brackets).",
         "",
+        table(results),
+    ]) + "\n"
+
+
+def table(results: dict) -> str:
+    """The comparison per length: times, ratios, counted products, answers (docs/speed.md quotes it)."""
+    lines = [
         "| tokens | texts | rows | baseline processing s | this checkout processing s | time ratio (repeats) | "
-        "analysis / forward, baseline | analysis / forward, this checkout | products per row, baseline | "
-        "products per row, this checkout (kernel f32 + f64) | answers |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "CPU time ratio (repeats) | analysis / forward, baseline | analysis / forward, this checkout | "
+        "products per row, baseline | products per row, this checkout (kernel f32 + f64) | answers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["lengths"]:
         old, new = row[WAYS[0]], row[WAYS[1]]
@@ -195,14 +209,17 @@ def markdown(results: dict) -> str:
         answers = row["answers"]
         verdict = ("within the certificates" if answers["within_certificates"] and answers["all_certified"]
                    else "**differ**") + f" (largest difference {answers['max_rel_deviation_difference']:.1e})"
+        cpu = (f"{row['cpu_ratio_median']:.2f} ({', '.join(f'{r:.2f}' for r in row['cpu_ratios'])})"
+               if "cpu_ratios" in row else "–")
         lines.append(
             f"| {row['tokens']} | {row['texts']} | {new['rows']:,} | {old['processing_s_median']:.2f} | "
             f"{new['processing_s_median']:.2f} | **{row['time_ratio_median']:.2f}** "
-            f"({', '.join(f'{r:.2f}' for r in row['speedup_ratios'])}) | {old['analysis_over_forward_median']:.1f}x | "
-            f"{new['analysis_over_forward_median']:.1f}x | {flops[WAYS[0]]['products_per_row']:.1f} | "
-            f"{flops[WAYS[1]]['products_per_row']:.1f} ({kernel['float32']:.1f} + {kernel['float64']:.1f}) | {verdict} |"
+            f"({', '.join(f'{r:.2f}' for r in row['speedup_ratios'])}) | {cpu} | "
+            f"{old['analysis_over_forward_median']:.1f}x | {new['analysis_over_forward_median']:.1f}x | "
+            f"{flops[WAYS[0]]['products_per_row']:.1f} | {flops[WAYS[1]]['products_per_row']:.1f} "
+            f"({kernel['float32']:.1f} + {kernel['float64']:.1f}) | {verdict} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
