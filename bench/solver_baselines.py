@@ -117,9 +117,10 @@ def time_reference_ascent(family, picks, probe_rel, form, max_iter, repeats):
 
 
 def _factor(gram):
-    """A with A A^T = G (``probe.solve.dual.factor_gram``) and its pseudo-inverse's transpose: the columns of A
-    are q_j sqrt(w_j) (zero for dropped eigenvalues), so those of the latter are a_j / ||a_j||^2."""
-    A = factor_gram(gram)
+    """A with A A^T = G from the eigendecomposition (``probe.solve.dual.factor_gram``, ``method="eigh"``) and its
+    pseudo-inverse's transpose: the columns of A are q_j sqrt(w_j) (zero for dropped eigenvalues), orthogonal,
+    so those of the latter are a_j / ||a_j||^2."""
+    A = factor_gram(gram, method="eigh")
     sq = (A * A).sum(-2, keepdim=True)
     return A, torch.where(sq > 0, A / torch.where(sq > 0, sq, torch.ones_like(sq)), torch.zeros_like(A))
 

@@ -203,10 +203,10 @@ def solve_dual(
                 target.masked_fill_(mask, 0 if name == "iterations" else float("nan"))
 
     run_all([lambda tile=tile: solve(*tile) for tile in planned], workers)
-    if dropped:  # the correction in every column of the given factor
+    if dropped:  # the correction in every column of the given factor (0 in the dropped ones; NaN if inactive)
         full = out.correction.new_zeros(n_groups, m, width)
         full[..., kept] = out.correction
-        out.correction = full
+        out.correction = full.masked_fill_(out.lambda_norm.isnan().unsqueeze(-1), float("nan"))
     return out
 
 
