@@ -98,6 +98,8 @@ def solver_before(commit: str = BEFORE):
         return subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout
 
+    import probe.solve
+
     folder = Path(tempfile.mkdtemp(prefix="probe-before-"))
     (folder / "newton.c").write_text(show("probe/newton.c"))
     sources = {"_native_before": show("probe/native.py"),
@@ -112,7 +114,7 @@ def solver_before(commit: str = BEFORE):
         loaded.__package__ = "probe.solve"  # its relative imports (parallel) resolve beside probe.solve.dual
         sys.modules[spec.name] = loaded
         spec.loader.exec_module(loaded)
-        setattr(sys.modules["probe.solve"], name, loaded)
+        setattr(probe.solve, name, loaded)
     return loaded
 
 

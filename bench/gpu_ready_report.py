@@ -47,7 +47,7 @@ def markdown(results: dict) -> str:
         lines.append(f"| {size['keys']} | {flops['float32'] / 1e6:.2f} | {flops['float64'] / 1e6:.2f} "
                      f"| {flops['rows_per_s_at_the_rates']:,.0f} |")
     lines += ["", "The pretrained MiniLM (one batch, every layer stacked as `probe run` stacks them): the fixed "
-              "schedule's share, and the default CPU path (the compiled kernel `probe/newton.c`, all workers) "
+              "schedule's share, and the default CPU path (the compiled kernel `probe/solve/newton.c`, all workers) "
               "before and now, alternating in one process.", "",
               "| tokens | texts | rows | fixed schedule: within the goal | certified | kernel path: before s | now s "
               "| now / before | largest difference of rel_deviation |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
