@@ -41,13 +41,11 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -213,16 +211,13 @@ def markdown(results: dict) -> str:
     lines = [
         "# What the derived columns add to a default `probe run`",
         "",
-        f"{results['date']}, {results['machine']}, torch {results['torch']}, {results['threads']} torch threads, "
-        f"OMP_WAIT_POLICY={results.get('omp_wait_policy')}"
-        + (" (quick mode)" if results["quick"] else "") + ".",
+        common.header(results) + (" Quick mode." if results["quick"] else ""),
         "",
         "Wall time of `probe.pipeline.runner.run` with its defaults, with the real `probe.batch.rows.derive` and with it",
-        "replaced by a no-op (NaN columns), in one process. **The machine is shared with other jobs** (load",
-        f"average {(results['load_average'] or [float('nan')])[0]:.0f} on {os.cpu_count()} cores at the end of this run), so absolute",
+        "replaced by a no-op (NaN columns), in one process. The machine is shared with other jobs, so absolute",
         f"times are slow and noisy: every number is a median over {results['repeats']} pair(s) of runs, each pair",
-        "run back to back in alternating order; compare the ratios, not the times. Target (issue 12): ratio <= "
-        f"{TARGET:.2f}.",
+        "run back to back in alternating order; compare the ratios, not the times. Target: ratio <= "
+        f"{results.get('target_ratio', TARGET):.2f}.",
         "",
         "| case | rows | with derived (s) | without (s) | ratio of medians | median paired ratio | in derive (s) | derive share |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -271,8 +266,11 @@ def main(argv=None):
     parser.add_argument("--baseline", type=Path, help="an earlier results file to show beside this run's")
     parser.add_argument("--baseline-label", default="baseline", help="what the earlier results measured")
     args = parser.parse_args(argv)
+    if common.rendered(args, markdown):
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
+    environment = common.environment()
     repeats = args.repeats or (1 if args.quick else 3)
     scratch = Path(tempfile.mkdtemp(prefix="bench-derived-inputs-"))
     try:
@@ -297,12 +295,7 @@ def main(argv=None):
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     payload = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".replace("  ", " "),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "environment": environment,
         "quick": args.quick,
         "repeats": repeats,
         "target_ratio": TARGET,
@@ -310,9 +303,10 @@ def main(argv=None):
     }
     if args.baseline:
         baseline = json.loads(args.baseline.read_text())
-        payload["baseline"] = {"label": args.baseline_label, **{k: baseline[k] for k in ("date", "load_average", "cases")}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    common.write_results(args.out, payload, markdown)
+        env = baseline.get("environment", baseline)
+        payload["baseline"] = {"label": args.baseline_label, "date": env.get("date"),
+                               "load_average": env.get("load_average"), "cases": baseline["cases"]}
+    common.write_results(args.out, payload, markdown, benchmark="derived")
 
 
 if __name__ == "__main__":

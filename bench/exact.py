@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -39,7 +37,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
-from common import cpu_model, load_average  # noqa: E402
 
 from probe.solve.exact import exact_attention, merge_summaries  # noqa: E402
 from probe.vit import load_checkpoint  # noqa: E402
@@ -156,9 +153,7 @@ def markdown(results) -> str:
     lines = [
         "# Exact attention against softmax attention (bench/exact.py)",
         "",
-        f"{results['date']}, {results['cpu']}, torch {results['torch']}, {results['threads']} thread, load average "
-        f"{results['load_average_start']} at the start and {results['load_average_end']} at the end (shared "
-        f"machine). CPU time of one thread; {results['repeats']} alternating repeats; medians.",
+        common.header(results) + f" CPU time of one thread; {results['repeats']} alternating repeats; medians.",
         "",
         "## The final layer's attention weights: forward + backward",
         "",
@@ -207,15 +202,14 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--step-repeats", type=int, default=4)
     args = parser.parse_args(argv)
+    if common.rendered(args, markdown):
+        return
     torch.set_num_threads(1)
+    env = common.environment()
     batch = 8 if args.quick else 128
     repeats, step_repeats = (1, 1) if args.quick else (args.repeats, args.step_repeats)
     x = images(batch, args.quick)
-    results = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_model(),
-        "python": platform.python_version(), "torch": torch.__version__, "threads": 1, "repeats": repeats,
-        "load_average_start": load_average(), "layer": [],
-    }
+    results = {"environment": env, "repeats": repeats, "layer": []}
     torch.manual_seed(0)
     sources = [("the initial ViT (seed 0)", ViT(ViTConfig(attention="exact")))]
     if TRAINED.exists():
@@ -229,9 +223,7 @@ def main(argv=None):
     print(json.dumps(results["step"]), flush=True)
     layer = results["layer"][0]  # what the exact layer adds to a step, from the layer's own timing
     results["step"]["layer_extra_over_softmax_step"] = (layer["exact_s"] - layer["softmax_s"]) / results["step"]["softmax_s"]
-    results["load_average_end"] = load_average()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    common.write_results(args.out, results, markdown, indent=1, echo=False)
+    common.write_results(args.out, results, markdown, indent=1, echo=False, benchmark="exact")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Experiment (evidence for a solver choice; not used by probe): the CG loop of the Newton directions, run
 four ways, on one thread and on two threads side by side.
 
-``probe.solve.newton_cg._conjugate_gradient_steps`` runs a fixed number of CG steps (``forcing`` 0, so no row stops
+``probe.solve.newton_cg.conjugate_gradient_python`` runs a fixed number of CG steps (``forcing`` 0, so no row stops
 early) on random problems of the solver's tile shapes, in float32 like the Newton directions:
 
 * **python**: the function as written, each operation dispatched from Python;
-* **torchscript**: ``probe.solve.newton_cg._conjugate_gradient``, the same function compiled by TorchScript
+* **torchscript**: ``probe.solve.newton_cg.conjugate_gradient``, the same function compiled by TorchScript
   (what the solver runs; its interpreter releases the GIL);
 * **inductor**: ``torch.compile`` of one CG step (Inductor fuses the elementwise kernels into C++ loops;
   the loop's data-dependent stop stays in Python);
@@ -21,7 +21,6 @@ each other).
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import threading
@@ -36,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-from common import cpu_model, load_average  # noqa: E402
 
 from probe.solve import newton_cg
 
@@ -54,7 +52,7 @@ def problem(g, m, n, r):
 
 def cg_step(factor, p, x, r, d, rz):
     """One step of ``_conjugate_gradient_steps`` (no preconditioner, every row running)."""
-    Hd = newton_cg._hessian_times(factor, 1.0, p, d)
+    Hd = newton_cg.hessian_times(factor, 1.0, p, d)
     step = (rz / torch.linalg.vecdot(d, Hd)).unsqueeze(-1)
     x = x + step * d
     r = r - step * Hd
@@ -69,10 +67,10 @@ def ways(factor, p, rhs, inductor=True):
     compiled_step = torch.compile(cg_step, dynamic=False) if inductor else None
 
     def python():
-        newton_cg._conjugate_gradient_steps(factor, 1.0, p, rhs.clone(), zero, STEPS, live)
+        newton_cg.conjugate_gradient_python(factor, 1.0, p, rhs.clone(), zero, STEPS, live)
 
     def torchscript():
-        newton_cg._conjugate_gradient(factor, 1.0, p, rhs.clone(), zero, STEPS, live)
+        newton_cg.conjugate_gradient(factor, 1.0, p, rhs.clone(), zero, STEPS, live)
 
     def inductor():
         x, r, d = torch.zeros_like(rhs), rhs.clone(), rhs.clone()
@@ -134,8 +132,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     print("# The CG loop four ways, on one thread and on two side by side (`bench/fusion_experiment.py`)")
     print()
-    print(f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {cpu_model()}, {os.cpu_count()} cores, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load average at start {load_average()}.")
+    print(common.header({"benchmark": "fusion_experiment", "environment": common.environment()}))
     print()
     timing = "one call each" if args.quick else "best of 5 runs of about 50 ms"
     print(f"{STEPS} CG steps, float32, torch {torch.__version__}; ms per call ({timing}), and the throughput of two "

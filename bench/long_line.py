@@ -74,7 +74,7 @@ def markdown(results: dict) -> str:
         f"| one line | {line['bytes']:,} | {line['peak_rss_mb']} | {line['wall_s']} | {line['texts_line']} |\n\n"
         f"Ratio of peak memory: **{results['ratio']:.3f}** (target: within {results['target']}x); "
         f"{'met' if results['met'] else 'NOT met'}.\n\n"
-        f"Machine: {results['machine']['cpu']}, load average {results['machine']['load_average']}.\n"
+        + common.header(results) + "\n"
     )
 
 
@@ -82,6 +82,9 @@ def main() -> None:
     parser = common.parser(__doc__, "results_long_line.json", quick="a 5 MB line, results in a temporary folder")
     parser.add_argument("--megabytes", type=float, default=50.0, help="size of the long line [default: 50]")
     args = parser.parse_args()
+    if common.rendered(args, markdown):
+        return
+    env = common.environment()
     size_mb = 5.0 if args.quick else args.megabytes
     from probe.api import demo_model
 
@@ -97,11 +100,10 @@ def main() -> None:
     ratio = second["peak_rss_mb"] / first["peak_rss_mb"]
     results = {
         "model": "all-MiniLM-L6-v2", "megabytes": size_mb, "sentence": first, "long_line": second,
-        "ratio": round(ratio, 4), "target": TARGET, "met": ratio <= TARGET,
-        "machine": {"cpu": common.cpu_model(), "cores": os.cpu_count(), "load_average": common.load_average()},
+        "ratio": round(ratio, 4), "target": TARGET, "met": ratio <= TARGET, "environment": env,
     }
     out = Path(tempfile.mkdtemp()) / "results_long_line.json" if args.quick else args.out
-    common.write_results(out, results, markdown)
+    common.write_results(out, results, markdown, benchmark="long_line")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -30,15 +29,15 @@ import common  # noqa: E402
 
 
 def main(argv=None):
-    parser = common.parser(__doc__, "results_native.json")
+    parser = common.parser(__doc__, "results_native.json", repeats=3)
     parser.add_argument("--tokens", default="16,128,512", help="comma-separated text lengths")
     parser.add_argument("--texts", type=int, default=8, help="texts per batch (at 512 tokens: a quarter)")
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
+    if common.rendered(args, markdown):
+        return
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the probe command sets it
-    import e2e
+    import runs
     import torch
-    from common import cpu_model, load_average
     from parallel import captured_problems
 
     from probe.capture.loading import load_model
@@ -47,9 +46,10 @@ def main(argv=None):
 
     if not native.available():
         raise SystemExit(f"the compiled kernel is not available here: {native.unavailable_reason()}")
+    env = common.environment()
     kernel = native._state["kernel"]
     cores = torch.get_num_threads()
-    loaded = load_model(e2e.minilm_path(), device="cpu")
+    loaded = load_model(runs.minilm_path(), device="cpu")
     results = []
     for tokens in (int(x) for x in args.tokens.split(",")):
         count = max(2, args.texts // 4) if tokens >= 512 else args.texts
@@ -89,26 +89,19 @@ def main(argv=None):
         }
         results.append(row)
         print(tokens, {name: round(s, 3) for name, s in row["median_s"].items()}, row["within_certificates"], flush=True)
-    out = {
-        "command": "python bench/native.py",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu_model": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_average_end": load_average(),
-        "results": results,
-    }
-    common.write_results(args.out, out, lambda results: markdown(results, args.repeats))
+    common.write_results(args.out, {"environment": env, "repeats": args.repeats, "results": results}, markdown,
+                         benchmark="native")
 
 
-def markdown(out: dict, repeats: int) -> str:
+def markdown(out: dict) -> str:
     results = out["results"]
+    repeats = out.get("repeats", 3)
     names = list(results[0]["median_s"])
     lines = [
         "# The solver's Newton iterations: compiled C against the torch loops",
         "",
-        f"Command: `{out['command']}`, run {out['date']}. Machine: {out['cpu_model']}, {out['cores']} cores, "
-        f"torch {out['torch']}, OMP_WAIT_POLICY={out['omp_wait_policy']}; load average at the end "
-        f"{out['load_average_end']}. `solve_dual` on the captured problems of real MiniLM batches (hidden "
-        f"space, alpha 1, every layer); seconds, median of {repeats}, the ways alternating in one process. "
+        common.header(out) + " `solve_dual` on the captured problems of real MiniLM batches (hidden space, alpha 1, "
+        f"every layer); seconds, median of {repeats}, the ways alternating in one process. "
         "*speed-up*: torch loops' time / compiled time.",
         "",
         "| tokens per text | texts | problems | " + " | ".join(names)

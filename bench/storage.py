@@ -27,14 +27,12 @@ pyarrow reading every part whole); the row groups that pyarrow's statistics keep
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,16 +103,18 @@ def main(argv=None) -> int:
     parser.add_argument("--texts", type=int, default=300, help="texts of the run made when --run is not given")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
+    if common.rendered(args, markdown):
+        return 0
 
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
-    from common import cpu_model, load_average
-    from scale import DOCS, child_env, corpus_texts, fill_markers, run_probe
+    from scale_report import DOCS
+    from scale_runs import child_env, corpus_texts, run_probe
 
     from probe.core.schema import ROW_KEY
     from probe.store import storage
 
-    load_before = load_average()
+    environment = common.environment()
     scratch = Path(tempfile.mkdtemp(prefix="probe-storage-"))
     try:
         source = args.run
@@ -181,25 +181,31 @@ def main(argv=None) -> int:
 
     chosen = f"zstd {storage.COMPRESSION_LEVEL}"
     summary = {
-        "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_average_before": load_before,
-                    "load_average_after": load_average()},
+        "environment": environment,
         "source": {"model": manifest["model"].get("name"), "texts": manifest["dataset"]["n_examples"], "rows": rows,
                    "parts": len(parts), "layers": manifest["model"].get("num_hidden_layers")},
         "repeats": args.repeats, "chosen": chosen, "writers": results,
         # the source run's own time per million rows (its manifest), to set the writer's against
         "run_s_per_million_rows": round(manifest["timings_s"]["total_s"] / rows * 1e6, 2),
     }
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    common.write_results(args.out, summary, markdown, benchmark="storage")
+    if args.out.resolve() == (HERE / "results_storage.json").resolve():  # the committed results: the docs follow
+        common.fill_markers(DOCS, docs_values(summary))
+    return 0
+
+
+def markdown(summary: dict) -> str:
+    results, chosen = summary["writers"], summary["chosen"]
+    before = results["before"]
+    rows, parts = summary["source"]["rows"], summary["source"]["parts"]
     lines = [
         "# Storage: bytes per row and the writer's time",
         "",
-        f"Written by `bench/storage.py` on {summary['written_at'][:10]} ({summary['machine']['cpu']}, "
-        f"{summary['machine']['cores']} cores shared with other work; 1-minute load average "
-        f"{load_before[0] if load_before else '?'} "
-        f"before). The {rows:,} rows of {len(parts)} part files of a real run ({summary['source']['model']}, "
+        common.header(summary),
+        "",
+        f"The {rows:,} rows of {parts} part files of a real run ({summary['source']['model']}, "
         f"{summary['source']['texts']:,} texts) rewritten by each writer through `probe.store.storage.write_part`, "
-        f"{args.repeats} rounds taking turns; write time: the median round.",
+        f"{summary['repeats']} rounds taking turns; write time: the median round.",
         "",
         "| writer | bytes per row | vs before | write, wall (s per 10^6 rows) | vs before | write, CPU (s per 10^6 "
         "rows) | vs before | read (s per 10^6 rows) | row groups kept by `layer == 1` | bit for bit |",
@@ -232,11 +238,7 @@ def main(argv=None) -> int:
         "probe leaves it out.",
         "",
     ]
-    args.out.with_suffix(".md").write_text("\n".join(lines))
-    print("\n".join(lines))
-    if args.out.resolve() == (HERE / "results_storage.json").resolve():  # the committed results: the docs follow
-        fill_markers(DOCS, docs_values(summary))
-    return 0
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

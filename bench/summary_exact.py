@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -135,8 +134,8 @@ def passed(report: dict) -> bool:
 
 
 def markdown(results: dict) -> str:
-    lines = ["# A big run's summary.csv against pandas on its part files", "",
-             f"Written by `bench/summary_exact.py` on {results['measured_at']} ({results['run']}, "
+    lines = ["# A big run's summary.csv against pandas on its part files", "", common.header(results), "",
+             f"The run: {results['run']} ("
              f"{results['rows']:,} rows; the report in {results['report_s']:.0f} s under the default memory budget; pandas read every row "
              f"in {results['pandas_s']:.0f} s).", "",
              "| level | groups | count, trivial, non-converged unequal | max unequal | mean: max relative difference "
@@ -162,8 +161,11 @@ def main(argv=None) -> int:
     parser.add_argument("--texts", type=int, default=444, help="texts of the real run that is replicated")
     parser.add_argument("--copies", type=int, default=10)
     args = parser.parse_args(argv)
-    from scale import child_env, corpus_texts, probe_command, replicate, run_probe
+    if common.rendered(args, markdown):
+        return 0
+    from scale_runs import child_env, corpus_texts, probe_command, replicate, run_probe
 
+    environment = common.environment()
     work = Path(tempfile.mkdtemp(prefix="probe-summary-exact-"))
     try:
         env = child_env(None)
@@ -185,12 +187,12 @@ def main(argv=None) -> int:
         made = (f"a real run of all-MiniLM-L6-v2 over {args.texts} texts replicated {args.copies} times"
                 if args.run is None else f"a run of {manifest['model']['name']} over "
                 f"{manifest['dataset']['n_examples']:,} examples")
-        results = {"measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "run": made,
+        results = {"environment": environment, "run": made,
                    "rows": len(rows),
                    "report_s": report_s, "pandas_s": pandas_s, "levels": levels, "passed": passed(levels)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    common.write_results(args.out, results, markdown)
+    common.write_results(args.out, results, markdown, benchmark="summary_exact")
     return 0 if results["passed"] else 1
 
 

@@ -1,4 +1,4 @@
-"""``probe.solver``: the stable public path of the batched, certified dual solver.
+"""``probe.solver``: the batched, certified dual solver's public names, for ``from probe.solver import ...``.
 
 The path to import from (``from probe.solver import ...``): it re-exports the public names of
 :mod:`probe.solve.dual`, where the code lives beside the other solvers and where probe's own modules import

@@ -69,7 +69,7 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
         error_target=0.1 * rtol * solution.lambda_norm,
     )
     second, second_bound = derived.second_order_deviation(
-        factor, solution.coefficients, point, solution.lambda_norm, solution.error_bound, point_error
+        solution.correction, point, solution.lambda_norm, solution.error_bound, point_error
     )
     log_p_att = derived.model_log_attention(problems.logits, problems.log_preference, alpha, active=problems.active)
     p_att = log_p_att.exp()

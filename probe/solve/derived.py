@@ -52,25 +52,27 @@ bitwise equal :math:`u` form a class that shares one :math:`H_u`: every row of a
 preference is uniform over its real keys (BERT-like models, and T5's cross-attention), every head of a
 query under a causal mask without position bias.  A class of at least
 :func:`_direct_min_rows` rows (the size above which it is cheaper) is solved directly: :math:`H_u` is
-formed (:math:`nr^2`), Cholesky-factored and inverted (:math:`r^3`) once, with two :math:`n \times r`
-maps of the logits (:func:`_solve_direct`); then each row costs one product of its logits with them,
-which gives :math:`\hat x` and its residual :math:`b - H_u\hat x` at once, instead of a CG run of
-:math:`\sim 2 \cdot` 5 to 12 products with :math:`A` (:math:`nr` each) and the two products with
-:math:`A` of a residual.  Rows with their own :math:`u`
+formed (:math:`nr^2`), Cholesky-factored and inverted (:math:`r^3`) once, with an :math:`n \times r` map
+:math:`M` of the logits and the rounding :math:`D = B - MH_u` of it (:func:`_solve_direct`); then each row
+costs one product of its logits with :math:`M`, which gives :math:`\hat x`, and one pass over them, which
+bounds its residual :math:`b - H_u\hat x = D^\top s` by :math:`\sum_i |s_i|\,\|D_i\|` (the triangle
+inequality over the rows :math:`D_i` of :math:`D`), instead of a CG run of :math:`\sim 2 \cdot` 5 to 12
+products with :math:`A` (:math:`nr` each) and the two products with :math:`A` of a residual.  Rows with
+their own :math:`u`
 (T5's position bias, causal masks per query) go to the batched CG of
 :func:`probe.solve.dual.solve_spd_reduced`, whose residual is recomputed from :math:`\hat x` with
 :math:`A`.  Columns of :math:`A` that are zero in every group (null eigenvalues of :math:`G`, e.g.
 beyond the :math:`d'` dimensions of the key space) are dropped first: they contribute
 :math:`x_k/\alpha` to :math:`Hx` and nothing to :math:`b`, so :math:`x_k = 0` exactly.  Whichever way
-:math:`\hat x` was found, the bound below uses its residual, so no path needs to be trusted: a row whose
-residual is above its tolerance after the direct solve (or whose factorisation fails) is handed to CG.
+:math:`\hat x` was found, the bound below uses its residual (or the bound on it), so no path needs to be
+trusted: a row whose residual is above its tolerance after the direct solve (or whose factorisation fails)
+is handed to CG.
 
 *Tolerance.*  A row is done at :math:`\|\rho\| \le` ``rtol`` :math:`\|b\|`, or earlier at
 ``error_target`` :math:`/\alpha^2` when given.  The pipeline (:func:`probe.batch.rows.derive`) passes a tenth
 of the solver's tolerance, :math:`\varepsilon_2 \le 0.1\,\mathrm{rtol}\,\|\hat\lambda\|` (:math:`10^{-10}`
 by default): the second-order deviation is then resolved like rel_deviation, its bound below being
-dominated by the solver's own :math:`\varepsilon \le \mathrm{rtol}\,\|\hat\lambda\|` (at most a quarter of
-that where the solver stops by its tolerance).  Two second-order solutions, to any tolerances, differ by
+dominated by the solver's own :math:`\varepsilon \le \mathrm{rtol}\,\|\hat\lambda\|`.  Two second-order solutions, to any tolerances, differ by
 at most the sum of their :math:`\varepsilon_2`.
 
 *Error of* :math:`\lambda_2`.  For the residual :math:`\rho = b - H\hat x`, :math:`\hat x - x =
@@ -81,8 +83,8 @@ at most the sum of their :math:`\varepsilon_2`.
 (The direct solve's residual comes from the formed :math:`H_u` and :math:`b`, whose rounding is that of
 the final products.)
 
-*Deviation.*  :math:`\hat\lambda - \hat\lambda_2 = V(A^\top\hat c - y_2)`, so the computed value
-is :math:`\hat v = \|A^\top\hat c - y_2\| / \|\hat\lambda\|`.  Its numerator is within
+*Deviation.*  :math:`\hat\lambda - \hat\lambda_2 = V(A^\top\hat c - y_2)` (the solver returns
+:math:`A^\top\hat c`, formed with its certificate), so the computed value is :math:`\hat v = \|A^\top\hat c - y_2\| / \|\hat\lambda\|`.  Its numerator is within
 :math:`\delta = \varepsilon + \varepsilon_2` of :math:`\|\lambda^* - \lambda_2\|` and its denominator
 within :math:`\varepsilon` of :math:`\|\lambda^*\|`; the worst case over both intervals is
 
@@ -328,9 +330,10 @@ def _solve_direct(a, u, s, live, shared, alpha, min_rows, x, residual, memory_bu
     \mathrm{diag}(u) A_c`, formed so to avoid the cancellation of :math:`A^\top\mathrm{diag}(u)A - (A^\top
     u)(A^\top u)^\top` when the templates share a large mean) is Cholesky-factored and inverted once per
     class, and :math:`M = BH_u^{-1}` and :math:`D = B - MH_u` (:math:`n \times r` each) formed.  One
-    product per class then gives every row's :math:`\hat x = M^\top s` and its residual
-    :math:`D^\top s = b - H_u\hat x` (exact up to the rounding of the products; any error of :math:`M`,
-    the inverse's rounding included, shows in :math:`D`).  A class whose factorisation fails (not SPD in
+    product per class then gives every row's :math:`\hat x = M^\top s`, and the norms of the rows of
+    :math:`D` bound its residual :math:`\|b - H_u\hat x\| = \|D^\top s\| \le \sum_i |s_i|\,\|D_i\|`
+    (exact up to the rounding of the products; any error of :math:`M`, the inverse's rounding included,
+    shows in :math:`D`), written into ``residual``.  A class whose factorisation fails (not SPD in
     rounding) is left to CG.
     """
     solved = torch.zeros_like(live)
@@ -345,7 +348,7 @@ def _solve_direct(a, u, s, live, shared, alpha, min_rows, x, residual, memory_bu
     class_group, class_row, table, valid = classes
     n, r = a.shape[1], a.shape[2]
     width = live.shape[1] if table is None else table.shape[1]
-    per_class = 6 * n * r + 3 * r * r + width * (n + 2 * r)
+    per_class = 6 * n * r + 3 * r * r + width * (2 * n + r)
     step = max(1, memory_budget_bytes // (8 * per_class))  # classes per chunk
     eye = torch.eye(r, dtype=_F64, device=x.device) / alpha
     everything = table is None and len(class_group) == live.shape[0] and step >= len(class_group)
@@ -358,7 +361,7 @@ def _solve_direct(a, u, s, live, shared, alpha, min_rows, x, residual, memory_bu
         hessian = torch.baddbmm(eye, scaled.transpose(1, 2), centred)  # H_u
         cholesky, info = torch.linalg.cholesky_ex(hessian)
         solve = torch.bmm(scaled, torch.cholesky_inverse(cholesky))  # M = B H^{-1}
-        maps = torch.cat([solve, torch.baddbmm(scaled, solve, hessian, alpha=-1.0)], dim=-1)  # [M | D]
+        rounding = torch.baddbmm(scaled, solve, hessian, alpha=-1.0).norm(dim=-1, keepdim=True)  # ||D_i||
         factored = (info == 0).unsqueeze(-1)
         if table is None:  # a class is every live row of its group
             members_ok = valid[c0 : c0 + step] & factored
@@ -366,8 +369,8 @@ def _solve_direct(a, u, s, live, shared, alpha, min_rows, x, residual, memory_bu
         else:
             members, members_ok = table[c0 : c0 + step], valid[c0 : c0 + step] & factored
             rows_in = s[groups.unsqueeze(-1), members]
-        out = torch.bmm(rows_in, maps)  # each row's [x^T | (b - H x)^T]
-        solution, misfit = out[..., :r], out[..., r:].norm(dim=-1)
+        solution = torch.bmm(rows_in, solve)  # each row's x^T = s^T M
+        misfit = torch.bmm(rows_in.abs(), rounding).squeeze(-1)  # >= ||D^T s|| = ||b - H x||
         if everything:
             x.copy_(solution)
             residual.copy_(misfit)
@@ -451,8 +454,7 @@ def _tiles(g_count, m, rows_per_tile):
 
 
 def second_order_deviation(
-    factor: torch.Tensor,
-    coefficients: torch.Tensor,
+    correction: torch.Tensor,
     point: torch.Tensor,
     lambda_norm: torch.Tensor,
     error_bound: torch.Tensor,
@@ -462,9 +464,8 @@ def second_order_deviation(
     \|\hat\lambda\|` (module docstring, "Deviation").
 
     Args:
-        factor: :math:`A`, ``(g, n, r)``.
-        coefficients: the solver's :math:`\hat c`, ``(g, m, n)``.
-        point: :math:`y_2` from :func:`second_order_point`, ``(g, m, r)``.
+        correction: the solver's :math:`A^\top\hat c` (``DualSolution.correction``), ``(g, m, r)``.
+        point: :math:`y_2` from :func:`second_order_point` with the factor the solver used, ``(g, m, r)``.
         lambda_norm: the solver's :math:`\|\hat\lambda\|`, ``(g, m)``.
         error_bound: the solver's :math:`\varepsilon \ge \|\hat\lambda - \lambda^*\|`, ``(g, m)``.
         point_error: :math:`\varepsilon_2 \ge \|\hat\lambda_2 - \lambda_2\|`, ``(g, m)``.
@@ -474,9 +475,8 @@ def second_order_deviation(
         :math:`|value - \text{true}| \le bound = (\varepsilon + \varepsilon_2 + value\cdot\varepsilon) /
         (\|\hat\lambda\| - \varepsilon)` (:math:`\infty` when :math:`\|\hat\lambda\| \le \varepsilon`).
     """
-    correction = torch.bmm(coefficients.to(_F64), factor.to(_F64))  # A^T c: lambda_hat - alpha z in V
     lambda_norm, eps, eps2 = (x.to(_F64) for x in (lambda_norm, error_bound, point_error))
-    value = correction.sub_(point.to(_F64)).norm(dim=-1) / lambda_norm
+    value = torch.sub(correction.to(_F64), point.to(device=correction.device, dtype=_F64)).norm(dim=-1) / lambda_norm
     bound = (eps + eps2 + value * eps) / (lambda_norm - eps)
     bound = torch.where(lambda_norm > eps, bound, torch.inf)
     return value, torch.where(torch.isnan(value + eps + eps2), _NAN, bound)

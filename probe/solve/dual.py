@@ -55,34 +55,23 @@ from __future__ import annotations
 
 import torch
 
-from probe.solve import native, newton_cg, schedule
+from probe.solve import fixed, native, newton_cg, tiles
 from probe.solve.gram import factor_gram
-from probe.solve.newton_cg import (
-    _conjugate_gradient,
-    _forcing_floor,
-    _hessian_times,
-    _WorkingSet,
-)
+from probe.solve.newton_cg import Progress, WorkingSet, conjugate_gradient, forcing_floor, hessian_times
 from probe.solve.parallel import cpu_workers, run_all
 from probe.solve.problems import DualProblems, DualSolution, duality_gap_reduced
 
 __all__ = ["DualProblems", "DualSolution", "solve_dual", "duality_gap_reduced", "factor_gram", "solve_spd_reduced"]
 
 
-def _solve_tile(work, active, rtol, atol, max_iter, out=None):
-    """Newton-CG on every active problem of a tile; returns its :class:`DualSolution`, written into ``out``
-    if given (views of the tile in the caller's output, which then needs no copy).
+def _solve_tile(work: WorkingSet, active, rtol, atol, max_iter, out) -> bool:
+    """Newton-CG on every active problem of a tile, written into ``out`` (views of the tile in the call's
+    output, which then needs no copy); returns whether the inactive problems are written too.
 
-    On a CPU the iterations run in compiled C where it is available (:mod:`probe.solve.native`, the same method
-    in blocks of rows that stay in cache); its iterates come back here, where their state and certificate
-    are computed afresh and the iterations below go on for any problem not yet within its tolerance.
-    Elsewhere (or without it) the fixed schedule of :mod:`probe.solve.schedule` runs first, with no host
-    synchronisation, and the iterations below (:func:`probe.solve.newton_cg._adaptive`) only for the problems it leaves.
-
-    Problems finish after different numbers of Newton iterations.  Once the live problems fit in a
-    working set below ``_COMPACT_BELOW`` of the current one, they are gathered into it (the groups
-    that still have one, each with its live rows packed to the front; the Gram matrix stays shared per
-    group) and iterated there, so stragglers do not pay for the finished.
+    On a CPU the compiled kernel (:mod:`probe.solve.native`) solves and certifies the tile; the adaptive
+    iterations of :mod:`probe.solve.newton_cg` continue from its iterates the problems it left above their
+    goal (one read of the host).  Elsewhere (or without it) the fixed schedule of :mod:`probe.solve.fixed`
+    runs first, with no host synchronisation, and the adaptive iterations only for the problems it leaves.
 
     All operations are row-wise, so a problem's iterates do not depend on the rest of the batch, up to
     the rounding of the batched products (which may group their sums differently for other shapes).
@@ -90,67 +79,30 @@ def _solve_tile(work, active, rtol, atol, max_iter, out=None):
     Newton steps, and the final iterates of the same problem in two batches agree within their
     certificates (not bit for bit).
     """
-    g_count, m, _ = work.base.shape
-    device = work.base.device
-    iterations = torch.zeros(g_count, m, dtype=torch.int32, device=device)
-    state = None
-    compiled = native.newton_tile(work, active, rtol, atol, max_iter, _forcing_floor(work.A_low.dtype))
-    if compiled is not None:  # the same method in C (probe.solve.native); state and certificate recomputed here
-        y, iterations = compiled
-        y = torch.where(torch.isfinite(y.sum(-1, keepdim=True)), y, 0.0)  # a row that went wrong restarts
-        iterations = iterations.clamp(0, max_iter)
-        state = work.state(y)
-        max_iter -= int(iterations.max())
-    if compiled is None and schedule.applies(work, max_iter):  # the fixed schedule, then what remains below
-        return schedule.solve_tile(work, active, rtol, atol, max_iter, out)
-    if out is None:
-        out = schedule.empty_solution(g_count, m, work.base.shape[-1], work.base.dtype, device)
-    state = work.initial_state() if state is None else state
-    return newton_cg._adaptive(work, state, iterations, active.clone(), None, active, rtol, atol, max_iter, out)
+    y = native.newton_tile(work, active, rtol, atol, max_iter, forcing_floor(work.A_low.dtype), out)
+    if y is not None:
+        left = active & ~out.converged
+        remaining = max_iter - int(out.iterations.max())
+        if remaining > 0 and bool(left.any()):
+            newton_cg.continue_rows(work, y, left, out.iterations, active, rtol, atol, remaining, out)
+        return True
+    if fixed.applies(max_iter):  # the fixed schedule, then what remains
+        fixed.solve_by_schedule(work, active, rtol, atol, max_iter, out)
+        return False
+    iterations = torch.zeros(active.shape, dtype=torch.int32, device=active.device)
+    newton_cg.adaptive(work, Progress(work.initial_state(), iterations, active.clone()), active, rtol, atol,
+                       max_iter, out)
+    return False
 
 
-def solve_dual(
-    problems: DualProblems,
-    *,
-    rtol: float = 1e-9,
-    atol: float = 1e-12,
-    max_iter: int = 100,
-    dtype: torch.dtype = torch.float64,
-    direction_dtype: torch.dtype = torch.float32,
-    memory_budget_bytes: int | None = None,
-    workers: int | None = None,
-) -> DualSolution:
-    r"""Solve every dual problem in ``problems`` (eq. (D) of the module docstring, reduced to (R-D)).
-
-    Runs on the device of ``problems.gram`` in ``dtype`` (float64 by default).  Problems are processed
-    in tiles of whole groups (or slices of a group) whose working set stays within
-    :func:`probe.solve.schedule.tile_bytes` (on a CPU, about its cache; on a GPU, a share of its free memory)
-    and within ``memory_budget_bytes`` when given.  Beyond its inputs, the solver holds one tile's
-    working set and its outputs.  Where the compiled kernel (:mod:`probe.solve.native`) does not run, each
-    tile is solved by the fixed schedule of :mod:`probe.solve.schedule` first, with no host synchronisation.
-
-    The Newton directions (the conjugate-gradient solves, most of the work) are computed in
-    ``direction_dtype``; the gradient, the line search and the certificate stay in ``dtype``, so a
-    float32 direction (the default, about 1.5x faster) changes how a problem gets to its answer but
-    not what is certified about it.  Pass ``direction_dtype=torch.float64`` for answers that do not
-    depend on the rest of the batch beyond 1e-16 rounding.
-
-    On a CPU the tiles are solved ``workers`` at a time (default: the intra-op thread count), each by a
-    thread of its own with one intra-op thread (:mod:`probe.solve.parallel`; ``workers=0``: one after another
-    in this thread, each operation on all of torch's threads); the tiles, and so the answers, do not
-    depend on ``workers``.  With a memory budget, fewer workers run when their tiles would not fit in
-    it together.
-
-    Returns a :class:`DualSolution`.  ``converged`` is true only where the certified error bound on
-    :math:`\hat\lambda` is at most ``rtol * lambda_norm + atol``.
-    """
+def _check(problems: DualProblems, dtype: torch.dtype, direction_dtype: torch.dtype) -> None:
+    """A one-line ``ValueError`` for arguments :func:`solve_dual` cannot solve."""
     if problems.alpha <= 0:
         raise ValueError(f"alpha must be positive, got {problems.alpha}")
     if not (dtype.is_floating_point and direction_dtype.is_floating_point):
         raise ValueError(f"dtype and direction_dtype must be floating point, got {dtype} and {direction_dtype}")
     if problems.gram is None and problems.factor is None:
         raise ValueError("DualProblems needs its templates: gram, factor, or both")
-    device = problems.device
     n_groups, m, n = problems.logits.shape
     gram_ok = problems.gram is None or problems.gram.shape == (n_groups, n, n)
     factor_ok = problems.factor is None or (problems.factor.dim() == 3 and problems.factor.shape[:2] == (n_groups, n))
@@ -165,36 +117,96 @@ def solve_dual(
             f"logits {tuple(problems.logits.shape)}, log_preference {tuple(problems.log_preference.shape)}, "
             f"evidence_sqnorm {tuple(problems.evidence_sqnorm.shape)}"
         )
-    out = schedule.empty_solution(n_groups, m, n, dtype, device)
+
+
+def solve_dual(
+    problems: DualProblems,
+    *,
+    rtol: float = 1e-9,
+    atol: float = 1e-12,
+    max_iter: int = 100,
+    dtype: torch.dtype = torch.float64,
+    direction_dtype: torch.dtype = torch.float32,
+    memory_budget_bytes: int | None = None,
+    workers: int | None = None,
+) -> DualSolution:
+    r"""Solve every dual problem in ``problems`` (eq. (D) of the module docstring, reduced to (R-D)) and
+    certify each answer.
+
+    Runs on the device of the templates (``problems.gram``, else ``problems.factor``).  Problems are
+    processed in tiles of whole groups (or slices of a group) whose working set stays within
+    :func:`probe.solve.tiles.tile_bytes` (on a CPU, about its cache; on a GPU, a share of its free memory)
+    and within ``memory_budget_bytes``.  Beyond its inputs, the solver holds one tile's working set and its
+    outputs.  On a CPU the compiled kernel (:mod:`probe.solve.native`) solves each tile; elsewhere the fixed
+    schedule of :mod:`probe.solve.fixed` runs first, with no host synchronisation; the adaptive iterations
+    of :mod:`probe.solve.newton_cg` take the problems either leaves.  A problem stops as soon as its
+    certificate holds.
+
+    Args:
+        problems: the problems, with their templates as ``gram``, ``factor`` or both (:class:`DualProblems`).
+        rtol: relative tolerance: a problem is ``converged`` where its certified ``error_bound`` on
+            :math:`\hat\lambda` is at most ``rtol * lambda_norm + atol``.
+        atol: absolute tolerance, for problems whose :math:`\hat\lambda` is near 0.
+        max_iter: Newton iterations allowed per problem; those not certified by then come back with
+            ``converged`` false and their honest certificate.
+        dtype: the precision of the gradient, the line search and the certificate (float64).
+        direction_dtype: the precision of the Newton directions (the conjugate-gradient solves, most of the
+            work).  float32 (the default, the faster) changes how a problem gets to its answer, not what is
+            certified about it; float64 gives answers that do not depend on the rest of the batch beyond
+            1e-16 rounding.  The compiled kernel runs for float64 with float32 directions.
+        memory_budget_bytes: a bound on the tiles' working sets together; ``None``: the device's tile size.
+            With a budget, fewer workers run where their tiles would not fit in it together.
+        workers: on a CPU, how many tiles are solved at a time, each by a thread of its own with one intra-op
+            thread (:mod:`probe.solve.parallel`); default the intra-op thread count; 0: one after another in
+            this thread.  The tiles, and so the answers, do not depend on it.
+
+    Returns:
+        A :class:`DualSolution`: per problem the certified answer, its certificate and ``correction``
+        (:math:`A^\top\hat c`, in the coordinates of the factor).  Inactive problems are NaN.
+    """
+    _check(problems, dtype, direction_dtype)
+    device = problems.device
+    n_groups, m, n = problems.logits.shape
     if m == 0 or n_groups == 0 or n == 0:
-        return out
+        width = 0 if problems.factor is None else problems.factor.shape[-1]
+        return tiles.empty_solution(n_groups, m, n, width, dtype, device)
     if problems.factor is None:
         factor = factor_gram(problems.gram.to(dtype))
     else:
         factor = problems.factor.to(device=device, dtype=dtype)
+    width = factor.shape[-1]
     kept = factor.abs().amax(dim=(0, 1)) > 0  # zero columns (a rank-deficient G in every group) do nothing
-    if not bool(kept.all()):
+    dropped = not bool(kept.all())
+    if dropped:
         factor = factor[..., kept]
+    out = tiles.empty_solution(n_groups, m, n, factor.shape[-1], dtype, device)
     factor_low = factor if direction_dtype == dtype else factor.to(direction_dtype)
 
     # The tiles depend on the shapes and the budget only, not on ``workers``: a problem's answer is the
     # same whichever number of threads solves the batch.
-    tiles, workers = schedule.plan_tiles(
-        n_groups, m, n, device, dtype, schedule.runs(device, dtype, direction_dtype, max_iter), memory_budget_bytes,
+    planned, workers = tiles.plan_tiles(
+        n_groups, m, n, device, dtype, fixed.runs(device, dtype, direction_dtype, max_iter), memory_budget_bytes,
         cpu_workers(device) if workers is None else max(0, workers))
 
     def solve(g0, g1, j0, j1):  # one tile, written into its own slice of ``out``
-        logits, base, u, evidence_sqnorm, active = schedule.tile_inputs(problems, g0, g1, j0, j1, dtype, device)
-        work = _WorkingSet(factor[g0:g1], factor_low[g0:g1], logits, base, u, evidence_sqnorm, problems.alpha)
+        inputs = tiles.tile_inputs(problems, g0, g1, j0, j1, dtype, device)
+        active = inputs.active
+        work = WorkingSet(factor[g0:g1], factor_low[g0:g1], inputs.logits, inputs.base, inputs.u,
+                          inputs.evidence_sqnorm, problems.alpha)
         tile = DualSolution(**{name: value[g0:g1, j0:j1] for name, value in vars(out).items()})
-        _solve_tile(work, active, rtol, atol, max_iter, tile)
+        if _solve_tile(work, active, rtol, atol, max_iter, tile):
+            return
         inactive = ~active
         for name, target in vars(tile).items():  # inactive problems: NaN (iterations 0), with no host read
             if name != "converged":
                 mask = inactive.unsqueeze(-1) if target.dim() == 3 else inactive
                 target.masked_fill_(mask, 0 if name == "iterations" else float("nan"))
 
-    run_all([lambda tile=tile: solve(*tile) for tile in tiles], workers)
+    run_all([lambda tile=tile: solve(*tile) for tile in planned], workers)
+    if dropped:  # the correction in every column of the given factor (0 in the dropped ones; NaN if inactive)
+        full = out.correction.new_zeros(n_groups, m, width)
+        full[..., kept] = out.correction
+        out.correction = full.masked_fill_(out.lambda_norm.isnan().unsqueeze(-1), float("nan"))
     return out
 
 
@@ -207,7 +219,7 @@ def solve_spd_reduced(
     The negated Hessian of (R-D) with :math:`p` replaced by the distribution ``weights`` :math:`w`
     (``(g, m, n)``, rows summing to 1, zeros allowed), for right-hand sides ``rhs`` ``(g, m, r)`` and the
     shared factor :math:`A` ``(g, n, r)`` of :func:`factor_gram`.  Solved by the Newton systems'
-    batched CG (:func:`_conjugate_gradient`, the same operator) with a Jacobi preconditioner, to relative
+    batched CG (:func:`probe.solve.newton_cg.conjugate_gradient`, the same operator) with a Jacobi preconditioner, to relative
     residual ``rtol`` (a number, or one per row ``(g, m)``), at most ``max_iter`` steps (default
     ``4 r + 20``).  Rows with ``rhs = 0`` return 0.  (Unlike the Newton directions these systems are
     solved to near float64 precision, and the preconditioner saves steps where :math:`w` is spread out.)
@@ -224,7 +236,7 @@ def solve_spd_reduced(
     forcing = torch.as_tensor(rtol, dtype=f64, device=rhs.device).expand(rhs.shape[:-1])
     live = torch.ones(rhs.shape[:-1], dtype=torch.bool, device=rhs.device)
     steps = 4 * factor.shape[-1] + 20 if max_iter is None else max_iter
-    x = _conjugate_gradient(factor, float(alpha), weights, rhs.clone(), forcing, int(steps), live, diagonal)
+    x = conjugate_gradient(factor, float(alpha), weights, rhs.clone(), forcing, int(steps), live, diagonal)
     if not residual:
         return x, None
-    return x, (rhs - _hessian_times(factor, alpha, weights, x)).norm(dim=-1)
+    return x, (rhs - hessian_times(factor, alpha, weights, x)).norm(dim=-1)

@@ -17,9 +17,9 @@ Softmax attention is its closed-form approximation :math:`\lambda \approx \alpha
 Forward
 -------
 :func:`probe.solve.dual.solve_dual`, the rows' certified batched Newton solver, with its conventions: one
-problem per group, the factor :math:`A = T` when :math:`d \le n` (then :math:`\lambda = \alpha z + y`
-with :math:`y \in R^d`: the dual itself) and the reduced factor :math:`A = Q\Gamma^{1/2}` of
-:math:`G = TT^\top` (:func:`probe.solve.gram.factor_gram`) when :math:`d > n`.  The certificate is the
+problem per group, given by its factor alone (:func:`probe.solve.gram.factor_from_templates`): :math:`A = T`
+when :math:`d \le n` (then :math:`\lambda = \alpha z + y` with :math:`y \in R^d`: the dual itself) and the
+QR-reduced :math:`A = R^\top` (:math:`T^\top = QR`) when :math:`d > n`.  The certificate is the
 solver's: ``error_bound`` :math:`\ge \|\hat\lambda - \lambda^*\|`.  Computed in float64 whatever the
 inputs' dtype; ``p`` comes back in the inputs' dtype.
 
@@ -59,7 +59,8 @@ from dataclasses import dataclass
 import torch
 
 from probe.core.errors import ProbeError
-from probe.solve.dual import DualProblems, factor_gram, solve_dual, solve_spd_reduced
+from probe.solve.dual import DualProblems, solve_dual, solve_spd_reduced
+from probe.solve.gram import factor_from_templates
 from probe.solve.problems import row_dot
 
 __all__ = ["exact_attention", "ExactCertificate", "merge_summaries"]
@@ -170,15 +171,13 @@ def exact_attention(
     T = templates.expand(*batch, n, d).reshape(-1, n, d)
     z = evidence.expand(*batch, d).reshape(-1, d)
     ell = log_preference.expand(*batch, n).reshape(-1, n)
-    p, error_bound, lambda_norm, iterations, converged = _ExactPosterior.apply(
-        T, z, ell, float(alpha), float(rtol), float(atol), int(max_iter)
-    )
+    p, columns = _ExactPosterior.apply(T, z, ell, (float(alpha), float(rtol), float(atol), int(max_iter)))
     p = p.to(dtype).reshape(*batch, n)
     if not return_certificate:
         return p
-    certificate = ExactCertificate(
-        error_bound.reshape(batch), lambda_norm.reshape(batch), iterations.reshape(batch), converged.reshape(batch)
-    )
+    error_bound, lambda_norm, iterations, converged = columns.unbind(-1)
+    certificate = ExactCertificate(error_bound.reshape(batch), lambda_norm.reshape(batch),
+                                   iterations.to(torch.int32).reshape(batch), converged.bool().reshape(batch))
     return p, certificate
 
 
@@ -228,38 +227,34 @@ def _check(templates, evidence, log_preference, alpha) -> tuple[torch.Size, int,
     return batch, n, d
 
 
-def _factor(T: torch.Tensor) -> torch.Tensor:
-    r""":math:`A` with :math:`AA^\top = TT^\top`: :math:`T` itself when :math:`d \le n` (the dual in its own
-    coordinates), else the reduced factor of the Gram matrix (:func:`probe.solve.gram.factor_gram`)."""
-    n, d = T.shape[-2:]
-    return T if d <= n else factor_gram(T @ T.transpose(-1, -2))
-
-
 class _ExactPosterior(torch.autograd.Function):
-    """``(T (P, n, d), z (P, d), ell (P, n))`` -> ``p*`` and the certificate, each problem its own group."""
+    r"""``(T (P, n, d), z (P, d), ell (P, n), settings)`` -> ``p*`` and its certificate, each problem its own
+    group; ``settings`` is ``(alpha, rtol, atol, max_iter)``, the certificate ``(P, 4)`` float64 columns
+    error bound, :math:`\|\hat\lambda\|`, iterations, converged."""
 
     @staticmethod
-    def forward(ctx, T, z, ell, alpha, rtol, atol, max_iter):
+    def forward(ctx, T, z, ell, settings):
+        alpha, rtol, atol, max_iter = settings
         f64 = torch.float64
         ctx.dtypes = (T.dtype, z.dtype, ell.dtype)
         T, z, ell = T.detach().to(f64), z.detach().to(f64), ell.detach().to(f64)
-        A = _factor(T)
+        A = factor_from_templates(T)
         problems = DualProblems(
-            gram=T @ T.transpose(-1, -2), logits=(T @ z.unsqueeze(-1)).transpose(-1, -2),
-            log_preference=ell.unsqueeze(1), evidence_sqnorm=row_dot(z, z).unsqueeze(1), alpha=alpha, factor=A,
+            gram=None, logits=(T @ z.unsqueeze(-1)).transpose(-1, -2), log_preference=ell.unsqueeze(1),
+            evidence_sqnorm=row_dot(z, z).unsqueeze(1), alpha=alpha, factor=A,
         )
         solution = solve_dual(problems, rtol=rtol, atol=atol, max_iter=max_iter)
         p = solution.attention[:, 0]
         ctx.save_for_backward(T, z, ell, A, p)
         ctx.alpha = alpha
-        outputs = (solution.error_bound[:, 0], solution.lambda_norm[:, 0], solution.iterations[:, 0],
-                   solution.converged[:, 0])
-        ctx.mark_non_differentiable(*outputs)
-        return (p,) + outputs
+        certificate = torch.stack([solution.error_bound[:, 0], solution.lambda_norm[:, 0],
+                                   solution.iterations[:, 0].to(f64), solution.converged[:, 0].to(f64)], dim=-1)
+        ctx.mark_non_differentiable(certificate)
+        return p, certificate
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_p, *_):
+    def backward(ctx, grad_p, _):
         T, z, ell, A, p = ctx.saved_tensors
         alpha = ctx.alpha
         v = grad_p.to(torch.float64)
@@ -273,5 +268,5 @@ class _ExactPosterior(torch.autograd.Function):
         grad_ell = e + u * (b - row_dot(u, b).unsqueeze(-1))
         lam = alpha * z + torch.bmm((alpha * (u - p)).unsqueeze(1), T)[:, 0]  # lambda* = alpha z + T^T c
         grad_T = e.unsqueeze(-1) * lam.unsqueeze(1) + (u - p).unsqueeze(-1) * grad_z.unsqueeze(1)
-        grads = (grad.to(dtype) for grad, dtype in zip((grad_T, grad_z, grad_ell), ctx.dtypes))
-        return (*grads, None, None, None, None)
+        grad_T, grad_z, grad_ell = (grad.to(dtype) for grad, dtype in zip((grad_T, grad_z, grad_ell), ctx.dtypes))
+        return grad_T, grad_z, grad_ell, None

@@ -1,20 +1,21 @@
-"""The solver's Newton iterations as compiled C (``probe/solve/newton.c``), built on first use.
+r"""The solver's Newton iterations as compiled C (``probe/solve/newton.c``), built on first use.
 
 On a CPU, most of a solve's time in batched torch operations goes to elementwise passes over tensors
-too large for the cache, and to the overhead of issuing them (``bench/NOTES.md``).  ``newton.c`` runs
-the same method (:func:`probe.solve.newton_cg._newton`) over blocks of a few dozen rows at a time, so that each
-block's elementwise work is fused into a few loops over data in cache, with the products by the BLAS
-torch itself uses.  The whole solve is 1.1x (512 tokens) to 2.7x (16 tokens) faster than with the torch
-loops (``bench/results_native.md``).
+too large for the cache, and to the overhead of issuing them.  ``newton.c`` runs the method of
+:mod:`probe.solve.newton_cg` over blocks of a few dozen rows at a time, so that each block's elementwise
+work is fused into a few loops over data in cache, with the products by the BLAS torch itself uses.  It
+forms each product in the precision the row needs at that point: float32 while the row is far from its
+goal, float64 from there on (the comment at the top of ``newton.c``).
 
 It is built once per machine with the system's C compiler (``$CC``, else ``cc``) into a cache directory
 (``$PROBE_CACHE_DIR``, else ``~/.cache/probe``), and used only where it can be trusted: a CPU, torch's
 BLAS found (its ``sgemm_``/``dgemm_``) and checked on a small product.  Anywhere else, or with
 ``PROBE_NATIVE=0``, the solver runs its torch loops, with one warning saying why.
 
-The kernel returns the iterates only: :mod:`probe.solve.dual` recomputes each problem's state and
-certificate from them in torch and continues with its own Newton iterations where a problem is not yet
-within its tolerance, so a fault here can cost time, never a wrong or uncertified number.
+The kernel writes each row's solution and certificate, formed from a fresh float64 state at the row's
+final iterate (:math:`\theta = \log u + \alpha s + Ay` by one product from the returned :math:`y`), so that
+its iterations decide where a row ends and not what is certified about it.  Rows it leaves above their
+goal are continued by the torch loops from its iterates.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["newton_tile", "available", "unavailable_reason", "describe"]
+from probe.core import environment
+from probe.solve.problems import shares_rows
+
+__all__ = ["FLOPS", "newton_tile", "available", "unavailable_reason", "describe", "block_rows"]
 
 SOURCE = Path(__file__).with_name("newton.c")
 #: -fopenmp-simd: the loops' ``omp simd`` reductions vectorise without -ffast-math (which would drop
@@ -43,6 +47,10 @@ LIBRARIES = ["-lmvec", "-lm"]
 
 _lock = threading.Lock()
 _state: dict = {}
+
+#: the flops of the kernel's matrix products since the process started, by precision (a counter the
+#: benchmarks read: its BLAS calls are invisible to torch's flop counter)
+FLOPS = {"float32": 0.0, "float64": 0.0}
 
 
 def _cpu_signature() -> str:
@@ -56,8 +64,7 @@ def _cpu_signature() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("PROBE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "probe")
-    return Path(root) / "native"
+    return environment.cache_dir() / "native"
 
 
 def _build() -> Path:
@@ -112,7 +119,9 @@ def _load():
     function = library.probe_newton_tile
     function.restype = ctypes.c_int
     P, I, D = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
-    function.argtypes = [I] * 5 + [P] * 8 + [D] * 3 + [I] + [D] * 2 + [P] * 5
+    # g, m, n, r, block rows; A, A32, base, u; shared; logits, mvec, esq, active; alpha, rtol, atol;
+    # max_iter; eps, forcing floor; outputs, counted flops, sgemm, dgemm, threads
+    function.argtypes = [I] * 5 + [P] * 4 + [I] + [P] * 4 + [D] * 3 + [I] + [D] * 2 + [P] * 5
     size = library.probe_block_bytes
     size.restype = ctypes.c_size_t
     size.argtypes = [I, I, I]
@@ -133,7 +142,7 @@ def _kernel():
     with _lock:
         if "kernel" not in _state:
             kernel, reason = None, None
-            if os.environ.get("PROBE_NATIVE", "1") == "0":
+            if not environment.native_kernel_allowed():
                 reason = "PROBE_NATIVE=0"
             else:
                 try:
@@ -142,8 +151,7 @@ def _kernel():
                     reason = str(error) or type(error).__name__
                     warnings.warn(
                         f"probe: the compiled solver kernel is not available ({reason}); the solver runs its "
-                        "torch loops instead, 1.1x to 2.7x slower on a CPU (bench/results_native.md). Install a C compiler (or set CC) to "
-                        "use it.",
+                        "torch loops instead, several times slower on a CPU. Install a C compiler (or set CC) to use it.",
                         RuntimeWarning,
                         stacklevel=3,
                     )
@@ -167,23 +175,32 @@ def describe(device) -> str:
     if torch.device(device).type != "cpu":
         return "torch loops (not a CPU)"
     if available():
-        return "compiled C kernel (probe/solve/newton.c); state and certificate computed in torch"
+        return "compiled C kernel (probe/solve/newton.c), certifying each row from a fresh float64 state"
     return f"torch loops (the compiled kernel is not available: {unavailable_reason()})"
 
 
+#: the working set of a block of rows: large enough for the products over its rows to run near the BLAS's
+#: full rate (at 1 MiB, a block of 22 rows at 512 keys took 1.25x as long), small enough for two workers'
+#: blocks to stay in a shared L3 cache
+BLOCK_BYTES = 12 << 20
+
+
 def block_rows(n: int, r: int) -> int:
-    """Rows per block: about 1 MiB of the kernel's working set (a core's L2 cache holds it), as the
-    kernel itself counts it (``probe_block_bytes``)."""
+    """Rows per block: about :data:`BLOCK_BYTES` of the kernel's working set, as the kernel itself counts it
+    (``probe_block_bytes``), and 16 to 256 rows."""
     bytes_of = _kernel()[1]
     per_row = bytes_of(n, r, 2) - bytes_of(n, r, 1)
-    return max(16, min(256, (1 << 20) // max(1, per_row)))
+    return max(16, min(256, BLOCK_BYTES // max(1, per_row)))
 
 
-def newton_tile(work, active: torch.Tensor, rtol: float, atol: float, max_iter: int, forcing_floor: float):
-    """Newton-CG (:func:`probe.solve.newton_cg._newton`'s method) on every active problem of a tile by the
-    compiled kernel: ``(y, iterations)``, or None where the kernel does not apply (not a CPU, not
-    float64 with float32 directions, or not available).  ``work`` is the tile's
-    :class:`probe.solve.newton_cg._WorkingSet`."""
+def newton_tile(work, active: torch.Tensor, rtol: float, atol: float, max_iter: int, forcing_floor: float, out):
+    """Newton-CG (:mod:`probe.solve.newton_cg`'s method) on every active problem of a tile by the compiled
+    kernel, which writes each row's solution and certificate into ``out`` (the tile's
+    :class:`probe.solve.problems.DualSolution`; NaN, no iterations and not converged for inactive rows) and
+    returns the
+    iterates ``y`` ``(g, m, r)``; or None where the kernel does not apply (not a CPU, not float64 with
+    float32 directions, or not available), with ``out`` untouched.  ``work`` is the tile's
+    :class:`probe.solve.newton_cg.WorkingSet`."""
     A = work.A
     if A.device.type != "cpu" or A.dtype != torch.float64 or work.A_low.dtype != torch.float32:
         return None
@@ -195,15 +212,29 @@ def newton_tile(work, active: torch.Tensor, rtol: float, atol: float, max_iter: 
     r = A.shape[-1]
     if g * m == 0 or n == 0 or r == 0:
         return None
-    inputs = [t.contiguous() for t in (A, work.A_low, work.base, work.u, work.logits, work.m, work.evidence_sqnorm)]
+    shared = shares_rows(work.u) and shares_rows(work.m)
+    u, mvec = (work.u[:, :1], work.m[:, :1]) if shared else (work.u, work.m)
+    inputs = [t.contiguous() for t in (A, work.A_low, work.base, u, work.logits, mvec, work.evidence_sqnorm)]
     flags = active.to(torch.uint8).contiguous()
-    y = torch.zeros(g, m, r, dtype=torch.float64)
-    iterations = torch.zeros(g, m, dtype=torch.int32)
+    y = torch.empty(g, m, r, dtype=torch.float64)
+    targets = [y, out.attention, out.coefficients, out.correction, out.lambda_norm, out.rel_deviation,
+               out.duality_gap, out.error_bound, out.iterations, out.converged]
+    written = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format) for t in targets]
+    pointers = (ctypes.c_void_p * len(written))(*(t.data_ptr() for t in written))
+    counted = (ctypes.c_double * 2)(0.0, 0.0)
+    A_, A32, base, u, logits, mvec, esq = inputs
     status = function(
-        g, m, n, r, block_rows(n, r), *(t.data_ptr() for t in inputs), flags.data_ptr(),
-        float(work.alpha), float(rtol), float(atol), int(max_iter), torch.finfo(torch.float64).eps,
-        float(forcing_floor), y.data_ptr(), iterations.data_ptr(), sgemm, dgemm, threads,
+        g, m, n, r, block_rows(n, r), A_.data_ptr(), A32.data_ptr(), base.data_ptr(), u.data_ptr(), int(shared),
+        logits.data_ptr(), mvec.data_ptr(), esq.data_ptr(), flags.data_ptr(), float(work.alpha), float(rtol),
+        float(atol), int(max_iter), torch.finfo(torch.float64).eps, float(forcing_floor), pointers, counted, sgemm,
+        dgemm, threads,
     )
     if status != 0:
         return None
-    return y, iterations
+    with _lock:
+        FLOPS["float32"] += counted[0]
+        FLOPS["float64"] += counted[1]
+    for target, copy in zip(targets, written):
+        if copy is not target:
+            target.copy_(copy)
+    return y

@@ -273,6 +273,22 @@ def true_preference(source_weights, cost, gamma: float) -> torch.Tensor:
     return (u.unsqueeze(-1) * q).sum(-2)
 
 
+@dataclass
+class _State:
+    r"""Newton's state at :math:`y`: the plans' rows ``q``, :math:`p`, (R-D) without its constant, its gradient,
+    and the size of the terms whose rounding limits the objective's resolution
+    (:math:`|m^\top y| + \|y\|^2/(2\alpha) + \max_t|\theta_t| + \sum_j u_j\max_t M(t, t_j)`)."""
+
+    q: torch.Tensor
+    p: torch.Tensor
+    objective: torch.Tensor
+    gradient: torch.Tensor
+    magnitude: torch.Tensor
+
+    def take(self, index) -> "_State":
+        return _State(*(value[index] for value in vars(self).values()))
+
+
 class _Problems:
     """The fixed data of a set of problems (flattened batch ``b``), in float64."""
 
@@ -297,17 +313,15 @@ class _Problems:
             setattr(out, name, value[index] if isinstance(value, torch.Tensor) else value)
         return out
 
-    def state(self, y):
-        r"""``(q, p, objective, gradient, magnitude)`` at ``y``: the plans' rows, :math:`p`, (R-D) without its
-        constant, its gradient, and the size of the terms whose rounding limits the objective's resolution
-        (:math:`|m^\top y| + \|y\|^2/(2\alpha) + \max_t|\theta_t| + \sum_j u_j\max_t M(t, t_j)`)."""
+    def state(self, y) -> "_State":
+        """The :class:`_State` at ``y``."""
         theta = self.alpha * self.s + torch.bmm(self.B, y.unsqueeze(-1)).squeeze(-1)
         q, p, ulse = _transport(theta, self.cg, self.u, self.gamma)
         m_dot_y, y_sq = (self.m * y).sum(-1), (y * y).sum(-1) / (2 * self.alpha)
         objective = m_dot_y - y_sq - self.gamma * ulse
         gradient = torch.bmm((self.u_tilde - p).unsqueeze(1), self.B).squeeze(1) - y / self.alpha
         magnitude = m_dot_y.abs() + y_sq + theta.abs().amax(-1) + self.cost_size
-        return q, p, objective, gradient, magnitude
+        return _State(q, p, objective, gradient, magnitude)
 
     def objective(self, y):
         theta = self.alpha * self.s + torch.bmm(self.B, y.unsqueeze(-1)).squeeze(-1)
@@ -345,27 +359,26 @@ def _newton(prob: _Problems, rtol: float, atol: float, max_iter: int):
     iterations = torch.zeros(b, dtype=torch.int64, device=y.device)
     live_index = torch.arange(b, device=y.device)
     work = prob
-    q, p, objective, gradient, magnitude = work.state(y)
+    state = work.state(y)
     for _ in range(max_iter):
-        gradient_norm = gradient.norm(dim=-1)
-        goal = 0.25 * (rtol * work.lambda_norm(p) + atol) / (2 * work.alpha)
+        gradient_norm = state.gradient.norm(dim=-1)
+        goal = 0.25 * (rtol * work.lambda_norm(state.p) + atol) / (2 * work.alpha)
         live = gradient_norm > goal
         if not bool(live.all()):  # compact: drop the finished problems from the working set
             keep = live.nonzero().squeeze(-1)
-            live_index, work = live_index[keep], work.take(keep)
-            q, p, objective, gradient, magnitude = q[keep], p[keep], objective[keep], gradient[keep], magnitude[keep]
+            live_index, work, state = live_index[keep], work.take(keep), state.take(keep)
             gradient_norm = gradient_norm[keep]
             if len(keep) == 0:
                 break
         y_work = y[live_index]
-        direction = work.direction(q, p, gradient)
-        slope = (gradient * direction).sum(-1)
+        direction = work.direction(state.q, state.p, state.gradient)
+        slope = (state.gradient * direction).sum(-1)
         # Below this gain the objective cannot tell two points apart (its terms' rounding): such steps are
         # not searched but judged by the gradient, which still resolves them.
-        floor = 64 * eps * (magnitude + 1)
+        floor = 64 * eps * (state.magnitude + 1)
         step = torch.ones_like(slope)
         new = work.state(y_work + direction)  # the full step first: usually accepted, and its state reused
-        searching = (slope > floor) & ~(torch.isfinite(new[2]) & (new[2] >= objective + 1e-4 * slope))
+        searching = (slope > floor) & ~(torch.isfinite(new.objective) & (new.objective >= state.objective + 1e-4 * slope))
         unresolved = slope <= floor
         if bool(searching.any()):
             step = torch.where(searching, 0.5, step)
@@ -376,7 +389,7 @@ def _newton(prob: _Problems, rtol: float, atol: float, max_iter: int):
                 if not bool(searching.any()):
                     break
                 trial = work.objective(y_work + step.unsqueeze(-1) * direction)
-                accepted = torch.isfinite(trial) & (trial >= objective + 1e-4 * step * slope)
+                accepted = torch.isfinite(trial) & (trial >= state.objective + 1e-4 * step * slope)
                 searching = searching & ~accepted
                 step = torch.where(searching, 0.5 * step, step)
         failed = searching  # 60 halvings without an acceptable step
@@ -384,23 +397,20 @@ def _newton(prob: _Problems, rtol: float, atol: float, max_iter: int):
         y_new = y_work + step.unsqueeze(-1) * direction
         if not bool((step == 1).all()):
             new = work.state(y_new)
-        new_norm = new[3].norm(dim=-1)
+        new_norm = new.gradient.norm(dim=-1)
         # a step taken on the gradient's word alone must shrink it; one that does not is undone, and the
         # problem stops (its certificate alone then says whether it converged), as does one that keeps
         # shrinking it by less than half
         undo = (unresolved | failed) & ~(new_norm < gradient_norm)
         stalled = undo | ((unresolved | failed) & (new_norm > 0.5 * gradient_norm))
-        keep_old = undo.unsqueeze(-1)
-        y_new = torch.where(keep_old, y_work, y_new)
-        q = torch.where(keep_old.unsqueeze(-1), q, new[0])
-        p, objective, gradient, magnitude = (torch.where(undo if old.dim() == 1 else keep_old, old, fresh)
-                                             for old, fresh in zip((p, objective, gradient, magnitude), new[1:]))
+        y_new = torch.where(undo.unsqueeze(-1), y_work, y_new)
+        state = _State(*(torch.where(undo.view(-1, *([1] * (old.dim() - 1))), old, fresh)
+                         for old, fresh in zip(vars(state).values(), vars(new).values())))
         iterations[live_index] += 1
         y[live_index] = y_new
         if bool(stalled.any()):
             keep = (~stalled).nonzero().squeeze(-1)
-            live_index, work = live_index[keep], work.take(keep)
-            q, p, objective, gradient, magnitude = q[keep], p[keep], objective[keep], gradient[keep], magnitude[keep]
+            live_index, work, state = live_index[keep], work.take(keep), state.take(keep)
             if len(keep) == 0:
                 break
     return y, iterations

@@ -4,8 +4,7 @@ torch parallelises each operation over its intra-op threads.  The solver's opera
 small (a tile's elementwise updates take tens of microseconds), and handing each one to a team of
 threads costs more than it saves, most of all under ``OMP_WAIT_POLICY=PASSIVE`` (which ``probe``
 sets so that idle threads sleep instead of taking cores from other work): waking the sleeping team
-for every operation made the solver 2.2x slower on 2 threads than on 1 at 128 tokens
-(``bench/results_parallel.md``).
+for every operation made the solver twice as slow on 2 threads as on 1 at 128 tokens.
 
 So independent pieces (the solver's tiles, the sites of a stack) run side by side instead, each in a
 worker thread whose own operations use one intra-op thread; torch releases the GIL inside its

@@ -65,6 +65,10 @@ class DualSolution:
         error_bound: certified bound on :math:`\|\hat\lambda - \lambda^*\|`.
         iterations: Newton iterations taken.
         converged: ``error_bound <= rtol * lambda_norm + atol``.
+        correction: :math:`A^\top\hat c`, which is :math:`\hat\lambda - \alpha z = VA^\top\hat c` in the
+            coordinates of the factor's columns (those of ``DualProblems.factor``, or of
+            :func:`probe.solve.gram.factor_gram` of ``gram`` where none was given), ``(n_groups, m, r)``:
+            what :func:`probe.solve.derived.second_order_deviation` compares with the second-order point.
     """
 
     coefficients: torch.Tensor
@@ -75,6 +79,7 @@ class DualSolution:
     error_bound: torch.Tensor
     iterations: torch.Tensor
     converged: torch.Tensor
+    correction: torch.Tensor
 
 
 def _log_softmax_normalised(log_preference: torch.Tensor) -> torch.Tensor:
@@ -105,7 +110,6 @@ def shares_rows(rows: torch.Tensor) -> bool:
 def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Row-wise inner products ``(..., k), (..., k) -> (...)``, as a batch of ``1 x k`` by ``k x 1`` matrix
     products: on a CPU four to five times faster than ``torch.linalg.vecdot``, which forms the
-    elementwise product in a fresh tensor and then sums it (0.13 to 0.15 ms against 0.66 ms for
-    768 x 128 float64 rows, measured on the 2-core machine of bench/NOTES.md)."""
+    elementwise product in a fresh tensor and then sums it."""
     return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1).squeeze(-1)
 

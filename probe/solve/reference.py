@@ -113,7 +113,7 @@ def _interior_newton(x, objective, gradient, hessian, constraints, max_iter, pro
         # the squared Newton decrement, as step^T H step: -g^T step is the same number in exact arithmetic,
         # but g's component normal to the constraints (large, e.g. a constant for the simplex) cancels in it
         # only up to rounding, which can make it <= 0 and stop the polish at Clarabel's 1e-9 answer; where
-        # H holds an infinite curvature (an entry of x near 1e-300), -g^T step as before
+        # H holds an infinite curvature (an entry of x near 1e-300), -g^T step instead
         with np.errstate(invalid="ignore", over="ignore"):
             decrement = float(step @ kkt[:k, :k] @ step)
         if not np.isfinite(decrement):

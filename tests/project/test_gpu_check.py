@@ -69,7 +69,7 @@ def test_the_cpu_dry_run_writes_every_result(dry_run):
 def test_the_comparison_flags_a_row_beyond_its_certificates(dry_run):
     """The same run copied, one row's rel_deviation moved by 1e-6 (far beyond its certified ~1e-9): the
     comparison finds exactly that row over its bound."""
-    import gpu
+    import gpu_agreement
 
     _, work = dry_run
     run_dir = next(p.parent for p in (work / "agreement").glob("*/manifest.json"))
@@ -83,8 +83,8 @@ def test_the_comparison_flags_a_row_beyond_its_certificates(dry_run):
     table = table.set_column(table.schema.get_field_index("rel_deviation"), "rel_deviation",
                              __import__("pyarrow").array(values, type=table.schema.field("rel_deviation").type))
     pq.write_table(table, part)
-    assert gpu.compare_runs(run_dir, run_dir)["rows_over_bound"] == 0
-    result = gpu.compare_runs(copy, run_dir)
+    assert gpu_agreement.compare_runs(run_dir, run_dir)["rows_over_bound"] == 0
+    result = gpu_agreement.compare_runs(copy, run_dir)
     assert result["rows_over_bound"] == 1 and result["max_difference_over_bound"] > 1
     assert abs(result["max_difference"] - 1e-6) < 1e-9
 
@@ -126,13 +126,13 @@ def test_a_much_slower_arm_cannot_hold_up_the_papers_comparison(tmp_path, monkey
     import time
     import types
 
-    import gpu
+    import gpu_vit
 
     seconds = {"softmax": 0.5, "ot": 1.0, "exact": 60.0}
-    monkeypatch.setattr(gpu, "_train_command", lambda args, a, s, e, runs: ["sleep", str(seconds[a])])
+    monkeypatch.setattr(gpu_vit, "_train_command", lambda args, a, s, e, runs: ["sleep", str(seconds[a])])
     start = time.monotonic()
-    codes, took = gpu._launch_all(types.SimpleNamespace(), tmp_path, 1, [0], tuple(seconds), lambda line: None,
-                                  time.monotonic() + 120, gate=gpu.MAIN_ARMS)
+    codes, took = gpu_vit._launch_all(types.SimpleNamespace(), tmp_path, 1, [0], tuple(seconds), lambda line: None,
+                                      time.monotonic() + 120, gate=gpu_vit.MAIN_ARMS)
     assert time.monotonic() - start < 30
     assert codes[("softmax", 0)] == 0 and codes[("ot", 0)] == 0 and codes[("exact", 0)] != 0
     assert took[("ot", 0)] < took[("exact", 0)] < 30
@@ -177,8 +177,8 @@ def test_the_vit_report_is_rendered_again_from_its_results(tmp_path):
 ])
 def test_the_main_arms_stop_where_the_seeds_mean_plateaus_or_at_the_cap(curves, stop):
     """The softmax ViT's mean over the seeds, over the epochs every seed has finished; patience 1, cap 4."""
-    import gpu
+    import gpu_vit
 
-    curve = gpu.softmax_curve(curves, [0, 1])
+    curve = gpu_vit.softmax_curve(curves, [0, 1])
     assert len(curve) == min(len(c) for c in curves.values())
-    assert gpu.stop_epoch(curve, 1, 4) == stop
+    assert gpu_vit.stop_epoch(curve, 1, 4) == stop

@@ -109,7 +109,7 @@ def derive(problems, solution, values=None, cg_rtol=1e-12, direct_min_rows=None)
         "point": point,
         "point_error": point_error,
         "p_att": p_att,
-        "second_order": second_order_deviation(factor, solution.coefficients, point, solution.lambda_norm, eps, point_error),
+        "second_order": second_order_deviation(solution.correction, point, solution.lambda_norm, eps, point_error),
         "tv": attention_tv(solution.attention, p_att, problems.gram, eps),
         "entropy": attention_entropy(p_att, log_p_att),
         "entropy from p": attention_entropy(p_att),
@@ -521,13 +521,12 @@ def test_bounds_are_attained_by_their_worst_cases():
     z = np.array([0.3, -0.2, 0.5])
     lam_star, lam_2 = a * e1, (a + gap) * e1
     lam_hat, lam_2_hat = lam_star + eps * e1, lam_2 - eps2 * e1
-    factor = factor_gram(torch.eye(3, dtype=torch.float64)[None])
 
     def row(x):
         return torch.tensor(x, dtype=torch.float64)[None, None]
 
-    value, bound = second_order_deviation(
-        factor, row(lam_hat - alpha * z), row(lam_2_hat - alpha * z), row(np.linalg.norm(lam_hat)),
+    value, bound = second_order_deviation(  # T = I: the factor's coordinates are the space's
+        row(lam_hat - alpha * z), row(lam_2_hat - alpha * z), row(np.linalg.norm(lam_hat)),
         row(eps), row(eps2),
     )
     true = np.linalg.norm(lam_star - lam_2) / np.linalg.norm(lam_star)

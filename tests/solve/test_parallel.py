@@ -15,7 +15,7 @@ import probe.solve.dual as solver
 import probe.solve.parallel as parallel
 from probe.capture.data import DatasetSpec
 from probe.pipeline.runner import RunConfig, run
-from probe.solve import newton_cg
+from probe.solve import newton_cg, tiles
 from probe.solve.dual import DualSolution, solve_dual
 from probe.solve.parallel import Lane, cpu_workers, run_all, without_gil
 
@@ -31,7 +31,7 @@ def _identical(a: DualSolution, b: DualSolution):
 def test_solver_answers_do_not_depend_on_the_workers(monkeypatch):
     """Many small tiles (a small tile size) solved by 1, 2 and 3 threads: bitwise the same solution, with
     the padding queries and keys of the problems in place, and the problems themselves untouched."""
-    monkeypatch.setitem(newton_cg.TILE_BYTES, "cpu", 16 * 24 * 8 * 10)  # 10 rows of 24 keys a tile
+    monkeypatch.setitem(tiles.TILE_BYTES, "cpu", 16 * 24 * 8 * 10)  # 10 rows of 24 keys a tile
     problems = random_groups(groups=5, per_group=17, n=24, d=12, template_scale=0.5, logit_std=4.0, seed=3)
     given = {name: value.clone() for name, value in vars(problems).items() if isinstance(value, torch.Tensor)}
     one = solve_dual(problems, workers=1)
@@ -100,7 +100,7 @@ def test_a_memory_budget_limits_the_tiles_in_flight(monkeypatch):
     monkeypatch.setattr(solver, "_solve_tile", counting)
     problems = random_groups(groups=4, per_group=9, n=16, d=8, template_scale=0.5, logit_std=2.0, seed=1)
     group_bytes = 9 * 16 * 16 * 8  # a group's working set: 9 rows of 16 keys
-    monkeypatch.setitem(newton_cg.TILE_BYTES, "cpu", group_bytes)  # one group a tile
+    monkeypatch.setitem(tiles.TILE_BYTES, "cpu", group_bytes)  # one group a tile
     budgeted = solve_dual(problems, workers=4, memory_budget_bytes=group_bytes)
     assert most[0] == 1
     most[0] = 0

@@ -271,7 +271,7 @@ def test_the_docs_numbers_are_the_results_files():
     scale_results = ROOT / "bench" / "results_scale.json"
     if scale_results.exists():  # written by the benchmark's full run
         block = re.search(r"<!-- scale:table -->\n(.*?)\n<!-- /scale:table -->", text, flags=re.S).group(1)
-        assert block == bench_module("scale").docs_block(json.loads(scale_results.read_text()))
+        assert block == bench_module("scale_report").docs_block(json.loads(scale_results.read_text()))
 
 
 @pytest.mark.slow
@@ -322,6 +322,6 @@ def test_a_command_measured_again_keeps_the_others_with_their_dates():
                          "sizes": [{"target_rows": 10, "rows": 10, "bytes_per_row": 70.0, "commands": merged,
                                     "measured_at": "2026-11-27T00:00:00+00:00"}]},
                "run_memory": None, "targets": {}}
-    text = "\n".join(scale.command_lines(results))
+    text = "\n".join(bench_module("scale_report").command_lines(results))
     assert "| report | 100 MB, 5.0 s * |" in text and "| export | 300 MB, 3.0 s |" in text
     assert "at 10 rows, report, measured from 2026-11-26 02:00 UTC" in text
