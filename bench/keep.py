@@ -36,7 +36,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,23 +228,25 @@ def directory_bytes(path: Path) -> int:
 
 
 def main(argv=None) -> int:
-    parser = common.parser(__doc__, "results_keep.json", quick="16 texts, 2 rounds: a smoke test")
+    parser = common.parser(__doc__, "results_keep.json", quick="16 texts, 2 rounds: a smoke test", repeats=5)
     parser.add_argument("--texts", type=int, default=64)
     parser.add_argument("--sentences", type=int, default=6, help="corpus sentences per text [default: 6, ~120 tokens]")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sample", type=int, default=10_000)
     parser.add_argument("--rows", type=int, default=8_000_000,
                         help="rows timed: the solved batches repeated, their examples renumbered, up to this many")
     parser.add_argument("--rows-per-commit", type=int, default=4_000_000,
                         help="batches joined into commits of about this many rows (a GPU batch's)")
     args = parser.parse_args(argv)
+    if common.rendered(args, markdown):
+        return 0
     if args.quick:
         args.texts, args.repeats, args.sample, args.rows, args.rows_per_commit = 16, 2, 500, 40_000, 20_000
     import torch
 
     torch.set_num_threads(1)
+    environment = common.environment()
     started = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="probe-bench-keep-"))
     solved, context = precompute(args.texts, args.batch_size, args.max_length, args.sentences, work)
@@ -276,9 +277,8 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results = {
-        "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "environment": environment,
         "solved_rows": solved_rows,
-        "machine": {"cpu": common.cpu_model(), "threads": 1, "load_average_before": common.load_average()},
         "settings": {"texts": args.texts, "sentences": args.sentences, "batch_size": args.batch_size,
                      "max_length": args.max_length,
                      "repeats": args.repeats, "batches": len(solved), "commits": len(batches),
@@ -298,16 +298,16 @@ def main(argv=None) -> int:
     base = results["modes"][0]["rows_per_s"]
     for entry in results["modes"]:
         entry["vs_rows"] = entry["rows_per_s"] / base
-    common.write_results(args.out, results, markdown)
+    common.write_results(args.out, results, markdown, benchmark="keep")
     return 0
 
 
 def markdown(results: dict) -> str:
-    s, m = results["settings"], results["machine"]
+    s = results["settings"]
     lines = [
         "# Keep modes: what a run does after its solves, per mode, and what it leaves on disk", "",
-        f"Written by `bench/keep.py` on {results['written_at'][:10]} ({m['cpu']}, one thread; 1-minute load "
-        f"average {m['load_average_before'][0] if m['load_average_before'] else '?'} before). {s['model']} over "
+        common.header(results), "",
+        f"{s['model']} on one thread, over "
         f"{s['texts']} texts of {s['sentences']} sentences of the embedded corpus (batches of {s['batch_size']}, "
         f"--max-length {s['max_length']}; {results['solved_rows']:,} rows): "
         f"{s['batches']} batches captured and solved once, repeated (their examples renumbered) to {s['rows']:,} rows "

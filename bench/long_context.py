@@ -32,12 +32,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, cpu_model, load_average, parser, write_results  # noqa: E402
+import common  # noqa: E402
+from common import ROOT  # noqa: E402
 
 #: the Llama-shaped model of the memory and cost measurements
 LLAMA = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
@@ -248,8 +248,7 @@ def markdown(results: dict) -> str:
     memory_part, lines = results["memory"], []
     lines += [
         "# Long contexts and selections", "",
-        f"{results['machine']['cpu']}, {results['machine']['cores']} cores, load {results['machine']['load']}; "
-        f"{results['date']}. Produced by `python bench/long_context.py{' --quick' if results['quick'] else ''}`.", "",
+        common.header(results), "",
         "## Peak memory: probe against a plain eager forward", "",
         f"Llama-shaped model ({results['llama']}), {memory_part['texts']} texts of {memory_part['tokens']:,} tokens, "
         f"`--queries {memory_part['queries']}`.", "",
@@ -284,10 +283,12 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    arguments = parser(__doc__, "results_long_context.json", quick="a smoke run: a small model, short texts")
-    arguments.add_argument("--repeats", type=int, default=3, help="alternations of the selection's share [3]")
-    options = arguments.parse_args()
+def main(argv=None) -> int:
+    arguments = common.parser(__doc__, "results_long_context.json", quick="a smoke run: a small model, short texts",
+                              repeats=3)
+    options = arguments.parse_args(argv)
+    if common.rendered(options, markdown):
+        return 0
     if options.quick and options.out.name == "results_long_context.json":
         options.out = options.out.with_name("results_long_context_quick.json")
     shape, context = (LLAMA_QUICK, 256) if options.quick else (LLAMA, 4096)
@@ -299,18 +300,16 @@ def main() -> None:
         from transformers import AutoTokenizer
 
         data = write_texts(work / "texts.jsonl", texts_of(AutoTokenizer.from_pretrained(model_dir), context, 2))
-        started = time.time()
         results = {
-            "date": time.strftime("%Y-%m-%d"), "quick": options.quick,
-            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load": load_average()},
+            "environment": common.environment(), "quick": options.quick,
             "llama": ", ".join(f"{key} {value}" for key, value in shape.items()),
             "memory": memory(model_dir, data, context, work, sample),
             "per_n": cost_per_n(model_dir, lengths, work, sample),
             "share": selection_share(work, options.quick, 1 if options.quick else options.repeats),
         }
-        results["seconds"] = time.time() - started
-    write_results(options.out, results, markdown)
+    common.write_results(options.out, results, markdown, benchmark="long_context")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

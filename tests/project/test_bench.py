@@ -126,3 +126,19 @@ def test_keep_benchmark_quick_mode(tmp_path):
     assert all(modes[m]["host_rows_per_s"] > 0 for m in ("aggregates", "sample:500"))
     assert results["growth"]["all"]["rows"] > results["growth"]["quarter"]["rows"]
     assert "host share of a GPU run at 16M rows/s" in out.with_suffix(".md").read_text()
+
+
+def test_long_context_benchmark_quick_mode(tmp_path):
+    """bench/long_context.py in its quick mode: peak memory of a run against a plain forward, the cost per row
+    against n, a selection's cost against its share; every row certified and the fidelity passed."""
+    out = tmp_path / "results_long_context.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "long_context.py"), "--quick", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=900)
+    results = json.loads(out.read_text())
+    memory = results["memory"]
+    assert memory["run"]["not_converged"] == 0 and memory["run"]["fidelity_passed"] and memory["ratio"] > 0
+    assert [each["keys"] for each in results["per_n"]] == [64, 128, 256]
+    assert all(each["flops_per_row"] > 0 and each["run"]["not_converged"] == 0 for each in results["per_n"])
+    assert {each["space"] for each in results["share"]} == {"hidden", "key"}
+    assert all(each["rows_selected"] < each["rows_all"] for each in results["share"])
+    assert out.with_suffix(".md").exists()

@@ -91,12 +91,7 @@ def findings(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("where", [
-    "rest",
-    # the solver package: its fixed-iteration Newton method returns a 13-tuple, and its Newton steps and
-    # tiles 5 to 7 values, until they return dataclasses
-    pytest.param("solve", marks=pytest.mark.xfail(strict=False, reason="the solver's tuples become dataclasses")),
-])
+@pytest.mark.parametrize("where", ["rest", "solve"])
 def test_functions_are_short_and_return_few_values(where):
     found = [finding for path in modules(where) for finding in findings(path)]
     assert not found, "\n".join(found)

@@ -10,8 +10,6 @@ import re
 import tokenize
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "probe"
 
@@ -40,27 +38,10 @@ def history_in(paths) -> list[str]:
             for path in paths for line, text in library_text(path) if HISTORY.search(text)]
 
 
-#: modules whose text is reworded with their code: the solver package (its measurements cited in bench/),
-#: and the run's checks (a re-export's comment)
-PENDING = {"solve": [PACKAGE / "solve"]}
-
-
-def modules(where: str) -> list[Path]:
-    """The modules of one of :data:`PENDING`'s groups, or (``"rest"``) every other module of probe."""
-    def group(path):
-        return next((name for name, places in PENDING.items()
-                     if any(path == place or place in path.parents for place in places)), "rest")
-
-    return sorted(path for path in PACKAGE.rglob("*.py") if group(path) == where)
-
-
-@pytest.mark.parametrize("where", [
-    "rest",
-    *(pytest.param(name, marks=pytest.mark.xfail(strict=False, reason="reworded with its code")) for name in PENDING),
-])
-def test_library_text_tells_no_history(where):
-    found = history_in(modules(where))
+def test_library_text_tells_no_history():
+    found = history_in(sorted(PACKAGE.rglob("*.py")))
     assert not found, "\n".join(found)
+
 
 
 def test_tests_are_named_after_what_they_test():
