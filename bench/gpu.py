@@ -20,7 +20,10 @@ less installation and the copy back), each writing what it measured before the n
    the run's ``total_s - load_model_s - load_data_s``, as bench/e2e.py times it; forward: the model's own
    eager forward over the same batches), the solver's rows per second on the GPU against the CPU (the
    problems of 2b, in one process), and peak GPU memory at batch 64.
-4. **OT-ViT, full protocol**: ``probe vit train`` (the device-resident loop; ``--precision`` the faster of
+4. **a large model**: a Llama-3-8B-shaped model from its config on 8 texts of 4,096 tokens with
+   ``--queries sample:64``: the analysis against its forward, peak device memory, every row certified
+   (bench/gpu_large.py).
+5. **OT-ViT, full protocol**: ``probe vit train`` (the device-resident loop; ``--precision`` the faster of
    fp32 and bf16 in a short measurement on the device first, :func:`calibrate_precision`) on all 60,000 training and 10,000 test images, seeds 0, 1, 2.  First
    the paper's two arms, softmax and OT, each run a process of its own, side by side, trained toward
    :data:`MAX_EPOCHS` and watched epoch by epoch through their checkpoints: they stop once the softmax ViT's
@@ -63,13 +66,14 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
 from gpu_agreement import part_agreement  # noqa: E402
+from gpu_large import part_large  # noqa: E402
 from gpu_report import markdown  # noqa: E402
 from gpu_runs import Log, _write_json, build_models, environment, part_tests  # noqa: E402
 from gpu_speed import part_speed  # noqa: E402
 from gpu_vit import part_vit  # noqa: E402
 
 #: the part shares of the budget (the ViT part takes what the others leave)
-SHARES = {"tests": 0.12, "agreement": 0.22, "speed": 0.14}
+SHARES = {"tests": 0.10, "agreement": 0.18, "speed": 0.22, "large": 0.40}
 #: seconds kept back at the end for the ViT report and writing the results
 RESERVE_S = 25.0
 
@@ -94,7 +98,7 @@ RESERVE_S = 25.0
 # 3. speed
 
 
-PARTS = ("tests", "agreement", "speed", "vit")
+PARTS = ("tests", "agreement", "speed", "large", "vit")
 
 
 def merge_calls(calls: list[dict]) -> dict:
@@ -148,7 +152,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: OUT/../gpu-work)")
     parser.add_argument("--vit-precision", default="auto", choices=("auto", "fp32", "bf16"),
                         help="the ViT runs' --precision; auto: the faster on this device (calibrate_precision)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: tests,agreement,speed,vit")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: tests,agreement,speed,large,vit")
     parser.add_argument("--collect", type=Path, nargs="+", default=None, metavar="DIR",
                         help="copy the results of one or more calls (oldest first) into the repository")
     args = parser.parse_args(argv)
@@ -200,6 +204,8 @@ def main(argv=None) -> int:
         part("agreement", lambda: part_agreement(args, log, models, workdir, deadline(SHARES["agreement"])))
     if "speed" not in skip:
         part("speed", lambda: part_speed(args, log, models, workdir, deadline(SHARES["speed"])))
+    if "large" not in skip:
+        part("large", lambda: part_large(args, log, workdir, deadline(SHARES["large"])))
     if "vit" not in skip:
         part("vit", lambda: part_vit(args, log, workdir, start + args.budget_s - RESERVE_S))
     results["seconds"] = time.monotonic() - start

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpu_large import markdown_lines
 from gpu_vit import stopped_by_words
 
 
@@ -78,8 +79,9 @@ def markdown(results: dict) -> str:
                   f"{same['not_converged']} not converged."]
     speed = results.get("speed") or {}
     lines += ["", "## 3. Speed and memory", "",
-              "| model | tokens | batch | texts | rows | analysis (s) | forward (s) | analysis / forward | peak GPU memory (GiB) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| model | tokens | batch | texts | rows | analysis (s) | forward (s) | analysis / forward | "
+              "--keep aggregates / forward | peak GPU memory (GiB) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     memory = {m["tokens"]: m for m in speed.get("memory", [])}
     for r in speed.get("ratio", []):
         if "skipped" in r:
@@ -87,7 +89,8 @@ def markdown(results: dict) -> str:
         peak = memory.get(r["tokens"], {}).get("peak_gpu_memory_gib")
         lines.append(f"| {r['model']} | {r['tokens']} | {r['batch_size']} | {r['texts']} | {r['rows']:,} | "
                      f"{r['seconds']:.2f} | {r['forward_s']:.3f} | {r['ratio']:.1f}x | "
-                     f"{'n/a' if peak is None else f'{peak:.2f}'} |")
+                     + (f"{r['aggregates_ratio']:.1f}x | " if "aggregates_ratio" in r else "n/a | ")
+                     + f"{'n/a' if peak is None else f'{peak:.2f}'} |")
     solver = speed.get("solver")
     per_tokens = (solver or {}).get("per_tokens") or ({"128": solver} if solver and "rows" in solver else {})
     for tokens, entry in per_tokens.items():
@@ -97,9 +100,18 @@ def markdown(results: dict) -> str:
         lines += ["", f"Solver at {tokens} tokens, the same {entry['rows']:,} problems: {entry['gpu_rows_per_s']:,.0f} "
                   f"rows/s on the device against {entry['cpu_rows_per_s']:,.0f} rows/s on the CPU "
                   f"({entry['cpu_threads']} threads): **{entry['gpu_over_cpu']:.1f}x**."]
+    profile = speed.get("profile")
+    if profile:
+        waits = "; ".join(f"{name} x{w['count']} ({w['host_ms']:.1f} ms)" for name, w in profile["host_waits"].items())
+        busy = profile.get("device_busy_share")
+        lines += ["", f"One batch of {profile['texts']} texts of {profile['tokens']} tokens under `torch.profiler`: "
+                  f"{profile['wall_s']:.3f} s, the device busy {'n/a' if not busy else f'{busy:.0%}'} of it; the "
+                  f"host's waits: {waits or 'none'}; the host's costliest operators: "
+                  + ", ".join(f"{o['op']} ({o['self_ms']:.1f} ms)" for o in profile["top_host_ops"][:5]) + "."]
+    lines += markdown_lines(results.get("large") or {})
     vit = results.get("vit") or {}
     if vit and "error" not in vit and "stopped_by" in vit:
-        lines += ["", "## 4. The OT-ViT comparison at the full protocol", "",
+        lines += ["", "## 5. The OT-ViT comparison at the full protocol", "",
                   f"Softmax and OT, {len(vit['seeds'])} seed(s) each, side by side (precision {vit['precision']}); "
                   + (f"every run had finished epoch 1 after {vit['first_epoch_s']:.0f} s; " if vit.get("first_epoch_s")
                      else "")
@@ -108,7 +120,7 @@ def markdown(results: dict) -> str:
                   + ("; ".join(f"{a} {v}" for a, v in vit["other_arms"].items()) or "none") + ". "
                   "The table: `reports/vit/results-full.md`."]
     elif vit and "error" not in vit:  # a call made before the plateau rule
-        lines += ["", "## 4. The OT-ViT comparison at the full protocol", "",
+        lines += ["", "## 5. The OT-ViT comparison at the full protocol", "",
                   f"{len(vit['attentions'])} attentions x {len(vit['seeds'])} seeds as concurrent processes"
                   + (f" ({', '.join(vit['left_out'])} left out: a run did not finish epoch 1)" if vit.get("left_out")
                      else "") + "; "

@@ -185,14 +185,15 @@ def data_file(workdir: Path, model: str, length: int, count: int) -> Path:
 
 
 
-def run_config(model: str, data: Path, length: int, *, device: str, dtype: str, batch_size: int, out: Path):
+def run_config(model: str, data: Path, length: int, *, device: str, dtype: str, batch_size: int, out: Path,
+               keep: str = "rows"):
     from probe.capture.data import DatasetSpec
     from probe.core.config import RunConfig
 
     target = "target" if "t5" in Path(model).name else None
     return RunConfig(model=model, dataset=DatasetSpec(name=str(data), target_column=target), out=out,
                      batch_size=batch_size, max_length=length, device=device, dtype=dtype, progress=False,
-                     name=f"{Path(model).name}-{length}-{device.replace(':', '')}")
+                     name=f"{Path(model).name}-{length}-{device.replace(':', '')}-{keep}", keep=keep)
 
 
 

@@ -1,8 +1,11 @@
-"""Part 3 of the GPU check (bench/gpu.py): the analysis against the plain forward on the GPU, the solver's rows
-per second on the GPU against the CPU, and peak GPU memory (module docstring of bench/gpu.py)."""
+"""Part 3 of the GPU check (bench/gpu.py): the analysis against the plain forward on the GPU, with ``--keep rows``
+and ``--keep aggregates``; the solver's rows per second on the GPU against the CPU; peak GPU memory; and a
+``torch.profiler`` summary of one batch: the share of its wall time the device is busy, and the host's waits
+(module docstring of bench/gpu.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -74,6 +77,7 @@ def part_speed(args, log: Log, models: dict, workdir: Path, deadline: float) -> 
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             measured = analysis_seconds(run(config))
+            kept = analysis_seconds(run(dataclasses.replace(config, keep="aggregates", name=f"{config.name}-agg")))
         except torch.cuda.OutOfMemoryError as error:  # what batch 64 needs is part of what this measures
             log(f"speed {length} tokens, batch {batch}: out of GPU memory ({str(error).splitlines()[0]})")
             out["ratio"].append({"tokens": length, "skipped": f"out of GPU memory at batch {batch}"})
@@ -81,12 +85,17 @@ def part_speed(args, log: Log, models: dict, workdir: Path, deadline: float) -> 
             continue
         peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None
         entry = {"model": "bert-base-shape", "tokens": length, "texts": count, "batch_size": batch,
-                 "forward_s": forward, **measured, "ratio": measured["seconds"] / forward}
+                 "forward_s": forward, **measured, "ratio": measured["seconds"] / forward,
+                 "aggregates_s": kept["seconds"], "aggregates_ratio": kept["seconds"] / forward,
+                 "aggregates_not_converged": kept["not_converged"]}
         out["ratio"].append(entry)
         out["memory"].append({"tokens": length, "batch_size": batch, "peak_gpu_memory_gib": peak})
         log(f"speed {length} tokens, batch {batch}: analysis {measured['seconds']:.2f} s against forward "
-            f"{forward:.3f} s = {entry['ratio']:.1f}x; {measured['rows']:,} rows"
+            f"{forward:.3f} s = {entry['ratio']:.1f}x (--keep aggregates {entry['aggregates_ratio']:.1f}x); "
+            f"{measured['rows']:,} rows"
             + (f"; peak GPU memory {peak:.2f} GiB" if peak is not None else ""))
+    if time.monotonic() < deadline:
+        out["profile"] = profile_batch(loaded, models["bert-base-shape"], workdir, args)
     del loaded
     out["solver"] = {"per_tokens": {}}
     for length in lengths:  # the same captured problems on the device and on this machine's CPU
@@ -114,3 +123,53 @@ def part_speed(args, log: Log, models: dict, workdir: Path, deadline: float) -> 
     if "rows" in first:  # the shortest length's figures also at the top, where earlier results had them
         out["solver"].update({k: v for k, v in first.items() if k != "texts"})
     return out
+
+
+#: the host's waits for the device, as the profiler names them
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpyAsync",
+         "aten::item", "aten::_local_scalar_dense", "aten::nonzero")
+
+
+def profile_batch(loaded, model: str, workdir: Path, args) -> dict:
+    """One batch of the analysis (128 tokens, its capture, solves, derived quantities and rows) under
+    ``torch.profiler``: its wall time, the device's busy time (the sum of its kernels' times; on a CPU dry run,
+    none), the host's waits (the calls of :data:`WAITS`: count and time) and the operators taking most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from probe.batch.columns import RowContext
+    from probe.batch.rows import process_batch
+    from probe.batch.summary import Summary
+    from probe.capture.selection import resolve
+
+    length, batch = (16, 4) if args.quick else (128, 64)
+    data = data_file(workdir, model, length, batch)
+    config = run_config(model, data, length, device=args.device, dtype="float32", batch_size=batch,
+                        out=workdir / "profile")
+    texts = [json.loads(line)["text"] for line in data.read_text().splitlines()][:batch]
+    inputs = {k: v.to(args.device) for k, v in loaded.adapter.encode(loaded.tokenizer, texts, None, length).items()}
+    context = RowContext(example_ids=list(range(len(texts))), special_ids=frozenset(loaded.tokenizer.all_special_ids),
+                         token_text={}, tokenizer=loaded.tokenizer)
+    config = dataclasses.replace(config, spaces=("hidden",), fidelity_tolerance=1e-5)
+    selection = resolve(config, loaded.adapter.stacks(loaded.model.config))
+
+    def one_batch():
+        process_batch(loaded, inputs, context.example_ids, config, Summary(1e-5), context,
+                      selection=selection)()
+
+    one_batch()  # warm-up
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    _sync(args.device)
+    started = time.perf_counter()
+    with profile(activities=activities) as profiler:
+        one_batch()
+        _sync(args.device)
+    wall = time.perf_counter() - started
+    events = profiler.key_averages()
+    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]  # the device's own events
+    device_us = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
+                    for e in kernels)
+    waits = {e.key: {"count": e.count, "host_ms": e.cpu_time_total / 1e3} for e in events if e.key in WAITS}
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+    return {"tokens": length, "texts": len(texts), "wall_s": wall, "device_busy_s": device_us / 1e6,
+            "device_busy_share": device_us / 1e6 / wall if wall else None, "host_waits": waits,
+            "top_host_ops": [{"op": e.key, "count": e.count, "self_ms": e.self_cpu_time_total / 1e3} for e in top]}

@@ -4,7 +4,7 @@
 # written as it goes, so a call cut short still brings back what finished.
 #   GPU_BUDGET_S   seconds for the whole command (default 530: inside a 560 s call, with the copy back)
 #   GPU_DEVICE     the device (default cuda; cpu with GPU_QUICK=1 is the dry run of this script here)
-#   GPU_SKIP       parts to leave out (bench/gpu.py --skip: tests,agreement,speed,vit), for a second call
+#   GPU_SKIP       parts to leave out (bench/gpu.py --skip: tests,agreement,speed,large,vit), for a second call
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)

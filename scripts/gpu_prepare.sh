@@ -5,9 +5,10 @@
 # probe's floor, no `datasets` (probe reads every text file through it) and no Fashion-MNIST. A call carries
 # at most 64 MiB: the working tree (tracked and untracked-not-ignored files) plus the carried folder. So this
 # writes, into .gpu/ (git-ignored):
-#   site.tar.xz               the contents of the wheels of transformers (probe's floor or later) and of datasets
-#                             with the two packages it needs that the image lacks (dill, multiprocess), at the
-#                             versions installed here: ~4.5 MB as xz
+#   site.tar.xz               the contents of the wheels of transformers (probe's floor or later), of datasets
+#                             with the two packages it needs that the image lacks (dill, multiprocess), and of
+#                             datasketches (the quantile sketches of --keep aggregates), at the versions installed
+#                             here: ~5 MB as xz
 #   fashion-mnist/*.xz        the four idx files, xz-compressed (26 MB; the .gz originals are 31 MB)
 # and checks that the tree and .gpu/ together fit. Then one device call:
 #   carry [".gpu"], command "bash scripts/gpu_check.sh", timeout_s 560.
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 DATA=${FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
 # the image's packages, as the device README lists them, lack these; each at the version installed here
-WHEELS=$($PYTHON -c "from importlib.metadata import version as v; print(' '.join(f'{p}=={v(p)}' for p in ('transformers', 'datasets', 'dill', 'multiprocess')))")
+WHEELS=$($PYTHON -c "from importlib.metadata import version as v; print(' '.join(f'{p}=={v(p)}' for p in ('transformers', 'datasets', 'dill', 'multiprocess', 'datasketches')))")
 mkdir -p .gpu/fashion-mnist
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

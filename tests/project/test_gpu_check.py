@@ -42,6 +42,12 @@ def test_the_cpu_dry_run_writes_every_result(dry_run):
         assert r["rows"] > 0 and r["rows_unmatched"] == 0 and r["max_difference"] == 0.0
     assert results["agreement"]["same_problems"]["rows_over_bound"] == 0
     assert results["speed"]["ratio"][0]["rows"] > 0 and results["speed"]["solver"]["rows"] > 0
+    assert results["speed"]["ratio"][0]["aggregates_ratio"] > 0  # the analysis with --keep aggregates too
+    profile = results["speed"]["profile"]  # one batch under torch.profiler
+    assert profile["wall_s"] > 0 and profile["top_host_ops"]
+    large = results["large"]  # the large model's part, on a model of its proportions
+    assert large["rows"] == 2 * 2 * 8 * 8 and large["not_converged"] == 0 and large["fidelity_passed"]
+    assert large["ratio"] > 0 and large["queries"] == "sample:8"
     per_tokens = results["speed"]["solver"]["per_tokens"]  # rows/s per length, the same problems on both
     assert set(per_tokens) == {"16"} and all(per_tokens["16"][k] > 0 for k in ("gpu_rows_per_s", "cpu_rows_per_s"))
     vit = results["vit"]
