@@ -36,7 +36,7 @@ class RowContext:
 @dataclass
 class SiteColumns:
     """The rows of one site in one space and alpha as tensors on the run's device, one entry per (example, head,
-    real query) in the order :func:`site_rows` writes them: what :func:`columns_table` turns into the parquet
+    real query) in the order :func:`probe.batch.rows.site_rows` writes them: what :func:`columns_table` turns into the parquet
     table and :class:`probe.batch.aggregates.Aggregates` folds into statistics without building it."""
 
     attention_type: str
@@ -69,7 +69,7 @@ MEASURED = ("rel_deviation", "lambda_norm", "duality_gap", "error_bound", "itera
 
 
 def columns_table(columns: SiteColumns, context: RowContext) -> pa.Table:
-    """The rows of :func:`site_columns` in the parquet schema (on the host)."""
+    """The rows of :func:`probe.batch.rows.site_columns` in the parquet schema (on the host)."""
     count = columns.count
     host = {name: value.cpu().numpy() for name, value in columns.values.items()}
     token_ids = columns.token_id.cpu().numpy()

@@ -227,7 +227,7 @@ class AggregateTable:
     # ---- what findings, breakdowns and the series ask
 
     def groups(self, where: Mapping | None = None) -> dict[str, pd.DataFrame]:
-        """Per attention type, the non-trivial rows grouped as :attr:`probe.report.data.Run.groups` groups them
+        """Per attention type, the non-trivial rows grouped as :attr:`probe.report.data.ReportRun.groups` groups them
         (``token_role``, ``token``, ``head``, ``position``, ``query``): ``rows``, ``count`` (rows with a deviation),
         ``sum``; ``above_p95`` is NaN (counting the values above a percentile needs the rows)."""
         queries = self.table("queries", where)
