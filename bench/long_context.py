@@ -15,7 +15,9 @@ Three measurements, each in child processes of their own (peak memory is a proce
   counter cannot see).
 * **a selection's share**: the real all-MiniLM-L6-v2 (12 heads) on 64 texts of 128 tokens, every row against
   one head in twelve and one position in sixteen (``--heads 0 --queries every:16``), in the hidden and the key
-  space, alternating; the solve's seconds against the rows' share (1/192).
+  space, alternating; the solve's seconds against the rows' share (1/192).  On one thread (``--threads 1``):
+  on several a batch's last solves run beside the next batch's forward, and their seconds would count the
+  forward's too.
 
     python bench/long_context.py            # the full run (about 20-40 min on 2 shared cores)
     python bench/long_context.py --quick    # a smoke run (a minute): bench/results_long_context_quick.*
@@ -118,10 +120,11 @@ _RUN = """
 import sys
 from probe.core.config import RunConfig
 from probe.pipeline.runner import run
-model_dir, data, length, out, queries, heads, space, batch = sys.argv[1:9]
+model_dir, data, length, out, queries, heads, space, batch, threads = sys.argv[1:10]
 config = RunConfig.from_options(model_dir, dataset=data, max_length=int(length), out=out, queries=queries,
                                 heads=None if heads == "all" else heads, space=None if space == "default" else space,
-                                batch_size=int(batch), progress=False, device="cpu")
+                                batch_size=int(batch), progress=False, device="cpu",
+                                threads=None if threads == "all" else int(threads))
 print("RUN_DIR", run(config))
 """
 
@@ -145,8 +148,9 @@ def child(program: str, *args, **environment) -> tuple[int, str]:
     return peak, done.stdout
 
 
-def probe_run(model_dir, data, length, out, queries="all", heads="all", space="default", batch=2) -> dict:
-    peak, output = child(_RUN, model_dir, data, length, out, queries, heads, space, batch)
+def probe_run(model_dir, data, length, out, queries="all", heads="all", space="default", batch=2,
+              threads="all") -> dict:
+    peak, output = child(_RUN, model_dir, data, length, out, queries, heads, space, batch, threads)
     run_dir = Path(next(line.split(" ", 1)[1] for line in output.splitlines() if line.startswith("RUN_DIR")))
     manifest = json.loads((run_dir / "manifest.json").read_text())
     solver, timings = manifest["solver"], manifest["timings_s"]
@@ -229,7 +233,8 @@ def selection_share(work: Path, quick: bool, repeats: int) -> list[dict]:
         for _ in range(repeats):
             for kind in ("all", "selected"):
                 options = dict(queries=f"every:{every}", heads="0") if kind == "selected" else {}
-                run = probe_run(model, data, length, work / f"share-{space}-{kind}", space=space, batch=8, **options)
+                run = probe_run(model, data, length, work / f"share-{space}-{kind}", space=space, batch=8, threads=1,
+                                **options)
                 times[kind].append(run["solve_s"])
                 rows[kind] = run["rows"]
         share = rows["selected"] / rows["all"]
@@ -273,7 +278,8 @@ def markdown(results: dict) -> str:
                      f"{each['iterations_mean']:.1f} |")
     lines += ["", "## A selection's cost against its share of the rows", "",
               "The real all-MiniLM-L6-v2, every row against `--heads 0 --queries every:16` (1/12 of the heads, 1/16 "
-              "of the positions), alternating; the solve's seconds (beyond the forward, which capture holds).", "",
+              "of the positions), alternating, on one thread; the solve's seconds (beyond the forward, which capture "
+              "holds).", "",
               "| space | tokens x texts | rows: all / selected | share | solve s: all / selected | cost / share |",
               "|---|---|---|---|---|---|"]
     for each in results["share"]:

@@ -9,6 +9,8 @@ bounded size (:func:`pieces`) and stacked by shape into solver calls (:func:`sit
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from probe.capture.adapters import SiteCapture
@@ -98,11 +100,59 @@ FIDELITY_TOLERANCE = {"float64": 1e-6, "float32": 1e-5, "float16": 1e-2, "bfloat
 
 def fidelity_error(site: SiteCapture, problems: SpaceProblems | None = None) -> float:
     """Max |softmax(log u + s) - model probabilities| over the site's real queries (alpha = 1)."""
+    errors = fidelity_errors(site, problems)
+    return float(errors.max()) if errors.numel() else 0.0
+
+
+def fidelity_errors(site: SiteCapture, problems: SpaceProblems | None = None) -> torch.Tensor:
+    """:func:`fidelity_error` of each example of the site, ``(b,)``."""
     problems = space_problems(site, site.spaces[0]) if problems is None else problems
     reconstructed = torch.softmax(site.log_preference + problems.logits, dim=-1)
     difference = (reconstructed - site.model_probs.to(torch.float64)).abs().amax(dim=-1)  # (b, h, q)
     difference = difference.masked_fill(~site.query_mask[:, None, :], 0.0)
-    return float(difference.max()) if difference.numel() else 0.0
+    return difference.flatten(1).amax(dim=1) if difference.numel() else difference.new_zeros(site.shape[0])
+
+
+def mergeable(sites: list[SiteCapture]) -> bool:
+    """Whether sites of one problem shape (a stack) can be worked through as one: one attention type (its
+    rows' roles follow the same rule), the same heads and the same logit scale."""
+    first = sites[0]
+    return all(site.attention_type == first.attention_type and site.head_ids == first.head_ids
+               and site.logit_scale == first.logit_scale for site in sites)
+
+
+def merged(sites: list[SiteCapture]) -> SiteCapture:
+    """Sites of one problem shape (:func:`mergeable`) as one site of all their examples, in order: what is
+    computed per example, row or group then runs once for all of them (a stack of small pieces, as a
+    selection of a few heads and queries gives, spends its time in the fixed cost of each operation).  Its
+    ``layer`` and ``key_weight`` are the first site's: the problems that need each site's own are built per
+    site (:func:`merged_problems`)."""
+    if len(sites) == 1:
+        return sites[0]
+    first = sites[0]
+
+    def joined(name: str):
+        values = [getattr(site, name) for site in sites]
+        if values[0] is None:
+            return None
+        if name in ("query_positions",):
+            values = [site.query_mask.long().cumsum(-1) - 1 if value is None else value
+                      for site, value in zip(sites, values)]
+        shape = [max(value.shape[axis] for value in values) for axis in range(values[0].dim())]
+        return torch.cat([value.expand(site.shape[0], *shape[1:]) for site, value in zip(sites, values)])
+
+    per_example = ("queries", "keys", "values", "log_preference", "query_mask", "key_mask", "query_ids",
+                   "model_probs", "key_hidden", "query_positions")
+    return replace(first, **{name: joined(name) for name in per_example})
+
+
+def merged_problems(problems: list[SpaceProblems]) -> SpaceProblems:
+    """The problems of several sites' (:func:`merged`) in one space, their examples in order."""
+    if len(problems) == 1:
+        return problems[0]
+    return SpaceProblems(templates=torch.cat([p.templates for p in problems]),
+                         logits=torch.cat([p.logits for p in problems]),
+                         evidence_sqnorm=torch.cat([p.evidence_sqnorm for p in problems]))
 
 
 def stacked_problems(problems: list[DualProblems]) -> DualProblems:

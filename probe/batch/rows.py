@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable
 
@@ -26,7 +26,11 @@ from probe.batch.problems import (
     STACK_BYTES,
     dual_problems,
     fidelity_error,
+    fidelity_errors,
     group_factor,
+    mergeable,
+    merged,
+    merged_problems,
     pieces,
     site_bytes,
     site_stacks,
@@ -146,6 +150,11 @@ def site_rows(
 # one batch
 
 
+#: a stack with less than this in logits and factors (:func:`probe.batch.problems.site_bytes`) is worked through
+#: as one site (:meth:`BatchSolver._solve_merged`): its sites' fixed costs would outweigh their rows
+SMALL_STACK_BYTES = 16 << 20
+
+
 class BatchSolver:
     """Receives sites as the model emits them and solves them in stacks of bounded size.
 
@@ -237,6 +246,10 @@ class BatchSolver:
 
     def _solve(self, stack: list[tuple[SiteCapture, int]]) -> None:
         sites = [piece for piece, _ in stack]
+        if len(sites) > 1 and self.kept is None and mergeable(sites) and \
+                sum(site_bytes(site) for site in sites) < SMALL_STACK_BYTES:
+            self._solve_merged(stack)
+            return
         # the sites' own work runs side by side on a CPU (probe.solve.parallel); with a memory budget, one at a time
         workers = cpu_workers(sites[0].queries.device)  # in the lane too: its thread has the caller's threads
         if self.solver_bytes is not None:
@@ -271,20 +284,55 @@ class BatchSolver:
                     workers,
                 )
                 for table, quantities in finished:  # in the stack's order, whichever worker finished first
-                    if self.aggregates is not None:  # the columns of the site's rows, folded into the statistics
-                        self.summary.add_columns(table, quantities.bounds)
-                        self.aggregates.add(table)
-                    else:
-                        self.summary.add(table, quantities.bounds)
-                        self.tables.append(table)
-                    if self.on_rows is not None:
-                        self.on_rows(table.count if self.aggregates is not None else table.num_rows)
+                    self._add(table, quantities)
                 if self.kept is not None:
                     for (site, offset), dual, solution in zip(stack, duals, solutions):
                         if self.kept_sites is not None and (site.attention_type, site.layer) not in self.kept_sites:
                             continue
                         self.kept.setdefault((site.attention_type, site.layer, space, alpha), []).append(
                             (offset, dual, solution))
+
+
+    def _solve_merged(self, stack: list[tuple[SiteCapture, int]]) -> None:
+        """A small stack (a selection of a few heads and queries per site, say) as one site of all its examples
+        (:func:`probe.batch.problems.merged`): each operation runs once for every site, so that the stack's
+        time follows its rows, not its sites; the rows are those of :meth:`_solve`, site by site."""
+        sites = [piece for piece, _ in stack]
+        whole = merged(sites)
+        context = copy.copy(self.context)  # the examples of the merged site, in its order
+        context.example_ids = [example for site, offset in stack
+                               for example in self.context.example_ids[offset : offset + site.shape[0]]]
+        bounds = torch.tensor([0] + [site.shape[0] for site in sites]).cumsum(0).tolist()  # each site's examples
+        _, h, _, _ = whole.shape
+        rows_before = torch.cat([torch.zeros(1, dtype=torch.int64, device=whole.query_mask.device),
+                                 (whole.query_mask.sum(-1) * h).cumsum(0)]).tolist()  # rows are example-major
+        for space in self.spaces:
+            built = merged_problems([space_problems(site, space) for site in sites])
+            errors = fidelity_errors(whole, built)
+            for index, site in enumerate(sites):
+                self.summary.add_fidelity(site.attention_type, space, float(errors[bounds[index]:bounds[index + 1]].max()))
+            factor = group_factor(built)
+            for alpha in self.alphas:
+                dual = dual_problems(whole, built, alpha, factor)
+                (solution,) = solve_stacked([dual], self.rtol, self.solver_bytes)
+                quantities = derive(whole, dual, solution, self.rtol)
+                columns = site_columns(whole, space, built, solution, quantities, alpha, context)
+                for index, site in enumerate(sites):
+                    rows = torch.arange(rows_before[bounds[index]], rows_before[bounds[index + 1]],
+                                        device=columns.head.device)
+                    piece = replace(columns.take(rows), attention_type=site.attention_type, layer=site.layer)
+                    self._add(piece if self.aggregates is not None else columns_table(piece, context), quantities)
+
+    def _add(self, rows, quantities: Derived) -> None:
+        """One site's rows (a table, or with ``--keep`` its columns) into the summary and the batch's output."""
+        if self.aggregates is not None:  # the columns of the site's rows, folded into the statistics
+            self.summary.add_columns(rows, quantities.bounds)
+            self.aggregates.add(rows)
+        else:
+            self.summary.add(rows, quantities.bounds)
+            self.tables.append(rows)
+        if self.on_rows is not None:
+            self.on_rows(rows.count if self.aggregates is not None else rows.num_rows)
 
 
 @torch.no_grad()
