@@ -150,8 +150,8 @@ def site_rows(
 # one batch
 
 
-#: a stack with less than this in logits and factors (:func:`probe.batch.problems.site_bytes`) is worked through
-#: as one site (:meth:`BatchSolver._solve_merged`): its sites' fixed costs would outweigh their rows
+#: a stack of a selection's sites with less than this in logits and factors (:func:`probe.batch.problems.site_bytes`)
+#: is worked through as one site (:meth:`BatchSolver._solve_merged`): its sites' fixed costs would outweigh their rows
 SMALL_STACK_BYTES = 16 << 20
 
 
@@ -172,6 +172,10 @@ class BatchSolver:
                  on_rows: Callable[[int], None] | None = None, aggregates=None):
         self.spaces, self.alphas, self.rtol = tuple(spaces), tuple(alphas), rtol
         self.on_rows = on_rows  # told the number of rows of each table solved (progress within a batch)
+        #: work a small stack through as one site (:meth:`_solve_merged`): for the sites of a selection, whose
+        #: few rows per site would otherwise cost their sites' fixed costs (a run of every row keeps the
+        #: site-by-site path, whose rows do not depend on the stack's size)
+        self.merge_small = False
         self.context, self.summary = context, summary
         #: ``--keep aggregates`` / ``sample:N``: a :class:`probe.batch.aggregates.Aggregates` the rows are folded
         #: into (no row table is built); None: every row becomes a table
@@ -246,7 +250,7 @@ class BatchSolver:
 
     def _solve(self, stack: list[tuple[SiteCapture, int]]) -> None:
         sites = [piece for piece, _ in stack]
-        if len(sites) > 1 and self.kept is None and mergeable(sites) and \
+        if self.merge_small and len(sites) > 1 and self.kept is None and mergeable(sites) and \
                 sum(site_bytes(site) for site in sites) < SMALL_STACK_BYTES:
             self._solve_merged(stack)
             return
@@ -355,6 +359,7 @@ def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary:
     solver = BatchSolver(config.spaces, config.alphas, config.rtol, context, summary, memory_bytes=budget,
                          on_rows=on_rows, aggregates=None if aggregates is None else aggregates(context))
     started = time.perf_counter()
+    solver.merge_small = selection is not None and not selection.everything
     if capture is None:
         chosen = None if selection is None or selection.everything else selection.for_batch(example_ids)
         loaded.adapter.capture(loaded.model, inputs, solver, chosen)
