@@ -302,6 +302,21 @@ def main(argv=None) -> int:
     return 0
 
 
+def docs_table(results: dict) -> str:
+    """The table docs/keep.md quotes: per mode, rows/s on one core, the host's part, bytes per measured row."""
+    lines = ["| `--keep` | on one CPU core, everything | the host's part, while a GPU does the reductions | bytes per "
+             "measured row |", "|---|---|---|---|"]
+    for e in results["modes"]:
+        host = (f"{e['host_rows_per_s'] / 1e6:.1f}M rows/s: {e['host_share_at_16M']:.2f} of a core at 16M rows/s"
+                if "host_rows_per_s" in e else "the same: every row is built, sorted, compressed and hashed on the host")
+        lines.append(f"| `{e['mode']}` | {e['rows_per_s'] / 1e6:.2f}M rows/s | {host} | {e['bytes_per_row']:.2f} |")
+    g = results["growth"]
+    lines += ["", f"4x the texts ({g['quarter']['rows']:,} to {g['all']['rows']:,} rows) took "
+              f"{g['all']['bytes'] / g['quarter']['bytes']:.2f}x the bytes of an aggregates run "
+              f"({g['quarter']['bytes'] / 1e3:,.0f} kB to {g['all']['bytes'] / 1e3:,.0f} kB)."]
+    return "\n".join(lines)
+
+
 def markdown(results: dict) -> str:
     s = results["settings"]
     lines = [

@@ -249,6 +249,29 @@ def selection_share(work: Path, quick: bool, repeats: int) -> list[dict]:
 # --------------------------------------------------------------------------------------------------
 
 
+def memory_table(results: dict) -> str:
+    """The peak memory table (docs/long-contexts.md quotes it)."""
+    memory = results["memory"]
+    run = memory["run"]
+    return "\n".join([
+        "| process | peak RSS (MiB) |", "|---|---|",
+        f"| plain eager forward | {memory['forward_peak_mib']:,.0f} |",
+        f"| probe run, `--queries {memory['queries']}` | {memory['probe_peak_mib']:,.0f} |",
+        f"| ratio | **{memory['ratio']:.2f}x** |", "",
+        f"{memory['texts']} texts of {memory['tokens']:,} tokens; the run: {run['rows']:,} rows, {run['not_converged']} "
+        f"not converged, fidelity {'passed' if run['fidelity_passed'] else 'FAILED'}.",
+    ])
+
+
+def share_table(results: dict) -> str:
+    """A selection's cost against its share of the rows (docs/long-contexts.md quotes it)."""
+    lines = ["| space | rows: all / selected | share | solve s: all / selected | cost / share |", "|---|---|---|---|---|"]
+    for each in results["share"]:
+        lines.append(f"| {each['space']} | {each['rows_all']:,} / {each['rows_selected']:,} | 1/{1 / each['share']:.0f} "
+                     f"| {each['solve_s_all']:.2f} / {each['solve_s_selected']:.3f} | {each['cost_over_share']:.2f}x |")
+    return "\n".join(lines)
+
+
 def markdown(results: dict) -> str:
     memory_part, lines = results["memory"], []
     lines += [

@@ -22,6 +22,8 @@ import common  # noqa: E402
 common.on_path()
 
 SPEED = common.ROOT / "docs" / "speed.md"
+KEEP = common.ROOT / "docs" / "keep.md"
+LONG = common.ROOT / "docs" / "long-contexts.md"
 
 
 def _render(module: str, function: str, results: str):
@@ -38,6 +40,9 @@ QUOTES = {
     "bench:speedup": (SPEED, _render("speedup", "table", "results_speedup.json")),
     "bench:solver": (SPEED, _render("solver_report", "readme_table", "results_cpu_xeon.json")),
     "bench:gpu_ready": (SPEED, _render("gpu_ready_report", "docs_table", "results_gpu_ready.json")),
+    "bench:keep": (KEEP, _render("keep", "docs_table", "results_keep.json")),
+    "bench:long_context:memory": (LONG, _render("long_context", "memory_table", "results_long_context.json")),
+    "bench:long_context:share": (LONG, _render("long_context", "share_table", "results_long_context.json")),
 }
 
 
