@@ -318,7 +318,7 @@ def main(argv=None) -> int:
     options = arguments.parse_args(argv)
     if common.rendered(options, markdown):
         return 0
-    if options.quick and options.out.name == "results_long_context.json":
+    if options.quick and options.out == arguments.get_default("out"):
         options.out = options.out.with_name("results_long_context_quick.json")
     shape, context = (LLAMA_QUICK, 256) if options.quick else (LLAMA, 4096)
     lengths = [64, 128, 256] if options.quick else [128, 256, 512, 1024, 2048, 4096]

@@ -261,18 +261,16 @@ def _reference_derived(T_s, z, u, alpha, lam, epsilon, p_star, p_att, values) ->
     linear algebra on the explicit templates (none of :mod:`probe.solve.derived`'s reduced systems, CG or tiles),
     with what each may differ from the exact value.
 
-    * :math:`\lambda_2 = lpha(I + lpha\Sigma_u)^{-1}z`, :math:`\Sigma_u = \sum_i u_i (t_i - \mu)(t_i -
-      \mu)^	op`, by one dense solve; its residual :math:`
-ho = lpha z - (I + lpha\Sigma_u)\hat\lambda_2`
-      bounds its error, :math:`\|\hat\lambda_2 - \lambda_2\| \le \|
-ho\| =: arepsilon_{2,ref}` (the matrix
+    * :math:`\lambda_2 = \alpha(I + \alpha\Sigma_u)^{-1}z`, :math:`\Sigma_u = \sum_i u_i (t_i - \mu)(t_i -
+      \mu)^\top`, by one dense solve; its residual :math:`\rho = \alpha z - (I + \alpha\Sigma_u)\hat\lambda_2`
+      bounds its error, :math:`\|\hat\lambda_2 - \lambda_2\| \le \|\rho\| =: \varepsilon_{2,ref}` (the matrix
       is :math:`\succeq I`).  :math:`v_{ref} = \|\lambda_{ref} - \hat\lambda_2\| / \|\lambda_{ref}\|` has a
-      numerator within :math:`arepsilon_{ref} + arepsilon_{2,ref}` of :math:`\|\lambda^* - \lambda_2\|`
-      and a denominator within :math:`arepsilon_{ref}` of :math:`\|\lambda^*\|`, so :math:`|v_{ref} - v|
-      \le (arepsilon_{ref} + arepsilon_{2,ref} + v_{ref}arepsilon_{ref}) / (\|\lambda_{ref}\| -
-      arepsilon_{ref})` (:mod:`probe.solve.derived`'s quotient bound, here from the reference's certificates).
+      numerator within :math:`\varepsilon_{ref} + \varepsilon_{2,ref}` of :math:`\|\lambda^* - \lambda_2\|`
+      and a denominator within :math:`\varepsilon_{ref}` of :math:`\|\lambda^*\|`, so :math:`|v_{ref} - v|
+      \le (\varepsilon_{ref} + \varepsilon_{2,ref} + v_{ref}\varepsilon_{ref}) / (\|\lambda_{ref}\| -
+      \varepsilon_{ref})` (:mod:`probe.solve.derived`'s quotient bound, here from the reference's certificates).
     * :math:`o_{ref} = \|\sum_i (p_i(\lambda_{ref}) - p_{att,i}) v_i\| / \|\sum_i p_{att,i} v_i\|`, with the
-      template diameter :math:`D` and the values' radius :math:`R = \min_{c \in \{0, ar v\}}\max_i\|v_i -
+      template diameter :math:`D` and the values' radius :math:`R = \min_{c \in \{0, \bar v\}}\max_i\|v_i -
       c\|` over the row's keys that :func:`_bounds` needs (``values=None``: not computed)."""
     dimension = len(lam)
     centred = T_s - u @ T_s  # t_i - mu

@@ -61,3 +61,31 @@ def test_the_pattern_finds_history(tmp_path):
 
 def history_in_file(path: Path) -> list[str]:
     return [f"{line}: {HISTORY.search(text).group(0)!r}" for line, text in library_text(path) if HISTORY.search(text)]
+
+
+#: a control character other than a newline: what ``"\alpha"`` or ``"\theta"`` becomes in a string that is not raw
+CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f]")
+TEXT_SUFFIXES = {".py", ".md", ".toml", ".yml", ".yaml", ".cfg", ".sh", ".html", ".css", ".js", ".txt", ".json"}
+
+
+def control_characters_in(paths) -> list[str]:
+    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{number}: {CONTROL.search(line).group(0)!r}"
+            for path in paths for number, line in enumerate(path.read_text().split("\n"), 1) if CONTROL.search(line)]
+
+
+def test_text_files_hold_no_control_characters():
+    """The package's, the tests', the docs' and the benchmarks' text files hold no tab, bell, carriage return
+    or other control character: a formula written through a string that is not raw leaves them behind."""
+    paths = sorted(path for folder in ("probe", "tests", "docs", "bench", "scripts", "reports")
+                   for path in (ROOT / folder).rglob("*") if path.suffix in TEXT_SUFFIXES and path.is_file()
+                   and "assets" not in path.parts)
+    paths += [ROOT / "README.md", ROOT / "pyproject.toml", ROOT / "mkdocs.yml"]
+    found = control_characters_in(paths)
+    assert not found, "\n".join(found[:20])
+
+
+def test_the_control_character_check_finds_a_formula_written_without_r(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("it forms $\theta = \\log u + \alpha s$\n")
+    found = [each.split(": ", 1)[1] for each in control_characters_in([page])]
+    assert found == ["'\\t'"]
