@@ -108,14 +108,19 @@ e^{-\omega/2}) / (\sigma e^{\omega/2} + (1-\sigma)e^{-\omega/2})`, maximal at
 :math:`\sigma = e^{-\omega/4}/(e^{\omega/4} + e^{-\omega/4})` with value :math:`\tanh(\omega/4)`.
 
 *TV bound.*  :math:`\hat p` and :math:`p^*` have logits :math:`\langle t_i, \lambda(y)\rangle` and
-:math:`\langle t_i, \lambda^*\rangle` (plus :math:`\log u_i`), so :math:`d_i - d_j = \langle t_i -
-t_j, \lambda(y) - \lambda^*\rangle` and :math:`\omega \le D\,\varepsilon/2` with the template diameter
-:math:`D = \max_{i,j} \|t_i - t_j\|`, :math:`\|t_i - t_j\|^2 = G_{ii} + G_{jj} - 2G_{ij}` (equally
-:math:`\|a_i - a_j\|^2` for the rows of any factor :math:`AA^\top = G`, which needs no :math:`n \times n`
-matrix), over the keys of the group that carry probability in some row.  By the triangle inequality
+:math:`\langle t_i, \lambda^*\rangle` (plus :math:`\log u_i`), so with :math:`\delta = \lambda(y) -
+\lambda^*`, :math:`\|\delta\| \le \varepsilon/2`, and any centre :math:`c`, :math:`d_i - d_j = \langle t_i
+- c, \delta\rangle - \langle t_j - c, \delta\rangle \le (\|t_i - c\| + \|t_j - c\|)\,\varepsilon/2`.  With
+:math:`c = \bar t` the mean of the templates in use, :math:`\omega \le D\,\varepsilon/2` for the *spread*
+:math:`D = d_{(1)} + d_{(2)}`, the two largest of :math:`d_i = \|t_i - \bar t\|`, over the keys of the group
+that carry probability in some row.  The spread lies between the templates' diameter
+:math:`\max_{i,j}\|t_i - t_j\|` and twice it, and costs :math:`O(nr)` per group, not the diameter's
+:math:`O(n^2 r)`: :math:`d_i = \|a_i - \bar a\|` for the rows of any factor :math:`AA^\top = G`, or
+:math:`d_i^2 = G_{ii} - 2(Gw)_i + w^\top G w` with :math:`w` uniform over the keys in use.  By the triangle
+inequality
 
 .. math::  |TV(\hat p, p_{att}) - TV(p^*, p_{att})| \le TV(\hat p, p^*) \le \tanh(D\varepsilon/8) =: \tau
-           \ (\le D\varepsilon/8 \le \max_i\|t_i\|\,\varepsilon/4).
+           \ (\le D\varepsilon/8 \le \max_i\|t_i\|\,\varepsilon/2).
 
 (Keys whose probability underflows to 0 in every row of the group are left out of :math:`D`; they
 carry less than 1e-300 of mass in :math:`\hat p` and :math:`p_{att}`.)
@@ -530,7 +535,7 @@ def attention_tv(
 
     Returns:
         ``(value, bound)`` ``(g, m)``: :math:`|value - \text{true}| \le bound = \tanh(D\varepsilon/8)`,
-        :math:`D` the diameter of the group's templates (module docstring).
+        :math:`D` the spread of the group's templates (module docstring).
     """
     common = _AttentionDifference(attention, p_att, gram, error_bound, factor)
     return common.tv(), common.tau
@@ -583,10 +588,10 @@ class _AttentionDifference:
         self.difference = self.attention - self.p_att
         self.keys = _keys_in_use(self.attention, self.p_att)
         if factor is not None:
-            diameter = _diameter_from_factor(self.keys, factor)
+            spread = _spread_from_factor(self.keys, factor)
         else:
-            diameter = _diameter_from_gram(self.keys, gram)
-        self.tau = _tv_to_optimum(diameter, error_bound)
+            spread = _spread_from_gram(self.keys, gram)
+        self.tau = _tv_to_optimum(spread, error_bound)
 
     def tv(self):
         return 0.5 * torch.linalg.vector_norm(self.difference, ord=1, dim=-1)
@@ -609,45 +614,43 @@ class _AttentionDifference:
         return value, bound
 
 
-def _diameter_from_gram(keys: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-    r"""The diameter :math:`D = \max_{i,j}\|t_i - t_j\|` over the ``keys`` ``(g, n)`` of each group, from
-    :math:`\|t_i - t_j\|^2 = G_{ii} + G_{jj} - 2G_{ij}`, ``(g,)``."""
+def _spread_from_gram(keys: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    r"""The spread :math:`D = d_{(1)} + d_{(2)}` over the ``keys`` ``(g, n)`` of each group (module
+    docstring): the two largest distances :math:`d_i = \|t_i - \bar t\|` of the templates in use from their
+    mean, from :math:`d_i^2 = G_{ii} - 2(Gw)_i + w^\top G w` with :math:`w` uniform over the keys in use,
+    ``(g,)``."""
     gram = gram.to(device=keys.device, dtype=_F64)
-    diagonal = torch.diagonal(gram, dim1=-2, dim2=-1)
-    squared = diagonal.unsqueeze(-1) + diagonal.unsqueeze(-2) - 2 * gram  # ||t_i - t_j||^2
-    pairs = keys.unsqueeze(-1) & keys.unsqueeze(-2)
-    return torch.where(pairs, squared, 0.0).amax(dim=(-2, -1)).clamp_min(0).sqrt()
+    weights = keys.to(_F64) / keys.sum(-1, keepdim=True).clamp_min(1)
+    pulled = (gram @ weights.unsqueeze(-1)).squeeze(-1)  # (G w)_i
+    squared = torch.diagonal(gram, dim1=-2, dim2=-1) - 2 * pulled + row_dot(weights, pulled).unsqueeze(-1)
+    return _two_largest(torch.where(keys, squared, 0.0).clamp_min(0).sqrt())
 
 
-#: bytes of the blocks of squared distances :func:`_diameter_from_factor` holds at once
-_DIAMETER_BLOCK_BYTES = 1 << 22
-
-
-def _diameter_from_factor(keys: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    r""":func:`_diameter_from_gram` from any :math:`A` with :math:`AA^\top = G` ``(g, n, r)``: the rows
-    :math:`a_i` of :math:`A` have the templates' distances, :math:`\|a_i - a_j\|^2 = G_{ii} + G_{jj} -
-    2G_{ij}`.  Formed in blocks of rows against all columns, so that memory stays :math:`O(nr)` plus a
-    block of :data:`_DIAMETER_BLOCK_BYTES`, never :math:`O(n^2)`; the same sums as from :math:`G`."""
+def _spread_from_factor(keys: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    r""":func:`_spread_from_gram` from any :math:`A` with :math:`AA^\top = G` ``(g, n, r)``: the rows
+    :math:`a_i` of :math:`A` have the templates' distances, so :math:`d_i = \|a_i - \bar a\|`.  Time and
+    memory :math:`O(nr)` per group: no pair of keys is formed."""
     factor = factor.to(device=keys.device, dtype=_F64)
-    g_count, n, _ = factor.shape
-    norms = row_dot(factor, factor)  # G_ii
-    diameter_sq = torch.zeros(g_count, dtype=_F64, device=factor.device)
-    step = max(1, _DIAMETER_BLOCK_BYTES // (8 * max(1, n) * max(1, g_count)))
-    for i0 in range(0, n, step):
-        block = factor[:, i0 : i0 + step]
-        squared = torch.baddbmm(norms.unsqueeze(-2), block, factor.transpose(1, 2), alpha=-2.0)
-        squared.add_(norms[:, i0 : i0 + step].unsqueeze(-1))  # ||a_i - a_j||^2 for i in the block
-        pairs = keys[:, i0 : i0 + step].unsqueeze(-1) & keys.unsqueeze(-2)
-        diameter_sq = torch.maximum(diameter_sq, torch.where(pairs, squared, 0.0).amax(dim=(-2, -1)))
-    return diameter_sq.clamp_min(0).sqrt()
+    weights = keys.to(_F64) / keys.sum(-1, keepdim=True).clamp_min(1)
+    mean = weights.unsqueeze(-2) @ factor  # (g, 1, r): the mean of the rows in use
+    distances = torch.linalg.vector_norm(factor - mean, dim=-1)
+    return _two_largest(torch.where(keys, distances, 0.0))
 
 
-def _tv_to_optimum(diameter, error_bound):
-    r"""The certified :math:`\tau = \tanh(D\varepsilon/8) \ge TV(\hat p, p^*)`, ``(g, m)``, for the diameters
-    :math:`D` ``(g,)`` of the groups' templates."""
-    eps = error_bound.to(device=diameter.device, dtype=_F64)
-    tau = torch.tanh(diameter.unsqueeze(-1) * eps / 8)
-    return torch.where((diameter.unsqueeze(-1) == 0) & ~torch.isnan(eps), 0.0, tau)  # D = 0 even if eps = inf
+def _two_largest(distances: torch.Tensor) -> torch.Tensor:
+    """The sum of the two largest entries of each row of ``distances`` ``(g, n)`` (the largest alone where
+    ``n == 1``), ``(g,)``."""
+    if distances.shape[-1] == 0:
+        return distances.new_zeros(distances.shape[:-1])
+    return distances.topk(min(2, distances.shape[-1]), dim=-1).values.sum(-1)
+
+
+def _tv_to_optimum(spread, error_bound):
+    r"""The certified :math:`\tau = \tanh(D\varepsilon/8) \ge TV(\hat p, p^*)`, ``(g, m)``, for the spreads
+    :math:`D` ``(g,)`` of the groups' templates (:func:`_spread_from_factor`)."""
+    eps = error_bound.to(device=spread.device, dtype=_F64)
+    tau = torch.tanh(spread.unsqueeze(-1) * eps / 8)
+    return torch.where((spread.unsqueeze(-1) == 0) & ~torch.isnan(eps), 0.0, tau)  # D = 0 even if eps = inf
 
 
 def _keys_in_use(attention, p_att):

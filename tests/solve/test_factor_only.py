@@ -154,27 +154,41 @@ def test_derived_quantities_given_the_templates_match_closed_forms_and_the_gram_
     assert torch.equal(tv, tv_gram) and torch.equal(output, output_gram)
     torch.testing.assert_close(tau, tau_gram, rtol=1e-9, atol=0)
     torch.testing.assert_close(output_bound, output_bound_gram, rtol=1e-9, atol=0)
-    # tau = tanh(D eps / 8) with D the diameter of the templates in use (every key carries probability
-    # somewhere here, except those excluded in every row)
+    # tau = tanh(D eps / 8) with D the spread of the templates in use: the two largest distances from their
+    # mean (every key carries probability somewhere here, except those excluded in every row)
     in_use = np.isfinite(log_u).any(0)
-    diameter = pdist(T[in_use]).max() if in_use.sum() > 1 else 0.0
-    np.testing.assert_allclose(tau[0].numpy(), np.tanh(diameter * eps[0].numpy() / 8), rtol=1e-9)
+    np.testing.assert_allclose(tau[0].numpy(), np.tanh(spread(T[in_use]) * eps[0].numpy() / 8), rtol=1e-9)
     tv_alone, tau_alone = derived.attention_tv(solution.attention, p_att, None, eps, factor=factor)
     assert torch.equal(tv_alone, tv) and torch.equal(tau_alone, tau)
 
 
-def test_diameter_blocks_give_the_same_diameter(monkeypatch):
-    """The diameter formed a few rows at a time equals the one formed at once."""
-    T, Z, log_u = instance(45, 7, 2, seed=5)
-    factor = torch.as_tensor(T)[None]
-    problems = problems_of(T, Z, log_u, 1.0, gram=False, factor=factor)
-    solution = solve_dual(problems)
-    p_att = derived.model_attention(problems.logits, problems.log_preference, 1.0)
-    eps = torch.full_like(solution.error_bound, 1e-3)
-    _, whole = derived.attention_tv(solution.attention, p_att, None, eps, factor=factor)
-    monkeypatch.setattr(derived, "_DIAMETER_BLOCK_BYTES", 8 * 45 * 4)  # blocks of 4 rows
-    _, blocks = derived.attention_tv(solution.attention, p_att, None, eps, factor=factor)
-    assert torch.equal(whole, blocks)
+def spread(T: np.ndarray) -> float:
+    """The sum of the two largest distances of the rows of ``T`` from their mean (0 for one row)."""
+    distances = np.sort(np.linalg.norm(T - T.mean(0), axis=1))[::-1]
+    return float(distances[:2].sum()) if len(T) > 1 else 0.0
+
+
+@pytest.mark.parametrize("n, d, duplicates, shift", [(1, 3, 0, 0.0), (2, 5, 0, 0.0), (30, 4, 0, 0.0),
+                                                     (30, 4, 0, 50.0), (12, 40, 5, 0.0), (64, 8, 20, 3.0)])
+def test_the_tv_bound_uses_a_spread_between_the_diameter_and_twice_it(n, d, duplicates, shift):
+    """The bound's D, read back from tau = tanh(D eps / 8), is the templates' spread, whatever their offset
+    from the origin, and lies between their diameter (pairs of keys, scipy) and twice it, from the factor and
+    from the Gram matrix alike."""
+    T, Z, log_u = instance(n, d, 3, duplicates=min(duplicates, n - 1), seed=n + d)
+    T = T + shift  # the spread is taken about the templates' mean: a common offset changes nothing
+    eps_value = 1e-6
+    for gram in (False, True):
+        factor = None if gram else torch.as_tensor(T)[None]
+        problems = problems_of(T, Z, log_u, 1.0, gram=gram, factor=factor)
+        solution = solve_dual(problems)
+        p_att = derived.model_attention(problems.logits, problems.log_preference, 1.0)
+        eps = torch.full_like(solution.error_bound, eps_value)
+        _, tau = derived.attention_tv(solution.attention, p_att, problems.gram, eps, factor=factor)
+        bound_d = 8 * np.arctanh(tau[0, 0].item()) / eps_value
+        in_use = np.isfinite(log_u).any(0)
+        diameter = pdist(T[in_use]).max() if in_use.sum() > 1 else 0.0
+        assert bound_d == pytest.approx(spread(T[in_use]), rel=1e-6, abs=1e-9)
+        assert diameter * (1 - 1e-6) <= bound_d <= 2 * diameter * (1 + 1e-6) + 1e-9
 
 
 class _LargestTensor(TorchDispatchMode):
