@@ -81,6 +81,7 @@ def test_texts_are_the_examples_in_order(api_run):
     assert api_run.manifest["dataset"]["n_examples"] == len(TEXTS)
 
 
+@pytest.mark.slow
 def test_texts_given_in_python_are_said_so_in_the_report(api_run, tmp_path):
     """The report names the texts as what they are, not as the file probe keeps them in (a hash-named .jsonl)."""
     import json

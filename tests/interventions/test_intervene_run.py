@@ -196,6 +196,7 @@ def test_whole_model_mode_alone(tiny_bert_dir, intervened_dir, tmp_path):
                                rows.sort_values(list(ROW_KEY))["rel_deviation"], rtol=1e-6)  # float32 padding
 
 
+@pytest.mark.slow
 def test_the_report_section_and_figure_show_the_tables_means(intervened_dir, tmp_path):
     from probe.report import build_report
     from probe.report import interventions as section

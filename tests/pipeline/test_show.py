@@ -119,6 +119,7 @@ def test_probe_show_writes_the_view_and_says_what_it_checked(tiny_run):
     assert "stored row(s) agree within their certificates" in result.output and f"view: {written}" in result.output
 
 
+@pytest.mark.slow
 def test_the_report_shows_the_worst_rows_text(tiny_run, tmp_path):
     out = tiny_run.report(tmp_path / "report", progress=False)
     page = (out / "index.html").read_text(encoding="utf-8")

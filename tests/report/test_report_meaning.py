@@ -137,6 +137,7 @@ def test_the_first_screen_says_what_the_mean_means_and_shows_the_control(planted
     assert "lies" in data["headline"][0]["in_words"]
 
 
+@pytest.mark.slow
 def test_the_manifest_can_name_the_control(planted, tmp_path):
     rows, control, _, control_dir, _ = planted
     manifest = {**manifest_for(), "control": f"../{control_dir.name}"}

@@ -148,6 +148,7 @@ def test_the_head_heatmap_fits_the_window_with_12_16_and_32_heads(reports_by_hea
                     (heads, width, state, fit)
 
 
+@pytest.mark.slow
 def test_a_named_run_shows_its_name_and_its_model(tmp_path):
     """A run named with ``--name`` keeps the model's own name on its page: both are shown."""
     manifest = {**manifest_for(name="all-MiniLM-L6-v2"), "config": {"name": "ablation A"}}

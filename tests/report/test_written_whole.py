@@ -123,6 +123,7 @@ STAGES = ["read", "statistics:", "figure 1:", "figure 6:", "explorer:"]
 EVERYDAY = {("figure 1:", False), ("explorer:", True)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage, previous", [
     pytest.param(stage, previous, id=f"{stage.rstrip(':')}, {'a previous report' if previous else 'none before'}",
                  marks=() if (stage, previous) in EVERYDAY else pytest.mark.slow)
@@ -141,6 +142,7 @@ def test_ctrl_c_leaves_the_previous_report_or_none(run_dir, tmp_path, stage, pre
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_comparison_leaves_none(run_dir, tmp_path):
     other = write_run(tmp_path / "other", deviation_rows({"self": (2, 2)}, examples=6, seed=1), manifest_for(), parts=2)
     out = tmp_path / "compare"

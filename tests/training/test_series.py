@@ -198,6 +198,7 @@ def test_a_run_refuses_a_step_that_is_not_one(tmp_path, tiny_bert_dir, step, mat
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_runs_made_one_by_one_with_a_step_are_drawn_as_a_series(training, tmp_path):
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(TEXTS) + "\n")

@@ -45,6 +45,7 @@ def test_the_resident_loop_computes_what_the_previous_loop_computed(tmp_path, at
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_on_fashion_mnist_the_ot_vit_trains_as_before(tmp_path):
     """The installed data set (skipped where it is missing), the OT-ViT with its trick: 3 steps of 128."""
     from probe.vit.data import FASHION_MNIST_DIR
@@ -72,6 +73,7 @@ def _syncs(profile, outside=("Optimizer.step",)) -> int:
     return count
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["softmax", "ot", "sinkhorn"])
 def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, attention):
     """An epoch of 4 steps and one of 8 read the device the same number of times: once for the loss and once
@@ -96,6 +98,7 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, attention)
     assert counts == {4: 2, 8: 2}
 
 
+@pytest.mark.slow
 def test_the_previous_loop_read_the_device_every_step(tmp_path):
     """The same count on the previous loop (a whole run of 4 and of 8 steps, the evaluation the same in both):
     3 reads more per step for the ViT (the loss twice, the correct predictions)."""
