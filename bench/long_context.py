@@ -196,7 +196,7 @@ def flops_per_row(model_dir: str, texts: list[str], length: int, sample: int) ->
         problems = dual_problems(site, built, 1.0, group_factor(built))
         solution = solve_dual(problems)
     rows = int(problems.active.sum())
-    return {"keys": site.shape[3], "rows": rows, "flops_per_row": counter.get_total_flops() / rows,
+    return {"keys": site.shape[3], "rows_counted": rows, "flops_per_row": counter.get_total_flops() / rows,
             "iterations_mean": float(solution.iterations[problems.active].float().mean())}
 
 

@@ -139,6 +139,7 @@ def test_long_context_benchmark_quick_mode(tmp_path):
     assert memory["run"]["not_converged"] == 0 and memory["run"]["fidelity_passed"] and memory["ratio"] > 0
     assert [each["keys"] for each in results["per_n"]] == [64, 128, 256]
     assert all(each["flops_per_row"] > 0 and each["run"]["not_converged"] == 0 for each in results["per_n"])
+    assert all(each["rows"] == each["run"]["rows"] > each["rows_counted"] for each in results["per_n"])  # per row: the run's
     assert {each["space"] for each in results["share"]} == {"hidden", "key"}
     assert all(each["rows_selected"] < each["rows_all"] for each in results["share"])
     assert out.with_suffix(".md").exists()
