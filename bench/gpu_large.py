@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from gpu_runs import Log, _sync
+from runs import corpus_texts, llama_tokenizer_and_config
 
 #: the Llama-3-8B shape (its config.json's numbers), and the dry run's
 SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -30,39 +31,13 @@ def build(device: str, quick: bool, tokens: int):
     """The model on ``device`` (initialised there: no copy of 16 GB through the host) and its tokenizer."""
     import torch
     import transformers as T
-    from tokenizers import ByteLevelBPETokenizer
 
-    from probe.capture.data import embedded_corpus
-
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(embedded_corpus() * 4, vocab_size=4000, min_frequency=2, show_progress=False,
-                            special_tokens=["<|endoftext|>"])
-    tokenizer = T.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
-                                          bos_token="<|endoftext|>", unk_token="<|endoftext|>")
-    tokenizer.model_max_length = 2 * tokens
-    config = T.LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=2 * tokens, bos_token_id=0,
-                           eos_token_id=0, pad_token_id=None, **(QUICK_SHAPE if quick else SHAPE))
+    tokenizer, config = llama_tokenizer_and_config(QUICK_SHAPE if quick else SHAPE, tokens, vocab_size=4000)
     torch.manual_seed(0)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     with torch.device(device):
         model = T.AutoModel.from_config(config, dtype=dtype, attn_implementation="eager").eval()
     return model, tokenizer
-
-
-def texts_of(tokenizer, tokens: int, count: int) -> list[str]:
-    """``count`` texts of at least ``tokens`` tokens: the embedded corpus's words in seeded random orders."""
-    import random
-
-    from probe.capture.data import embedded_corpus
-
-    words = " ".join(embedded_corpus()).split()
-    texts = []
-    for seed in range(count):
-        draw, chosen = random.Random(seed), []
-        while len(tokenizer(" ".join(chosen), verbose=False)["input_ids"]) <= tokens:
-            chosen += draw.sample(words, min(len(words), 400))
-        texts.append(" ".join(chosen))
-    return texts
 
 
 def forward_seconds(model, tokenizer, texts: list[str], tokens: int, device: str) -> float:
@@ -90,7 +65,7 @@ def part_large(args, log: Log, workdir: Path, deadline: float) -> dict:
     started = time.perf_counter()
     model, tokenizer = build(args.device, args.quick, tokens)
     built_s = time.perf_counter() - started
-    texts = texts_of(tokenizer, tokens, count)
+    texts = corpus_texts(tokenizer, tokens, count)
     parameters = sum(p.numel() for p in model.parameters())
     log(f"large: a Llama-3-8B-shaped model ({parameters / 1e9:.2f}B parameters) built on {args.device} in "
         f"{built_s:.0f} s; {count} texts of {tokens} tokens")

