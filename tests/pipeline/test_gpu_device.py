@@ -13,6 +13,8 @@ import torch
 
 from probe.solve.dual import DualProblems, solve_dual
 
+from ..support.models import save_word_bert
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -51,18 +53,9 @@ def test_solver_on_device_agrees_with_the_cpu_within_both_certificates(device):
 @pytest.fixture(scope="module")
 def small_bert_dir(tmp_path_factory):
     """A random 2-layer BERT with a word-level tokenizer built here (the GPU machine has no MiniLM package)."""
-    from transformers import BertConfig, BertModel, BertTokenizer
-
-    directory = tmp_path_factory.mktemp("small-bert")
     words = sorted({w.strip(".,?").lower() for w in " ".join(TEXTS).split()})
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ",", "?", *words]
-    tokenizer = BertTokenizer(vocab={word: i for i, word in enumerate(vocab)}, do_lower_case=True)
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=128)
-    BertModel._from_config(config, attn_implementation="eager").save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return save_word_bert(tmp_path_factory.mktemp("small-bert"), [".", ",", "?", *words], layers=2, heads=4,
+                          lowercase=True)
 
 
 TEXTS = [

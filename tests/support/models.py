@@ -30,3 +30,19 @@ def save_tiny_bert(directory, minilm_dir, *, layers=2, heads=4, hidden=64, attn_
         config_file.write_text(json.dumps(saved))
     AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(directory)
     return directory
+
+
+def save_word_bert(directory, words, *, layers: int, heads: int, lowercase: bool = False):
+    """Build a random BERT (hidden 32, seed 0) whose WordPiece tokenizer knows BERT's special tokens and
+    ``words`` only, built here (no MiniLM package needed), save both and return the directory."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    vocabulary = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
+    tokenizer = BertTokenizer(vocab={word: index for index, word in enumerate(vocabulary)}, do_lower_case=lowercase)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(vocabulary), hidden_size=32, num_hidden_layers=layers,
+                        num_attention_heads=heads, intermediate_size=64, max_position_embeddings=128)
+    BertModel._from_config(config, attn_implementation="eager").save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
