@@ -101,8 +101,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    spec = runs.child_setup(sys.argv)
-    if spec is not None:
-        child_main(spec)
-    else:
-        sys.exit(main())
+    runs.entry(main, child_main)

@@ -262,6 +262,16 @@ def child_setup(argv: list[str]) -> dict | None:
     return spec
 
 
+def entry(main, child_main) -> None:
+    """A benchmark's ``__main__`` that also serves as its own child process: ``child_main(spec)`` under
+    ``--child SPEC`` (:func:`child_setup`), else ``sys.exit(main())``."""
+    spec = child_setup(sys.argv)
+    if spec is not None:
+        child_main(spec)
+    else:
+        sys.exit(main())
+
+
 def child_result(result: dict) -> None:
     """Print a child's result for :func:`run_child`."""
     print("RESULT " + json.dumps(result), flush=True)
