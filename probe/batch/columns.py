@@ -96,6 +96,14 @@ def columns_table(columns: SiteColumns, context: RowContext) -> pa.Table:
     return pa.table(table, schema=DEVIATION_SCHEMA)
 
 
+def with_layer(table: pa.Table, layer: int) -> pa.Table:
+    """``table`` (of :func:`columns_table`) with every row's ``layer`` set to ``layer``: one site's slice of a
+    table built for several sites at once."""
+    position = table.schema.get_field_index("layer")
+    layers = pa.array(np.full(table.num_rows, layer, np.int32))
+    return table.set_column(position, DEVIATION_SCHEMA.field("layer"), layers)
+
+
 #: the ``token_role`` values, by code
 _ROLES = pa.array(["word", "special", "first"], pa.string())
 

@@ -125,8 +125,9 @@ def merged(sites: list[SiteCapture]) -> SiteCapture:
     """Sites of one problem shape (:func:`mergeable`) as one site of all their examples, in order: what is
     computed per example, row or group then runs once for all of them (a stack of small pieces, as a
     selection of a few heads and queries gives, spends its time in the fixed cost of each operation).  Its
-    ``layer`` and ``key_weight`` are the first site's: the problems that need each site's own are built per
-    site (:func:`merged_problems`)."""
+    ``layer`` is the first site's, and it has no ``key_hidden`` or ``key_weight``: the problems, which need
+    each site's own, are built per site (:func:`merged_problems`), and copying every example's hidden states
+    would cost more than the few rows of a selection."""
     if len(sites) == 1:
         return sites[0]
     first = sites[0]
@@ -142,8 +143,8 @@ def merged(sites: list[SiteCapture]) -> SiteCapture:
         return torch.cat([value.expand(site.shape[0], *shape[1:]) for site, value in zip(sites, values)])
 
     per_example = ("queries", "keys", "values", "log_preference", "query_mask", "key_mask", "query_ids",
-                   "model_probs", "key_hidden", "query_positions")
-    return replace(first, **{name: joined(name) for name in per_example})
+                   "model_probs", "query_positions")
+    return replace(first, key_hidden=None, key_weight=None, **{name: joined(name) for name in per_example})
 
 
 def merged_problems(problems: list[SpaceProblems]) -> SpaceProblems:

@@ -21,7 +21,7 @@ from typing import Callable
 import pyarrow as pa
 import torch
 
-from probe.batch.columns import RowContext, SiteColumns, columns_table
+from probe.batch.columns import RowContext, SiteColumns, columns_table, with_layer
 from probe.batch.problems import (
     STACK_BYTES,
     dual_problems,
@@ -39,8 +39,8 @@ from probe.batch.problems import (
 )
 from probe.batch.summary import Summary
 from probe.capture.adapters import SiteCapture
-from probe.capture.adapters.base import SpaceProblems, space_problems
-from probe.solve import derived
+from probe.capture.adapters.base import SITE_WEIGHT_SPACES, SpaceProblems, space_problems
+from probe.solve import derived, second_order
 from probe.solve.dual import DualProblems, DualSolution
 from probe.solve.parallel import cpu_workers, run_all
 
@@ -56,23 +56,23 @@ class Derived:
     attention_tv: torch.Tensor
     output_deviation: torch.Tensor
     attention_entropy: torch.Tensor
-    #: the largest certified bound of each quantity over the site's rows (probe.solve.derived)
+    #: the largest certified bound of each quantity over the site's rows (probe.solve.second_order, .derived)
     bounds: dict
 
 
 def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rtol: float = 1e-9) -> Derived:
     r"""The second-order deviation, attention TV, output deviation and attention entropy of every row
-    (:mod:`probe.solve.derived`, with their certified bounds).  ``problems.factor`` must be set.
+    (:mod:`probe.solve.second_order`, :mod:`probe.solve.derived`, with their certified bounds).  ``problems.factor`` must be set.
 
     ``rtol`` is the solver's tolerance: the second-order systems are solved until their certified error
     is at most ``rtol / 10`` of :math:`\|\hat\lambda\|`, so that ``second_order_deviation`` is resolved
     like ``rel_deviation``."""
     factor, alpha = problems.factor, problems.alpha
-    point, point_error = derived.second_order_point(
+    point, point_error = second_order.second_order_point(
         factor, problems.logits, problems.log_preference, alpha, active=problems.active,
         error_target=0.1 * rtol * solution.lambda_norm,
     )
-    second, second_bound = derived.second_order_deviation(
+    second, second_bound = second_order.second_order_deviation(
         solution.correction, point, solution.lambda_norm, solution.error_bound, point_error
     )
     log_p_att = derived.model_log_attention(problems.logits, problems.log_preference, alpha, active=problems.active)
@@ -311,7 +311,8 @@ class BatchSolver:
         rows_before = torch.cat([torch.zeros(1, dtype=torch.int64, device=whole.query_mask.device),
                                  (whole.query_mask.sum(-1) * h).cumsum(0)]).tolist()  # rows are example-major
         for space in self.spaces:
-            built = merged_problems([space_problems(site, space) for site in sites])
+            built = merged_problems([space_problems(site, space) for site in sites]) if space in SITE_WEIGHT_SPACES \
+                else space_problems(whole, space)
             errors = fidelity_errors(whole, built)
             for index, site in enumerate(sites):
                 self.summary.add_fidelity(site.attention_type, space, float(errors[bounds[index]:bounds[index + 1]].max()))
@@ -321,19 +322,26 @@ class BatchSolver:
                 (solution,) = solve_stacked([dual], self.rtol, self.solver_bytes)
                 quantities = derive(whole, dual, solution, self.rtol)
                 columns = site_columns(whole, space, built, solution, quantities, alpha, context)
+                if self.aggregates is None:  # one table, whose sites' rows differ in their layer only
+                    table = columns_table(columns, context)
+                    self.summary.add(table, quantities.bounds)
                 for index, site in enumerate(sites):
-                    rows = torch.arange(rows_before[bounds[index]], rows_before[bounds[index + 1]],
-                                        device=columns.head.device)
-                    piece = replace(columns.take(rows), attention_type=site.attention_type, layer=site.layer)
-                    self._add(piece if self.aggregates is not None else columns_table(piece, context), quantities)
+                    start, stop = rows_before[bounds[index]], rows_before[bounds[index + 1]]
+                    if self.aggregates is None:
+                        self._add(with_layer(table.slice(start, stop - start), site.layer), quantities, summed=True)
+                        continue
+                    rows = torch.arange(start, stop, device=columns.head.device)
+                    self._add(replace(columns.take(rows), layer=site.layer), quantities)
 
-    def _add(self, rows, quantities: Derived) -> None:
-        """One site's rows (a table, or with ``--keep`` its columns) into the summary and the batch's output."""
+    def _add(self, rows, quantities: Derived, summed: bool = False) -> None:
+        """One site's rows (a table, or with ``--keep`` its columns) into the summary and the batch's output;
+        ``summed``: the summary has them already."""
         if self.aggregates is not None:  # the columns of the site's rows, folded into the statistics
             self.summary.add_columns(rows, quantities.bounds)
             self.aggregates.add(rows)
         else:
-            self.summary.add(rows, quantities.bounds)
+            if not summed:
+                self.summary.add(rows, quantities.bounds)
             self.tables.append(rows)
         if self.on_rows is not None:
             self.on_rows(rows.count if self.aggregates is not None else rows.num_rows)

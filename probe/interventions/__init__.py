@@ -25,7 +25,7 @@ Substitutes (per row: example, head, query; from the site's problems in one spac
 * ``exact``: :math:`p^* = p(\lambda^*)`, the solver's certified optimum (:func:`probe.solve.dual.solve_dual`
   on :func:`probe.batch.problems.site_problems`: the rows' :math:`p^*`);
 * ``second-order``: :math:`p(\lambda_2)`, :math:`\lambda_2 = \alpha(I + \alpha\Sigma_u)^{-1}z` (the paper's
-  second-order prediction; :func:`probe.solve.derived.second_order_point` gives :math:`\lambda_2 = \alpha z +
+  second-order prediction; :func:`probe.solve.second_order.second_order_point` gives :math:`\lambda_2 = \alpha z +
   Vy_2`, so :math:`\log p(\lambda_2) = \log u + \alpha s + Ay_2` up to normalisation);
 * ``null``: the control: a seeded random perturbation :math:`q` of the model's own attention with
   exactly the total variation :math:`\tau = TV(p^*, p_{att})` (:func:`null_attention`);

@@ -11,7 +11,7 @@ from probe.batch.problems import site_problems
 from probe.capture.adapters.base import SiteCapture
 from probe.interventions.forward import site_name
 from probe.interventions.model import example_generator
-from probe.solve import derived
+from probe.solve import derived, second_order
 from probe.solve.dual import DualProblems, DualSolution, solve_dual
 
 _F64 = torch.float64
@@ -127,7 +127,7 @@ def site_substitutes(site: SiteCapture, kinds, alpha: float, space: str, rtol: f
         elif kind == "exact":
             weights, entry = shaped(solution.attention), stats
         elif kind == "second-order":
-            point, _ = derived.second_order_point(problems.factor, problems.logits, log_pref, alpha,
+            point, _ = second_order.second_order_point(problems.factor, problems.logits, log_pref, alpha,
                                                   active=problems.active)
             # log p(lambda_2) = log u + alpha s + A y_2 (+ const): <t_i, alpha z + V y_2> = alpha s_i + (A y_2)_i
             theta = torch.add(log_pref, problems.logits, alpha=alpha)

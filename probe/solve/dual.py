@@ -47,8 +47,9 @@ The returned :math:`\hat\lambda = \alpha(\mu + z - T^\top p)` is within ``error_
 :math:`= 2\sqrt{2\alpha\,\mathrm{gap}}` of :math:`\lambda^*`.  A problem is ``converged`` only when
 ``error_bound <= rtol * ||lambda_hat|| + atol``.
 
-The quantities derived from a solution (the second-order prediction, attention and output deviations)
-and their certificates, which follow from this one, are in :mod:`probe.solve.derived`.
+The quantities derived from a solution and their certificates, which follow from this one, are in
+:mod:`probe.solve.second_order` (the second-order prediction) and :mod:`probe.solve.derived` (attention and
+output deviations).
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def solve_spd_reduced(
     Returns ``(x, residual_norm)`` with :math:`\|b - Hx\|` recomputed from ``x`` (not CG's recursive
     residual), so that callers can certify their error: :math:`H \succeq I/\alpha` gives
     :math:`\|x - H^{-1}b\| \le \alpha\,\|b - Hx\|`.  ``residual=False``: ``(x, None)``, for callers
-    that recompute it themselves (:mod:`probe.solve.derived` does, from the product it needs anyway).
+    that need none (:mod:`probe.solve.exact`'s backward pass).
     """
     f64 = torch.float64
     factor, weights, rhs = factor.to(f64), weights.to(f64), rhs.to(f64)

@@ -68,7 +68,7 @@ class DualSolution:
         correction: :math:`A^\top\hat c`, which is :math:`\hat\lambda - \alpha z = VA^\top\hat c` in the
             coordinates of the factor's columns (those of ``DualProblems.factor``, or of
             :func:`probe.solve.gram.factor_gram` of ``gram`` where none was given), ``(n_groups, m, r)``:
-            what :func:`probe.solve.derived.second_order_deviation` compares with the second-order point.
+            what :func:`probe.solve.second_order.second_order_deviation` compares with the second-order point.
     """
 
     coefficients: torch.Tensor

@@ -173,6 +173,11 @@ def assert_same_rows(selected: pd.DataFrame, full: pd.DataFrame):
     # ||lambda* - alpha z|| / ||lambda*|| moves by at most 2 (e + e') / ||lambda|| between two certified answers
     certified = 2 * (joined["error_bound"] + joined["error_bound_full"]) / joined["lambda_norm"] + 1e-12
     assert ((joined["rel_deviation"] - joined["rel_deviation_full"]).abs() <= certified).all()
+    # the second order also moves with its own points' errors (at most 1e-10 ||lambda|| each, as the run asks)
+    second = (joined["second_order_deviation"] - joined["second_order_deviation_full"]).abs()
+    assert (second <= certified + 4e-10).all()
+    for column in ("attention_tv", "output_deviation"):  # within tanh(D e / 8)-sized bounds: far below 1e-6 here
+        np.testing.assert_allclose(joined[column], joined[f"{column}_full"], rtol=0, atol=1e-6, err_msg=column)
     np.testing.assert_allclose(joined["evidence_norm"], joined["evidence_norm_full"], rtol=1e-12)
     np.testing.assert_allclose(joined["attention_entropy"], joined["attention_entropy_full"], rtol=1e-10, atol=1e-12)
 

@@ -12,7 +12,7 @@ import torch
 
 from probe.batch.problems import site_problems
 from probe.capture.loading import load_model
-from probe.solve import derived
+from probe.solve import second_order
 from probe.solve.dual import factor_gram, solve_dual
 
 from ..support import families, previous_solver
@@ -38,9 +38,9 @@ def check_sites(sites):
             old = previous_solver.solve_dual(as_previous(problems), direction_dtype=torch.float64)
             agree(new, old, problems.active)
             # the correction A^T c the solver returns is the one its coefficients give
-            point, point_error = derived.second_order_point(problems.factor, problems.logits, problems.log_preference,
+            point, point_error = second_order.second_order_point(problems.factor, problems.logits, problems.log_preference,
                                                            1.0, problems.active)
-            value, bound = derived.second_order_deviation(new.correction, point, new.lambda_norm, new.error_bound,
+            value, bound = second_order.second_order_deviation(new.correction, point, new.lambda_norm, new.error_bound,
                                                           point_error)
             from_coefficients = torch.bmm(old.coefficients.nan_to_num(), problems.factor).sub(point).norm(dim=-1)
             from_coefficients = from_coefficients / old.lambda_norm

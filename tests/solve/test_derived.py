@@ -11,18 +11,16 @@ import torch
 from scipy.stats import entropy as scipy_entropy
 
 from probe.solve.derived import (
-    _preference_classes,
     attention_deviations,
     attention_entropy,
     attention_tv,
     model_attention,
     model_log_attention,
     output_deviation,
-    second_order_deviation,
-    second_order_point,
 )
 from probe.solve.dual import factor_gram, solve_dual
 from probe.solve.reference import cvxpy_primal
+from probe.solve.second_order import _preference_classes, second_order_deviation, second_order_point
 
 from ..support.solver_problems import reduced
 
@@ -94,12 +92,12 @@ def newton_dual(T, z, log_u, alpha, max_iter=500):
     return lam, alpha * np.linalg.norm(grad)
 
 
-def derive(problems, solution, values=None, cg_rtol=1e-12, direct_min_rows=None):
+def derive(problems, solution, values=None, cg_rtol=1e-12, path="auto"):
     """Every derived quantity of one batch, as the pipeline computes them: name -> (g, m) tensor(s)."""
     alpha, active = problems.alpha, problems.active
     factor = factor_gram(problems.gram)
     point, point_error = second_order_point(
-        factor, problems.logits, problems.log_preference, alpha, active, rtol=cg_rtol, direct_min_rows=direct_min_rows
+        factor, problems.logits, problems.log_preference, alpha, active, rtol=cg_rtol, **PATHS[path]
     )
     log_p_att = model_log_attention(problems.logits, problems.log_preference, alpha, active)
     p_att = log_p_att.exp()
@@ -171,8 +169,10 @@ def test_second_order_matches_dense_newton_and_cvxpy(n, d, alpha, duplicates, ze
         assert bound[0, j].item() < 1e-7
 
 
-#: how second_order_point solves its systems: by its cost model, one factorisation per row, CG only
-PATHS = {"auto": None, "direct": 1, "cg": 10**9}
+#: how second_order_point solves its systems: by its cost model; one factorisation per class of rows sharing u,
+#: through the class's maps M and D, or row by row with the factor (as for a selection's few rows); CG only
+PATHS = {"auto": {}, "direct": {"direct_min_rows": 1, "direct_rows": False},
+         "direct rows": {"direct_min_rows": 1, "direct_rows": True}, "cg": {"direct_min_rows": 10**9}}
 
 
 def lifted(T, Z, alpha, factor, point, group=0):
@@ -202,7 +202,7 @@ def test_second_order_paths_match_dense(n, d, alpha, duplicates, zeros, path):
     problems = reduced(T, Z, log_u, alpha)
     factor = factor_gram(problems.gram)
     point, point_error = second_order_point(
-        factor, problems.logits, problems.log_preference, alpha, direct_min_rows=PATHS[path]
+        factor, problems.logits, problems.log_preference, alpha, **PATHS[path]
     )
     check_second_order(T, Z, log_u, alpha, factor, point, point_error)
 
@@ -243,7 +243,7 @@ def test_second_order_rows_sharing_preferences_match_dense(kind, path):
     factor = factor_gram(problems.gram)
     point, point_error = second_order_point(
         factor, problems.logits, problems.log_preference, 0.7, torch.as_tensor(active)[None],
-        direct_min_rows=PATHS[path],
+        **PATHS[path],
     )
     check_second_order(T, Z, log_u, 0.7, factor, point, point_error, rows=np.flatnonzero(active))
     assert bool(point[0, ~torch.as_tensor(active)].isnan().all())
@@ -282,19 +282,21 @@ def test_direct_solves_left_above_tolerance_go_to_cg():
     check_second_order(T, Z, log_u, 1.3, factor, point, point_error)
 
 
+@pytest.mark.parametrize("path,spoiled", [("direct", "cholesky_inverse"), ("direct rows", "cholesky_solve")])
 @pytest.mark.parametrize("loose", [False, True])
-def test_a_damaged_direct_solve_is_caught_by_its_residual(monkeypatch, loose):
-    """The direct solve's inverse spoiled by 1e-4 (as rounding could): at the default tolerance its rows go
-    to CG and come out right; at a loose error target they are kept, and their certified error still
-    covers the damage (so the residual is an honest one, not the inverse's own estimate)."""
+def test_a_damaged_direct_solve_is_caught_by_its_residual(monkeypatch, loose, path, spoiled):
+    """The direct solve's inverse (or, row by row, its triangular solves) spoiled by 1e-4 (as rounding
+    could): at the default tolerance its rows go to CG and come out right; at a loose error target they are
+    kept, and their certified error still covers the damage (so the residual is an honest one, not the
+    inverse's own estimate)."""
     T, Z, log_u, _ = shared_preferences("group")
     problems = reduced(T, Z, log_u, 1.3)
     factor = factor_gram(problems.gram)
-    exact_inverse = torch.cholesky_inverse
-    monkeypatch.setattr(torch, "cholesky_inverse", lambda cholesky: exact_inverse(cholesky) * (1 + 1e-4))
+    exact = getattr(torch, spoiled)
+    monkeypatch.setattr(torch, spoiled, lambda *args: exact(*args) * (1 + 1e-4))
     target = torch.full(problems.logits.shape[:2], 1e-2) if loose else None
     point, point_error = second_order_point(
-        factor, problems.logits, problems.log_preference, 1.3, error_target=target, direct_min_rows=1
+        factor, problems.logits, problems.log_preference, 1.3, error_target=target, **PATHS[path]
     )
     lam_2s = lifted(T, Z, 1.3, factor, point)
     errors = torch.tensor([np.linalg.norm(lam_2s[j] - dense_lambda_2(T, Z[j], log_u[j], 1.3)) for j in range(len(Z))])
@@ -304,18 +306,18 @@ def test_a_damaged_direct_solve_is_caught_by_its_residual(monkeypatch, loose):
         check_second_order(T, Z, log_u, 1.3, factor, point, point_error)
 
 
-@pytest.mark.parametrize("path", ["direct", "cg"])
+@pytest.mark.parametrize("path", ["direct", "direct rows", "cg"])
 def test_error_target_stops_rows_there_and_stays_certified(path):
     """A row may stop once its certified error reaches error_target: its error is then at most about the
     target, and still below the reported bound."""
     T, Z, log_u = instance(30, 40, 6, scale=0.5, zeros=4, seed=7)
-    if path == "direct":
+    if path.startswith("direct"):
         log_u[:] = log_u[0]
     problems = reduced(T, Z, log_u, 2.0)
     target = torch.full((1, 6), 1e-5)
     factor = factor_gram(problems.gram)
     point, point_error = second_order_point(
-        factor, problems.logits, problems.log_preference, 2.0, error_target=target, direct_min_rows=PATHS[path],
+        factor, problems.logits, problems.log_preference, 2.0, error_target=target, **PATHS[path],
     )
     assert bool((point_error <= 1.5 * target).all())
     if path == "cg":
@@ -334,9 +336,9 @@ def test_second_order_tiles_give_the_same_answers(path):
     factor = factor_gram(torch.cat([g.gram for g in groups]))
     logits = torch.cat([g.logits for g in groups])
     log_pref = torch.cat([g.log_preference for g in groups])
-    whole = second_order_point(factor, logits, log_pref, 0.5, direct_min_rows=PATHS[path])
+    whole = second_order_point(factor, logits, log_pref, 0.5, **PATHS[path])
     tiled = second_order_point(
-        factor, logits, log_pref, 0.5, direct_min_rows=PATHS[path], memory_budget_bytes=4 * 16 * T.shape[0] * 8
+        factor, logits, log_pref, 0.5, **PATHS[path], memory_budget_bytes=4 * 16 * T.shape[0] * 8
     )
     bound = whole[1] + tiled[1] + 1e-13
     difference = (whole[0] - tiled[0]).norm(dim=-1)  # ||lambda_2 - lambda_2'|| (V orthonormal)
@@ -474,7 +476,8 @@ def test_hard_instances_have_huge_logits_and_duplicates():
 
 @pytest.mark.parametrize("case", range(12))
 @pytest.mark.parametrize("newton_steps,cg_rtol,path", [(1, 1e-2, "cg"), (3, 1e-6, "cg"), (100, 1e-12, "cg"),
-                                                        (1, 1e-2, "direct"), (100, 1e-12, "direct")])
+                                                        (1, 1e-2, "direct"), (100, 1e-12, "direct"),
+                                                        (100, 1e-12, "direct rows")])
 def test_bounds_hold_against_exact_values(case, newton_steps, cg_rtol, path):
     """Every reported bound dominates the actual error against dense references, for solves stopped
     after 1 or 3 Newton steps and second-order solves stopped at a loose CG tolerance too (or solved by
@@ -482,7 +485,7 @@ def test_bounds_hold_against_exact_values(case, newton_steps, cg_rtol, path):
     added to the slack."""
     T, Z, log_u, values, alpha = hard_instances()[case]
     problems = reduced(T, Z, log_u, alpha)
-    derived = derive(problems, solve_dual(problems, max_iter=newton_steps), values[None], cg_rtol, PATHS[path])
+    derived = derive(problems, solve_dual(problems, max_iter=newton_steps), values[None], cg_rtol, path)
     lam_2s, point_error = lifted(T, Z, alpha, derived["factor"], derived["point"]), derived["point_error"]
     (second, second_bound), (tv, tv_bound), (out, out_bound) = (derived[k] for k in ("second_order", "tv", "output"))
     per_head = len(Z) // len(values)

@@ -11,7 +11,7 @@ import torch
 from scipy.spatial.distance import pdist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from probe.solve import derived
+from probe.solve import derived, second_order
 from probe.solve.dual import DualProblems, solve_dual
 from probe.solve.gram import factor_from_templates, factor_gram
 from probe.solve.reference import cvxpy_primal
@@ -129,13 +129,13 @@ def test_derived_quantities_given_the_templates_match_closed_forms_and_the_gram_
 
     gram_solution = solve_dual(gram_problems)
 
-    def second_order(a, solved):
-        point, point_error = derived.second_order_point(a, problems.logits, problems.log_preference, alpha)
-        return derived.second_order_deviation(solved.correction, point, solved.lambda_norm, solved.error_bound,
-                                              point_error)
+    def deviation(a, solved):
+        point, point_error = second_order.second_order_point(a, problems.logits, problems.log_preference, alpha)
+        return second_order.second_order_deviation(solved.correction, point, solved.lambda_norm, solved.error_bound,
+                                                   point_error)
 
-    value, bound = second_order(factor, solution)
-    value_gram, bound_gram = second_order(gram_factor, gram_solution)
+    value, bound = deviation(factor, solution)
+    value_gram, bound_gram = deviation(gram_factor, gram_solution)
     for j in range(m):
         lam_ref, _ = cvxpy_primal(T, Z[j], log_u[j], alpha)
         expected = np.linalg.norm(lam_ref - second_order_closed_form(T, Z[j], log_u[j], alpha)) / np.linalg.norm(lam_ref)
@@ -220,8 +220,8 @@ def test_long_context_forms_no_n_by_n_tensor():
     values = torch.randn(1, 1, n, d, generator=generator, dtype=F64)
     with _LargestTensor() as watch:
         solution = solve_dual(problems, workers=0)
-        point, point_error = derived.second_order_point(problems.factor, problems.logits, problems.log_preference, 1.0)
-        derived.second_order_deviation(
+        point, point_error = second_order.second_order_point(problems.factor, problems.logits, problems.log_preference, 1.0)
+        second_order.second_order_deviation(
             solution.correction, point, solution.lambda_norm, solution.error_bound, point_error
         )
         p_att = derived.model_attention(problems.logits, problems.log_preference, 1.0)

@@ -140,6 +140,11 @@ class SpaceProblems:
         return self.templates @ self.templates.transpose(-1, -2)
 
 
+#: the spaces whose problems use the site's own weights (``key_weight``): sites of several layers are built one
+#: by one there, and at once elsewhere (the merged stacks of :class:`probe.batch.rows.BatchSolver`)
+SITE_WEIGHT_SPACES = ("hidden",)
+
+
 def space_problems(site: SiteCapture, space: str, examples: slice = slice(None)) -> SpaceProblems:
     """The site's reduced problems (alpha = 1) in ``space`` for the examples ``examples``, in float64."""
     f64 = torch.float64
