@@ -142,4 +142,6 @@ def test_long_context_benchmark_quick_mode(tmp_path):
     assert all(each["rows"] == each["run"]["rows"] > each["rows_counted"] for each in results["per_n"])  # per row: the run's
     assert {each["space"] for each in results["share"]} == {"hidden", "key"}
     assert all(each["rows_selected"] < each["rows_all"] for each in results["share"])
+    # the groups' factors are timed within the selected run's solve (one repeat in quick mode: the same run)
+    assert all(0 < each["factors_s_selected"] < each["solve_s_selected"] for each in results["share"])
     assert out.with_suffix(".md").exists()
