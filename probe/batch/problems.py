@@ -125,9 +125,10 @@ def merged(sites: list[SiteCapture]) -> SiteCapture:
     """Sites of one problem shape (:func:`mergeable`) as one site of all their examples, in order: what is
     computed per example, row or group then runs once for all of them (a stack of small pieces, as a
     selection of a few heads and queries gives, spends its time in the fixed cost of each operation).  Its
-    ``layer`` is the first site's, and it has no ``key_hidden`` or ``key_weight``: the problems, which need
-    each site's own, are built per site (:func:`merged_problems`), and copying every example's hidden states
-    would cost more than the few rows of a selection."""
+    ``layer`` is the first site's, and it has no ``key_hidden`` or ``key_weight``: the problems that need each
+    site's own (those of :data:`probe.capture.adapters.base.SITE_WEIGHT_SPACES`) are built per site
+    (:func:`merged_problems`), and copying every example's hidden states would cost more than the few rows of
+    a selection."""
     if len(sites) == 1:
         return sites[0]
     first = sites[0]
