@@ -57,7 +57,7 @@ from __future__ import annotations
 import torch
 
 from probe.solve import fixed, native, newton_cg, tiles
-from probe.solve.gram import factor_gram
+from probe.solve.gram import factor_gram, used_columns
 from probe.solve.newton_cg import Progress, WorkingSet, conjugate_gradient, forcing_floor, hessian_times
 from probe.solve.parallel import cpu_workers, run_all
 from probe.solve.problems import DualProblems, DualSolution, duality_gap_reduced
@@ -176,7 +176,7 @@ def solve_dual(
     else:
         factor = problems.factor.to(device=device, dtype=dtype)
     width = factor.shape[-1]
-    kept = factor.abs().amax(dim=(0, 1)) > 0  # zero columns (a rank-deficient G in every group) do nothing
+    kept = used_columns(factor)  # zero columns (a rank-deficient G in every group) do nothing
     dropped = not bool(kept.all())
     if dropped:
         factor = factor[..., kept]

@@ -89,6 +89,7 @@ import math
 import torch
 
 from probe.solve.dual import solve_spd_reduced
+from probe.solve.gram import used_columns
 from probe.solve.problems import row_dot, shares_rows
 
 __all__ = ["second_order_point", "second_order_deviation"]
@@ -220,10 +221,7 @@ def _used_columns(factor):
     r"""The columns of the factor that are nonzero in some group, ``(r,)`` bool, or ``None`` when all are
     (:func:`probe.solve.gram.factor_gram` zeroes those of null eigenvalues): the others add :math:`x_k/\alpha`
     to :math:`Hx` and nothing to :math:`b`, so :math:`x_k = 0` exactly and they can be dropped."""
-    if factor.shape[0] * factor.shape[1]:
-        used = factor.abs().amax(dim=(0, 1)) != 0  # a reduction along contiguous rows: 4x faster than any()
-    else:  # no groups or no keys: no column is used
-        used = torch.zeros(factor.shape[-1], dtype=torch.bool, device=factor.device)
+    used = used_columns(factor)
     return None if bool(used.all()) else used
 
 
