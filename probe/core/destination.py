@@ -154,8 +154,10 @@ def written_whole(destination: str | Path):
     held back (:func:`signals_deferred`).  The destination's parent folders are created."""
     destination = Path(destination).expanduser()
     destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = _hidden_folder(destination, "writing")
+    staging = None
     try:
+        with signals_deferred():  # a signal between the folder's creation and its name would leave it behind
+            staging = _hidden_folder(destination, "writing")
         yield staging
         with signals_deferred():
             previous = None
@@ -172,5 +174,5 @@ def written_whole(destination: str | Path):
                 if previous is not None:
                     shutil.rmtree(previous, ignore_errors=True)
     finally:
-        if staging.exists():
+        if staging is not None and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

@@ -62,6 +62,41 @@ def test_an_error_half_way_leaves_the_previous_folder(tmp_path):
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("at", ["writing", "previous"])
+def test_a_signal_as_a_hidden_folder_is_made_leaves_nothing(tmp_path, monkeypatch, at):
+    """SIGTERM the instant a hidden folder exists, before the code that made it has its name (the moment
+    ``probe compare`` was signalled at when it left its folder behind): the signal is delivered once the name
+    is held, and the folder is removed."""
+    destination = tmp_path / "report"
+    with written_whole(destination) as folder:
+        (folder / "summary.json").write_text("first")
+
+    class Stopped(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stopped
+
+    mkdir = Path.mkdir
+
+    def mkdir_then_signal(self, *args, **kwargs):
+        mkdir(self, *args, **kwargs)
+        if f".{at}-" in self.name:
+            signal.raise_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        monkeypatch.setattr(Path, "mkdir", mkdir_then_signal)
+        with pytest.raises(Stopped), written_whole(destination) as folder:
+            (folder / "summary.json").write_text("second")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert leftovers(tmp_path) == []
+    # stopped before the write: the previous folder; during the swap: the swap finishes first
+    assert (destination / "summary.json").read_text() == ("first" if at == "writing" else "second")
+    assert contents(destination).keys() == {"summary.json"}
+
+
 def test_the_folder_gets_the_permissions_any_new_folder_gets(tmp_path):
     previous = os.umask(0o022)
     try:
