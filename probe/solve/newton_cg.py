@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from probe.solve.parallel import without_gil
+from probe.solve.parallel import call_compiled, without_gil
 from probe.solve.problems import duality_gap_reduced, row_dot, shares_rows
 
 __all__ = [
@@ -73,7 +73,8 @@ class WorkingSet:
         near the optimum the two terms nearly cancel, and the subtraction would cost digits of the
         gradient (and so of the certificate) for problems whose :math:`\lambda^*` is small.
         """
-        terms = _state_terms(self.A, self.m, self.u, self.logits, self.evidence_sqnorm, float(self.alpha), y, p, lse)
+        terms = call_compiled(_state_terms, self.A, self.m, self.u, self.logits, self.evidence_sqnorm,
+                              float(self.alpha), y, p, lse)
         return State(y, theta, p, *terms)
 
 
@@ -333,8 +334,8 @@ def _newton(work: WorkingSet, progress: Progress, rtol, atol, max_iter) -> int:
             return max_iter - done  # no live problem, or compact
         # Inexact Newton; the gradient, the line search and the certificate stay in the solver's dtype.
         forcing = _forcing(gradient_norm, progress.initial_norm, goal, floor)
-        step = _newton_step(
-            work.A, work.A_low, work.m, float(alpha), state.y, state.theta, state.p.to(low),
+        step = call_compiled(
+            _newton_step, work.A, work.A_low, work.m, float(alpha), state.y, state.theta, state.p.to(low),
             state.gradient, state.gradient.to(low, copy=True), state.objective, state.y_dot_m, state.y_sq,
             forcing, cg_cap, live, torch.finfo(dtype).eps,
         )

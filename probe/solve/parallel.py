@@ -70,6 +70,21 @@ def without_gil(function: Callable) -> Callable:
         return function
 
 
+def call_compiled(function: Callable[..., T], *args) -> T:
+    """``function(*args)`` for a function of :func:`without_gil`; on CPU tensors (the device of the first tensor
+    argument) with the graph executor's optimisation off, in this thread, for the call.
+
+    The optimising executor runs a compiled function's first calls with profiling, then builds a graph
+    specialised to what it saw.  That pays where it fuses operations (CUDA).  On a CPU, where TorchScript fuses
+    nothing by default, the same operations run in the same order either way, and those first calls cost some
+    40 ms of each process: on a causal model, most of the solve of a selection of a few rows."""
+    device = next((value.device for value in args if isinstance(value, torch.Tensor)), None)
+    if device is None or device.type != "cpu":
+        return function(*args)
+    with torch.jit.optimized_execution(False):
+        return function(*args)
+
+
 def run_all(jobs: list[Callable[[], T]], workers: int) -> list[T]:
     """``[job() for job in jobs]``, computed by ``workers`` threads of one intra-op thread each.
 

@@ -140,7 +140,10 @@ def test_long_context_benchmark_quick_mode(tmp_path):
     assert [each["keys"] for each in results["per_n"]] == [64, 128, 256]
     assert all(each["flops_per_row"] > 0 and each["run"]["not_converged"] == 0 for each in results["per_n"])
     assert all(each["rows"] == each["run"]["rows"] > each["rows_counted"] for each in results["per_n"])  # per row: the run's
-    assert {each["space"] for each in results["share"]} == {"hidden", "key"}
+    assert [(each["model"], each["space"], each["tokens"]) for each in results["share"]] == [
+        ("all-MiniLM-L6-v2", "hidden", 64), ("all-MiniLM-L6-v2", "key", 64),
+        ("Llama-shaped, 12 heads", "key", 64), ("Llama-shaped, 12 heads", "key", 256)]
+    assert all(each["share"] == pytest.approx(1 / 192) for each in results["share"])  # a head in 12, a position in 16
     assert all(each["rows_selected"] < each["rows_all"] for each in results["share"])
     # the groups' factors are timed within the selected run's solve (one repeat in quick mode: the same run)
     assert all(0 < each["factors_s_selected"] < each["solve_s_selected"] for each in results["share"])

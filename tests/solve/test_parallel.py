@@ -17,7 +17,7 @@ from probe.capture.data import DatasetSpec
 from probe.pipeline.runner import RunConfig, run
 from probe.solve import newton_cg, tiles
 from probe.solve.dual import DualSolution, solve_dual
-from probe.solve.parallel import Lane, cpu_workers, run_all, without_gil
+from probe.solve.parallel import Lane, call_compiled, cpu_workers, run_all, without_gil
 
 from ..support.solver_problems import random_groups, torch_loops
 
@@ -78,6 +78,29 @@ def test_without_gil_keeps_a_function_torchscript_cannot_compile():
 
     assert without_gil(uncompilable) is uncompilable
     assert without_gil(uncompilable)(torch.ones(1)).item() == 4.0
+
+
+def test_compiled_calls_on_a_cpu_skip_the_executors_optimisation():
+    """On CPU tensors a compiled loop runs with the graph executor's optimisation off (its profiling runs cost
+    the first calls of a process tens of milliseconds, and fuse nothing there), restored after the call; on
+    another device (meta here) the setting is left as it is."""
+    seen = []
+
+    def record(*args):
+        seen.append(torch._C._get_graph_executor_optimize())
+
+    before = torch._C._get_graph_executor_optimize()
+    call_compiled(record, 1.0, torch.ones(2))
+    call_compiled(record, torch.ones(2, device="meta"))
+    assert seen == [False, before] and torch._C._get_graph_executor_optimize() == before
+    compiled = newton_cg.conjugate_gradient
+    factor = torch.eye(3, dtype=torch.float64).expand(2, 3, 3)
+    weights = torch.full((2, 1, 3), 1 / 3, dtype=torch.float64)
+    rhs = torch.ones(2, 1, 3, dtype=torch.float64)
+    args = (factor, 1.0, weights, rhs, torch.full((2, 1), 1e-12, dtype=torch.float64), 20,
+            torch.ones(2, 1, dtype=torch.bool), None)
+    assert torch.equal(call_compiled(compiled, *[a.clone() if isinstance(a, torch.Tensor) else a for a in args]),
+                       compiled(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args]))
 
 
 def test_a_memory_budget_limits_the_tiles_in_flight(monkeypatch):
