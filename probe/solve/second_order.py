@@ -47,11 +47,13 @@ inequality over the rows :math:`D_i` of :math:`D`), instead of a CG run of :math
 products with :math:`A` (:math:`nr` each) and the two products with :math:`A` of a residual.  A class of
 few rows (a selection's few queries of a head) skips :math:`M` and :math:`D` (:math:`2nr^2`): each row's
 :math:`b = B^\top s` (:math:`nr`) is solved with the Cholesky factor and its residual :math:`b - H_u\hat x`
-formed with :math:`H_u` (:math:`3r^2`; :func:`_direct_by_rows` chooses by these counts).  Rows with
-their own :math:`u`
-(T5's position bias, causal masks per query) go to the batched CG of
-:func:`probe.solve.dual.solve_spd_reduced`, whose residual is recomputed from :math:`\hat x` with
-:math:`A`.  Columns of :math:`A` that are zero in every group (null eigenvalues of :math:`G`, e.g.
+formed with :math:`H_u` (:math:`3r^2`; :func:`_direct_by_rows` chooses by these counts).  Rows whose
+:math:`u` is uniform over an interval of keys of their own (a causal mask's prefix, a sliding window) get
+their own :math:`H_u` from prefix sums over the keys, factored once per interval for the heads that share
+it, where :func:`_intervals_pay` finds that cheaper than CG (long contexts: :func:`_solve_intervals`); their
+residual is recomputed with :math:`A`.  Other rows with their own :math:`u` (T5's position bias) and the
+rest go to the batched CG of :func:`probe.solve.dual.solve_spd_reduced`, whose residual is recomputed from
+:math:`\hat x` with :math:`A`.  Columns of :math:`A` that are zero in every group (null eigenvalues of :math:`G`, e.g.
 beyond the :math:`d'` dimensions of the key space) are dropped first: they contribute
 :math:`x_k/\alpha` to :math:`Hx` and nothing to :math:`b`, so :math:`x_k = 0` exactly.  Whichever way
 :math:`\hat x` was found, the bound below uses its residual (or the bound on it), so no path needs to be
@@ -90,6 +92,7 @@ import torch
 
 from probe.solve.dual import solve_spd_reduced
 from probe.solve.gram import used_columns
+from probe.solve.newton_cg import hessian_times
 from probe.solve.problems import row_dot, shares_rows
 
 __all__ = ["second_order_point", "second_order_deviation"]
@@ -109,6 +112,7 @@ def second_order_point(
     error_target: torch.Tensor | None = None,
     direct_min_rows: int | None = None,
     direct_rows: bool | None = None,
+    intervals: bool | None = None,
     memory_budget_bytes: int = 1 << 29,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The paper's second-order prediction :math:`\lambda_2 = \alpha(I + \alpha\Sigma_u)^{-1}z` in reduced
@@ -116,8 +120,9 @@ def second_order_point(
     (module docstring, "Second-order prediction").
 
     The systems are solved directly where rows share their preference (one factorisation of :math:`H_u`
-    per class of rows with bitwise equal :math:`u` in a group, then two products per row) and by CG
-    elsewhere; either way :math:`\varepsilon_2` comes from the residual recomputed from :math:`\hat x`
+    per class of rows with bitwise equal :math:`u` in a group, then two products per row), by one
+    factorisation per interval where rows are uniform over intervals of keys of their own and that is cheaper,
+    and by CG elsewhere; either way :math:`\varepsilon_2` comes from the residual recomputed from :math:`\hat x`
     (module docstring, "Solving the systems").
 
     Args:
@@ -137,6 +142,10 @@ def second_order_point(
         direct_rows: whether a class solved directly solves its rows one by one with the Cholesky factor of
             :math:`H_u` (few rows) or forms :math:`M` and :math:`D` for them (many); ``None``: by the cost
             model of :func:`_direct_by_rows`.
+        intervals: whether the rows left by those classes whose :math:`u` is uniform over an interval of keys (a
+            causal mask, a sliding window) are solved by factorising their own :math:`H_u`, formed from prefix
+            sums (:func:`_solve_intervals`), before CG takes the rest; ``None``: where the cost model of
+            :func:`_intervals_pay` says so.
         memory_budget_bytes: rows are processed in tiles of about this working-set size.
 
     Returns:
@@ -151,27 +160,11 @@ def second_order_point(
     used = _used_columns(factor)
     a = factor if used is None else factor[..., used]
     device = factor.device
-    logits = logits.to(device=device, dtype=_F64)
     g_count, m, n = logits.shape
-    log_pref = log_preference.to(device=device, dtype=_F64).expand(g_count, m, n)
+    log_pref = log_preference.to(device=device).expand(g_count, m, n)
     # rows that share their preference by construction (a view: BERT-like models' masks) share u, its
     # support and one class per group, all found from the group's first row
     shared = shares_rows(log_pref)
-    row_pref = log_pref[:, :1] if shared else log_pref
-    support = row_pref > -torch.inf
-    ok = support.any(-1) & torch.isfinite(torch.where(support, row_pref, 0.0)).all(-1)
-    if not bool(torch.isfinite(logits.sum())):  # a finite sum has finite terms (one pass, no copy)
-        logits = torch.where(support, logits, 0.0)  # whatever is stored at excluded keys plays no part
-        ok = ok & torch.isfinite(logits).all(-1)
-    ok = ok.expand(g_count, m)
-    active = ok if active is None else ok & active.to(device)
-    # rows with no allowed key or non-finite inputs become a harmless uniform problem, so that no NaN
-    # enters the batched products (other inactive rows are computed with the rest, and masked at the end)
-    if not bool(ok.all()):
-        log_pref = log_pref.masked_fill(~ok.unsqueeze(-1), 0.0)
-        logits = logits.masked_fill(~ok.unsqueeze(-1), 0.0)
-        shared = False
-    u = torch.softmax(log_pref[:, :1] if shared else log_pref, dim=-1).expand(g_count, m, n)
     if error_target is not None:
         error_target = error_target.to(device=device, dtype=_F64).expand(g_count, m)
     if direct_min_rows is None:
@@ -179,12 +172,19 @@ def second_order_point(
 
     x = torch.zeros(g_count, m, a.shape[-1], dtype=_F64, device=device)
     residual = torch.zeros(g_count, m, dtype=_F64, device=device)
+    computed = torch.zeros(g_count, m, dtype=torch.bool, device=device)
     bytes_per_row = 16 * n * 8  # about 16 live (m, n)-sized float64 tensors in the CG
+    # each tile's rows are converted and checked as it comes (whole sites of long contexts are gigabytes)
     for g0, g1, j0, j1 in _tiles(g_count, m, max(1, memory_budget_bytes // bytes_per_row)):
+        tile_logits, u, live, tile_shared = _tile_inputs(
+            logits[g0:g1, j0:j1].to(device=device), log_pref[g0:g1, j0:j1],
+            None if active is None else active[g0:g1, j0:j1].to(device), shared,
+        )
+        computed[g0:g1, j0:j1] = live
         target = None if error_target is None else error_target[g0:g1, j0:j1]
         _second_order_tile(
-            a[g0:g1], logits[g0:g1, j0:j1], u[g0:g1, j0:j1], active[g0:g1, j0:j1], shared, alpha, rtol, target,
-            direct_min_rows, direct_rows, memory_budget_bytes, x[g0:g1, j0:j1], residual[g0:g1, j0:j1],
+            a[g0:g1], tile_logits, u, live, tile_shared, alpha, rtol, target, direct_min_rows, direct_rows, intervals,
+            memory_budget_bytes, x[g0:g1, j0:j1], residual[g0:g1, j0:j1],
         )
     x.mul_(-alpha)  # y_2 = -alpha x
     if used is not None:
@@ -192,8 +192,32 @@ def second_order_point(
             -1, used.nonzero().squeeze(-1), x
         )
     error = residual.mul_(alpha**2)
-    inactive = ~active
+    inactive = ~computed
     return x.masked_fill_(inactive.unsqueeze(-1), _NAN), error.masked_fill_(inactive, _NAN)
+
+
+def _tile_inputs(logits, log_pref, active, shared):
+    r"""A tile's logits (float64; 0 at excluded keys when any is not finite), :math:`u`, the rows to compute
+    (``active`` and with an allowed key and finite inputs) and whether its rows share their preference.  Rows
+    with no allowed key or non-finite inputs become a harmless uniform problem, so that no NaN enters the
+    batched products (other inactive rows are computed with the rest, and masked at the end)."""
+    g_count, m, n = logits.shape
+    logits = logits.to(_F64)
+    row_pref = (log_pref[:, :1] if shared else log_pref).to(_F64)
+    support = row_pref > -torch.inf
+    ok = support.any(-1)
+    if not bool(torch.isfinite(torch.where(support, row_pref, 0.0).sum())):  # a finite sum has finite terms
+        ok = ok & torch.isfinite(torch.where(support, row_pref, 0.0)).all(-1)
+    if not bool(torch.isfinite(logits.sum())):
+        logits = torch.where(support, logits, 0.0)  # whatever is stored at excluded keys plays no part
+        ok = ok & torch.isfinite(logits).all(-1)
+    ok = ok.expand(g_count, m)
+    live = ok if active is None else ok & active
+    if not bool(ok.all()):
+        row_pref = row_pref.expand(g_count, m, n).masked_fill(~ok.unsqueeze(-1), 0.0)
+        logits = logits.masked_fill(~ok.unsqueeze(-1), 0.0)
+        shared = False
+    return logits, torch.softmax(row_pref, dim=-1).expand(g_count, m, n), live, shared
 
 
 #: cost of one CG solve per row in units of the n r multiply-adds of one product with A, fitted to the
@@ -217,6 +241,18 @@ def _direct_by_rows(n: int, r: int, width: int) -> bool:
     return width * (3 * r * r - n) < 2 * n * r * r + r**3 / 3
 
 
+def _intervals_pay(n: int, r: int, sharing: float, rows_per_group: float) -> bool:
+    r"""Whether rows with their own interval of keys cost less by a factorisation per interval
+    (:func:`_solve_intervals`) than by CG (:data:`_CG_COST` products with :math:`A` a row, and the residual's
+    two), in multiply-adds: the residual's two products (:math:`2nr` a row), the factorisation's :math:`r^3/3`,
+    which runs at about a fifth of the products' rate on these small matrices, and some :math:`16r^2` of passes
+    over its matrices, per interval of ``sharing`` rows (the heads that share a query's mask), and the prefix
+    sums' :math:`nr^2` per group of ``rows_per_group`` rows.  Measured on a CPU: a full causal run pays from
+    about 1,000 keys at :math:`r = 64`; a selection of one head, with one row an interval, from more."""
+    cg = (_CG_COST + 2) * n * r
+    return cg > 2 * n * r + (5 * r**3 / 3 + 16 * r * r) / sharing + n * r * r / rows_per_group
+
+
 def _used_columns(factor):
     r"""The columns of the factor that are nonzero in some group, ``(r,)`` bool, or ``None`` when all are
     (:func:`probe.solve.gram.factor_gram` zeroes those of null eigenvalues): the others add :math:`x_k/\alpha`
@@ -225,11 +261,12 @@ def _used_columns(factor):
     return None if bool(used.all()) else used
 
 
-def _second_order_tile(a, s, u, live, shared, alpha, rtol, target, direct_min_rows, direct_rows, memory_budget_bytes,
-                       x, residual):
+def _second_order_tile(a, s, u, live, shared, alpha, rtol, target, direct_min_rows, direct_rows, intervals,
+                       memory_budget_bytes, x, residual):
     r"""Solve one tile's systems :math:`H_u x = b` into ``x`` ``(g, m, r)``, with :math:`\|b - H_u\hat x\|`
-    into ``residual``: the direct solve on classes of rows sharing :math:`u`, then CG on the live rows
-    left (and on any row the direct solve leaves above its tolerance).  ``shared``: every row of a group
+    into ``residual``: the direct solve on classes of rows sharing :math:`u`, then (with ``intervals``) the rows
+    whose :math:`u` is uniform over an interval of keys by their own factorisations, then CG on the live rows
+    left (and on any row the direct solves leave above its tolerance).  ``shared``: every row of a group
     has the group's :math:`u` (by construction)."""
     if not a.shape[-1]:  # no templates to speak of: x is empty and lambda_2 = alpha z exactly
         return
@@ -246,8 +283,117 @@ def _second_order_tile(a, s, u, live, shared, alpha, rtol, target, direct_min_ro
     rhs_norm = rhs.norm(dim=-1)
     tolerance = torch.maximum(tolerance, rtol * rhs_norm)
     pending = live & ~(solved & (residual <= tolerance))
+    if intervals is not False and bool(pending.any()):
+        pending = pending & ~_solve_intervals(a, u, rhs, tolerance, pending, alpha, x, residual, memory_budget_bytes,
+                                              always=bool(intervals))
     if bool(pending.any()):
         _solve_cg(a, u, rhs, rhs_norm, tolerance, pending, live, alpha, rtol, x, residual)
+
+
+def _solve_intervals(a, u, rhs, tolerance, pending, alpha, x, residual, memory_budget_bytes, always=False):
+    r"""Solve :math:`H_u x = b` for the ``pending`` rows whose :math:`u` is uniform over an interval of keys
+    :math:`[l, h]` (causal masks and sliding windows, with or without padding), by factorising :math:`H_u` once
+    per interval (for the rows of every head that share it); writes :math:`\hat x` and :math:`\|b - H_u\hat
+    x\|` into ``x`` and ``residual`` for the rows it solves to ``tolerance``, and returns them ``(g, m)``.
+
+    With :math:`k = h - l + 1` keys, :math:`H_u = I/\alpha + S/k - \bar a\bar a^\top` for :math:`S =
+    \sum_{i=l}^{h} a_i a_i^\top` and :math:`\bar a = \frac1k\sum_{i=l}^{h} a_i`, differences of prefix sums
+    over the keys (:func:`_interval_sums`: :math:`nr^2` per group, whatever its rows), then one Cholesky
+    factorisation (:math:`r^3/3`), against CG's two products with :math:`A` (:math:`2nr`) per step and row.
+    The factor's rows are first shifted by their mean over the group's keys in use (:math:`H_u` and :math:`b`
+    do not change; the sums cancel less).  Each row's residual is then recomputed with :math:`A` (two
+    products, as CG's is), so the rounding of the sums costs accuracy, never the certificate: a row above
+    its tolerance, or whose factorisation fails, is left to CG.  Unless ``always``, the rows are left to CG
+    where :func:`_intervals_pay` says they cost less there."""
+    n, r = a.shape[1], a.shape[2]
+    support = u > 0
+    count = support.sum(-1)
+    first = support.to(torch.int8).argmax(-1)
+    last = n - 1 - support.flip(-1).to(torch.int8).argmax(-1)
+    uniform = ((u == u.gather(-1, first.unsqueeze(-1))) | ~support).all(-1)
+    chosen = pending & uniform & (count > 0) & (last - first + 1 == count)
+    if not bool(chosen.any()):
+        return torch.zeros_like(pending)
+    in_use = support.any(1).to(a.dtype)  # (g, n): the keys some row of the group uses
+    shifted = a - torch.bmm(in_use.unsqueeze(1), a) / in_use.sum(-1).clamp_min(1.0).reshape(-1, 1, 1)
+    # the distinct intervals (sorted, so group-major), and the rows of each as a padded table
+    group, row = chosen.nonzero(as_tuple=True)
+    code = (group * (n + 1) + first[group, row]) * (n + 1) + last[group, row]
+    code, inverse, counts = torch.unique(code, return_inverse=True, return_counts=True)
+    groups_in = int(torch.unique_consecutive(group).numel())
+    if not always and not _intervals_pay(n, r, len(group) / len(code), len(group) / groups_in):
+        return torch.zeros_like(pending)
+    order = torch.argsort(inverse, stable=True)
+    rank = torch.arange(len(order), device=a.device) - (counts.cumsum(0) - counts)[inverse[order]]
+    table = torch.full((len(code), int(counts.max())), -1, dtype=torch.long, device=a.device)
+    table[inverse[order], rank] = order
+    valid = table >= 0
+    eye = torch.eye(r, dtype=a.dtype, device=a.device) / alpha
+    estimate = torch.zeros_like(x)
+    step = max(1, memory_budget_bytes // (8 * 4 * r * r))  # intervals at a time: their sums, H_u and factors
+    for c0 in range(0, len(code), step):
+        part = code[c0 : c0 + step]
+        start, stop = part // (n + 1) % (n + 1), part % (n + 1) + 1
+        total, outer = _interval_sums(shifted, part // (n + 1) ** 2, start, stop)
+        k = (stop - start).to(a.dtype).reshape(-1, 1)
+        mean = total.div_(k)
+        hessian = outer.div_(k.unsqueeze(-1)).sub_(mean.unsqueeze(-1) * mean.unsqueeze(-2)).add_(eye)
+        cholesky, info = torch.linalg.cholesky_ex(hessian)
+        members, ok = table[c0 : c0 + step], valid[c0 : c0 + step] & (info == 0).unsqueeze(-1)
+        picked = members.clamp_min(0)
+        rows_in = torch.where(ok.unsqueeze(-1), rhs[group[picked], row[picked]], 0.0)  # (C, width, r)
+        solution = torch.cholesky_solve(rows_in.transpose(1, 2), cholesky).transpose(1, 2)
+        estimate[group[members[ok]], row[members[ok]]] = solution[ok]
+    solved = torch.zeros_like(chosen)
+    solved[group[table[valid]], row[table[valid]]] = True
+    misfit = (rhs - hessian_times(a, alpha, u, estimate)).norm(dim=-1)  # ||b - H_u x||, with A
+    solved &= misfit <= tolerance
+    x[solved] = estimate[solved]
+    residual[solved] = misfit[solved]
+    return solved
+
+
+def _interval_sums(a, group, start, stop, piece=32):
+    r""":math:`\sum_i a_i` ``(C, r)`` and :math:`\sum_i a_i a_i^\top` ``(C, r, r)`` over the keys
+    ``start`` :math:`\le i <` ``stop`` of group ``group`` of ``a`` ``(g, n, r)``, for each of C intervals (sorted
+    by group): differences of the group's prefix sums at those bounds.  The prefix sums of the outer products
+    are formed at the bounds only: one product :math:`A^\top A` over the keys before a group's first bound, then
+    the products :math:`A_k^\top A_k` of the pieces :math:`A_k` of keys between consecutive bounds (cut at
+    multiples of ``piece``), added up in order: :math:`nr^2` per group whatever the intervals."""
+    present, local = torch.unique_consecutive(group, return_inverse=True)
+    a = a[present]
+    g_count, n, r = a.shape
+    prefix = torch.cat([a.new_zeros(g_count, 1, r), a.cumsum(1)], 1)  # prefix[:, b]: over the keys before b
+    total = prefix[local, stop] - prefix[local, start]
+    marks = torch.zeros(g_count, n + 1, dtype=torch.bool, device=a.device)
+    marks[local, start] = True
+    marks[local, stop] = True
+    marks[:, 0] = False  # no piece ends before the first key
+    position = torch.arange(n + 1, device=a.device)
+    first = marks.to(torch.int8).argmax(-1, keepdim=True)  # each group's first bound (stop >= 1: there is one)
+    marks |= (position % piece == 0) & (position > first)
+    piece_group, end = marks.nonzero(as_tuple=True)  # each piece's group and (exclusive) end, group-major
+    counts = torch.bincount(piece_group, minlength=g_count)
+    rank = torch.arange(len(end), device=a.device) - (counts.cumsum(0) - counts)[piece_group]  # within its group
+    sums = a.new_empty(g_count, int(counts.max()), r, r)
+    before = a * (position[:-1] < first).unsqueeze(-1)  # the keys before each group's first bound
+    sums[:, 0] = torch.bmm(before.transpose(1, 2), before)
+    later = (rank > 0).nonzero().squeeze(-1)
+    if len(later):
+        begin, finish, which = end[later - 1], end[later], piece_group[later]
+        keys = begin.unsqueeze(-1) + torch.arange(int((finish - begin).max()), device=a.device)
+        blocks = a[which.unsqueeze(-1), keys.clamp_max(n - 1)] * (keys < finish.unsqueeze(-1)).unsqueeze(-1)
+        sums[which, rank[later]] = torch.bmm(blocks.transpose(1, 2), blocks)
+    sums[torch.arange(sums.shape[1], device=a.device) >= counts.unsqueeze(-1)] = 0.0  # a shorter group's tail
+    for k in range(1, sums.shape[1]):  # sums[:, k]: over the keys before the end of piece k
+        sums[:, k].add_(sums[:, k - 1])  # (torch's cumsum along this axis is several times slower)
+    at = torch.zeros(g_count, n + 1, dtype=torch.long, device=a.device)
+    at[piece_group, end] = rank
+    outer = sums[local, at[local, stop]]
+    later = (start > 0).nonzero().squeeze(-1)  # intervals that do not start at the first key
+    if len(later):
+        outer[later] -= sums[local[later], at[local[later], start[later]]]
+    return total, outer
 
 
 def _solve_cg(a, u, rhs, rhs_norm, tolerance, pending, live, alpha, rtol, x, residual):

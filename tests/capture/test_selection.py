@@ -22,6 +22,7 @@ from probe.capture.selection import Selection, Stack, query_positions, resolve, 
 from probe.core.arguments import IndexRange, QueryRule, indices, queries
 from probe.core.config import RunConfig
 from probe.core.errors import ProbeError
+from probe.solve import second_order
 
 from ..support.families import ALL, CORPUS, SOURCES, TARGETS, save_tiny, spec
 
@@ -197,6 +198,23 @@ def test_layers_heads_and_every_k_are_the_full_runs_rows(name, models, full_runs
     expected = full[(full["layer"] == full.groupby("attention_type")["layer"].transform("max"))
                     & full["head"].isin([0, 1, 3]) & (full["query"] % 3 == 0)]
     assert set(map(tuple, rows[KEY].to_numpy())) == set(map(tuple, expected[KEY].to_numpy()))
+
+
+def test_a_causal_models_second_order_by_its_intervals_is_the_cg_rows(models, full_runs, tmp_path_factory,
+                                                                      monkeypatch):
+    """The Llama's rows (a causal mask after left padding: each query uniform over an interval of keys, shared by
+    the query heads of a key-value head) with the second order solved by one factorisation per interval, as long
+    contexts are, against the full run's, whose few keys leave it to CG."""
+    monkeypatch.setattr(second_order, "_intervals_pay", lambda *args: True)
+    solved, left = [], []
+    solve_intervals, solve_cg = second_order._solve_intervals, second_order._solve_cg
+    monkeypatch.setattr(second_order, "_solve_intervals",
+                        lambda *args, **kwargs: solved.append(int((found := solve_intervals(*args, **kwargs)).sum()))
+                        or found)
+    monkeypatch.setattr(second_order, "_solve_cg", lambda *args: left.append(args) or solve_cg(*args))
+    rows = _run(models, "llama", tmp_path_factory, batch_size=2).rows
+    assert sum(solved) > 0.9 * len(rows) and not left  # by their intervals (the rest: classes of equal masks)
+    assert_same_rows(rows, full_runs["llama"])
 
 
 @pytest.mark.parametrize("name", ["llama", "bert", "t5"])
