@@ -75,13 +75,12 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
     second, second_bound = second_order.second_order_deviation(
         solution.correction, point, solution.lambda_norm, solution.error_bound, point_error
     )
-    log_p_att = derived.model_log_attention(problems.logits, problems.log_preference, alpha, active=problems.active)
-    p_att = log_p_att.exp()
     # value heads: row j of a group uses value head j // (m / H); key space: one key head per group
     b, _, _, k = site.shape
-    values = site.values.to(torch.float64).reshape(problems.n_groups, -1, k, site.values.shape[-1])
-    (tv, tv_bound), (output, output_bound) = derived.attention_deviations(
-        solution.attention, p_att, values, problems.gram, solution.error_bound, factor=factor,
+    values = site.values.reshape(problems.n_groups, -1, k, site.values.shape[-1])
+    (tv, tv_bound), (output, output_bound), entropy = derived.attention_quantities(
+        solution.attention, problems.logits, problems.log_preference, alpha, values, solution.error_bound,
+        gram=problems.gram, factor=factor, active=problems.active,
     )
 
     def worst(bound):
@@ -90,7 +89,7 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
 
     return Derived(
         second_order_deviation=second, attention_tv=tv, output_deviation=output,
-        attention_entropy=derived.attention_entropy(p_att, log_p_att),
+        attention_entropy=entropy,
         bounds={"second_order_deviation": worst(second_bound), "attention_tv": worst(tv_bound),
                 "output_deviation": worst(output_bound)},
     )

@@ -79,6 +79,7 @@ __all__ = [
     "attention_tv",
     "output_deviation",
     "attention_deviations",
+    "attention_quantities",
     "attention_entropy",
 ]
 
@@ -173,6 +174,57 @@ def attention_deviations(
     ``gram`` or ``factor`` as in :func:`attention_tv`."""
     common = _AttentionDifference(attention, p_att, gram, error_bound, factor)
     return (common.tv(), common.tau), common.output(values)
+
+
+def attention_quantities(
+    attention: torch.Tensor, logits: torch.Tensor, log_preference: torch.Tensor, alpha: float, values: torch.Tensor,
+    error_bound: torch.Tensor, *, gram: torch.Tensor | None = None, factor: torch.Tensor | None = None,
+    active: torch.Tensor | None = None, memory_budget_bytes: int = 1 << 28,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    r""":func:`attention_deviations` and :func:`attention_entropy` of every row from the model's logits
+    (:func:`model_log_attention`), ``((tv, tv_bound), (output, output_bound), entropy)``, each ``(g, m)``:
+    the same values and bounds, computed for tiles of rows of one value head at a time, of about
+    ``memory_budget_bytes`` (a site of long contexts is gigabytes for each ``(g, m, n)`` tensor).
+
+    Each tile gives its rows' values, their :math:`\|\sum_i p_{att,i}v_i\|` and the keys its rows use; the
+    bounds follow once every tile has: the spread and the values' radius are over the keys in use in any row
+    of the group (module docstring).  Arguments as in :func:`model_log_attention` and
+    :func:`attention_deviations` (``logits`` the solver's :math:`s`, ``values`` ``(g, H, n, d_v)``).
+    """
+    if gram is None and factor is None:
+        raise ValueError("the attention deviations need the templates: gram or factor")
+    g_count, m, n = logits.shape
+    heads = values.shape[1]
+    if values.shape[0] != g_count or values.shape[2] != n or m % heads:
+        raise ValueError(f"values {tuple(values.shape)} do not fit attention {(g_count, m, n)}")
+    per_head = m // heads
+    device = attention.device
+    log_preference = log_preference.expand(g_count, m, n)
+    tv, output, scale, entropy = (torch.empty(g_count, m, dtype=_F64, device=device) for _ in range(4))
+    keys = torch.zeros(g_count, n, dtype=torch.bool, device=device)
+    step = max(1, memory_budget_bytes // (8 * 6 * g_count * n))  # rows at a time: about six (g, rows, n) tensors
+    for head in range(heads):
+        head_values = values[:, head].to(device=device, dtype=_F64)  # (g, n, d_v)
+        for q0 in range(0, per_head, step):
+            rows = slice(head * per_head + q0, head * per_head + min(q0 + step, per_head))
+            log_p = model_log_attention(logits[:, rows], log_preference[:, rows], alpha,
+                                        None if active is None else active[:, rows])
+            p_att = log_p.exp()
+            solved = attention[:, rows].to(_F64)
+            difference = solved - p_att
+            keys |= _keys_in_use(solved, p_att)
+            tv[:, rows] = 0.5 * torch.linalg.vector_norm(difference, ord=1, dim=-1)
+            scale[:, rows] = (p_att @ head_values).norm(dim=-1)  # ||sum_i p_att,i v_i||
+            output[:, rows] = (difference @ head_values).norm(dim=-1) / scale[:, rows]
+            entropy[:, rows] = attention_entropy(p_att, log_p)
+    if factor is not None:
+        spread = _spread_from_factor(keys, factor)
+    else:
+        spread = _spread_from_gram(keys, gram)
+    tau = _tv_to_optimum(spread, error_bound)
+    masked = torch.where(keys[:, None, :, None], values.to(device=device, dtype=_F64), 0.0)
+    radius = _value_radius(masked, keys).repeat_interleave(per_head, dim=1)
+    return (tv, tau), (output, 2 * tau * radius / scale), entropy
 
 
 class _AttentionDifference:

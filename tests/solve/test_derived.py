@@ -11,8 +11,12 @@ import torch
 from scipy.stats import entropy as scipy_entropy
 
 from probe.solve.derived import (
+    attention_deviations,
+    attention_entropy,
+    attention_quantities,
     attention_tv,
     model_attention,
+    model_log_attention,
     output_deviation,
 )
 from probe.solve.dual import factor_gram, solve_dual
@@ -87,6 +91,40 @@ def test_inactive_rows_are_nan_and_active_rows_unchanged():
     alone = reduced(T, Z[[0, 3]], log_u[[0, 3]], alpha)
     point_alone, _ = second_order_point(factor_gram(alone.gram), alone.logits, alone.log_preference, alpha)
     torch.testing.assert_close(derived["point"][0, [0, 3]], point_alone[0], rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("budget", [1, 1 << 28])
+@pytest.mark.parametrize("templates", ["factor", "gram"])
+def test_attention_quantities_tile_by_tile_are_those_of_the_whole_site(budget, templates):
+    """attention_quantities, a row at a time (budget 1) or all at once, against model_log_attention,
+    attention_deviations and attention_entropy on the whole site: the same values and bounds, bit for bit,
+    with inactive rows (a row with no key, NaN logits) among three value heads in two groups."""
+    heads, per_head, n, alpha = 3, 4, 9, 0.8
+    groups = [attention_case(heads=heads, per_head=per_head, n=n, seed=seed) for seed in (5, 6)]
+    for group in groups:
+        group[2][2] = -np.inf  # a row with no key
+    parts = [reduced(T, Z, log_u, alpha) for T, Z, log_u, _, _ in groups]
+    problems = parts[0]
+    for name in ("logits", "log_preference", "gram", "evidence_sqnorm"):
+        setattr(problems, name, torch.cat([getattr(part, name) for part in parts]))
+    problems.active = torch.ones(2, heads * per_head, dtype=torch.bool)
+    problems.active[1, 5] = False
+    problems.logits[1, 5] = float("nan")  # whatever an inactive row holds
+    solution = solve_dual(problems)
+    values = torch.as_tensor(np.stack([values for _, _, _, values, _ in groups]))
+    factor = factor_gram(problems.gram)
+    given = {"factor": factor} if templates == "factor" else {"gram": problems.gram}
+    found = attention_quantities(solution.attention, problems.logits, problems.log_preference, alpha, values,
+                                 solution.error_bound, active=problems.active, memory_budget_bytes=budget, **given)
+    log_p = model_log_attention(problems.logits, problems.log_preference, alpha, problems.active)
+    p_att = log_p.exp()
+    expected = (*attention_deviations(solution.attention, p_att, values, problems.gram, solution.error_bound,
+                                      factor=factor if templates == "factor" else None),
+                attention_entropy(p_att, log_p))
+    for got, want in zip((*found[0], *found[1], found[2]), (*expected[0], *expected[1], expected[2])):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert bool(found[0][0][1, 5].isnan()) and bool(found[0][0][0, 2].isnan())  # inactive rows: NaN
+    assert bool(torch.isfinite(found[1][1][0, :2]).all())  # and bounds for the others
 
 
 # ---------------------------------------------------------------- certified bounds
