@@ -79,9 +79,10 @@ def call_compiled(function: Callable[..., T], *args) -> T:
     nothing by default, the same operations run in the same order either way, and those first calls cost some
     40 ms of each process: on a causal model, most of the solve of a selection of a few rows."""
     device = next((value.device for value in args if isinstance(value, torch.Tensor)), None)
-    if device is None or device.type != "cpu":
+    unoptimised = getattr(torch.jit, "optimized_execution", None)  # a torch without TorchScript has none
+    if device is None or device.type != "cpu" or unoptimised is None:
         return function(*args)
-    with torch.jit.optimized_execution(False):
+    with unoptimised(False):
         return function(*args)
 
 
