@@ -29,8 +29,6 @@ PATHS = {"auto": {}, "direct": {"direct_min_rows": 1, "direct_rows": False},
          "cg": {"direct_min_rows": 10**9, "intervals": False}}
 
 
-
-
 def normalised(log_u):
     keep = np.isfinite(log_u)
     u = np.zeros(len(log_u))
