@@ -191,13 +191,10 @@ def attention_quantities(
     of the group (module docstring).  Arguments as in :func:`model_log_attention` and
     :func:`attention_deviations` (``logits`` the solver's :math:`s`, ``values`` ``(g, H, n, d_v)``).
     """
-    if gram is None and factor is None:
-        raise ValueError("the attention deviations need the templates: gram or factor")
+    _check_templates(gram, factor)
     g_count, m, n = logits.shape
+    per_head = _rows_per_head(values, (g_count, m, n))
     heads = values.shape[1]
-    if values.shape[0] != g_count or values.shape[2] != n or m % heads:
-        raise ValueError(f"values {tuple(values.shape)} do not fit attention {(g_count, m, n)}")
-    per_head = m // heads
     device = attention.device
     log_preference = log_preference.expand(g_count, m, n)
     tv, output, scale, entropy = (torch.empty(g_count, m, dtype=_F64, device=device) for _ in range(4))
@@ -217,14 +214,8 @@ def attention_quantities(
             scale[:, rows] = (p_att @ head_values).norm(dim=-1)  # ||sum_i p_att,i v_i||
             output[:, rows] = (difference @ head_values).norm(dim=-1) / scale[:, rows]
             entropy[:, rows] = attention_entropy(p_att, log_p)
-    if factor is not None:
-        spread = _spread_from_factor(keys, factor)
-    else:
-        spread = _spread_from_gram(keys, gram)
-    tau = _tv_to_optimum(spread, error_bound)
-    masked = torch.where(keys[:, None, :, None], values.to(device=device, dtype=_F64), 0.0)
-    radius = _value_radius(masked, keys).repeat_interleave(per_head, dim=1)
-    return (tv, tau), (output, 2 * tau * radius / scale), entropy
+    tau = _certified_tv(keys, gram, factor, error_bound)
+    return (tv, tau), (output, _output_bound(tau, _in_use(values, keys), keys, scale)), entropy
 
 
 class _AttentionDifference:
@@ -232,37 +223,63 @@ class _AttentionDifference:
     the certified :math:`\tau = \tanh(D\varepsilon/8) \ge TV(\hat p, p^*)`."""
 
     def __init__(self, attention, p_att, gram, error_bound, factor=None):
-        if gram is None and factor is None:
-            raise ValueError("the attention deviations need the templates: gram or factor")
+        _check_templates(gram, factor)
         self.attention = attention.to(_F64)
         self.p_att = p_att.to(device=self.attention.device, dtype=_F64)
         self.difference = self.attention - self.p_att
         self.keys = _keys_in_use(self.attention, self.p_att)
-        if factor is not None:
-            spread = _spread_from_factor(self.keys, factor)
-        else:
-            spread = _spread_from_gram(self.keys, gram)
-        self.tau = _tv_to_optimum(spread, error_bound)
+        self.tau = _certified_tv(self.keys, gram, factor, error_bound)
 
     def tv(self):
         return 0.5 * torch.linalg.vector_norm(self.difference, ord=1, dim=-1)
 
     def output(self, values):
         g_count, m, n = self.difference.shape
+        per_head = _rows_per_head(values, self.difference.shape)
         heads = values.shape[1]
-        if values.shape[0] != g_count or values.shape[2] != n or m % heads:
-            raise ValueError(f"values {tuple(values.shape)} do not fit attention {tuple(self.difference.shape)}")
         keys = self.keys
-        values = torch.where(keys[:, None, :, None], values.to(device=keys.device, dtype=_F64), 0.0)
+        masked = _in_use(values, keys)
 
-        def per_head(p):  # (g, m, n) -> (g, H, Q, n)
-            return p.reshape(g_count, heads, m // heads, n)
+        def by_head(p):  # (g, m, n) -> (g, H, Q, n)
+            return p.reshape(g_count, heads, per_head, n)
 
-        scale = (per_head(self.p_att) @ values).norm(dim=-1).reshape(g_count, m)  # ||sum_i p_att,i v_i||
-        value = (per_head(self.difference) @ values).norm(dim=-1).reshape(g_count, m) / scale
-        radius = _value_radius(values, keys)
-        bound = 2 * self.tau * radius.repeat_interleave(m // heads, dim=1) / scale
-        return value, bound
+        scale = (by_head(self.p_att) @ masked).norm(dim=-1).reshape(g_count, m)  # ||sum_i p_att,i v_i||
+        value = (by_head(self.difference) @ masked).norm(dim=-1).reshape(g_count, m) / scale
+        return value, _output_bound(self.tau, masked, keys, scale)
+
+
+def _check_templates(gram, factor) -> None:
+    if gram is None and factor is None:
+        raise ValueError("the attention deviations need the templates: gram or factor")
+
+
+def _rows_per_head(values: torch.Tensor, shape) -> int:
+    """The rows of each value head, for ``values`` ``(g, H, n, d_v)`` and attention of ``shape`` ``(g, m, n)``."""
+    g_count, m, n = shape
+    heads = values.shape[1]
+    if values.shape[0] != g_count or values.shape[2] != n or m % heads:
+        raise ValueError(f"values {tuple(values.shape)} do not fit attention {tuple(shape)}")
+    return m // heads
+
+
+def _certified_tv(keys, gram, factor, error_bound):
+    r""":math:`\tau = \tanh(D\varepsilon/8) \ge TV(\hat p, p^*)` ``(g, m)`` for the spread :math:`D` of the
+    templates of the ``keys`` in use, from ``factor`` where given, else from ``gram``."""
+    spread = _spread_from_factor(keys, factor) if factor is not None else _spread_from_gram(keys, gram)
+    return _tv_to_optimum(spread, error_bound)
+
+
+def _in_use(values, keys):
+    """``values`` ``(g, H, n, d_v)`` in float64, zero at the keys not in use ``(g, n)``."""
+    return torch.where(keys[:, None, :, None], values.to(device=keys.device, dtype=_F64), 0.0)
+
+
+def _output_bound(tau, values, keys, scale):
+    r"""The output deviation's bound :math:`2\tau R / \|\sum_i p_{att,i}v_i\|` ``(g, m)`` (module docstring),
+    :math:`R` the radius of each head's ``values`` ``(g, H, n, d_v)`` (of :func:`_in_use`) over the ``keys`` in
+    use, ``scale`` the rows' :math:`\|\sum_i p_{att,i}v_i\|`."""
+    radius = _value_radius(values, keys).repeat_interleave(scale.shape[1] // values.shape[1], dim=1)
+    return 2 * tau * radius / scale
 
 
 def _spread_from_gram(keys: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
