@@ -323,10 +323,7 @@ def _solve_intervals(a, u, rhs, tolerance, pending, alpha, x, residual, memory_b
     groups_in = int(torch.unique_consecutive(group).numel())
     if not always and not _intervals_pay(n, r, len(group) / len(code), len(group) / groups_in):
         return torch.zeros_like(pending)
-    order = torch.argsort(inverse, stable=True)
-    rank = torch.arange(len(order), device=a.device) - (counts.cumsum(0) - counts)[inverse[order]]
-    table = torch.full((len(code), int(counts.max())), -1, dtype=torch.long, device=a.device)
-    table[inverse[order], rank] = order
+    table = _padded_members(inverse, counts)
     valid = table >= 0
     eye = torch.eye(r, dtype=a.dtype, device=a.device) / alpha
     estimate = torch.zeros_like(x)
@@ -533,18 +530,20 @@ def _preference_classes(u, live, min_rows):
     big = counts >= min_rows
     if not bool(big.any()):
         return None
-    rank = torch.empty_like(class_of)
-    order_in_class = torch.argsort(class_of, stable=True)
-    rank[order_in_class] = torch.arange(len(class_of), device=u.device) - (torch.cumsum(counts, 0) - counts)[
-        class_of[order_in_class]
-    ]
-    width = int(counts[big].max())
-    table = torch.zeros(len(keys), width, dtype=torch.long, device=u.device)
-    valid = torch.zeros(len(keys), width, dtype=torch.bool, device=u.device)
-    member = big[class_of]
-    table[class_of[member], rank[member]] = row_of[member]
-    valid[class_of[member], rank[member]] = True
+    members = _padded_members(class_of, counts)  # as wide as the biggest class: the others have fewer rows
+    valid = members >= 0
+    table = torch.where(valid, row_of[members.clamp_min(0)], 0)
     return keys[big] // m, keys[big] % m, table[big], valid[big]
+
+
+def _padded_members(label, counts):
+    """The items of each of C classes as a padded table ``(C, max count)`` of their indices, in their order, -1
+    where a class has fewer: ``label`` ``(L,)`` is each item's class, ``counts`` ``(C,)`` the items of each."""
+    order = torch.argsort(label, stable=True)
+    rank = torch.arange(len(order), device=label.device) - (counts.cumsum(0) - counts)[label[order]]
+    table = torch.full((len(counts), int(counts.max())), -1, dtype=torch.long, device=label.device)
+    table[label[order], rank] = order
+    return table
 
 
 def _centred(u, v):
