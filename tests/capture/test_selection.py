@@ -208,10 +208,18 @@ def test_a_causal_models_second_order_by_its_intervals_is_the_cg_rows(models, fu
     monkeypatch.setattr(second_order, "_intervals_pay", lambda *args: True)
     solved, left = [], []
     solve_intervals, solve_cg = second_order._solve_intervals, second_order._solve_cg
-    monkeypatch.setattr(second_order, "_solve_intervals",
-                        lambda *args, **kwargs: solved.append(int((found := solve_intervals(*args, **kwargs)).sum()))
-                        or found)
-    monkeypatch.setattr(second_order, "_solve_cg", lambda *args: left.append(args) or solve_cg(*args))
+
+    def counted_intervals(*args, **kwargs):
+        found = solve_intervals(*args, **kwargs)
+        solved.append(int(found.sum()))
+        return found
+
+    def counted_cg(*args):
+        left.append(args)
+        return solve_cg(*args)
+
+    monkeypatch.setattr(second_order, "_solve_intervals", counted_intervals)
+    monkeypatch.setattr(second_order, "_solve_cg", counted_cg)
     rows = _run(models, "llama", tmp_path_factory, batch_size=2).rows
     assert sum(solved) > 0.9 * len(rows) and not left  # by their intervals (the rest: classes of equal masks)
     assert_same_rows(rows, full_runs["llama"])
