@@ -1,4 +1,5 @@
-r"""The solver's Newton iterations as compiled C (``probe/solve/newton.c``), built on first use.
+r"""The solver's Newton iterations as compiled C (``probe/solve/newton.c``), built on first use, with the
+second order's factorisations per interval of keys (``probe/solve/intervals.c``).
 
 On a CPU, most of a solve's time in batched torch operations goes to elementwise passes over tensors
 too large for the cache, and to the overhead of issuing them.  ``newton.c`` runs the method of
@@ -37,9 +38,10 @@ import torch
 from probe.core import environment
 from probe.solve.problems import shares_rows
 
-__all__ = ["FLOPS", "newton_tile", "available", "unavailable_reason", "describe", "block_rows"]
+__all__ = ["FLOPS", "newton_tile", "interval_solve", "intervals_available", "available", "unavailable_reason",
+           "describe", "block_rows"]
 
-SOURCE = Path(__file__).with_name("newton.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("newton.c", "intervals.c")]
 #: -fopenmp-simd: the loops' ``omp simd`` reductions vectorise without -ffast-math (which would drop
 #: the -inf handling the softmaxes need); libmvec supplies the vector exp
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
@@ -74,7 +76,8 @@ def _build() -> Path:
         raise RuntimeError(f"no C compiler ({compiler!r} is not on PATH; set CC to one)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS + LIBRARIES), _cpu_signature()]).encode()
+        "\0".join([*(source.read_text() for source in SOURCES), compiler, version, " ".join(FLAGS + LIBRARIES),
+                   _cpu_signature()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"newton-{key}.so"
     if target.exists():
@@ -89,22 +92,29 @@ def _build() -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # concurrent builds: last rename wins
         built = Path(scratch) / target.name
         result = subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE), *LIBRARIES], capture_output=True, text=True, timeout=300
+            [compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), *LIBRARIES], capture_output=True, text=True,
+            timeout=300,
         )
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}: {result.stderr.strip()[-500:]}")
+            names = ", ".join(source.name for source in SOURCES)
+            raise RuntimeError(f"{compiler} failed to build {names}: {result.stderr.strip()[-500:]}")
         os.replace(built, target)
     return target
 
 
-def _blas():
-    """Addresses of torch's own ``sgemm_``/``dgemm_`` (and MKL's per-thread thread count, if present)."""
+def _torch_cpu():
+    """torch's own CPU library, which carries its BLAS and LAPACK."""
     lib_dir = Path(torch.__file__).parent / "lib"
     names = {"linux": "libtorch_cpu.so", "darwin": "libtorch_cpu.dylib"}
     path = lib_dir / names.get(sys.platform, "")
     if not path.is_file():
         raise RuntimeError(f"torch's CPU library was not found at {path}")
-    torch_cpu = ctypes.CDLL(str(path))
+    return ctypes.CDLL(str(path))
+
+
+def _blas():
+    """Addresses of torch's own ``sgemm_``/``dgemm_`` (and MKL's per-thread thread count, if present)."""
+    torch_cpu = _torch_cpu()
     try:
         sgemm, dgemm = torch_cpu.sgemm_, torch_cpu.dgemm_
     except AttributeError as error:
@@ -112,6 +122,31 @@ def _blas():
     address = lambda function: ctypes.cast(function, ctypes.c_void_p).value  # noqa: E731
     threads = getattr(torch_cpu, "MKL_Set_Num_Threads_Local", None)  # the C interface (by value)
     return address(sgemm), address(dgemm), address(threads) if threads is not None else None
+
+
+def _lapack():
+    """Addresses of torch's own LAPACK ``dpotrf_``/``dpotrs_``, or None where its library exports none."""
+    torch_cpu = _torch_cpu()
+    potrf, potrs = getattr(torch_cpu, "dpotrf_", None), getattr(torch_cpu, "dpotrs_", None)
+    if potrf is None or potrs is None:
+        return None
+    return ctypes.cast(potrf, ctypes.c_void_p).value, ctypes.cast(potrs, ctypes.c_void_p).value
+
+
+def _load_intervals(library):
+    """``probe_interval_solve`` with torch's ``dpotrf_``/``dpotrs_``, or None without them."""
+    try:
+        lapack = _lapack()
+    except (OSError, RuntimeError):
+        lapack = None
+    if lapack is None:
+        return None
+    function = library.probe_interval_solve
+    function.restype = ctypes.c_int
+    P, I = ctypes.c_void_p, ctypes.c_int
+    # g, n, r, A; count, group, start, stop, offset; b; alpha; info; dpotrf, dpotrs
+    function.argtypes = [I, I, I, P, I, P, P, P, P, P, ctypes.c_double, P, P, P]
+    return function, *lapack
 
 
 def _load():
@@ -132,7 +167,7 @@ def _load():
     error = check(sgemm, dgemm)
     if not error < 1e-6:  # NaN included
         raise RuntimeError(f"torch's BLAS did not compute a small product as expected (error {error})")
-    return function, size, (sgemm, dgemm, threads)
+    return function, size, (sgemm, dgemm, threads), _load_intervals(library)
 
 
 def _kernel():
@@ -207,7 +242,7 @@ def newton_tile(work, active: torch.Tensor, rtol: float, atol: float, max_iter: 
     kernel = _kernel()
     if kernel is None:
         return None
-    function, _, (sgemm, dgemm, threads) = kernel
+    function, _, (sgemm, dgemm, threads), _ = kernel
     g, m, n = work.base.shape
     r = A.shape[-1]
     if g * m == 0 or n == 0 or r == 0:
@@ -238,3 +273,45 @@ def newton_tile(work, active: torch.Tensor, rtol: float, atol: float, max_iter: 
         if copy is not target:
             target.copy_(copy)
     return y
+
+
+def intervals_available(a: torch.Tensor) -> bool:
+    """Whether :func:`interval_solve` runs for the factor ``a`` (a float64 CPU tensor, the kernel and torch's
+    LAPACK available)."""
+    if a.device.type != "cpu" or a.dtype != torch.float64:
+        return False
+    kernel = _kernel()
+    return kernel is not None and kernel[3] is not None
+
+
+def interval_solve(a: torch.Tensor, group, start, stop, offset, rhs: torch.Tensor, alpha: float):
+    r"""Solve :math:`H_u x = b` for rows whose :math:`u` is uniform over an interval of keys, one Cholesky
+    factorisation of :math:`H_u = I/\alpha + S/k - \bar a\bar a^\top` per interval (``probe/solve/intervals.c``;
+    :func:`probe.solve.second_order.second_order_point` certifies the answers).
+
+    Args:
+        a: the factor's rows :math:`a_i`, ``(g, n, r)`` float64 on a CPU.
+        group, start, stop: each interval's group and keys ``start`` :math:`\le i <` ``stop``, ``(C,)``, sorted
+            by group, then start, then stop.
+        offset: ``(C + 1,)``: the rows ``offset[c]`` to ``offset[c + 1]`` of ``rhs`` are interval ``c``'s.
+        rhs: the right-hand sides :math:`b`, ``(R, r)`` float64, gathered interval by interval.
+        alpha: :math:`\alpha`.
+
+    Returns:
+        ``(x, solved)``: :math:`\hat x` ``(R, r)`` and whether each interval's rows were solved ``(C,)`` bool
+        (its factorisation succeeded); or None where the compiled code does not apply (not a CPU, not float64,
+        or no kernel or LAPACK).
+    """
+    if not intervals_available(a):
+        return None
+    function, potrf, potrs = _kernel()[3]
+    g, n, r = a.shape
+    a = a.contiguous()
+    group, start, stop, offset = (t.to(torch.int64).contiguous() for t in (group, start, stop, offset))
+    x = rhs.to(torch.float64).contiguous().clone()
+    info = torch.empty(len(group), dtype=torch.int32)
+    status = function(g, n, r, a.data_ptr(), len(group), group.data_ptr(), start.data_ptr(), stop.data_ptr(),
+                      offset.data_ptr(), x.data_ptr(), float(alpha), info.data_ptr(), potrf, potrs)
+    if status != 0:
+        return None
+    return x, info == 0

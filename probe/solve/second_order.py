@@ -49,9 +49,11 @@ few rows (a selection's few queries of a head) skips :math:`M` and :math:`D` (:m
 :math:`b = B^\top s` (:math:`nr`) is solved with the Cholesky factor and its residual :math:`b - H_u\hat x`
 formed with :math:`H_u` (:math:`3r^2`; :func:`_direct_by_rows` chooses by these counts).  Rows whose
 :math:`u` is uniform over an interval of keys of their own (a causal mask's prefix, a sliding window) get
-their own :math:`H_u` from prefix sums over the keys, factored once per interval for the heads that share
-it, where :func:`_intervals_pay` finds that cheaper than CG (long contexts: :func:`_solve_intervals`); their
-residual is recomputed with :math:`A`.  Other rows with their own :math:`u` (T5's position bias) and the
+their own :math:`H_u`, factored once per interval for the heads that share it, where :func:`_intervals_pay`
+finds that cheaper than CG (:func:`_solve_intervals`): on a CPU by compiled code that moves a window of keys
+along each group (``probe/solve/intervals.c``, one rank-one update per key that enters or leaves it),
+elsewhere from prefix sums over the keys at the intervals' bounds.  Their residual is recomputed with
+:math:`A`.  Other rows with their own :math:`u` (T5's position bias) and the
 rest go to the batched CG of :func:`probe.solve.dual.solve_spd_reduced`, whose residual is recomputed from
 :math:`\hat x` with :math:`A`.  Columns of :math:`A` that are zero in every group (null eigenvalues of :math:`G`, e.g.
 beyond the :math:`d'` dimensions of the key space) are dropped first: they contribute
@@ -90,6 +92,7 @@ import math
 
 import torch
 
+from probe.solve import native
 from probe.solve.dual import solve_spd_reduced
 from probe.solve.gram import used_columns
 from probe.solve.newton_cg import hessian_times
@@ -241,15 +244,21 @@ def _direct_by_rows(n: int, r: int, width: int) -> bool:
     return width * (3 * r * r - n) < 2 * n * r * r + r**3 / 3
 
 
-def _intervals_pay(n: int, r: int, sharing: float, rows_per_group: float) -> bool:
+def _intervals_pay(n: int, r: int, sharing: float, rows_per_group: float, compiled: bool = False) -> bool:
     r"""Whether rows with their own interval of keys cost less by a factorisation per interval
     (:func:`_solve_intervals`) than by CG (:data:`_CG_COST` products with :math:`A` a row, and the residual's
-    two), in multiply-adds: the residual's two products (:math:`2nr` a row), the factorisation's :math:`r^3/3`,
-    which runs at about a fifth of the products' rate on these small matrices, and some :math:`16r^2` of passes
-    over its matrices, per interval of ``sharing`` rows (the heads that share a query's mask), and the prefix
-    sums' :math:`nr^2` per group of ``rows_per_group`` rows.  Measured on a CPU: a full causal run pays from
-    about 1,000 keys at :math:`r = 64`; a selection of one head, with one row an interval, from more."""
+    two), in multiply-adds: the residual's two products (:math:`2nr` a row) and, per interval of ``sharing``
+    rows (the heads that share a query's mask), the factorisation's :math:`r^3/3`.  In torch (``compiled``
+    false) the factorisation runs at about a fifth of the products' rate on these small matrices, with some
+    :math:`16r^2` of passes over its matrices, and the prefix sums cost :math:`nr^2` per group of
+    ``rows_per_group`` rows; the compiled code (:func:`probe.solve.native.interval_solve`) factorises at about
+    the products' rate, with a few :math:`r^2` passes, and its window's rank-one updates cost :math:`nr^2/2` per
+    group.  Measured on a CPU at :math:`r = 64`: in torch a full causal run pays from about 1,000 keys; compiled,
+    from 128 keys where 3 heads share a mask (10 µs a row against CG's 17), and at 1,024 keys with one row an
+    interval (69 µs against 109)."""
     cg = (_CG_COST + 2) * n * r
+    if compiled:
+        return cg > 2 * n * r + (r**3 / 3 + 4 * r * r) / sharing + n * r * r / (2 * rows_per_group)
     return cg > 2 * n * r + (5 * r**3 / 3 + 16 * r * r) / sharing + n * r * r / rows_per_group
 
 
@@ -321,14 +330,16 @@ def _solve_intervals(a, u, rhs, tolerance, pending, alpha, x, residual, memory_b
     code = (group * (n + 1) + first[group, row]) * (n + 1) + last[group, row]
     code, inverse, counts = torch.unique(code, return_inverse=True, return_counts=True)
     groups_in = int(torch.unique_consecutive(group).numel())
-    if not always and not _intervals_pay(n, r, len(group) / len(code), len(group) / groups_in):
+    compiled = native.intervals_available(a)
+    if not always and not _intervals_pay(n, r, len(group) / len(code), len(group) / groups_in, compiled):
         return torch.zeros_like(pending)
     table = _padded_members(inverse, counts)
     valid = table >= 0
     eye = torch.eye(r, dtype=a.dtype, device=a.device) / alpha
     estimate = torch.zeros_like(x)
+    compiled = compiled and _intervals_compiled(shifted, code, group, row, inverse, counts, rhs, alpha, estimate)
     step = max(1, memory_budget_bytes // (8 * 4 * r * r))  # intervals at a time: their sums, H_u and factors
-    for c0 in range(0, len(code), step):
+    for c0 in range(0, 0 if compiled else len(code), step):
         part = code[c0 : c0 + step]
         start, stop = part // (n + 1) % (n + 1), part % (n + 1) + 1
         total, outer = _interval_sums(shifted, part // (n + 1) ** 2, start, stop)
@@ -343,11 +354,40 @@ def _solve_intervals(a, u, rhs, tolerance, pending, alpha, x, residual, memory_b
         estimate[group[members[ok]], row[members[ok]]] = solution[ok]
     solved = torch.zeros_like(chosen)
     solved[group[table[valid]], row[table[valid]]] = True
-    misfit = (rhs - hessian_times(a, alpha, u, estimate)).norm(dim=-1)  # ||b - H_u x||, with A
+    misfit = _misfit(a, alpha, u, rhs, estimate)  # ||b - H_u x||, with A
     solved &= misfit <= tolerance
     x[solved] = estimate[solved]
     residual[solved] = misfit[solved]
     return solved
+
+
+def _misfit(a, alpha, u, rhs, x, cache_bytes=4 << 20):
+    r""":math:`\|b - H_u\hat x\|` ``(g, m)`` with the factor :math:`A` (:func:`probe.solve.newton_cg.hessian_times`),
+    a few rows of every group at a time, so that the products' ``(g, rows, n)`` intermediates stay in cache."""
+    g_count, m, n = u.shape
+    step = max(1, cache_bytes // (8 * n * max(1, g_count)))
+    out = rhs.new_empty(g_count, m)
+    for j0 in range(0, m, step):
+        j1 = min(m, j0 + step)
+        out[:, j0:j1] = (rhs[:, j0:j1] - hessian_times(a, alpha, u[:, j0:j1], x[:, j0:j1])).norm(dim=-1)
+    return out
+
+
+def _intervals_compiled(a, code, group, row, inverse, counts, rhs, alpha, estimate):
+    r"""The factorisations of :func:`_solve_intervals` by the compiled code (:func:`probe.solve.native.interval_solve`,
+    which moves a window of keys along each group instead of forming prefix sums), writing the rows of the
+    intervals it factorised into ``estimate``; False where it does not run (the torch code then does)."""
+    order = torch.argsort(inverse, stable=True)  # the rows, interval by interval
+    rows = (group[order], row[order])
+    base = a.shape[1] + 1
+    offset = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    result = native.interval_solve(a, code // base**2, code // base % base, code % base + 1, offset, rhs[rows], alpha)
+    if result is None:
+        return False
+    x, factorised = result
+    keep = factorised[inverse[order]]
+    estimate[rows[0][keep], rows[1][keep]] = x[keep]
+    return True
 
 
 def _interval_sums(a, group, start, stop, piece=32):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SOLVE = Path(__file__).resolve().parents[2] / "probe" / "solve"
-SOURCES = sorted(SOLVE.glob("*.py")) + [SOLVE / "newton.c"]
+SOURCES = sorted(SOLVE.glob("*.py")) + sorted(SOLVE.glob("*.c"))
 MODULES = {path.stem for path in SOLVE.glob("*.py")}
 
 

@@ -1,7 +1,7 @@
 """The second-order prediction (probe.solve.second_order) against the dense lambda_2 of the explicit template
 space (Sigma_u formed from explicit templates), along every path that solves its systems: classes of rows
-sharing a preference, rows uniform over an interval of keys, CG; its certified error against the true one, also
-for damaged solves, error targets and tiles; and its order in alpha."""
+sharing a preference, rows uniform over an interval of keys (their own tests: test_intervals.py), CG; its certified
+error against the true one, also for damaged solves, error targets and tiles; and its order in alpha."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from probe.solve import second_order as second_order_module
 from probe.solve.dual import factor_gram, solve_dual
 from probe.solve.reference import cvxpy_primal
 from probe.solve.second_order import _preference_classes, second_order_point
@@ -214,117 +213,6 @@ def test_second_order_tiles_give_the_same_answers(path):
     assert bool((difference <= bound).all())
     for g, T_g in enumerate([T, T[::-1].copy()]):
         check_second_order(T_g, Z, log_u, 0.5, factor, tiled[0], tiled[1], group=g)
-
-
-def interval_preferences(kind, n=16, heads=2, queries=6, seed=3, offset=0.0):
-    """One group of heads x queries rows (head-major) whose preference is uniform over an interval of keys (a
-    causal mask after three padding keys, a sliding window of four, a window per head) or is not (a hole in the
-    support, a position bias): the interval path takes the first kinds only.  ``offset`` shifts every
-    template."""
-    T, Z, _ = instance(n, 7, heads * queries, scale=0.7, seed=seed)
-    T = T + offset
-    keys, rows = np.arange(n), []
-    for head in range(heads):
-        for q in range(queries):
-            position = 3 + 2 * q
-            if kind == "causal":
-                allowed = (keys >= 3) & (keys <= position)
-            elif kind == "window":
-                allowed = (keys <= position) & (keys > position - 4)
-            elif kind == "windows":
-                allowed = (keys <= position) & (keys > position - 2 - 3 * head)
-            else:  # not intervals: a hole (head 0), a position bias (head 1)
-                allowed = (keys <= position) & ((keys != position - 1) | (head == 1))
-            row = np.where(allowed, 0.0, -np.inf)
-            if kind == "other" and head == 1:
-                row = np.where(allowed, -0.3 * (position - keys), -np.inf)
-            rows.append(row)
-    return T, Z, np.array(rows)
-
-
-@pytest.mark.parametrize("kind,offset", [("causal", 0.0), ("window", 0.0), ("windows", 0.0), ("causal", 30.0),
-                                         ("window", 30.0), ("other", 0.0)])
-def test_rows_uniform_over_an_interval_are_solved_by_their_own_factors(monkeypatch, kind, offset):
-    """Rows uniform over an interval of keys (causal masks, sliding windows; templates far from the origin, where
-    the prefix sums' subtraction would cancel, as far as the reduced form itself stays within its certificate):
-    lambda_2 of every row against the dense one, within the certified error; CG is left only the rows that are
-    not intervals (``other``)."""
-    T, Z, log_u = interval_preferences(kind, offset=offset)
-    problems = reduced(T, Z, log_u, 0.6)
-    factor = factor_gram(problems.gram)
-    given_to_cg = []
-    solve_cg = second_order_module._solve_cg
-
-    def recorded(a, u, rhs, rhs_norm, tolerance, pending, *rest):
-        given_to_cg.append(pending.clone())
-        return solve_cg(a, u, rhs, rhs_norm, tolerance, pending, *rest)
-
-    monkeypatch.setattr(second_order_module, "_solve_cg", recorded)
-    point, point_error = second_order_point(factor, problems.logits, problems.log_preference, 0.6,
-                                            **PATHS["intervals"])
-    check_second_order(T, Z, log_u, 0.6, factor, point, point_error)
-    to_cg = sorted(torch.cat(given_to_cg).nonzero()[:, -1].tolist()) if given_to_cg else []
-    assert to_cg == ([] if kind != "other" else list(range(len(Z))))
-
-
-@pytest.mark.parametrize("piece", [1, 3, 32])
-def test_interval_sums_are_the_sums_over_each_interval(piece):
-    """The prefix sums at the bounds against numpy's sums over each interval: several groups, intervals that
-    start after the first key, repeat, nest and touch the last key, pieces of any length."""
-    rng = np.random.default_rng(piece)
-    a = rng.normal(size=(3, 23, 4)) + 2.0
-    intervals = [(0, 0, 5), (0, 2, 5), (0, 0, 23), (0, 22, 23), (1, 7, 19), (1, 7, 19), (1, 3, 4), (2, 0, 1),
-                 (2, 10, 23), (2, 4, 12)]
-    group, start, stop = (torch.tensor(column) for column in zip(*intervals))
-    total, outer = second_order_module._interval_sums(torch.as_tensor(a), group, start, stop, piece=piece)
-    for c, (g, lo, hi) in enumerate(intervals):
-        np.testing.assert_allclose(total[c].numpy(), a[g, lo:hi].sum(0), rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(outer[c].numpy(), a[g, lo:hi].T @ a[g, lo:hi], rtol=1e-12, atol=1e-11)
-
-
-def test_rows_left_to_cg_where_their_own_factors_cost_more():
-    """By default a few rows of short intervals go to CG (the cost model of _intervals_pay), and many rows of
-    long intervals shared by several heads do not; both certified against the dense lambda_2."""
-    assert not second_order_module._intervals_pay(128, 64, sharing=1, rows_per_group=8)
-    assert second_order_module._intervals_pay(1024, 64, sharing=3, rows_per_group=3072)
-    T, Z, log_u = interval_preferences("causal")
-    problems = reduced(T, Z, log_u, 0.6)
-    factor = factor_gram(problems.gram)
-    point, point_error = second_order_point(factor, problems.logits, problems.log_preference, 0.6)
-    check_second_order(T, Z, log_u, 0.6, factor, point, point_error)
-
-
-@pytest.mark.parametrize("budget_rows", [1, 3])
-def test_intervals_in_chunks_give_the_same_answers(budget_rows):
-    """A memory budget of a few intervals' matrices splits them into chunks (each with its own prefix sums)."""
-    T, Z, log_u = interval_preferences("windows", n=20, queries=8)
-    problems = reduced(T, Z, log_u, 0.6)
-    factor = factor_gram(problems.gram)
-    r = factor.shape[-1]
-    point, point_error = second_order_point(factor, problems.logits, problems.log_preference, 0.6,
-                                            memory_budget_bytes=budget_rows * 8 * 4 * r * r, **PATHS["intervals"])
-    check_second_order(T, Z, log_u, 0.6, factor, point, point_error)
-
-
-@pytest.mark.parametrize("loose", [False, True])
-def test_a_damaged_interval_solve_is_caught_by_its_residual(monkeypatch, loose):
-    """The interval path's triangular solves spoiled by 1e-4: at the default tolerance its rows go to CG and
-    come out right; at a loose error target they are kept, with a certified error that covers the damage."""
-    T, Z, log_u = interval_preferences("causal")
-    problems = reduced(T, Z, log_u, 1.3)
-    factor = factor_gram(problems.gram)
-    exact = torch.cholesky_solve
-    monkeypatch.setattr(torch, "cholesky_solve", lambda *args: exact(*args) * (1 + 1e-4))
-    target = torch.full(problems.logits.shape[:2], 1e-2) if loose else None
-    point, point_error = second_order_point(factor, problems.logits, problems.log_preference, 1.3,
-                                            error_target=target, **PATHS["intervals"])
-    lam_2s = lifted(T, Z, 1.3, factor, point)
-    errors = torch.tensor([np.linalg.norm(lam_2s[j] - dense_lambda_2(T, Z[j], log_u[j], 1.3)) for j in range(len(Z))])
-    if loose:  # the damage was kept where there was any (a row of one key has x = 0), and certified
-        several = torch.as_tensor(np.isfinite(log_u).sum(-1) > 1)
-        assert bool((errors[several] > 1e-9).all()) and bool((point_error[0] >= errors).all())
-    else:
-        check_second_order(T, Z, log_u, 1.3, factor, point, point_error)
 
 
 def test_second_order_is_exact_for_a_single_key():
