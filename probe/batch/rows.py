@@ -60,17 +60,25 @@ class Derived:
     bounds: dict
 
 
-def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rtol: float = 1e-9) -> Derived:
+#: the derived quantities' tile budgets, for the second order's systems and the attention quantities, where a
+#: run sets no memory budget (``--max-memory``); with one, each takes at most a quarter of it
+SECOND_ORDER_BYTES, ATTENTION_BYTES = 1 << 29, 1 << 28
+
+
+def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rtol: float = 1e-9,
+           memory_bytes: int | None = None) -> Derived:
     r"""The second-order deviation, attention TV, output deviation and attention entropy of every row
     (:mod:`probe.solve.second_order`, :mod:`probe.solve.derived`, with their certified bounds).  ``problems.factor`` must be set.
 
     ``rtol`` is the solver's tolerance: the second-order systems are solved until their certified error
     is at most ``rtol / 10`` of :math:`\|\hat\lambda\|`, so that ``second_order_deviation`` is resolved
-    like ``rel_deviation``."""
+    like ``rel_deviation``.  ``memory_bytes``: the run's memory budget, of which each quantity's tiles take at
+    most a quarter (:data:`SECOND_ORDER_BYTES` and :data:`ATTENTION_BYTES` without one)."""
     factor, alpha = problems.factor, problems.alpha
+    quarter = (1 << 62) if memory_bytes is None else max(1, memory_bytes // 4)
     point, point_error = second_order.second_order_point(
         factor, problems.logits, problems.log_preference, alpha, active=problems.active,
-        error_target=0.1 * rtol * solution.lambda_norm,
+        error_target=0.1 * rtol * solution.lambda_norm, memory_budget_bytes=min(SECOND_ORDER_BYTES, quarter),
     )
     second, second_bound = second_order.second_order_deviation(
         solution.correction, point, solution.lambda_norm, solution.error_bound, point_error
@@ -81,6 +89,7 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
     (tv, tv_bound), (output, output_bound), entropy = derived.attention_quantities(
         solution.attention, problems.logits, problems.log_preference, alpha, values, solution.error_bound,
         gram=problems.gram, factor=factor, active=problems.active,
+        memory_budget_bytes=min(ATTENTION_BYTES, quarter),
     )
 
     def worst(bound):
@@ -158,7 +167,8 @@ class BatchSolver:
     """Receives sites as the model emits them and solves them in stacks of bounded size.
 
     ``spaces`` and ``alphas`` are the parameterisations and strengths to solve; ``memory_bytes`` (the
-    run's ``--max-memory``) bounds the problems held at once and the solver's working set.
+    run's ``--max-memory``) bounds the problems held at once, the solver's working set and the derived
+    quantities' tiles (:func:`derive`).
 
     :meth:`finish` solves what is left once the model is done with the batch; with a ``lane``
     (:class:`probe.solve.parallel.Lane`) it does so in the background, so that the caller can run the model on
@@ -183,6 +193,7 @@ class BatchSolver:
         # them take a few times that), half for the solver's working set
         self.limit_bytes = STACK_BYTES if memory_bytes is None else max(1, memory_bytes // 8)
         self.solver_bytes = None if memory_bytes is None else max(1, memory_bytes // 2)
+        self.memory_bytes = memory_bytes
         self.pending: list[tuple[SiteCapture, int]] = []  # (piece, offset of its first example in the batch)
         self.pending_bytes = 0
         self.tables: list[pa.Table] = []
@@ -275,7 +286,7 @@ class BatchSolver:
                 solutions = solve_stacked(duals, self.rtol, self.solver_bytes)
 
                 def rows_of(site, offset, built, dual, solution, space=space, alpha=alpha):
-                    quantities = derive(site, dual, solution, self.rtol)
+                    quantities = derive(site, dual, solution, self.rtol, self.memory_bytes)
                     if self.aggregates is not None:  # folded below, in the stack's order
                         return site_columns(site, space, built, solution, quantities, alpha, self.context,
                                             offset), quantities
@@ -319,7 +330,7 @@ class BatchSolver:
             for alpha in self.alphas:
                 dual = dual_problems(whole, built, alpha, factor)
                 (solution,) = solve_stacked([dual], self.rtol, self.solver_bytes)
-                quantities = derive(whole, dual, solution, self.rtol)
+                quantities = derive(whole, dual, solution, self.rtol, self.memory_bytes)
                 columns = site_columns(whole, space, built, solution, quantities, alpha, context)
                 if self.aggregates is None:  # one table, whose sites' rows differ in their layer only
                     table = columns_table(columns, context)

@@ -18,11 +18,12 @@ import pandas as pd
 import pytest
 
 import probe
+from probe.batch import rows as rows_module
 from probe.capture.selection import Selection, Stack, query_positions, resolve, sampled_positions
 from probe.core.arguments import IndexRange, QueryRule, indices, queries
 from probe.core.config import RunConfig
 from probe.core.errors import ProbeError
-from probe.solve import second_order
+from probe.solve import derived, second_order
 
 from ..support.families import ALL, CORPUS, SOURCES, TARGETS, save_tiny, spec
 
@@ -223,6 +224,35 @@ def test_a_causal_models_second_order_by_its_intervals_is_the_cg_rows(models, fu
     rows = _run(models, "llama", tmp_path_factory, batch_size=2).rows
     assert sum(solved) > 0.9 * len(rows) and not left  # by their intervals (the rest: classes of equal masks)
     assert_same_rows(rows, full_runs["llama"])
+
+
+def test_a_memory_budget_bounds_the_derived_quantities_tiles(models, full_runs, tmp_path_factory, monkeypatch):
+    """With ``max_memory``, the second order's and the attention quantities' tiles take at most a quarter of it
+    each (without it, their own budgets), and the rows are the full run's within their certificates."""
+    budgets = {"second_order_point": [], "attention_quantities": []}
+    for module in (second_order, derived):
+        for name in budgets:
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, _recording(getattr(module, name), budgets[name]))
+    limit = 64 << 10
+    rows = _run(models, "llama", tmp_path_factory, batch_size=2, max_memory=f"{limit}B").rows
+    assert all(budgets.values()) and max(max(seen) for seen in budgets.values()) <= limit // 4
+    assert_same_rows(rows, full_runs["llama"])
+    for seen in budgets.values():
+        seen.clear()
+    _run(models, "llama", tmp_path_factory, queries="last", batch_size=2)
+    assert budgets["second_order_point"] and set(budgets["second_order_point"]) == {rows_module.SECOND_ORDER_BYTES}
+    assert budgets["attention_quantities"] and set(budgets["attention_quantities"]) == {rows_module.ATTENTION_BYTES}
+
+
+def _recording(function, seen):
+    """``function``, recording the ``memory_budget_bytes`` of each call in ``seen``."""
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs["memory_budget_bytes"])
+        return function(*args, **kwargs)
+
+    return recorded
 
 
 @pytest.mark.parametrize("name", ["llama", "bert", "t5"])
