@@ -18,8 +18,13 @@ its torch replica (``PROBE_NATIVE=0 PROBE_SCHEDULE=0``: the adaptive iterations 
 **Answers**: every row of the last two runs (baseline, this checkout) joined by its key; ``rel_deviation``
 must agree within what the two certificates allow, ``2 (error_bound / lambda_norm)`` of each.
 
+``--model causal`` measures a causal decoder instead: the Llama-shaped model with 12 query heads on 4 key-value
+heads of ``bench/long_context.py``'s share table (built from its config, random weights), on 16 texts of 128
+tokens and 2 of 1,024 (the key space: products in units of ``2 n r`` with ``r = min(n, 64)``, its head width).
+
     python bench/speedup.py                      # bench/results_speedup.{json,md}
     python bench/speedup.py --quick              # 16 tokens, 4 texts, one repeat: a smoke run
+    python bench/speedup.py --model causal --baseline ba806bd   # bench/results_speedup_causal.{json,md}
 """
 
 from __future__ import annotations
@@ -45,9 +50,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import common  # noqa: E402
 
 BASELINE = "66d896f"
-#: texts per length: 64 where a run takes seconds to a minute; 8 at 512 tokens, where one of the
-#: baseline's runs of 16 texts took over five minutes on 2 cores shared with other work
-TEXTS = {16: 64, 128: 64, 512: 8}
+#: the models measured: what the tables call them, texts per length, the default lengths, the width r of a
+#: problem's factor (min(n, width)) and the results file.  MiniLM: 64 texts where a run takes seconds to a
+#: minute; 8 at 512 tokens, where one of the baseline's runs of 16 texts took over five minutes on 2 cores
+#: shared with other work.  The causal decoder: the same 98,304 rows at 128 and at 1,024 tokens.
+MODELS = {
+    "minilm": {"label": "the real all-MiniLM-L6-v2", "texts": {16: 64, 128: 64, 512: 8}, "tokens": "16,128,512",
+               "width": 384, "out": "results_speedup.json"},
+    "causal": {"label": "a Llama-shaped causal decoder (random weights; hidden_size 768, 4 layers, 12 query heads "
+                        "on 4 key-value heads, head_dim 64)", "texts": {128: 16, 1024: 2}, "tokens": "128,1024",
+               "width": 64, "out": "results_speedup_causal.json"},
+}
 WAYS = ("baseline", "this checkout")
 ROW_KEY = ["space", "alpha", "attention_type", "layer", "head", "example", "query"]
 
@@ -90,6 +103,13 @@ def child_main(spec: dict) -> None:
     runs.child_result({**measured, "forward_s": forward_s, "run_dir": str(run_dir)})
 
 
+def causal_model(directory: Path) -> str:
+    """The causal decoder of ``bench/long_context.py``'s share table, built from its config in ``directory``."""
+    import long_context
+
+    return str(long_context.make_llama(directory, long_context.LLAMA_SHARE, 4096))
+
+
 def baseline_checkout(commit: str, directory: Path) -> Path:
     """A detached git worktree of ``commit`` in ``directory`` (made once)."""
     if not (directory / "probe").exists():
@@ -119,7 +139,8 @@ def compare_answers(baseline_dir: str, current_dir: str) -> dict:
     }
 
 
-def measure_length(tokens: int, count: int, roots: dict, repeats: int, workdir: Path, model: str) -> dict:
+def measure_length(tokens: int, count: int, roots: dict, repeats: int, workdir: Path, model: str, width: int
+                   ) -> dict:
     """The two ways at one length: times (alternating), counted flops, answers."""
     import json
 
@@ -165,7 +186,7 @@ def measure_length(tokens: int, count: int, roots: dict, repeats: int, workdir: 
             environment.update(PROBE_NATIVE="0", PROBE_SCHEDULE="0")
         counted = runs.run_child("speedup", {**first, "texts_file": str(subset), "mode": "flops", "workdir": str(folder)},
                                  environment, root=roots[way])
-        r = min(counted["n"], 384)
+        r = min(counted["n"], width)
         beyond = counted["torch_flops"] + sum(counted["kernel_flops"].values()) - counted["forward_flops"]
         row["flops"][way] = {**counted, "products_per_row": beyond / counted["rows"] / (2 * counted["n"] * r),
                              "kernel_products_per_row": {k: v / counted["rows"] / (2 * counted["n"] * r)
@@ -180,18 +201,26 @@ def markdown(results: dict) -> str:
         common.header(results),
         "",
         f"Baseline: commit `{results['baseline']}`, run from a git worktree; *this checkout*: "
-        f"`{results.get('current_commit', '?')}`. The real all-MiniLM-L6-v2, texts of exactly L tokens, batches of 8, "
+        f"`{results.get('current_commit', '?')}`. {model_label(results)}, texts of exactly L tokens, batches of 8, "
         "2 threads, each run a child process of its own, the two alternating. *processing s*: the manifest's "
         "`total_s - load_model_s - load_data_s`; *time ratio*: the median of the per-repeat ratios this checkout / "
         "baseline (the target is at most 0.5); *CPU time ratio*: the same for the run's CPU seconds (user and system, "
         "every thread), which a shared machine's load moves less. *analysis / forward*: processing time over the "
         "plain forward of the same batches, timed in the same child. *products per row*: matrix-product flops beyond "
-        "the forward per problem in units of `2 n r` (r = min(n, 384)), counted over the first batch; the baseline's "
-        "on its torch replica of its kernel's method, this checkout's as torch ops plus the kernel's own count "
-        "(float32 + float64 products in brackets).",
+        f"the forward per problem in units of `2 n r` (r = min(n, {results.get('width', 384)})), counted over the "
+        "first batch; the baseline's "
+        "on its torch replica of its kernel's method, this checkout's as torch ops plus the compiled code's own count "
+        "(float32 + float64 in brackets: the Newton kernel's products, and the second order's factorisations per "
+        "interval of keys where a causal model's rows have them).",
         "",
         table(results),
     ]) + "\n"
+
+
+def model_label(results: dict) -> str:
+    """The measured model, as the table's paragraph names it (results before ``--model``: MiniLM)."""
+    label = results.get("model_label", MODELS["minilm"]["label"])
+    return label[0].upper() + label[1:]
 
 
 def table(results: dict) -> str:
@@ -225,24 +254,32 @@ def table(results: dict) -> str:
 def main(argv=None) -> int:
     parser = common.parser(__doc__, "results_speedup.json", quick="16 tokens, 4 texts, one repeat", repeats=3)
     parser.add_argument("--baseline", default=BASELINE, help=f"the commit to compare with [default: {BASELINE}]")
-    parser.add_argument("--tokens", default="16,128,512", help="comma-separated text lengths")
+    parser.add_argument("--tokens", default=None, help="comma-separated text lengths [default: the model's]")
+    parser.add_argument("--model", choices=sorted(MODELS), default="minilm",
+                        help="minilm (the real all-MiniLM-L6-v2) or causal (a Llama-shaped decoder) [default: minilm]")
     parser.add_argument("--child", default=None, help="(internal) run one measurement in this process")
     args = parser.parse_args(argv)
     if common.rendered(args, markdown):
         return 0
     env = common.environment()
     quick = bool(args.quick)
-    lengths = [16] if quick else [int(x) for x in args.tokens.split(",")]
+    chosen = MODELS[args.model]
+    if args.out == common.HERE / MODELS["minilm"]["out"]:
+        args.out = common.HERE / chosen["out"]
+    lengths = [min(map(int, chosen["tokens"].split(",")))] if quick else [
+        int(x) for x in (args.tokens or chosen["tokens"]).split(",")]
     scratch = Path(tempfile.mkdtemp(prefix="probe-speedup-"))
     try:
         roots = {WAYS[0]: baseline_checkout(args.baseline, scratch / "baseline"), WAYS[1]: common.ROOT}
-        results = {"environment": env, "baseline": args.baseline, "lengths": [],
+        results = {"environment": env, "baseline": args.baseline, "lengths": [], "model": args.model,
+                   "model_label": chosen["label"], "width": chosen["width"],
                    "current_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=common.ROOT,
                                                     capture_output=True, text=True).stdout.strip()}
+        model = runs.minilm_path() if args.model == "minilm" else causal_model(scratch / "causal")
         for tokens in lengths:
-            count = 4 if quick else TEXTS.get(tokens, 16)
+            count = 4 if quick else chosen["texts"].get(tokens, 16)
             results["lengths"].append(measure_length(tokens, count, roots, 1 if quick else args.repeats, scratch,
-                                                     runs.minilm_path()))
+                                                     model, chosen["width"]))
         common.write_results(args.out, results, markdown, benchmark="speedup")
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(scratch / "baseline")], cwd=common.ROOT,

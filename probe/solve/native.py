@@ -50,8 +50,9 @@ LIBRARIES = ["-lmvec", "-lm"]
 _lock = threading.Lock()
 _state: dict = {}
 
-#: the flops of the kernel's matrix products since the process started, by precision (a counter the
-#: benchmarks read: its BLAS calls are invisible to torch's flop counter)
+#: the flops of the kernel's matrix products since the process started, by precision, with those of the
+#: factorisations per interval of keys (float64; a counter the benchmarks read: their BLAS and LAPACK calls are
+#: invisible to torch's flop counter)
 FLOPS = {"float32": 0.0, "float64": 0.0}
 
 
@@ -144,8 +145,8 @@ def _load_intervals(library):
     function = library.probe_interval_solve
     function.restype = ctypes.c_int
     P, I = ctypes.c_void_p, ctypes.c_int
-    # g, n, r, A; count, group, start, stop, offset; b; alpha; info; dpotrf, dpotrs
-    function.argtypes = [I, I, I, P, I, P, P, P, P, P, ctypes.c_double, P, P, P]
+    # g, n, r, A; count, group, start, stop, offset; b; alpha; info; counted flops; dpotrf, dpotrs
+    function.argtypes = [I, I, I, P, I, P, P, P, P, P, ctypes.c_double, P, P, P, P]
     return function, *lapack
 
 
@@ -310,8 +311,11 @@ def interval_solve(a: torch.Tensor, group, start, stop, offset, rhs: torch.Tenso
     group, start, stop, offset = (t.to(torch.int64).contiguous() for t in (group, start, stop, offset))
     x = rhs.to(torch.float64).contiguous().clone()
     info = torch.empty(len(group), dtype=torch.int32)
+    counted = (ctypes.c_double * 1)(0.0)
     status = function(g, n, r, a.data_ptr(), len(group), group.data_ptr(), start.data_ptr(), stop.data_ptr(),
-                      offset.data_ptr(), x.data_ptr(), float(alpha), info.data_ptr(), potrf, potrs)
+                      offset.data_ptr(), x.data_ptr(), float(alpha), info.data_ptr(), counted, potrf, potrs)
     if status != 0:
         return None
+    with _lock:
+        FLOPS["float64"] += counted[0]
     return x, info == 0
