@@ -43,6 +43,7 @@ QUOTES = {
     "bench:keep": (KEEP, _render("keep", "docs_table", "results_keep.json")),
     "bench:long_context:memory": (LONG, _render("long_context", "memory_table", "results_long_context.json")),
     "bench:long_context:share": (LONG, _render("long_context", "share_table", "results_long_context.json")),
+    "bench:speedup:causal": (LONG, _render("speedup", "table", "results_speedup_causal.json")),
 }
 
 

@@ -204,7 +204,8 @@ def markdown(results: dict) -> str:
         f"`{results.get('current_commit', '?')}`. {model_label(results)}, texts of exactly L tokens, batches of 8, "
         "2 threads, each run a child process of its own, the two alternating. *processing s*: the manifest's "
         "`total_s - load_model_s - load_data_s`; *time ratio*: the median of the per-repeat ratios this checkout / "
-        "baseline (the target is at most 0.5); *CPU time ratio*: the same for the run's CPU seconds (user and system, "
+        f"baseline{' (the target is at most 0.5)' if results.get('model', 'minilm') == 'minilm' else ''}; "
+        "*CPU time ratio*: the same for the run's CPU seconds (user and system, "
         "every thread), which a shared machine's load moves less. *analysis / forward*: processing time over the "
         "plain forward of the same batches, timed in the same child. *products per row*: matrix-product flops beyond "
         f"the forward per problem in units of `2 n r` (r = min(n, {results.get('width', 384)})), counted over the "
@@ -237,7 +238,8 @@ def table(results: dict) -> str:
         kernel = flops[WAYS[1]]["kernel_products_per_row"]
         answers = row["answers"]
         verdict = ("within the certificates" if answers["within_certificates"] and answers["all_certified"]
-                   else "**differ**") + f" (largest difference {answers['max_rel_deviation_difference']:.1e})"
+                   else "**differ**") + (f" (largest difference {answers['max_rel_deviation_difference']:.1e}; "
+                                         f"second order {answers['max_second_order_difference']:.1e})")
         cpu = (f"{row['cpu_ratio_median']:.2f} ({', '.join(f'{r:.2f}' for r in row['cpu_ratios'])})"
                if "cpu_ratios" in row else "–")
         lines.append(
