@@ -10,7 +10,8 @@
  * multiply-adds, instead of a product over the interval's keys.  The window is formed afresh when that is
  * cheaper, and whenever as many keys have left it as it holds (the subtractions' rounding stays that of
  * one pass over the window).  Each interval's H_u is then factorised (LAPACK's dpotrf, whose address the
- * caller passes: probe/solve/native.py takes torch's own) and its rows solved (dpotrs).
+ * caller passes: probe/solve/native.py takes torch's own) and its rows solved (dpotrs), on one thread (as the
+ * Newton kernel's products: their rounding then does not depend on the thread count).
  *
  * Nothing here is certified: the caller recomputes each row's residual b - H_u x from the factor itself and
  * leaves a row above its tolerance, or of an interval whose factorisation failed, to CG.
@@ -25,6 +26,7 @@
 #include <string.h>
 
 typedef void (*dpotrf_t)(const char *, const int *, double *, const int *, int *);
+typedef int (*threads_t)(int);
 typedef void (*dpotrs_t)(const char *, const int *, const int *, const double *, const int *, double *, const int *,
                          int *);
 
@@ -45,7 +47,7 @@ static void add_keys(int r, const double *a, int64_t from, int64_t to, double si
 
 int probe_interval_solve(int g, int n, int r, const double *a, int count, const int64_t *group,
                          const int64_t *start, const int64_t *stop, const int64_t *offset, double *b, double alpha,
-                         int32_t *info, double *counted, void *potrf, void *potrs) {
+                         int32_t *info, double *counted, void *potrf, void *potrs, void *set_threads) {
     dpotrf_t dpotrf = (dpotrf_t)potrf;
     dpotrs_t dpotrs = (dpotrs_t)potrs;
     double *S = malloc(sizeof(double) * (size_t)r * r);
@@ -58,6 +60,7 @@ int probe_interval_solve(int g, int n, int r, const double *a, int count, const 
         return 1;
     }
     const double ridge = 1.0 / alpha;
+    const int previous_threads = set_threads ? ((threads_t)set_threads)(1) : 0;
     int64_t current = -1, lo = 0, hi = 0, churn = 0, updates = 0;
     double flops = 0.0;
     for (int c = 0; c < count; c++) {
@@ -107,6 +110,7 @@ int probe_interval_solve(int g, int n, int r, const double *a, int count, const 
             info[c] = status;
         }
     }
+    if (set_threads) ((threads_t)set_threads)(previous_threads);
     counted[0] += flops + (double)updates * r * (r + 1);
     free(S);
     free(H);

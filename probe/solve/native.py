@@ -134,8 +134,9 @@ def _lapack():
     return ctypes.cast(potrf, ctypes.c_void_p).value, ctypes.cast(potrs, ctypes.c_void_p).value
 
 
-def _load_intervals(library):
-    """``probe_interval_solve`` with torch's ``dpotrf_``/``dpotrs_``, or None without them."""
+def _load_intervals(library, threads):
+    """``probe_interval_solve`` with torch's ``dpotrf_``/``dpotrs_`` (and MKL's per-thread thread count, as the
+    kernel's, or None), or None without them."""
     try:
         lapack = _lapack()
     except (OSError, RuntimeError):
@@ -145,9 +146,9 @@ def _load_intervals(library):
     function = library.probe_interval_solve
     function.restype = ctypes.c_int
     P, I = ctypes.c_void_p, ctypes.c_int
-    # g, n, r, A; count, group, start, stop, offset; b; alpha; info; counted flops; dpotrf, dpotrs
-    function.argtypes = [I, I, I, P, I, P, P, P, P, P, ctypes.c_double, P, P, P, P]
-    return function, *lapack
+    # g, n, r, A; count, group, start, stop, offset; b; alpha; info; counted flops; dpotrf, dpotrs, threads
+    function.argtypes = [I, I, I, P, I, P, P, P, P, P, ctypes.c_double, P, P, P, P, P]
+    return function, *lapack, threads
 
 
 def _load():
@@ -168,7 +169,7 @@ def _load():
     error = check(sgemm, dgemm)
     if not error < 1e-6:  # NaN included
         raise RuntimeError(f"torch's BLAS did not compute a small product as expected (error {error})")
-    return function, size, (sgemm, dgemm, threads), _load_intervals(library)
+    return function, size, (sgemm, dgemm, threads), _load_intervals(library, threads)
 
 
 def _kernel():
@@ -305,7 +306,7 @@ def interval_solve(a: torch.Tensor, group, start, stop, offset, rhs: torch.Tenso
     """
     if not intervals_available(a):
         return None
-    function, potrf, potrs = _kernel()[3]
+    function, potrf, potrs, threads = _kernel()[3]
     g, n, r = a.shape
     a = a.contiguous()
     group, start, stop, offset = (t.to(torch.int64).contiguous() for t in (group, start, stop, offset))
@@ -313,7 +314,7 @@ def interval_solve(a: torch.Tensor, group, start, stop, offset, rhs: torch.Tenso
     info = torch.empty(len(group), dtype=torch.int32)
     counted = (ctypes.c_double * 1)(0.0)
     status = function(g, n, r, a.data_ptr(), len(group), group.data_ptr(), start.data_ptr(), stop.data_ptr(),
-                      offset.data_ptr(), x.data_ptr(), float(alpha), info.data_ptr(), counted, potrf, potrs)
+                      offset.data_ptr(), x.data_ptr(), float(alpha), info.data_ptr(), counted, potrf, potrs, threads)
     if status != 0:
         return None
     with _lock:
