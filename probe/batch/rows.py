@@ -75,10 +75,13 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
     like ``rel_deviation``.  ``memory_bytes``: the run's memory budget, of which each quantity's tiles take at
     most a quarter (:data:`SECOND_ORDER_BYTES` and :data:`ATTENTION_BYTES` without one)."""
     factor, alpha = problems.factor, problems.alpha
-    quarter = (1 << 62) if memory_bytes is None else max(1, memory_bytes // 4)
+
+    def budget(default):  # a quarter of the run's budget at most
+        return default if memory_bytes is None else min(default, max(1, memory_bytes // 4))
+
     point, point_error = second_order.second_order_point(
         factor, problems.logits, problems.log_preference, alpha, active=problems.active,
-        error_target=0.1 * rtol * solution.lambda_norm, memory_budget_bytes=min(SECOND_ORDER_BYTES, quarter),
+        error_target=0.1 * rtol * solution.lambda_norm, memory_budget_bytes=budget(SECOND_ORDER_BYTES),
     )
     second, second_bound = second_order.second_order_deviation(
         solution.correction, point, solution.lambda_norm, solution.error_bound, point_error
@@ -89,7 +92,7 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
     (tv, tv_bound), (output, output_bound), entropy = derived.attention_quantities(
         solution.attention, problems.logits, problems.log_preference, alpha, values, solution.error_bound,
         gram=problems.gram, factor=factor, active=problems.active,
-        memory_budget_bytes=min(ATTENTION_BYTES, quarter),
+        memory_budget_bytes=budget(ATTENTION_BYTES),
     )
 
     def worst(bound):

@@ -146,8 +146,8 @@ def second_order_point(
             :math:`H_u` (few rows) or forms :math:`M` and :math:`D` for them (many); ``None``: by the cost
             model of :func:`_direct_by_rows`.
         intervals: whether the rows left by those classes whose :math:`u` is uniform over an interval of keys (a
-            causal mask, a sliding window) are solved by factorising their own :math:`H_u`, formed from prefix
-            sums (:func:`_solve_intervals`), before CG takes the rest; ``None``: where the cost model of
+            causal mask, a sliding window) are solved by factorising their own :math:`H_u`
+            (:func:`_solve_intervals`), before CG takes the rest; ``None``: where the cost model of
             :func:`_intervals_pay` says so.
         memory_budget_bytes: rows are processed in tiles of about this working-set size.
 
@@ -306,9 +306,11 @@ def _solve_intervals(a, u, rhs, tolerance, pending, alpha, x, residual, memory_b
     x\|` into ``x`` and ``residual`` for the rows it solves to ``tolerance``, and returns them ``(g, m)``.
 
     With :math:`k = h - l + 1` keys, :math:`H_u = I/\alpha + S/k - \bar a\bar a^\top` for :math:`S =
-    \sum_{i=l}^{h} a_i a_i^\top` and :math:`\bar a = \frac1k\sum_{i=l}^{h} a_i`, differences of prefix sums
-    over the keys (:func:`_interval_sums`: :math:`nr^2` per group, whatever its rows), then one Cholesky
+    \sum_{i=l}^{h} a_i a_i^\top` and :math:`\bar a = \frac1k\sum_{i=l}^{h} a_i`, then one Cholesky
     factorisation (:math:`r^3/3`), against CG's two products with :math:`A` (:math:`2nr`) per step and row.
+    On a CPU the compiled code forms the sums over a window of keys moved along each group and factorises there
+    (:func:`_intervals_compiled`); elsewhere they are differences of prefix sums over the keys
+    (:func:`_interval_sums`: :math:`nr^2` per group, whatever its rows).
     The factor's rows are first shifted by their mean over the group's keys in use (:math:`H_u` and :math:`b`
     do not change; the sums cancel less).  Each row's residual is then recomputed with :math:`A` (two
     products, as CG's is), so the rounding of the sums costs accuracy, never the certificate: a row above
