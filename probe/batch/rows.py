@@ -62,7 +62,7 @@ class Derived:
 
 #: the derived quantities' tile budgets, for the second order's systems and the attention quantities, where a
 #: run sets no memory budget (``--max-memory``); with one, each takes at most a quarter of it
-SECOND_ORDER_BYTES, ATTENTION_BYTES = 1 << 29, 1 << 28
+SECOND_ORDER_BYTES, ATTENTION_BYTES = 1 << 29, 1 << 24
 
 
 def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rtol: float = 1e-9,

@@ -179,12 +179,13 @@ def attention_deviations(
 def attention_quantities(
     attention: torch.Tensor, logits: torch.Tensor, log_preference: torch.Tensor, alpha: float, values: torch.Tensor,
     error_bound: torch.Tensor, *, gram: torch.Tensor | None = None, factor: torch.Tensor | None = None,
-    active: torch.Tensor | None = None, memory_budget_bytes: int = 1 << 28,
+    active: torch.Tensor | None = None, memory_budget_bytes: int = 1 << 24,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     r""":func:`attention_deviations` and :func:`attention_entropy` of every row from the model's logits
     (:func:`model_log_attention`), ``((tv, tv_bound), (output, output_bound), entropy)``, each ``(g, m)``:
     the same values and bounds, computed for tiles of rows of one value head at a time, of about
-    ``memory_budget_bytes`` (a site of long contexts is gigabytes for each ``(g, m, n)`` tensor).
+    ``memory_budget_bytes`` (a site of long contexts is gigabytes for each ``(g, m, n)`` tensor; tiles that stay
+    in the cache also run faster: 16 MB took 0.6 to 0.85 of the time of 256 MB on a CPU).
 
     Each tile gives its rows' values, their :math:`\|\sum_i p_{att,i}v_i\|` and the keys its rows use; the
     bounds follow once every tile has: the spread and the values' radius are over the keys in use in any row
