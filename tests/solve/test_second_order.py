@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from probe.solve import second_order as second_order_module
 from probe.solve.dual import factor_gram, solve_dual
 from probe.solve.reference import cvxpy_primal
 from probe.solve.second_order import _preference_classes, second_order_point
@@ -213,6 +214,35 @@ def test_second_order_tiles_give_the_same_answers(path):
     assert bool((difference <= bound).all())
     for g, T_g in enumerate([T, T[::-1].copy()]):
         check_second_order(T_g, Z, log_u, 0.5, factor, tiled[0], tiled[1], group=g)
+
+
+@pytest.mark.parametrize("some_rows", [False, True])
+def test_cg_in_pieces_of_one_row_gives_the_same_answers(monkeypatch, some_rows):
+    """CG a row of every group at a time (its working set made to fill the cache alone), on every row or on the
+    rows the direct solve leaves (gathered first): the same answers as in one piece, within their certificates,
+    and each against the dense lambda_2."""
+    T, Z, log_u, _ = shared_preferences("mixed" if some_rows else "causal")
+    groups = [reduced(T, Z, log_u, 0.5), reduced(T[::-1].copy(), Z, log_u, 0.5)]
+    factor = factor_gram(torch.cat([g.gram for g in groups]))
+    logits = torch.cat([g.logits for g in groups])
+    log_pref = torch.cat([g.log_preference for g in groups])
+    path = {"direct_min_rows": 2, "intervals": False} if some_rows else PATHS["cg"]
+    whole = second_order_point(factor, logits, log_pref, 0.5, **path)
+    pieces = []
+    solve = second_order_module.solve_spd_reduced
+
+    def counted(a, u, *args):
+        pieces.append(u.shape[1])
+        return solve(a, u, *args)
+
+    monkeypatch.setattr(second_order_module, "solve_spd_reduced", counted)
+    monkeypatch.setattr(second_order_module, "_CG_ROW_BYTES", 1 << 40)
+    one_by_one = second_order_point(factor, logits, log_pref, 0.5, **path)
+    assert len(pieces) > 1 and set(pieces) == {1}
+    difference = (whole[0] - one_by_one[0]).norm(dim=-1)
+    assert bool((difference <= whole[1] + one_by_one[1] + 1e-13).all())
+    for g, T_g in enumerate([T, T[::-1].copy()]):
+        check_second_order(T_g, Z, log_u, 0.5, factor, one_by_one[0], one_by_one[1], group=g)
 
 
 def test_second_order_is_exact_for_a_single_key():
