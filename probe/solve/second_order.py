@@ -356,22 +356,27 @@ def _solve_intervals(a, u, rhs, tolerance, pending, alpha, x, residual, memory_b
         estimate[group[members[ok]], row[members[ok]]] = solution[ok]
     solved = torch.zeros_like(chosen)
     solved[group[table[valid]], row[table[valid]]] = True
-    misfit = _misfit(a, alpha, u, rhs, estimate)  # ||b - H_u x||, with A
+    misfit = _misfit(a, alpha, u, rhs, estimate, first, last)  # ||b - H_u x||, with A
     solved &= misfit <= tolerance
     x[solved] = estimate[solved]
     residual[solved] = misfit[solved]
     return solved
 
 
-def _misfit(a, alpha, u, rhs, x, cache_bytes=4 << 20):
+def _misfit(a, alpha, u, rhs, x, first, last, cache_bytes=4 << 20):
     r""":math:`\|b - H_u\hat x\|` ``(g, m)`` with the factor :math:`A` (:func:`probe.solve.newton_cg.hessian_times`),
-    a few rows of every group at a time, so that the products' ``(g, rows, n)`` intermediates stay in cache."""
+    a few rows of every group at a time, so that the products' ``(g, rows, n)`` intermediates stay in cache, and
+    over the keys from the first to the last that those rows' :math:`u` gives weight to (``first``, ``last``
+    ``(g, m)``): the others add exact zeros (a causal prefix of consecutive queries spans half the keys on
+    average)."""
     g_count, m, n = u.shape
     step = max(1, cache_bytes // (8 * n * max(1, g_count)))
     out = rhs.new_empty(g_count, m)
     for j0 in range(0, m, step):
         j1 = min(m, j0 + step)
-        out[:, j0:j1] = (rhs[:, j0:j1] - hessian_times(a, alpha, u[:, j0:j1], x[:, j0:j1])).norm(dim=-1)
+        lo, hi = int(first[:, j0:j1].min()), int(last[:, j0:j1].max()) + 1
+        keys = slice(lo, max(lo + 1, hi))
+        out[:, j0:j1] = (rhs[:, j0:j1] - hessian_times(a[:, keys], alpha, u[:, j0:j1, keys], x[:, j0:j1])).norm(dim=-1)
     return out
 
 

@@ -13,6 +13,7 @@ import torch
 from probe.solve import native
 from probe.solve import second_order as second_order_module
 from probe.solve.dual import factor_gram
+from probe.solve.newton_cg import hessian_times
 from probe.solve.second_order import second_order_point
 
 from ..support.dense_references import PATHS, check_second_order, dense_lambda_2, instance, lifted
@@ -201,3 +202,23 @@ def test_compiled_windows_solve_every_interval(offset):
             expected = _dense_interval_solution(a[k], lo, hi, alpha, rhs[rows])
             scale = 1.0 + offset**2  # the sums' rounding grows with the templates' distance from the origin
             np.testing.assert_allclose(x[rows].numpy(), expected, rtol=0, atol=1e-11 * scale * np.abs(rhs).max())
+
+
+@pytest.mark.parametrize("kind", ["causal", "windows", "other"])
+@pytest.mark.parametrize("cache_bytes", [1, 4 << 20])
+def test_the_residual_over_the_keys_in_use_is_the_whole_residual(kind, cache_bytes):
+    """The interval path's residual, formed over the keys from the first to the last that a piece of rows uses,
+    against the residual over every key, for answers that are not the solution (so that every term counts)."""
+    T, Z, log_u = interval_preferences(kind)
+    problems = reduced(T, Z, log_u, 0.6)
+    a = factor_gram(problems.gram).to(torch.float64)
+    u = torch.softmax(problems.log_preference.to(torch.float64).expand(problems.logits.shape), dim=-1)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(*u.shape[:2], a.shape[-1], generator=generator, dtype=torch.float64)
+    rhs = torch.randn(*u.shape[:2], a.shape[-1], generator=generator, dtype=torch.float64)
+    support = u > 0
+    first = support.to(torch.int8).argmax(-1)
+    last = u.shape[-1] - 1 - support.flip(-1).to(torch.int8).argmax(-1)
+    whole = (rhs - hessian_times(a, 0.6, u, x)).norm(dim=-1)
+    pieces = second_order_module._misfit(a, 0.6, u, rhs, x, first, last, cache_bytes=cache_bytes)
+    torch.testing.assert_close(pieces, whole, rtol=1e-12, atol=0)
