@@ -73,7 +73,7 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
     ``rtol`` is the solver's tolerance: the second-order systems are solved until their certified error
     is at most ``rtol / 10`` of :math:`\|\hat\lambda\|`, so that ``second_order_deviation`` is resolved
     like ``rel_deviation``.  ``memory_bytes``: the run's memory budget, of which each quantity's tiles take at
-    most a quarter (:data:`SECOND_ORDER_BYTES` and :data:`ATTENTION_BYTES` without one)."""
+    most a quarter (``SECOND_ORDER_BYTES`` and ``ATTENTION_BYTES`` of this module without one)."""
     factor, alpha = problems.factor, problems.alpha
 
     def budget(default):  # a quarter of the run's budget at most

@@ -286,23 +286,25 @@ def intervals_available(a: torch.Tensor) -> bool:
     return kernel is not None and kernel[3] is not None
 
 
-def interval_solve(a: torch.Tensor, group, start, stop, offset, rhs: torch.Tensor, alpha: float):
+def interval_solve(a: torch.Tensor, group: torch.Tensor, start: torch.Tensor, stop: torch.Tensor,
+                   offset: torch.Tensor, rhs: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     r"""Solve :math:`H_u x = b` for rows whose :math:`u` is uniform over an interval of keys, one Cholesky
     factorisation of :math:`H_u = I/\alpha + S/k - \bar a\bar a^\top` per interval (``probe/solve/intervals.c``;
     :func:`probe.solve.second_order.second_order_point` certifies the answers).
 
     Args:
         a: the factor's rows :math:`a_i`, ``(g, n, r)`` float64 on a CPU.
-        group, start, stop: each interval's group and keys ``start`` :math:`\le i <` ``stop``, ``(C,)``, sorted
-            by group, then start, then stop.
+        group: each interval's group ``(C,)``; the intervals sorted by group, then start, then stop.
+        start: each interval's first key ``(C,)``.
+        stop: the key after each interval's last ``(C,)``.
         offset: ``(C + 1,)``: the rows ``offset[c]`` to ``offset[c + 1]`` of ``rhs`` are interval ``c``'s.
         rhs: the right-hand sides :math:`b`, ``(R, r)`` float64, gathered interval by interval.
         alpha: :math:`\alpha`.
 
     Returns:
         ``(x, solved)``: :math:`\hat x` ``(R, r)`` and whether each interval's rows were solved ``(C,)`` bool
-        (its factorisation succeeded); or None where the compiled code does not apply (not a CPU, not float64,
-        or no kernel or LAPACK).
+            (its factorisation succeeded); or None where the compiled code does not apply (not a CPU, not
+            float64, or no kernel or LAPACK).
     """
     if not intervals_available(a):
         return None
