@@ -26,9 +26,9 @@
 #include <string.h>
 
 typedef void (*dpotrf_t)(const char *, const int *, double *, const int *, int *);
-typedef int (*threads_t)(int);
 typedef void (*dpotrs_t)(const char *, const int *, const int *, const double *, const int *, double *, const int *,
                          int *);
+typedef int (*threads_t)(int);
 
 /* S += sign a a^T on the lower triangle (row-major), sum += sign a: r (r + 1) flops */
 static void rank_one(int r, const double *a, double sign, double *S, double *sum) {
