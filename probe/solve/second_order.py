@@ -337,25 +337,13 @@ def _solve_intervals(a, u, rhs, tolerance, pending, alpha, x, residual, memory_b
         return torch.zeros_like(pending)
     table = _padded_members(inverse, counts)
     valid = table >= 0
-    eye = torch.eye(r, dtype=a.dtype, device=a.device) / alpha
+    members = table[valid]  # the rows, interval by interval
     estimate = torch.zeros_like(x)
-    compiled = compiled and _intervals_compiled(shifted, code, group, row, inverse, counts, rhs, alpha, estimate)
-    step = max(1, memory_budget_bytes // (8 * 4 * r * r))  # intervals at a time: their sums, H_u and factors
-    for c0 in range(0, 0 if compiled else len(code), step):
-        part = code[c0 : c0 + step]
-        start, stop = part // (n + 1) % (n + 1), part % (n + 1) + 1
-        total, outer = _interval_sums(shifted, part // (n + 1) ** 2, start, stop)
-        k = (stop - start).to(a.dtype).reshape(-1, 1)
-        mean = total.div_(k)
-        hessian = outer.div_(k.unsqueeze(-1)).sub_(mean.unsqueeze(-1) * mean.unsqueeze(-2)).add_(eye)
-        cholesky, info = torch.linalg.cholesky_ex(hessian)
-        members, ok = table[c0 : c0 + step], valid[c0 : c0 + step] & (info == 0).unsqueeze(-1)
-        picked = members.clamp_min(0)
-        rows_in = torch.where(ok.unsqueeze(-1), rhs[group[picked], row[picked]], 0.0)  # (C, width, r)
-        solution = torch.cholesky_solve(rows_in.transpose(1, 2), cholesky).transpose(1, 2)
-        estimate[group[members[ok]], row[members[ok]]] = solution[ok]
+    if not (compiled and _intervals_compiled(shifted, code, (group[members], row[members]), counts, rhs, alpha,
+                                             estimate)):
+        _intervals_torch(shifted, code, (group, row), table, valid, rhs, alpha, estimate, memory_budget_bytes)
     solved = torch.zeros_like(chosen)
-    solved[group[table[valid]], row[table[valid]]] = True
+    solved[group[members], row[members]] = True
     misfit = _misfit(a, alpha, u, rhs, estimate, first, last)  # ||b - H_u x||, with A
     solved &= misfit <= tolerance
     x[solved] = estimate[solved]
@@ -380,21 +368,43 @@ def _misfit(a, alpha, u, rhs, x, first, last, cache_bytes=4 << 20):
     return out
 
 
-def _intervals_compiled(a, code, group, row, inverse, counts, rhs, alpha, estimate):
+def _intervals_compiled(a, code, rows, counts, rhs, alpha, estimate):
     r"""The factorisations of :func:`_solve_intervals` by the compiled code (:func:`probe.solve.native.interval_solve`,
     which moves a window of keys along each group instead of forming prefix sums), writing the rows of the
-    intervals it factorised into ``estimate``; False where it does not run (the torch code then does)."""
-    order = torch.argsort(inverse, stable=True)  # the rows, interval by interval
-    rows = (group[order], row[order])
+    intervals it factorised into ``estimate``; False where it does not run (the torch code then does).  ``rows``:
+    ``(group, row)`` of each interval's rows, interval by interval; ``counts``: how many each has."""
     base = a.shape[1] + 1
     offset = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     result = native.interval_solve(a, code // base**2, code // base % base, code % base + 1, offset, rhs[rows], alpha)
     if result is None:
         return False
     x, factorised = result
-    keep = factorised[inverse[order]]
+    keep = factorised.repeat_interleave(counts)
     estimate[rows[0][keep], rows[1][keep]] = x[keep]
     return True
+
+
+def _intervals_torch(a, code, rows, table, valid, rhs, alpha, estimate, memory_budget_bytes):
+    r"""The factorisations of :func:`_solve_intervals` in torch, a chunk of intervals at a time: their sums from
+    prefix sums (:func:`_interval_sums`), :math:`H_u`, its Cholesky factor, and the solves of their rows (``table``
+    of indices into ``rows`` = ``(group, row)``, ``valid`` its real entries), written into ``estimate``."""
+    n, r = a.shape[1], a.shape[2]
+    group, row = rows
+    eye = torch.eye(r, dtype=a.dtype, device=a.device) / alpha
+    step = max(1, memory_budget_bytes // (8 * 4 * r * r))  # intervals at a time: their sums, H_u and factors
+    for c0 in range(0, len(code), step):
+        part = code[c0 : c0 + step]
+        start, stop = part // (n + 1) % (n + 1), part % (n + 1) + 1
+        total, outer = _interval_sums(a, part // (n + 1) ** 2, start, stop)
+        k = (stop - start).to(a.dtype).reshape(-1, 1)
+        mean = total.div_(k)
+        hessian = outer.div_(k.unsqueeze(-1)).sub_(mean.unsqueeze(-1) * mean.unsqueeze(-2)).add_(eye)
+        cholesky, info = torch.linalg.cholesky_ex(hessian)
+        members, ok = table[c0 : c0 + step], valid[c0 : c0 + step] & (info == 0).unsqueeze(-1)
+        picked = members.clamp_min(0)
+        rows_in = torch.where(ok.unsqueeze(-1), rhs[group[picked], row[picked]], 0.0)  # (C, width, r)
+        solution = torch.cholesky_solve(rows_in.transpose(1, 2), cholesky).transpose(1, 2)
+        estimate[group[members[ok]], row[members[ok]]] = solution[ok]
 
 
 def _interval_sums(a, group, start, stop, piece=32):
