@@ -32,6 +32,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -151,7 +152,17 @@ def _load_intervals(library, threads):
     return function, *lapack, threads
 
 
-def _load():
+class _Library(NamedTuple):
+    """The loaded library: the Newton kernel, its block sizing, torch's BLAS (sgemm, dgemm, MKL's thread count)
+    and the interval solve with its LAPACK (None without one)."""
+
+    newton_tile: object
+    block_bytes: object
+    blas: tuple
+    intervals: tuple | None
+
+
+def _load() -> _Library:
     library = ctypes.CDLL(str(_build()))
     function = library.probe_newton_tile
     function.restype = ctypes.c_int
@@ -169,7 +180,7 @@ def _load():
     error = check(sgemm, dgemm)
     if not error < 1e-6:  # NaN included
         raise RuntimeError(f"torch's BLAS did not compute a small product as expected (error {error})")
-    return function, size, (sgemm, dgemm, threads), _load_intervals(library, threads)
+    return _Library(function, size, (sgemm, dgemm, threads), _load_intervals(library, threads))
 
 
 def _kernel():
@@ -225,7 +236,7 @@ BLOCK_BYTES = 12 << 20
 def block_rows(n: int, r: int) -> int:
     """Rows per block: about :data:`BLOCK_BYTES` of the kernel's working set, as the kernel itself counts it
     (``probe_block_bytes``), and 16 to 256 rows."""
-    bytes_of = _kernel()[1]
+    bytes_of = _kernel().block_bytes
     per_row = bytes_of(n, r, 2) - bytes_of(n, r, 1)
     return max(16, min(256, BLOCK_BYTES // max(1, per_row)))
 
@@ -244,7 +255,7 @@ def newton_tile(work, active: torch.Tensor, rtol: float, atol: float, max_iter: 
     kernel = _kernel()
     if kernel is None:
         return None
-    function, _, (sgemm, dgemm, threads), _ = kernel
+    function, (sgemm, dgemm, threads) = kernel.newton_tile, kernel.blas
     g, m, n = work.base.shape
     r = A.shape[-1]
     if g * m == 0 or n == 0 or r == 0:
@@ -283,7 +294,7 @@ def intervals_available(a: torch.Tensor) -> bool:
     if a.device.type != "cpu" or a.dtype != torch.float64:
         return False
     kernel = _kernel()
-    return kernel is not None and kernel[3] is not None
+    return kernel is not None and kernel.intervals is not None
 
 
 def interval_solve(a: torch.Tensor, group: torch.Tensor, start: torch.Tensor, stop: torch.Tensor,
@@ -308,7 +319,7 @@ def interval_solve(a: torch.Tensor, group: torch.Tensor, start: torch.Tensor, st
     """
     if not intervals_available(a):
         return None
-    function, potrf, potrs, threads = _kernel()[3]
+    function, potrf, potrs, threads = _kernel().intervals
     g, n, r = a.shape
     a = a.contiguous()
     group, start, stop, offset = (t.to(torch.int64).contiguous() for t in (group, start, stop, offset))
