@@ -104,7 +104,8 @@ def header(results: dict) -> str:
     if machine == "Machine: ":
         machine = "Machine: not recorded"
     if env.get("torch"):
-        settings = [f"{env['threads']} threads" if env.get("threads") is not None else None,
+        threads = env.get("threads")
+        settings = [f"{threads} thread{'' if threads == 1 else 's'}" if threads is not None else None,
                     f"OMP_WAIT_POLICY={env['omp_wait_policy']}" if env.get("omp_wait_policy") else None]
         settings = ", ".join(item for item in settings if item)
         machine += f"; torch {env['torch']}" + (f" ({settings})" if settings else "")

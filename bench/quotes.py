@@ -38,6 +38,7 @@ def _render(module: str, function: str, results: str):
 QUOTES = {
     "bench:e2e:scaling": (SPEED, _render("e2e", "scaling_table", "results_e2e.json")),
     "bench:speedup": (SPEED, _render("speedup", "table", "results_speedup.json")),
+    "bench:floor": (SPEED, _render("floor", "table", "results_floor.json")),
     "bench:solver": (SPEED, _render("solver_report", "readme_table", "results_cpu_xeon.json")),
     "bench:gpu_ready": (SPEED, _render("gpu_ready_report", "docs_table", "results_gpu_ready.json")),
     "bench:keep": (KEEP, _render("keep", "docs_table", "results_keep.json")),

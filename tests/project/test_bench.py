@@ -148,3 +148,20 @@ def test_long_context_benchmark_quick_mode(tmp_path):
     # the groups' factors are timed within the selected run's solve (one repeat in quick mode: the same run)
     assert all(0 < each["factors_s_selected"] < each["solve_s_selected"] for each in results["share"])
     assert out.with_suffix(".md").exists()
+
+
+def test_floor_benchmark_quick_mode(tmp_path):
+    """bench/floor.py in its quick mode: the baseline commit (a git worktree) and this checkout on one thread,
+    the kernel's seconds told apart and its counted products priced at the BLAS rate.  Products at the BLAS
+    rate with nothing else cannot take longer than the kernel that makes them and more, so the floor lies below
+    the run and above the run less its kernel."""
+    out = tmp_path / "results_floor.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "floor.py"), "--quick", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=900)
+    (row,) = json.loads(out.read_text())["lengths"]
+    assert row["tokens"] == 128 and row["all_certified"] and row["rows"] == 8 * 12 * 6 * 128
+    assert 0 < row["kernel_s"] < row["current_s"] and 0 < row["forward_s"] < row["current_s"]
+    assert all(row["kernel_flops"][p] > 0 and row["rates"][p] > 0 for p in ("float32", "float64"))
+    assert 0 < row["kernel_at_rate_s"] < row["kernel_s"]
+    assert row["current_s"] - row["kernel_s"] < row["floor_s"] < row["current_s"]
+    assert "floor / baseline" in out.with_suffix(".md").read_text()
