@@ -198,6 +198,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if common.rendered(args, markdown):
         return 0
+    from probe.solve import native
+
+    if not native.available():
+        print(f"bench/floor.py prices the compiled Newton kernel's products, and it is not in use here: "
+              f"{native.unavailable_reason()}", file=sys.stderr)
+        return 2
     lengths = [128] if args.quick else [int(x) for x in args.tokens.split(",")]
     scratch = Path(tempfile.mkdtemp(prefix="probe-floor-"))
     try:
