@@ -457,10 +457,12 @@ def compare(runs: Sequence[str | Path | Run], out: str | Path = "compare", forma
     """Overlay two or more runs on shared axes (per-layer mean and p95 against relative depth, ECDFs,
     ``compare.csv``); return the comparison's directory.  ``names``: a label per run, in order.  A run may be
     named ``runs/NAME`` for the newest run named NAME.  Runs that did not see the same data (texts, their
-    number, the max length) are compared with a :class:`probe.capture.data.DifferentDataWarning`."""
+    number, the max length), or did not measure the same rows (their selections of attention types, layers,
+    heads and query positions), are compared with a :class:`probe.capture.data.DifferentDataWarning`."""
     import warnings
 
     from probe.capture.data import DifferentDataWarning, data_differences
+    from probe.capture.selection import selection_differences
     from probe.report import compare_runs
     from probe.store.storage import read_manifest
 
@@ -471,9 +473,9 @@ def compare(runs: Sequence[str | Path | Run], out: str | Path = "compare", forma
             manifests[str(path)] = read_manifest(path)
         except ProbeError:  # compare_runs says what is wrong with it
             pass
-    different = data_differences(manifests)
-    if different:
-        warnings.warn(different, DifferentDataWarning, stacklevel=2)
+    for different in (data_differences(manifests), selection_differences(manifests)):
+        if different:
+            warnings.warn(different, DifferentDataWarning, stacklevel=2)
     return compare_runs(paths, out, _formats(formats), names=list(names) if names else None,
                         allow_damaged=allow_damaged)
 

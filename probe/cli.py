@@ -441,6 +441,10 @@ def print_summary(run_dir: Path, *, report_next: bool = True) -> None:
         f"{solver['max_relative_error_bound']:.1e}); fidelity max abs error {fidelity['max_abs_error']:.1e} "
         f"({'passed' if fidelity['passed'] else 'FAILED'}, tolerance {fidelity['tolerance']:.0e})"
     )
+    selection = manifest.get("selection") or {}
+    if selection.get("description") and (selection.get("queries", "all") != "all" or any(
+            (manifest.get("config") or {}).get(name) is not None for name in ("layers", "heads", "attention_types"))):
+        typer.echo(f"measured: {selection['description']}")
     for line in run.headline():
         typer.echo(
             f"rel_deviation, {line['space']} space, alpha {line['alpha']:g}, over {line['rows']:,} non-trivial rows: "
@@ -559,7 +563,8 @@ def compare_command(
 ):
     """Overlay runs on shared axes: per-layer mean and p95 against relative depth, ECDFs, a table.
 
-    Warns when the runs did not see the same data (texts, their number or --max-length differ).
+    Warns when the runs did not see the same data (texts, their number or --max-length differ), or did not
+    measure the same rows (--attention-types, --layers, --heads or --queries differ).
     """
     import warnings
 
@@ -598,8 +603,9 @@ def show_command(
     example: int = typer.Option(
         ..., "--example", metavar="E", help="The text: its number in the run's rows (column example: its place in "
         "the data, blank lines counted)."),
-    layer: int = typer.Option(..., "--layer", metavar="L", help="The layer, within its attention type's stack."),
-    head: int = typer.Option(..., "--head", metavar="H", help="The query head."),
+    layer: int = typer.Option(..., "--layer", metavar="L", help="The layer, within its attention type's stack "
+                              "(negative from the end: -1 is the last)."),
+    head: int = typer.Option(..., "--head", metavar="H", help="The query head (negative from the end)."),
     attention_type: Optional[str] = typer.Option(
         None, "--attention-type", metavar="T", help="self, causal_self, encoder_self, decoder_self or cross "
         "[default: the run's only one]."),
@@ -620,16 +626,22 @@ def show_command(
     import numpy as np
 
     from probe import api
+    from probe.core.destination import check_destination, writing
     from probe.core.errors import ProbeError
 
     run_dir = _run_dir(run_dir)
     try:
         run = api.load(run_dir, allow_damaged=allow_damaged)
-        if out is None:
-            out = run_dir / "show" / f"text-{example}{f'-{attention_type}' if attention_type else ''}-layer{layer}-" \
-                f"head{head}.png"
+        if out is None:  # before the model loads: the folder the default file goes into can be written
+            check_destination(run_dir / "show", "out")
         with _banner_not_warnings():
             view = run.show(example, layer, head, attention_type=attention_type, space=space, alpha=alpha, out=out)
+        if out is None:  # named after the site as resolved (a negative layer or head counted from the end)
+            out = run_dir / "show" / f"text-{example}{f'-{attention_type}' if attention_type else ''}-" \
+                f"layer{view.layer}-head{view.head}.png"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with writing("the text view", out):
+                view.save(out)
     except ProbeError as error:
         _fail(error)
     compared = int(np.isfinite(view.stored_rel_deviation).sum())

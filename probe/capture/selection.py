@@ -31,6 +31,8 @@ from probe.core.arguments import QueryRule, describe_indices, indices, queries
 from probe.core.errors import ProbeError
 from probe.core.spelling import option
 
+#: the attention types a site can have (an adapter's stacks are some of them)
+ATTENTION_TYPES = ("self", "causal_self", "encoder_self", "decoder_self", "cross")
 #: attention types whose queries are decoder (target) tokens; the others' are the encoder's (source)
 TARGET_QUERY_TYPES = ("decoder_self", "cross")
 
@@ -79,7 +81,8 @@ class Selection:
         return BatchSelection(self, tuple(int(i) for i in example_ids))
 
     def describe(self) -> str:
-        """What was measured, in words: ``"layers 0, 5, 11; heads 0-3; 32 sampled query positions per text"``."""
+        """What was measured, in words: ``"layers 0, 5, 11; heads 0-3; 32 sampled query positions per text (all of a
+        shorter text), seed 0"``."""
         parts = []
         if tuple(self.layers) != tuple(self.stacks):
             parts.append(f"attention types {', '.join(self.layers)}")
@@ -92,7 +95,7 @@ class Selection:
                 else:
                     parts.append(f"{label} " + "; ".join(f"{kind} {_spans(values)}" for kind, values in chosen.items()))
         if self.queries.selects:
-            parts.append(self.queries.describe())
+            parts.append(self.queries.describe() + (f", seed {self.seed}" if self.queries.kind == "sample" else ""))
         return "; ".join(parts) if parts else "every layer, head and query position"
 
     def record(self) -> dict:
@@ -104,6 +107,8 @@ class Selection:
             "queries": str(self.queries),
             "seed": self.seed,
             "description": self.describe(),
+            # the model's sizes, so that a reader can count indices from the end as the run did
+            "stacks": {kind: {"layers": stack.layers, "heads": stack.heads} for kind, stack in self.stacks.items()},
         }
 
 
@@ -126,10 +131,16 @@ def resolve(config, stacks: dict[str, Stack]) -> Selection:
     rule = queries(config.queries)
     types = tuple(stacks)
     if config.attention_types is not None:
-        unknown = [kind for kind in config.attention_types if kind not in stacks]
+        unknown = [kind for kind in config.attention_types if kind not in ATTENTION_TYPES]
         if unknown:
             raise ProbeError(
-                f"{option('attention_types', ','.join(unknown))}: the model has no such attention type; its types are "
+                f"{option('attention_types', ','.join(unknown))}: not an attention type. The types are "
+                f"{', '.join(ATTENTION_TYPES)}; this model has {', '.join(stacks)}."
+            )
+        absent = [kind for kind in config.attention_types if kind not in stacks]
+        if absent:
+            raise ProbeError(
+                f"{option('attention_types', ','.join(absent))}: the model has no such attention type; its types are "
                 f"{', '.join(stacks)}."
             )
         if len(set(config.attention_types)) != len(config.attention_types):
@@ -148,6 +159,13 @@ def resolve(config, stacks: dict[str, Stack]) -> Selection:
             picked = set()
             for each in ranges:
                 resolved = each.resolve(count)
+                if resolved is None and each.resolve_end(count, each.first) is not None \
+                        and each.resolve_end(count, each.last) is not None:
+                    raise ProbeError(
+                        f"{option(name, spec)}: {each} runs backwards in this model's {kind} stack (from "
+                        f"{each.resolve_end(count, each.first)} down to {each.resolve_end(count, each.last)}): a range a-b "
+                        f"goes from a up to b."
+                    )
                 if resolved is None:
                     raise ProbeError(_out_of_range(name, spec, each, stacks, types, size))
                 picked.update(resolved)
@@ -370,6 +388,44 @@ def selected(emit: Callable, chosen: BatchSelection | None) -> Callable:
             emit(kept)
 
     return emit_selected
+
+
+def selection_differences(manifests: dict[str, dict]) -> str | None:
+    """How the rows that runs measured differ (``manifests``: each run's manifest by its directory), in one
+    sentence; None when every run measured the same attention types, layers, heads and query positions (the same
+    seed for ``sample:N``), or all of each.  A type, layer or head list left out (all) matches any other run's
+    all, whatever the model's size; a run without a recorded selection is not compared."""
+    import json
+
+    def measured(manifest: dict) -> str | None:
+        selection, config = manifest.get("selection"), manifest.get("config") or {}
+        if not isinstance(selection, dict):
+            return None
+        rule = str(selection.get("queries", "all"))
+        key = {"queries": rule, "seed": selection.get("seed") if rule.startswith("sample") else None}
+        stacks = selection.get("stacks")
+        for name in ("attention_types", "layers", "heads"):
+            chosen = selection.get(name)
+            if stacks is not None and name == "attention_types":
+                whole = list(chosen or []) == list(stacks)
+            elif stacks is not None:
+                whole = all(list(values) == list(range(stacks[kind][name])) for kind, values in (chosen or {}).items())
+            else:  # a run from before the manifest recorded the model's sizes: what was given
+                whole = config.get(name) is None
+            key[name] = "all" if whole else chosen
+        return json.dumps(key, sort_keys=True)
+
+    found = {run: measured(manifest) for run, manifest in manifests.items()}
+    if len({key for key in found.values() if key is not None}) < 2:
+        return None
+    described = "; ".join(f"{run}: {(manifests[run].get('selection') or {}).get('description', '?')}"
+                          for run, key in found.items() if key is not None)
+    return (
+        f"The runs did not measure the same rows (their selections differ): {described}. Each run's numbers "
+        "summarise its own layers, heads and query positions, so a difference between them is not only the "
+        f"models'. Compare runs made with the same {option('attention_types')}, {option('layers')}, "
+        f"{option('heads')} and {option('queries')} (and {option('seed')} for sample:N)."
+    )
 
 
 def describe_config(config) -> str:

@@ -230,11 +230,16 @@ class IndexRange:
 
     def resolve(self, size: int) -> range | None:
         """The indices within ``range(size)``, or None when an end lies outside it or the range is empty."""
-        first = self.first + size if self.first < 0 else self.first
-        last = self.last + size if self.last < 0 else self.last
-        if not (0 <= first < size and 0 <= last < size) or first > last:
+        first, last = self.resolve_end(size, self.first), self.resolve_end(size, self.last)
+        if first is None or last is None or first > last:
             return None
         return range(first, last + 1)
+
+    @staticmethod
+    def resolve_end(size: int, index: int) -> int | None:
+        """``index`` within ``range(size)`` (negative from the end), or None when it lies outside."""
+        index = index + size if index < 0 else index
+        return index if 0 <= index < size else None
 
     def __str__(self) -> str:
         return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
@@ -262,6 +267,11 @@ def indices(value, name: str) -> tuple[IndexRange, ...] | None:
                 )
             first = int(match.group(1))
             last = int(match.group(2)) if match.group(2) is not None else first
+            if (first < 0) == (last < 0) and first > last:  # backwards whatever the size
+                raise ProbeError(
+                    f"{option(name, value)}: {entry.strip()} runs backwards: a range a-b goes from a up to b, "
+                    f"e.g. {last}-{first}."
+                )
             ranges.append(IndexRange(first, last))
         return tuple(ranges)
     if isinstance(value, int) and not isinstance(value, bool):
@@ -325,6 +335,8 @@ def queries(value) -> QueryRule:
               f"{option('queries', 'sample:32')}"
     if not isinstance(value, str):
         raise ProbeError(f"{option('queries')} takes a string, {example}; got {value!r} ({type(value).__name__}).")
+    if "," in value:
+        raise ProbeError(f"{option('queries', value)}: a run takes one query rule, not a list. Give {example}.")
     kind, _, count = value.strip().partition(":")
     kind = kind.strip().lower()
     if kind not in QUERY_RULES:

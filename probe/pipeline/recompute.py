@@ -160,11 +160,13 @@ def _listing(values) -> str:
 
 
 def resolve(table, example: int, layer: int, head: int, attention_type: str | None, space: str | None,
-            alpha: float | None) -> ViewRequest:
+            alpha: float | None, stacks: dict | None = None) -> ViewRequest:
     """The request checked against the run's rows (``table``: its :class:`probe.query.RunTable`), before any
     model loads: the text, the attention type (the run's only one when not given), the space and alpha (the
     report's main slice when not given: hidden, alpha 1, where the run has them), the layer and the head.  Each
-    one the run does not hold is refused, naming those it does."""
+    one the run does not hold is refused, naming those it does.  A negative layer or head counts from the end of
+    the model's stack, as ``--layers`` and ``--heads`` do, from ``stacks`` (the manifest's
+    ``selection.stacks``: attention type -> its ``layers`` and ``heads``)."""
     from probe.query import where
 
     for name, value in (("example", example), ("layer", layer), ("head", head)):
@@ -190,6 +192,8 @@ def resolve(table, example: int, layer: int, head: int, attention_type: str | No
         raise ProbeError(f"The run has no {option('attention_type', attention_type)} rows for this text: its attention "
                          f"types are {', '.join(types)}.")
     found = found[found["attention_type"] == attention_type]
+    layer = _from_the_end("layer", layer, (stacks or {}).get(attention_type, {}).get("layers"), attention_type)
+    head = _from_the_end("head", head, (stacks or {}).get(attention_type, {}).get("heads"), attention_type)
     spaces = sorted(found["space"].unique())
     if space is None:
         space = "hidden" if "hidden" in spaces else spaces[0]
@@ -216,6 +220,19 @@ def resolve(table, example: int, layer: int, head: int, attention_type: str | No
     return ViewRequest(example, layer, head, attention_type, space, alpha)
 
 
+def _from_the_end(name: str, index: int, size: int | None, attention_type: str) -> int:
+    """``index`` as counted from 0: a negative one counts back from the stack's ``size`` (-1 is the last)."""
+    if index >= 0:
+        return index
+    if size is None:
+        raise ProbeError(f"{option(name, index)}: this run's manifest does not record how many {name}s the model's "
+                         f"{attention_type} stack has, so count from 0.")
+    if index < -size:
+        raise ProbeError(f"{option(name, index)} is out of range: the model's {attention_type} stack has {size} {name}s, "
+                         f"0 to {size - 1} (or -{size} to -1).")
+    return index + size
+
+
 def stored_rows(table, request: ViewRequest):
     """The run's rows of the request's text, site and head, in query order (a pandas DataFrame)."""
     from probe.query import where
@@ -238,7 +255,8 @@ def text_view(run_dir: str | Path, example: int, layer: int, head: int, *, atten
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)
     with RunTable.open(run_dir, allow_damaged=allow_damaged) as table:
-        request = resolve(table, example, layer, head, attention_type, space, alpha)
+        request = resolve(table, example, layer, head, attention_type, space, alpha,
+                          stacks=(manifest.get("selection") or {}).get("stacks"))
         stored = stored_rows(table, request)
     job = load_job(run_dir, manifest)
     position = job.texts.indices.index(request.example)

@@ -42,7 +42,7 @@ def test_indices_grammar(given, expected):
     assert (None if found is None else [(r.first, r.last) for r in found]) == expected
 
 
-@pytest.mark.parametrize("given", ["", "a", "1;2", "1-", "-", "1.5", [1.5], [True], [], {"a": 1}])
+@pytest.mark.parametrize("given", ["", "a", "1;2", "1-", "-", "1.5", [1.5], [True], [], {"a": 1}, "3-1", "-1--2"])
 def test_indices_refusals(given):
     with pytest.raises(ProbeError):
         indices(given, "layers")
@@ -57,7 +57,8 @@ def test_query_grammar(given, expected):
     assert queries(str(expected)) == expected  # as the manifest records it
 
 
-@pytest.mark.parametrize("given", ["first", "every", "every:0", "sample:-1", "sample:x", "last:2", "all:1", 3])
+@pytest.mark.parametrize("given", ["first", "every", "every:0", "sample:-1", "sample:x", "last:2", "all:1", 3,
+                                   "every:2,last"])
 def test_query_refusals(given):
     with pytest.raises(ProbeError):
         queries(given)
@@ -79,6 +80,37 @@ T5_STACKS = {"encoder_self": Stack(2, 4), "decoder_self": Stack(3, 4), "cross": 
 
 def settings(**options) -> RunConfig:
     return RunConfig.from_options("model", **options)
+
+
+def _manifest(stacks: dict, seed: int = 0, **options) -> dict:
+    """A manifest's ``config`` and ``selection`` as a run of ``options`` on a model of ``stacks`` records them."""
+    config = settings(seed=seed, **options)
+    chosen = resolve(config, {kind: Stack(*sizes) for kind, sizes in stacks.items()})
+    return {"config": {name: getattr(config, name) for name in ("layers", "heads", "attention_types", "queries", "seed")},
+            "selection": chosen.record()}
+
+
+SIX, TWELVE = {"self": (6, 12)}, {"self": (12, 12)}
+
+
+@pytest.mark.parametrize("first, second, differ", [
+    (_manifest(SIX), _manifest(TWELVE), False),  # every row of models of two sizes
+    (_manifest(SIX, layers="0-5"), _manifest(SIX), False),  # the same rows, spelled two ways
+    (_manifest(SIX, layers="-1"), _manifest(SIX, layers="0"), True),
+    (_manifest(SIX, heads="0"), _manifest(SIX), True),
+    (_manifest(SIX, queries="last"), _manifest(SIX), True),
+    (_manifest(SIX, queries="sample:4", seed=0), _manifest(SIX, queries="sample:4", seed=1), True),
+    (_manifest(SIX, queries="every:4", seed=0), _manifest(SIX, queries="every:4", seed=1), False),  # no draw
+    (_manifest(SIX, heads="0"), {"config": {}}, False),  # a run from before selections: not compared
+])
+def test_compare_says_when_runs_measured_different_rows(first, second, differ):
+    from probe.capture.selection import selection_differences
+
+    found = selection_differences({"runs/a": first, "runs/b": second})
+    assert (found is not None) == differ
+    if differ:
+        assert found.startswith("The runs did not measure the same rows (their selections differ): runs/a: ")
+        assert f"runs/b: {second['selection']['description']}" in found
 
 
 def test_layers_count_within_each_attention_types_stack():
@@ -290,7 +322,7 @@ def test_the_manifest_records_the_selection(models, tmp_path_factory):
     recorded = run.manifest["selection"]
     assert recorded["layers"] == {"cross": [0]} and recorded["queries"] == "sample:2" and recorded["seed"] == 3
     assert recorded["description"] == "attention types cross; layers 0; 2 sampled query positions per text (all of " \
-                                      "a shorter text)"
+                                      "a shorter text), seed 3"
     assert set(run.rows["attention_type"]) == {"cross"} and set(run.rows["layer"]) == {0}
     assert run.manifest["fidelity"]["passed"]
 

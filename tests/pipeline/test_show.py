@@ -119,6 +119,36 @@ def test_probe_show_writes_the_view_and_says_what_it_checked(tiny_run):
     assert "stored row(s) agree within their certificates" in result.output and f"view: {written}" in result.output
 
 
+def test_negative_indices_count_from_the_end_as_in_a_selection(tiny_run):
+    """``--layer -1 --head -2`` on the tiny BERT (2 layers, 4 heads) is layer 1, head 2, as ``--layers -1`` and
+    ``--heads -2`` select them in a run: the same view, named after the resolved site."""
+    from typer.testing import CliRunner
+
+    from probe.cli import app
+
+    counted = tiny_run.show(3, -1, -2, space="key")
+    direct = tiny_run.show(3, 1, 2, space="key")
+    assert (counted.layer, counted.head) == (1, 2)
+    np.testing.assert_array_equal(counted.rel_deviation, direct.rel_deviation)
+    result = CliRunner().invoke(app, ["show", str(tiny_run.run_dir), "--example", "3", "--layer", "-1", "--head",
+                                      "-2", "--space", "key"])
+    assert result.exit_code == 0, result.output
+    assert (tiny_run.run_dir / "show" / "text-3-layer1-head2.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_negative_index_without_the_models_sizes_is_refused(tiny_run):
+    """A manifest from before runs recorded their stacks' sizes: a negative index cannot be counted, and says so."""
+    from probe.core.errors import ProbeError
+    from probe.pipeline.recompute import resolve
+    from probe.query import RunTable
+
+    with RunTable.open(tiny_run.run_dir) as table:
+        assert resolve(table, 3, 1, 2, None, "key", None, stacks=None).layer == 1
+        with pytest.raises(ProbeError, match="does not record how many layers the model's self stack has, so count "
+                                             "from 0"):
+            resolve(table, 3, -1, 2, None, "key", None, stacks=None)
+
+
 @pytest.mark.slow
 def test_the_report_shows_the_worst_rows_text(tiny_run, tmp_path):
     out = tiny_run.report(tmp_path / "report", progress=False)

@@ -619,6 +619,24 @@ def test_compare_warns_when_the_runs_saw_different_data(finished_run, tiny_bert_
     assert same.exit_code == 0 and "Warning" not in same.output, same.output
 
 
+def test_compare_warns_when_the_runs_measured_different_rows(finished_run, tiny_bert_dir, tmp_path):
+    run_dir, _ = finished_run
+    texts = tmp_path / "texts.txt"  # the finished run's texts: only the rows differ
+    texts.write_text((run_dir.parent.parent / "texts.txt").read_text())
+    one_head = invoke("run", tiny_bert_dir, "--dataset", texts, "--batch-size", 2, "--heads", "0", "--queries", "last",
+                      "--out", tmp_path / "runs", "--no-progress")
+    assert one_head.exit_code == 0, one_head.output
+    assert "measured: heads 0; the last token of each text\n" in one_head.output  # the run's last lines say so
+    assert "measured:" not in finished_run[1].output  # and only where something was left out
+    (other,) = (tmp_path / "runs").iterdir()
+    result = invoke("compare", run_dir, other, "--out", tmp_path / "compare")
+    assert result.exit_code == 0, result.output
+    message = " ".join(result.output.split())
+    assert "did not see the same data" not in message
+    assert "Warning: The runs did not measure the same rows (their selections differ)" in message
+    assert f"{run_dir}: every layer, head and query position; {other}: heads 0; the last token of each text" in message
+
+
 # --------------------------------------------------------------------------------------------------
 # console and files
 
