@@ -4,7 +4,9 @@ machine's own BLAS rate for the kernel's shapes.
 
 For each text length (``--tokens``, default 128 and 512; the texts of ``bench/speedup.py``), the real
 all-MiniLM-L6-v2 is analysed on one thread with the baseline's probe (a git worktree of ``--baseline``, default
-66d896f) and with this checkout's, alternating, each run a child process of its own.  The current child also
+66d896f) and with this checkout's, alternating, each run a child process of its own (on one thread nothing runs
+beside the model: no lane of ``probe.solve.parallel``, so every second of the kernel is on the run's path).  The
+current child also
 times every call of the compiled Newton kernel (``probe.solve.native.newton_tile``), takes the kernel's own
 count of its float32 and float64 products (``probe.solve.native.FLOPS``), times the plain eager forward over
 the same batches, and measures ``torch.mm``'s rate on one thread for the kernel's products (a block of 256 rows
