@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -209,21 +207,14 @@ def main(argv=None) -> int:
               f"{native.unavailable_reason()}", file=sys.stderr)
         return 2
     lengths = [128] if args.quick else [int(x) for x in args.tokens.split(",")]
-    scratch = Path(tempfile.mkdtemp(prefix="probe-floor-"))
-    try:
-        roots = {WAYS[0]: speedup.baseline_checkout(args.baseline, scratch / "baseline"), WAYS[1]: common.ROOT}
+    with speedup.against_baseline(args.baseline, "probe-floor-") as (scratch, roots):
         results = {"environment": common.environment(threads=1), "baseline": args.baseline, "lengths": [],
-                   "current_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=common.ROOT,
-                                                    capture_output=True, text=True).stdout.strip()}
+                   "current_commit": speedup.current_commit()}
         for tokens in lengths:
             count = 8 if args.quick else TEXTS.get(tokens, 16)
             results["lengths"].append(measure_length(tokens, count, roots, 1 if args.quick else args.repeats,
                                                      scratch, runs.minilm_path()))
         common.write_results(args.out, results, markdown, benchmark="floor")
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(scratch / "baseline")], cwd=common.ROOT,
-                       capture_output=True)
-        subprocess.run(["rm", "-rf", str(scratch)])
     return 0
 
 

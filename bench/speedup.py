@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -108,6 +109,25 @@ def causal_model(directory: Path) -> str:
     import long_context
 
     return str(long_context.make_llama(directory, long_context.LLAMA_SHARE, 4096))
+
+
+@contextmanager
+def against_baseline(commit: str, prefix: str):
+    """A scratch folder and the two ways' checkouts, ``{baseline: a git worktree of commit, this checkout: the
+    repository}``; the worktree and the folder are removed afterwards."""
+    scratch = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield scratch, {WAYS[0]: baseline_checkout(commit, scratch / "baseline"), WAYS[1]: common.ROOT}
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(scratch / "baseline")], cwd=common.ROOT,
+                       capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def current_commit() -> str:
+    """This checkout's commit, short."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=common.ROOT, capture_output=True,
+                          text=True).stdout.strip()
 
 
 def baseline_checkout(commit: str, directory: Path) -> Path:
@@ -270,23 +290,15 @@ def main(argv=None) -> int:
         args.out = common.HERE / chosen["out"]
     lengths = [min(map(int, chosen["tokens"].split(",")))] if quick else [
         int(x) for x in (args.tokens or chosen["tokens"]).split(",")]
-    scratch = Path(tempfile.mkdtemp(prefix="probe-speedup-"))
-    try:
-        roots = {WAYS[0]: baseline_checkout(args.baseline, scratch / "baseline"), WAYS[1]: common.ROOT}
+    with against_baseline(args.baseline, "probe-speedup-") as (scratch, roots):
         results = {"environment": env, "baseline": args.baseline, "lengths": [], "model": args.model,
-                   "model_label": chosen["label"], "width": chosen["width"],
-                   "current_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=common.ROOT,
-                                                    capture_output=True, text=True).stdout.strip()}
+                   "model_label": chosen["label"], "width": chosen["width"], "current_commit": current_commit()}
         model = runs.minilm_path() if args.model == "minilm" else causal_model(scratch / "causal")
         for tokens in lengths:
             count = 4 if quick else chosen["texts"].get(tokens, 16)
             results["lengths"].append(measure_length(tokens, count, roots, 1 if quick else args.repeats, scratch,
                                                      model, chosen["width"]))
         common.write_results(args.out, results, markdown, benchmark="speedup")
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(scratch / "baseline")], cwd=common.ROOT,
-                       capture_output=True)
-        shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 
