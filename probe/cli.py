@@ -441,10 +441,11 @@ def print_summary(run_dir: Path, *, report_next: bool = True) -> None:
         f"{solver['max_relative_error_bound']:.1e}); fidelity max abs error {fidelity['max_abs_error']:.1e} "
         f"({'passed' if fidelity['passed'] else 'FAILED'}, tolerance {fidelity['tolerance']:.0e})"
     )
-    selection = manifest.get("selection") or {}
-    if selection.get("description") and (selection.get("queries", "all") != "all" or any(
-            (manifest.get("config") or {}).get(name) is not None for name in ("layers", "heads", "attention_types"))):
-        typer.echo(f"measured: {selection['description']}")
+    from probe.report.data import selection_text
+
+    measured = selection_text(manifest)  # as the report says it: None where every row was measured
+    if measured:
+        typer.echo(f"measured: {measured}")
     for line in run.headline():
         typer.echo(
             f"rel_deviation, {line['space']} space, alpha {line['alpha']:g}, over {line['rows']:,} non-trivial rows: "
