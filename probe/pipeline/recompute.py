@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from probe.core.arguments import IndexRange
 from probe.core.errors import ProbeError
 from probe.core.spelling import option
 from probe.report.text_view import TextView
@@ -227,10 +228,11 @@ def _from_the_end(name: str, index: int, size: int | None, attention_type: str) 
     if size is None:
         raise ProbeError(f"{option(name, index)}: this run's manifest does not record how many {name}s the model's "
                          f"{attention_type} stack has, so count from 0.")
-    if index < -size:
+    counted = IndexRange.resolve_end(size, index)  # as --layers and --heads count it
+    if counted is None:
         raise ProbeError(f"{option(name, index)} is out of range: the model's {attention_type} stack has {size} {name}s, "
                          f"0 to {size - 1} (or -{size} to -1).")
-    return index + size
+    return counted
 
 
 def stored_rows(table, request: ViewRequest):
