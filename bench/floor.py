@@ -167,7 +167,18 @@ def markdown(results: dict) -> str:
         "the forward and the kernel at the BLAS rate (the target: 0.5 of the baseline).",
         "",
         table(results),
-    ]) + "\n"
+    ] + busy_warning(results)) + "\n"
+
+
+def busy_warning(results: dict) -> list:
+    """A line under the table when the products at the BLAS rate took longer than the kernel that made them and
+    more: the rate was measured on a busy machine, and that length's floor says nothing."""
+    slow = [str(row["tokens"]) for row in results["lengths"] if row["kernel_at_rate_s"] >= row["kernel_s"]]
+    if not slow:
+        return []
+    return ["", f"**Not a floor at {', '.join(slow)} tokens:** the kernel's products priced at the BLAS rate took "
+                "longer than the kernel itself, so the rate was measured while something else ran. Rerun on an idle "
+                "machine."]
 
 
 def table(results: dict) -> str:

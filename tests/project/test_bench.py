@@ -152,9 +152,10 @@ def test_long_context_benchmark_quick_mode(tmp_path):
 
 def test_floor_benchmark_quick_mode(tmp_path):
     """bench/floor.py in its quick mode: the baseline commit (a git worktree) and this checkout on one thread,
-    the kernel's seconds told apart and its counted products priced at the BLAS rate.  Products at the BLAS
-    rate with nothing else cannot take longer than the kernel that makes them and more, so the floor lies below
-    the run and above the run less its kernel."""
+    the kernel's seconds told apart and its counted products priced at the BLAS rate.  Whether those products at
+    that rate take less time than the kernel is the measurement (the BLAS rate is slower on a busy machine, as with
+    the tests beside it), so the test checks what holds on any machine: the kernel is timed within the run, and
+    the floor is the run with the kernel's seconds replaced by its products at the rate."""
     from probe.solve import native
 
     if not native.available():
@@ -166,6 +167,9 @@ def test_floor_benchmark_quick_mode(tmp_path):
     assert row["tokens"] == 128 and row["all_certified"] and row["rows"] == 8 * 12 * 6 * 128
     assert 0 < row["kernel_s"] < row["current_s"] and 0 < row["forward_s"] < row["current_s"]
     assert all(row["kernel_flops"][p] > 0 and row["rates"][p] > 0 for p in ("float32", "float64"))
-    assert 0 < row["kernel_at_rate_s"] < row["kernel_s"]
-    assert row["current_s"] - row["kernel_s"] < row["floor_s"] < row["current_s"]
-    assert "floor / baseline" in out.with_suffix(".md").read_text()
+    flops, rates = row["kernel_flops"], row["rates"]
+    assert row["kernel_at_rate_s"] == pytest.approx(sum(flops[p] / rates[p] for p in ("float32", "float64")))
+    assert row["floor_s"] == pytest.approx(row["current_s"] - row["kernel_s"] + row["kernel_at_rate_s"])  # one repeat
+    text = out.with_suffix(".md").read_text()
+    assert "floor / baseline" in text
+    assert ("Not a floor at 128 tokens" in text) == (row["kernel_at_rate_s"] >= row["kernel_s"])
