@@ -45,6 +45,7 @@ QUOTES = {
     "bench:long_context:memory": (LONG, _render("long_context", "memory_table", "results_long_context.json")),
     "bench:long_context:share": (LONG, _render("long_context", "share_table", "results_long_context.json")),
     "bench:speedup:causal": (LONG, _render("speedup", "table", "results_speedup_causal.json")),
+    "bench:fast_attention": (LONG, _render("fast_attention", "table", "results_fast_attention.json")),
 }
 
 

@@ -296,6 +296,7 @@ def run(
     attention_types: str | Sequence[str] | None = None,
     queries: str = "all",
     keep: str = "rows",
+    attn_implementation: str = "eager",
 ) -> Run:
     """Solve the dual for every example, attention site, head and query token of ``model`` (or the ones
     selected); return the finished :class:`Run`.
@@ -356,6 +357,10 @@ def run(
             written (:mod:`probe.capture.selection`).
         keep: ``"rows"`` (every row), ``"aggregates"`` (mergeable statistics computed where the rows are, and no
             rows: docs/keep.md) or ``"sample:N"`` (those statistics and a seeded uniform sample of N rows).
+        attn_implementation: the attention the model runs while it is measured: ``"eager"`` (its probabilities
+            formed and checked by the fidelity check) or ``"sdpa"`` (its fast attention, which never forms the
+            ``(heads, tokens, tokens)`` probabilities; the fidelity check compares its output instead): with a
+            ``queries`` selection, what lets a long context fit (docs/large-models.md).
 
     Returns:
         The finished run, read lazily (:class:`Run`).
@@ -376,6 +381,7 @@ def run(
         fidelity_tolerance=fidelity_tolerance, name=name, progress=progress, intervene=intervene,
         intervene_modes=intervene_modes, allow_unknown_tokens=allow_unknown_tokens, step=step, layers=layers,
         heads=heads, attention_types=attention_types, queries=queries, keep=keep,
+        attn_implementation=attn_implementation,
     )
     check_options(settings)  # before torch loads: a mistyped option costs nothing
     if given is not None:

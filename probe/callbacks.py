@@ -205,7 +205,7 @@ def headline_numbers(run) -> dict[str, float]:
 #: probe set give
 IN_MEMORY_OPTIONS = (
     "alpha", "space", "max_length", "batch_size", "seed", "max_memory", "fidelity_tolerance", "allow_unknown_tokens",
-    "layers", "heads", "attention_types", "queries", "keep",
+    "layers", "heads", "attention_types", "queries", "keep", "attn_implementation",
 )
 
 

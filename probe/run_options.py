@@ -59,6 +59,10 @@ RUN_OPTIONS: tuple[inspect.Parameter, ...] = (
             help="What the run keeps: every row; aggregates (mergeable statistics computed where the rows are: what "
             "the report reads, at a fixed size); or sample:N (the aggregates and a seeded uniform sample of N rows) "
             "(docs: keep modes)."),
+    _option("attn_implementation", str, "eager", "--attn-implementation", metavar="eager|sdpa",
+            help="The attention the model runs while it is measured: eager (its probabilities formed and checked) or "
+            "sdpa (its fast attention: no (heads, tokens, tokens) probabilities, for long contexts with --queries; "
+            "its output checked instead) (docs: large models and long contexts)."),
     _option("tokenizer", Optional[str], None, metavar="PATH|ID",
             help="Directory (or hub id) of the tokenizer, when it is not beside the model."),
     _option("max_memory", Optional[str], None, metavar="SIZE",

@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from probe.capture.adapters import SiteCapture
-from probe.capture.adapters.base import SpaceProblems, space_problems
+from probe.capture.adapters.base import SpaceProblems, real_values, space_problems
 from probe.solve.dual import DualProblems, DualSolution, solve_dual
 from probe.solve.gram import factor_from_templates, factor_gram
 from probe.solve.problems import shares_rows
@@ -31,7 +31,7 @@ def select(site: SiteCapture, examples: slice) -> SiteCapture:
 
     fields = {name: getattr(site, name) for name in SiteCapture.__dataclass_fields__}
     for name in ("queries", "keys", "values", "log_preference", "query_mask", "key_mask", "query_ids",
-                 "model_probs", "key_hidden", "query_positions"):
+                 "model_probs", "model_output", "key_hidden", "query_positions"):
         fields[name] = pick(fields[name])
     return SiteCapture(**fields)
 
@@ -99,16 +99,39 @@ FIDELITY_TOLERANCE = {"float64": 1e-6, "float32": 1e-5, "float16": 1e-2, "bfloat
 
 
 def fidelity_error(site: SiteCapture, problems: SpaceProblems | None = None) -> float:
-    """Max |softmax(log u + s) - model probabilities| over the site's real queries (alpha = 1)."""
+    """Max |softmax(log u + s) - model probabilities| over the site's real queries (alpha = 1); for a site of the
+    model's fast attention, which gives its output and not its probabilities, the output's error
+    (:func:`output_errors`)."""
     errors = fidelity_errors(site, problems)
     return float(errors.max()) if errors.numel() else 0.0
+
+
+def output_errors(site: SiteCapture, reconstructed: torch.Tensor) -> torch.Tensor:
+    r"""The error of the attention output rebuilt from the ``reconstructed`` probabilities ``(b, h, q, k)``,
+    :math:`\hat o = \sum_i p_i v_i`, against the model's own output (``site.model_output``, SDPA), as a share of
+    the largest value entry of the example and key head, ``(b, h, q)``:
+    :math:`\max_c |\hat o_c - o_c| / \max_{i, c} |v_{ic}|`.  It is at most the probabilities' error summed over
+    the keys, :math:`\sum_i |\hat p_i - p_i|`, and unlike a check of the probabilities it needs no
+    :math:`k \times k` matrix from the model."""
+    b, h, q, k = reconstructed.shape
+    values = real_values(site).to(torch.float64)  # (b, g, k, d_v); query head j reads key head j // (h / g)
+    g = values.shape[1]
+    rebuilt = (reconstructed.reshape(b, g, (h // g) * q, k) @ values).reshape(b, h, q, -1)
+    scale = values.abs().amax(dim=(-2, -1)).clamp_min(torch.finfo(torch.float64).tiny)  # (b, g)
+    scale = scale.repeat_interleave(h // g, dim=1)[:, :, None]
+    return (rebuilt - site.model_output.to(torch.float64)).abs().amax(dim=-1) / scale
 
 
 def fidelity_errors(site: SiteCapture, problems: SpaceProblems | None = None) -> torch.Tensor:
     """:func:`fidelity_error` of each example of the site, ``(b,)``."""
     problems = space_problems(site, site.spaces[0]) if problems is None else problems
     reconstructed = torch.softmax(site.log_preference + problems.logits, dim=-1)
-    difference = (reconstructed - site.model_probs.to(torch.float64)).abs().amax(dim=-1)  # (b, h, q)
+    if site.model_probs is None:
+        difference = output_errors(site, reconstructed)
+    else:
+        difference = (reconstructed - site.model_probs.to(torch.float64)).abs().amax(dim=-1)  # (b, h, q)
+    # a NaN in what the model computed (or in what is rebuilt) is no agreement: an error beyond any tolerance
+    difference = difference.nan_to_num(nan=float("inf"))
     difference = difference.masked_fill(~site.query_mask[:, None, :], 0.0)
     return difference.flatten(1).amax(dim=1) if difference.numel() else difference.new_zeros(site.shape[0])
 
@@ -144,7 +167,7 @@ def merged(sites: list[SiteCapture]) -> SiteCapture:
         return torch.cat([value.expand(site.shape[0], *shape[1:]) for site, value in zip(sites, values)])
 
     per_example = ("queries", "keys", "values", "log_preference", "query_mask", "key_mask", "query_ids",
-                   "model_probs", "query_positions")
+                   "model_probs", "model_output", "query_positions")
     return replace(first, key_hidden=None, key_weight=None, **{name: joined(name) for name in per_example})
 
 

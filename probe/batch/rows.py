@@ -39,7 +39,8 @@ from probe.batch.problems import (
 )
 from probe.batch.summary import Summary
 from probe.capture.adapters import SiteCapture
-from probe.capture.adapters.base import SITE_WEIGHT_SPACES, SpaceProblems, space_problems
+from probe.capture.adapters.base import SITE_WEIGHT_SPACES, SpaceProblems, real_values, space_problems
+from probe.capture.adapters.interface import runs_probe_attention
 from probe.solve import derived, second_order
 from probe.solve.dual import DualProblems, DualSolution
 from probe.solve.parallel import cpu_workers, run_all
@@ -88,7 +89,7 @@ def derive(site: SiteCapture, problems: DualProblems, solution: DualSolution, rt
     )
     # value heads: row j of a group uses value head j // (m / H); key space: one key head per group
     b, _, _, k = site.shape
-    values = site.values.reshape(problems.n_groups, -1, k, site.values.shape[-1])
+    values = real_values(site).reshape(problems.n_groups, -1, k, site.values.shape[-1])
     (tv, tv_bound), (output, output_bound), entropy = derived.attention_quantities(
         solution.attention, problems.logits, problems.log_preference, alpha, values, solution.error_bound,
         gram=problems.gram, factor=factor, active=problems.active,
@@ -383,7 +384,8 @@ def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary:
     solver.merge_small = selection is not None and not selection.everything
     if capture is None:
         chosen = None if selection is None or selection.everything else selection.for_batch(example_ids)
-        loaded.adapter.capture(loaded.model, inputs, solver, chosen)
+        with runs_probe_attention(loaded.model, getattr(config, "attn_implementation", None)):
+            loaded.adapter.capture(loaded.model, inputs, solver, chosen)
     else:
         capture(solver)
     captured = time.perf_counter() - started - solver.solve_s  # less the stacks solved as they filled

@@ -15,10 +15,18 @@ from probe.batch.columns import SiteColumns
 MEANS = ("rel_deviation", "second_order_deviation", "attention_tv", "output_deviation")
 
 
+#: what the fidelity check compares, by the attention the model ran (probe.batch.problems.fidelity_errors)
+FIDELITY_CHECKS = {
+    "eager": "max |softmax(log u + alpha s) - eager attention probabilities| over real queries",
+    "sdpa": "max |sum_i softmax(log u + alpha s)_i v_i - SDPA attention output| / max |v| over real queries",
+}
+
+
 class Summary:
     """Running solver and fidelity summaries for the manifest."""
 
-    def __init__(self, tolerance: float):
+    def __init__(self, tolerance: float, attn_implementation: str = "eager"):
+        self.attn_implementation = attn_implementation  # what the fidelity check compares (fidelity_summary)
         self.rows = 0
         self.not_converged = 0
         self.max_duality_gap = 0.0
@@ -131,7 +139,7 @@ class Summary:
     def fidelity_summary(self) -> dict:
         worst = max(self.fidelity.values(), default=0.0)
         return {
-            "check": "max |softmax(log u + alpha s) - eager attention probabilities| over real queries",
+            "check": FIDELITY_CHECKS[self.attn_implementation],
             "max_abs_error": worst,
             "by_attention_type": dict(self.fidelity),
             "by_space": dict(self.fidelity_by_space),

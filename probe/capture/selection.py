@@ -370,6 +370,7 @@ def restrict(site, chosen: BatchSelection | None):
     return replace(
         site,
         queries=rows.per_head_and_query(site.queries), model_probs=rows.per_head_and_query(site.model_probs),
+        model_output=rows.per_head_and_query(site.model_output),
         log_preference=rows.per_head_and_query(site.log_preference), keys=rows.per_key_head(site.keys),
         values=rows.per_key_head(site.values), key_weight=rows.key_weight(site.key_weight, d_head),
         query_ids=rows.per_query(site.query_ids), query_positions=rows.per_query(positions),

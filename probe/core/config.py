@@ -23,6 +23,10 @@ SPACES = ("hidden", "key")
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 #: where the model's weights come from: the checkpoint, or a random initialisation (a control)
 INITS = ("pretrained", "random")
+#: the attention the model runs while it is measured (``--attn-implementation``): its eager attention, whose
+#: probabilities the fidelity check compares; or its fast attention (SDPA), which never forms the (h, k, k)
+#: probabilities, and whose output the fidelity check compares (probe.capture.adapters.interface)
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 #: what ``--intervene`` substitutes for the model's attention weights (probe.interventions.SUBSTITUTES, without torch)
 INTERVENTION_SUBSTITUTES = ("exact", "second-order", "null", "model")
 #: the intervention modes ``--intervene-modes`` takes: every site on its own, and all sites at once
@@ -128,6 +132,8 @@ class RunConfig:
     # --keep: "rows" (every row, as parquet parts), "aggregates" (mergeable statistics computed where the rows
     # are, no row table) or "sample:N" (the aggregates, and a seeded uniform sample of N rows as parts)
     keep: str = "rows"
+    # --attn-implementation: the attention the model runs while it is measured (ATTN_IMPLEMENTATIONS)
+    attn_implementation: str = "eager"
 
     @classmethod
     def from_options(
@@ -139,6 +145,7 @@ class RunConfig:
         revision: str | None = None, seed: int = 0, fidelity_tolerance=None, name: str | None = None,
         progress: bool = True, intervene=None, intervene_modes=None, allow_unknown_tokens: bool = False,
         step: int | None = None, layers=None, heads=None, attention_types=None, queries="all", keep="rows",
+        attn_implementation: str = "eager",
     ) -> "RunConfig":
         """The settings of a run from the options as the command line, the Python API and the Trainer callback
         give them (:mod:`probe.core.arguments`: one value, a sequence or a comma-separated string; a size for
@@ -182,6 +189,7 @@ class RunConfig:
             heads=None if head_ranges is None else arguments.describe_indices(head_ranges),
             attention_types=arguments.names(attention_types, "attention_types"),
             queries=str(arguments.queries(queries)), keep=arguments.describe_keep(arguments.parse_keep(keep)),
+            attn_implementation=str(attn_implementation),
         )
 
     @property

@@ -140,9 +140,10 @@ class PartIndex:
     """The run's part files read so far: their records folded into the run's summary and into the
     batches and seconds of each (segment, rank).  Rank 0 follows every rank's progress through it."""
 
-    def __init__(self, run_dir: Path, tolerance: float, recorded: dict[int, dict] | None = None):
+    def __init__(self, run_dir: Path, tolerance: float, recorded: dict[int, dict] | None = None,
+                 attn_implementation: str = "eager"):
         self.run_dir = run_dir
-        self.summary = Summary(tolerance)
+        self.summary = Summary(tolerance, attn_implementation)
         #: the batches folded in so far (their records are folded, not kept: memory stays flat over a run)
         self.records: set[int] = set()
         self.work: dict[tuple[int, int], dict] = {}

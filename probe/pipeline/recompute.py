@@ -97,8 +97,10 @@ def batch_sites(job, batch: int, needed: set[tuple[str, int]]) -> BatchSites:
         if (site.attention_type, site.layer) in needed:
             sites[(site.attention_type, site.layer)] = site
 
-    with torch.no_grad():
-        job.loaded.adapter.capture(job.loaded.model, inputs, keep)
+    from probe.capture.adapters.interface import runs_probe_attention
+
+    with torch.no_grad(), runs_probe_attention(job.loaded.model, job.config.attn_implementation):
+        job.loaded.adapter.capture(job.loaded.model, inputs, keep)  # the run's attention: the run's numbers
     return BatchSites(sites, [job.texts.indices[i] for i in positions], inputs)
 
 
@@ -118,7 +120,7 @@ def row_problem(site, space: str, alpha: float, position: int, head: int, query:
     model's head and the query's position in its sequence, as the row records them)."""
     import torch
 
-    from probe.capture.adapters.base import space_problems
+    from probe.capture.adapters.base import real_values, space_problems
 
     problems = space_problems(site, space, slice(position, position + 1))
     columns = np.flatnonzero(site.query_mask[position].cpu().numpy())
@@ -132,7 +134,7 @@ def row_problem(site, space: str, alpha: float, position: int, head: int, query:
     if gram.dim() == 3:  # key space: one Gram matrix per key head
         gram = gram[head // (h // gram.shape[0])]
     log_u = site.log_preference.expand(b, h, q, k)[position, head, column]
-    values = site.values[position, head // (h // site.values.shape[1])]  # query head -> its value head
+    values = real_values(site)[position, head // (h // site.values.shape[1])]  # query head -> its value head
     return RowProblem(gram.cpu().numpy(), problems.logits[0, head, column].cpu().numpy(),
                       float(problems.evidence_sqnorm[0, head, column]), log_u.to(dtype=gram.dtype).cpu().numpy(),
                       values.to(torch.float64).cpu().numpy())
@@ -281,7 +283,12 @@ def _solved_view(captured: BatchSites, row: int, request: ViewRequest, job) -> T
     from probe.solve.dual import solve_dual
 
     site = select(captured.sites[(request.attention_type, request.layer)], slice(row, row + 1))
-    problems = dual_problems(site, space_problems(site, request.space), request.alpha)
+    built = space_problems(site, request.space)
+    problems = dual_problems(site, built, request.alpha)
+    # the model's probabilities; a run of its fast attention (SDPA) never formed them: there the ones rebuilt from
+    # the logits, which the fidelity check held to the model's own output
+    attention = (torch.softmax(site.log_preference + built.logits, dim=-1) if site.model_probs is None
+                 else site.model_probs)
     solution = solve_dual(problems, rtol=job.config.rtol)
     _, h, q, k = site.shape
     head = request.head if site.head_ids is None else list(site.head_ids).index(request.head)
@@ -302,7 +309,7 @@ def _solved_view(captured: BatchSites, row: int, request: ViewRequest, job) -> T
         key_tokens=(tokenizer.convert_ids_to_tokens([int(i) for i in key_ids[keys]]) if key_ids is not None
                     else [str(i) for i in keys]),
         query_positions=[int(p) for p in positions],
-        attention=site.model_probs[0, head].to(torch.float64).cpu().numpy()[np.ix_(queries, keys)],
+        attention=attention[0, head].to(torch.float64).cpu().numpy()[np.ix_(queries, keys)],
         posterior=per_query(solution.attention)[:, keys],
         rel_deviation=per_query(solution.rel_deviation), error_bound=per_query(solution.error_bound),
         lambda_norm=per_query(solution.lambda_norm), stored_rel_deviation=np.full(len(queries), np.nan),

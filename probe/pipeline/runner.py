@@ -318,7 +318,8 @@ class BatchLoop:
         todo, self.segment_number = self.group.from_main(lambda: self.start_segment(rank_info))
         if self.group.main:
             self.segment = self.manifest["segments"][-1]
-            self.index = PartIndex(self.run_dir, self.config.fidelity_tolerance, storage.part_records(self.manifest))
+            self.index = PartIndex(self.run_dir, self.config.fidelity_tolerance, storage.part_records(self.manifest),
+                                   self.config.attn_implementation)
             if self.config.intervene:
                 self.index.with_interventions(storage.part_records(self.manifest, storage.INTERVENTIONS))
             if self.config.keep != "rows":
@@ -521,7 +522,7 @@ def _start_batch(job: Job, batch: int, lane=None, on_rows: Callable[[int], None]
     example_ids = [job.texts.indices[i] for i in positions]
     inputs = job.loaded.adapter.encode(job.loaded.tokenizer, texts, targets, job.config.max_length)
     inputs = {key: value.to(job.device) for key, value in inputs.items()}
-    summary = Summary(job.config.fidelity_tolerance)
+    summary = Summary(job.config.fidelity_tolerance, job.config.attn_implementation)
     capture, records = None, None
     made = []  # the batch's Aggregates (--keep aggregates, sample:N), made by process_batch with its context
     mode, sample = parse_keep(job.config.keep)

@@ -55,6 +55,7 @@ from probe.capture.tokens import check_unknown_tokens, unknown_tokens
 from probe.capture.truncation import cut_texts, kept_characters
 from probe.core.arguments import parse_keep
 from probe.core.config import (
+    ATTN_IMPLEMENTATIONS,
     DTYPE_NAMES,
     INITS,
     INTERVENTION_MODES,
@@ -162,6 +163,16 @@ def check_options(config) -> None:
         raise ProbeError(f"{option('threads')} must be at least 1, got {config.threads}.")
     check_intervention_options(config)
     parse_keep(getattr(config, "keep", "rows"))
+    implementation = getattr(config, "attn_implementation", "eager")
+    if implementation not in ATTN_IMPLEMENTATIONS:
+        raise ProbeError(
+            f"Unknown {option('attn_implementation', implementation)}. Choose eager (the model's eager attention, "
+            "its probabilities checked) or sdpa (its fast attention, which never forms the probabilities: for long "
+            "contexts; its output checked).")
+    if implementation == "sdpa" and config.intervene:
+        raise ProbeError(
+            f"{option('intervene')} puts other attention weights into the model's eager attention; "
+            f"{option('attn_implementation', 'sdpa')} runs its fast attention instead. Remove one of them.")
 
 
 def check_intervention_options(config) -> None:
@@ -346,6 +357,15 @@ def check_family_options(config, model_config, adapter) -> None:
                 "attention through transformers' attention interface (BERT, T5, BART, GPT-2, Llama, ...): "
                 f"remove {option('intervene')}, or run one of those."
             )
+    if getattr(config, "attn_implementation", "eager") == "sdpa":
+        from probe.capture.adapters.generic import InterfaceAdapter
+
+        if not isinstance(adapter, InterfaceAdapter):
+            raise ProbeError(
+                f"{option('attn_implementation', 'sdpa')} runs the model's fast attention through transformers' "
+                f"attention interface, but '{config.model}' ({model_config.model_type}) is captured with hooks on "
+                "its family's own attention code, which computes the eager probabilities. Remove "
+                f"{option('attn_implementation')}: probe measures this family with its eager attention.")
     if config.dataset.target_column is not None and "cross" not in adapter.attention_types:
         kind = "decoder-only" if "causal_self" in adapter.attention_types else "encoder-only"
         raise ProbeError(

@@ -413,6 +413,13 @@ CASES = [
          ("--intervene-modes applies to interventions", "add --intervene exact", "or remove --intervene-modes")),
     Case("intervene on a family that cannot substitute", lambda b: [b.mpnet, "--init", "random", "--intervene", "exact"],
          ("--intervene needs a model whose attention probe can substitute", "(mpnet)", "remove --intervene")),
+    # the attention the model runs while it is measured (--attn-implementation)
+    Case("attn implementation unknown", lambda b: [b.tiny, "--attn-implementation", "flash"],
+         ("Unknown --attn-implementation flash", "Choose eager", "or sdpa")),
+    Case("sdpa with interventions", lambda b: [b.tiny, "--attn-implementation", "sdpa", "--intervene", "exact"],
+         ("--attn-implementation sdpa runs its fast attention", "Remove one of them")),
+    Case("sdpa on a family captured with hooks", lambda b: [b.mpnet, "--init", "random", "--attn-implementation", "sdpa"],
+         ("--attn-implementation sdpa runs the model's fast attention", "(mpnet)", "Remove --attn-implementation")),
     # 5. max length
     Case("max length beyond the position table", lambda b: [b.tiny, "--max-length", 1000],
          ("--max-length 1000", "position table has 256 entries", "--max-length 256 or less")),

@@ -173,3 +173,20 @@ def test_floor_benchmark_quick_mode(tmp_path):
     text = out.with_suffix(".md").read_text()
     assert "floor / baseline" in text
     assert ("Not a floor at 128 tokens" in text) == (row["kernel_at_rate_s"] >= row["kernel_s"])
+
+
+def test_fast_attention_benchmark_quick_mode(tmp_path):
+    """bench/fast_attention.py in its quick mode: a plain forward and a probe run of one text with each attention,
+    in child processes; the SDPA runs certified, their fidelity checked against the model's output."""
+    out = tmp_path / "results_fast_attention.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "fast_attention.py"), "--quick", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=900)
+    results = json.loads(out.read_text())
+    assert [each["tokens"] for each in results["lengths"]] == [256, 512]
+    for each in results["lengths"]:
+        run = each["sdpa"]["probe"]
+        assert run["rows"] == 2 * 4 * 8 and run["not_converged"] == 0 and run["fidelity_passed"]
+        assert "SDPA attention output" in run["fidelity_check"]
+        assert "eager attention probabilities" in each["eager"]["probe"]["fidelity_check"]
+        assert all(each[way][what]["peak_mib"] > 0 for way in ("sdpa", "eager") for what in ("forward", "probe"))
+    assert "probe / forward (SDPA)" in out.with_suffix(".md").read_text()

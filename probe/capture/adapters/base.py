@@ -63,7 +63,8 @@ class SiteCapture:
         query_mask: which query positions are real tokens (rows to write), ``(b, q)`` bool.
         key_mask: which key positions are real tokens, ``(b, k)`` bool (padding keys carry no weight).
         query_ids: the token id at each query position, ``(b, q)``.
-        model_probs: the model's own attention probabilities (eager), ``(b, h, q, k)``.
+        model_probs: the model's own attention probabilities (eager), ``(b, h, q, k)``; ``None`` where the
+            model ran its fast attention (SDPA), which never forms them.
         key_hidden: the hidden states :math:`x_i` the keys are computed from, ``(b, k, D)``; ``None``
             where the model has no hidden-space parameterisation (rotary).
         key_weight: :math:`W_k`, ``(g * d', D)``, with ``key_hidden``.
@@ -71,6 +72,9 @@ class SiteCapture:
             column index, which differs under left padding).
         head_ids: each query head's index in the model, when the site holds some of its heads only
             (:func:`probe.capture.selection.restrict`); ``None`` means heads ``0 .. h - 1``.
+        model_output: the model's own attention output per head, ``(b, h, q, d_v)``, where it ran its fast
+            attention (SDPA) and ``model_probs`` is ``None``: the fidelity check compares the output rebuilt
+            from probe's logits with it (:func:`probe.batch.problems.output_errors`).
     """
 
     attention_type: str
@@ -83,11 +87,12 @@ class SiteCapture:
     query_mask: torch.Tensor
     key_mask: torch.Tensor
     query_ids: torch.Tensor
-    model_probs: torch.Tensor
+    model_probs: torch.Tensor | None
     key_hidden: torch.Tensor | None = None
     key_weight: torch.Tensor | None = None
     query_positions: torch.Tensor | None = None
     head_ids: tuple[int, ...] | None = None
+    model_output: torch.Tensor | None = None
 
     @property
     def spaces(self) -> tuple[str, ...]:
@@ -145,6 +150,15 @@ class SpaceProblems:
 SITE_WEIGHT_SPACES = ("hidden",)
 
 
+def real_values(site: SiteCapture) -> torch.Tensor:
+    """The site's values with those of padding keys set to zero, ``(b, g, k, d_v)``: they carry no weight, and a
+    float64 model's padding positions may hold NaN (its eager softmax, taken in float32, saw a row of keys all
+    masked), which a product with a zero weight would carry on."""
+    if bool(site.key_mask.all()):
+        return site.values
+    return site.values.masked_fill(~site.key_mask[:, None, :, None].to(site.values.device), 0.0)
+
+
 def space_problems(site: SiteCapture, space: str, examples: slice = slice(None)) -> SpaceProblems:
     """The site's reduced problems (alpha = 1) in ``space`` for the examples ``examples``, in float64."""
     f64 = torch.float64
@@ -154,18 +168,20 @@ def space_problems(site: SiteCapture, space: str, examples: slice = slice(None))
 
     def by_key_head(g):  # (b, h, q, d') -> (b, g, (h / g) q, d'): query head j uses key head j // (h / g)
         queries = site.queries[examples].to(f64, memory_format=torch.contiguous_format)
-        return queries.view(b, g, (h // g) * q, d_head)  # one product per key head, no repeated keys
+        return queries.reshape(b, g, (h // g) * q, d_head)  # one product per key head, no repeated keys
 
     if space == "key":
         queries = by_key_head(site.keys.shape[1])
-        keys = site.keys[examples].to(f64) * key_mask[:, None, :, None]  # padding templates carry no weight
+        # padding templates carry no weight (set to zero, not multiplied: a float64 model's padding positions may
+        # hold NaN, where its eager softmax, taken in float32, saw a row of keys all masked)
+        keys = site.keys[examples].to(f64).masked_fill(~key_mask[:, None, :, None], 0.0)
         logits = site.logit_scale * (queries @ keys.transpose(-1, -2))
         templates = keys / d_head**0.5
         evidence_sqnorm = c**2 * (queries * queries).sum(-1)
     elif space == "hidden":
         if site.key_weight is None:
             raise ValueError("this site has no hidden-space parameterisation (no key_hidden / key_weight)")
-        x = site.key_hidden[examples].to(f64) * key_mask[..., None]
+        x = site.key_hidden[examples].to(f64).masked_fill(~key_mask[..., None], 0.0)
         w_key = site.key_weight.to(f64)
         g = w_key.shape[0] // d_head
         queries = by_key_head(g)

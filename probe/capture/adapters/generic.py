@@ -40,9 +40,12 @@ import torch
 from probe.capture.adapters.base import SPACES, Adapter, SiteCapture
 from probe.capture.adapters.interface import (
     AttentionCall,
+    causal_log_preference,
     eager_attention_calls,
     mask_to_log,
     runs_probe_attention,
+    runs_sdpa,
+    sdpa_attention_calls,
 )
 from probe.capture.selection import SiteRows, site_rows
 from probe.core.errors import ProbeError
@@ -249,8 +252,10 @@ class InterfaceAdapter(Adapter):
 
         extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
         try:
-            with runs_probe_attention(model), eager_attention_calls(on_call), torch.no_grad():
-                model(**inputs, **extra)
+            with runs_probe_attention(model), torch.no_grad():
+                calls = sdpa_attention_calls if runs_sdpa(model) else eager_attention_calls
+                with calls(on_call):
+                    model(**inputs, **extra)
         finally:
             for handle in handles:
                 handle.remove()
@@ -292,6 +297,8 @@ class InterfaceAdapter(Adapter):
         log_u = torch.zeros((1, 1, 1, keys), dtype=torch.float64, device=device)
         if call.attention_mask is not None:
             log_u = log_u + mask_to_log(rows.per_head_and_query(call.attention_mask[..., :keys])).to(device)
+        elif call.causal:  # SDPA's is_causal, no mask: the causal preference of the kept queries alone
+            log_u = log_u + causal_log_preference(rows.columns, call.query.shape[2], keys, device)
         if call.position_bias is not None:
             bias = rows.per_head_and_query(call.position_bias[..., :keys])
             log_u = log_u + bias.to(device=device, dtype=torch.float64)
@@ -315,6 +322,7 @@ class InterfaceAdapter(Adapter):
             key_mask=key_mask,
             query_ids=rows.per_query(query_ids),
             model_probs=rows.per_head_and_query(call.probs),
+            model_output=rows.per_head_and_query(call.output),
             key_hidden=key_hidden,
             key_weight=key_weight,
             query_positions=rows.per_query(query_mask.long().cumsum(-1) - 1),
