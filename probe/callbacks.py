@@ -94,7 +94,7 @@ def check_in_memory(config, loaded):
     from probe.capture.tokens import check_unknown_tokens, unknown_tokens
     from probe.core.environment import check_environment
     from probe.core.spelling import option
-    from probe.pipeline.validate import Checked, check_max_length, check_options, check_output
+    from probe.pipeline.validate import Checked, check_family_options, check_max_length, check_options, check_output
 
     check_environment()
     check_options(config)
@@ -107,6 +107,7 @@ def check_in_memory(config, loaded):
     if unsupported:
         raise ProbeError(f"{loaded.info['model_type']} supports the space(s) {', '.join(loaded.adapter.spaces)} only, "
                          f"not {', '.join(unsupported)}. Pass {option('space', ','.join(loaded.adapter.spaces))}.")
+    check_family_options(config, loaded.model.config, loaded.adapter)  # attn_implementation="sdpa" needs the interface
     check_max_length(config, loaded.model.config, loaded.tokenizer)
     resolve(config, loaded.adapter.stacks(loaded.model.config))  # the selection against the model
     unknown = unknown_tokens(loaded.tokenizer, texts.texts, config.max_length)

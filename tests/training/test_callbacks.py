@@ -169,6 +169,22 @@ def _interrupted_copy(run_dir, to):
     return to
 
 
+def test_a_measurement_runs_the_models_fast_attention(tmp_path, tokenizer):
+    """measure(attn_implementation="sdpa"): the model in memory runs probe's SDPA function meanwhile, its rows are
+    those of its eager attention (to the rounding of the two forwards), the check compares outputs, and the model
+    runs its own attention implementation again afterwards."""
+    from probe.callbacks import measure
+
+    model = _tiny_mlm()
+    fast = measure(model, tokenizer, TEXTS, tmp_path / "fast", max_length=MAX_LENGTH, queries="every:2",
+                   attn_implementation="sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    eager = measure(model, tokenizer, TEXTS, tmp_path / "eager", max_length=MAX_LENGTH, queries="every:2")
+    assert "SDPA attention output" in fast.manifest["fidelity"]["check"] and fast.manifest["fidelity"]["passed"]
+    assert len(fast.rows) == len(eager.rows)
+    assert fast.rows["rel_deviation"].to_numpy() == pytest.approx(eager.rows["rel_deviation"].to_numpy(), rel=1e-5)
+
+
 @pytest.mark.parametrize("texts", [[], ["", "  "]])
 def test_an_empty_probe_set_is_refused(tmp_path, texts):
     from probe.callbacks import ProbeCallback

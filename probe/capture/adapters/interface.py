@@ -1,4 +1,4 @@
-r"""The capture point: every eager attention call a model makes through transformers' attention interface.
+r"""The capture point: every attention call a model makes through transformers' attention interface.
 
 In transformers 5 an attention module computes its per-head queries, keys and values (projections, biases
 and rotary position encoding included), then hands them to an *attention function* looked up by
@@ -41,10 +41,9 @@ model loaded with ``attn_implementation="sdpa"`` does, and never forms the ``(b,
 Its masks are SDPA's own: boolean, or none at all where SDPA runs the call with ``is_causal`` (a causal
 mask without padding), which keeps the :math:`k \times k` mask out of memory too; the call then records that
 flag as SDPA's own rule sets it (:func:`sdpa_causal`), and probe builds the causal preference of the selected
-rows alone.  The call hands its
-:class:`AttentionCall` with the model's output instead of its probabilities; the fidelity check then compares
-the output rebuilt from probe's logits, :math:`\sum_i p_i v_i`, with the model's own
-(:func:`probe.batch.problems.fidelity_errors`).
+rows alone.  The call hands its :class:`AttentionCall` with the model's output instead of its probabilities;
+the fidelity check then compares the output rebuilt from probe's logits, :math:`\sum_i p_i v_i`, with the
+model's own (:func:`probe.batch.problems.fidelity_errors`).
 """
 
 from __future__ import annotations
@@ -262,8 +261,8 @@ def register() -> str:
     """Register :func:`probe_attention` with transformers under :data:`ATTENTION` (once per process), with eager
     attention's masks (``AttentionMaskInterface``: the additive masks the families' eager functions take), and
     :func:`probe_sdpa_attention` under :data:`ATTENTION_SDPA` with SDPA's masks (boolean, or none for
-    ``is_causal``); return :data:`ATTENTION`.  Registering adds names and changes no other: models that do not select them are
-    untouched."""
+    ``is_causal``); return :data:`ATTENTION`.  Registering adds names and changes no other: models that do not
+    select them are untouched."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
