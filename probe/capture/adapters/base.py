@@ -153,9 +153,8 @@ SITE_WEIGHT_SPACES = ("hidden",)
 def real_values(site: SiteCapture) -> torch.Tensor:
     """The site's values with those of padding keys set to zero, ``(b, g, k, d_v)``: they carry no weight, and a
     float64 model's padding positions may hold NaN (its eager softmax, taken in float32, saw a row of keys all
-    masked), which a product with a zero weight would carry on."""
-    if bool(site.key_mask.all()):
-        return site.values
+    masked), which a product with a zero weight would carry on.  (A copy, always: asking whether any key is
+    padding would wait for the GPU.)"""
     return site.values.masked_fill(~site.key_mask[:, None, :, None].to(site.values.device), 0.0)
 
 
