@@ -439,7 +439,8 @@ def print_summary(run_dir: Path, *, report_next: bool = True) -> None:
     typer.echo(
         f"{run.name}: {solver['rows']:,} rows, {converged} (max relative error bound "
         f"{solver['max_relative_error_bound']:.1e}); fidelity max abs error {fidelity['max_abs_error']:.1e} "
-        f"({'passed' if fidelity['passed'] else 'FAILED'}, tolerance {fidelity['tolerance']:.0e})"
+        f"({'passed' if fidelity['passed'] else 'FAILED'}, tolerance {fidelity['tolerance']:.0e}"
+        f"{'; SDPA: the attention output checked' if manifest.get('attention_implementation') == 'sdpa' else ''})"
     )
     from probe.report.data import selection_text
 
@@ -650,7 +651,7 @@ def show_command(
     typer.echo(f"relative deviation: mean {view.rel_deviation.mean():.3g}, max {view.rel_deviation.max():.3g}; "
                f"largest |p* - attention| {abs(view.difference).max():.3g}")
     typer.echo(f"recomputed from the model's files: {compared} stored row(s) agree within their certificates "
-               f"(largest difference {view.largest_ratio:.2g} of what they allow)")
+               f"(largest difference {100 * view.largest_ratio:.2g}% of what they allow)")
     typer.echo(f"view: {out}")
 
 

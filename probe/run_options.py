@@ -78,8 +78,9 @@ RUN_OPTIONS: tuple[inspect.Parameter, ...] = (
     _option("seed", int, 0, metavar="N", help="Random seed (random init, sampled query positions; recorded in the "
             "manifest)."),
     _option("fidelity_tolerance", Optional[float], None, metavar="TOL",
-            help="Max abs error allowed between reconstructed and eager attention [default: by --dtype: float64 1e-6, "
-            "float32 1e-5, float16 1e-2, bfloat16 5e-2]."),
+            help="Max abs error allowed between reconstructed and eager attention (with --attn-implementation sdpa: "
+            "between the output rebuilt from it and the model's, relative to the largest value) [default: by "
+            "--dtype: float64 1e-6, float32 1e-5, float16 1e-2, bfloat16 5e-2]."),
     _option("intervene", Optional[str], None, metavar="SUB[,SUB...]",
             help="Also put substitutes for the attention weights into the forward pass and measure the model's outputs "
             "(docs/interventions.md): exact (the exact posterior p*), second-order, null (a random change of the same "

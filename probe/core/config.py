@@ -145,7 +145,7 @@ class RunConfig:
         revision: str | None = None, seed: int = 0, fidelity_tolerance=None, name: str | None = None,
         progress: bool = True, intervene=None, intervene_modes=None, allow_unknown_tokens: bool = False,
         step: int | None = None, layers=None, heads=None, attention_types=None, queries="all", keep="rows",
-        attn_implementation: str = "eager",
+        attn_implementation: str | None = "eager",
     ) -> "RunConfig":
         """The settings of a run from the options as the command line, the Python API and the Trainer callback
         give them (:mod:`probe.core.arguments`: one value, a sequence or a comma-separated string; a size for
@@ -189,7 +189,7 @@ class RunConfig:
             heads=None if head_ranges is None else arguments.describe_indices(head_ranges),
             attention_types=arguments.names(attention_types, "attention_types"),
             queries=str(arguments.queries(queries)), keep=arguments.describe_keep(arguments.parse_keep(keep)),
-            attn_implementation=str(attn_implementation),
+            attn_implementation="eager" if attn_implementation is None else str(attn_implementation),
         )
 
     @property

@@ -65,8 +65,9 @@ def new_manifest(job: Job, unknown_tokens: dict) -> dict:
                   **{key: naming.recorded_path(loaded.info[key]) for key in ("id", "path") if loaded.info[key]}},
         "adapter": type(loaded.adapter).__name__,
         "attention_types": list(loaded.adapter.attention_types),
-        # the family's eager_attention_forward, through probe's registered attention function
-        "attention_implementation": "eager",
+        # the attention the model ran, through probe's registered functions: the family's eager_attention_forward
+        # (eager), or transformers' sdpa_attention_forward (sdpa, --attn-implementation sdpa)
+        "attention_implementation": config.attn_implementation,
         "dtype": config.dtype,
         "device": str(job.device),
         "dataset": {

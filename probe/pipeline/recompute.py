@@ -83,7 +83,9 @@ class BatchSites:
 
 
 def batch_sites(job, batch: int, needed: set[tuple[str, int]]) -> BatchSites:
-    """Run batch ``batch`` of the plan through the model again; keep the sites ``needed`` ((type, layer))."""
+    """Run batch ``batch`` of the plan through the model again; keep the sites ``needed`` ((type, layer)), with the
+    rows the run selected (its heads and query positions; :mod:`probe.capture.selection`): those are the rows it
+    stored, and a few sampled positions of a long text cost a few rows, not the text's every query."""
     import torch
 
     positions = job.batches[batch]
@@ -99,9 +101,11 @@ def batch_sites(job, batch: int, needed: set[tuple[str, int]]) -> BatchSites:
 
     from probe.capture.adapters.interface import runs_probe_attention
 
+    example_ids = [job.texts.indices[i] for i in positions]
+    chosen = None if job.selection.everything else job.selection.for_batch(example_ids)
     with torch.no_grad(), runs_probe_attention(job.loaded.model, job.config.attn_implementation):
-        job.loaded.adapter.capture(job.loaded.model, inputs, keep)  # the run's attention: the run's numbers
-    return BatchSites(sites, [job.texts.indices[i] for i in positions], inputs)
+        job.loaded.adapter.capture(job.loaded.model, inputs, keep, chosen)  # the run's attention: the run's numbers
+    return BatchSites(sites, example_ids, inputs)
 
 
 @dataclass
@@ -129,6 +133,8 @@ def row_problem(site, space: str, alpha: float, position: int, head: int, query:
         column = int(columns[0])
     else:
         column = query
+    if site.head_ids is not None:  # a site of the run's selected heads: the model's head at its place among them
+        head = list(site.head_ids).index(head)
     b, h, q, k = site.shape
     gram = problems.gram[0]
     if gram.dim() == 3:  # key space: one Gram matrix per key head
@@ -313,7 +319,7 @@ def _solved_view(captured: BatchSites, row: int, request: ViewRequest, job) -> T
         posterior=per_query(solution.attention)[:, keys],
         rel_deviation=per_query(solution.rel_deviation), error_bound=per_query(solution.error_bound),
         lambda_norm=per_query(solution.lambda_norm), stored_rel_deviation=np.full(len(queries), np.nan),
-        largest_ratio=0.0,
+        largest_ratio=0.0, rebuilt=site.model_probs is None,
     )
 
 

@@ -364,8 +364,8 @@ def check_family_options(config, model_config, adapter) -> None:
             raise ProbeError(
                 f"{option('attn_implementation', 'sdpa')} runs the model's fast attention through transformers' "
                 f"attention interface, but '{config.model}' ({model_config.model_type}) is captured with hooks on "
-                "its family's own attention code, which computes the eager probabilities. Remove "
-                f"{option('attn_implementation')}: probe measures this family with its eager attention.")
+                "its family's own attention code, which computes the eager probabilities: probe measures this "
+                f"family with its eager attention, so remove {option('attn_implementation')}.")
     if config.dataset.target_column is not None and "cross" not in adapter.attention_types:
         kind = "decoder-only" if "causal_self" in adapter.attention_types else "encoder-only"
         raise ProbeError(

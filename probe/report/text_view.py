@@ -32,6 +32,8 @@ VIEW_FORMATS = ("png", "pdf")
 CELL_INCHES, MIN_SIDE, MAX_SIDE = 0.2, 2.6, 9.0
 #: tokens longer than this are shortened in the labels
 LABEL_CHARS = 12
+#: the most tick labels along a matrix's side: a longer text labels every k-th token, with its position
+MAX_LABELS = 80
 
 
 @dataclass
@@ -40,7 +42,9 @@ class TextView:
     ``alpha``: ``q`` query rows over ``k`` key columns, every array in query order.
 
     Attributes:
-        attention: the model's attention, ``(q, k)`` (its own eager probabilities).
+        attention: the model's attention, ``(q, k)``: its own eager probabilities, or for a run of its fast
+            attention (``rebuilt``), which never formed them, the softmax of probe's logits, whose output the
+            fidelity check held to the model's.
         posterior: the exact posterior :math:`p^*` of each query's problem, ``(q, k)``.
         rel_deviation: :math:`\|\hat\lambda - \alpha z\| / \|\hat\lambda\|` recomputed, ``(q,)``.
         error_bound: the certified :math:`\|\hat\lambda - \lambda^*\|` of the recomputed solve, ``(q,)``.
@@ -69,6 +73,7 @@ class TextView:
     lambda_norm: np.ndarray
     stored_rel_deviation: np.ndarray
     largest_ratio: float
+    rebuilt: bool = False
 
     @property
     def certificate(self) -> np.ndarray:
@@ -109,13 +114,23 @@ class TextView:
             "posterior p* of each query's problem. Right: p* minus the attention (red: p* puts more weight there). "
             "Beside each row: the relative deviation ‖λ* − αz‖ / ‖λ*‖ and, after ±, what its certificate allows."
             f"{where} Recomputed from the model's files and checked against the run's stored rows: they agree "
-            f"within their certificates (largest difference {self.largest_ratio:.2g} of what they allow)."
+            f"within their certificates (largest difference {100 * self.largest_ratio:.2g}% of what they allow)."
         )
 
 
 def _label(token: str) -> str:
     token = token.replace("\n", "\\n")
     return token if len(token) <= LABEL_CHARS else token[: LABEL_CHARS - 1] + "…"
+
+
+def ticks(tokens: list[str], positions: list[int] | None = None) -> tuple[list[int], list[str]]:
+    """The ticks along a side of ``tokens``: every token, or for more than :data:`MAX_LABELS` every k-th one,
+    labelled with its position (``positions``: each entry's position in its text; default its index)."""
+    step = -(-len(tokens) // MAX_LABELS)
+    kept = list(range(0, len(tokens), step))
+    if step == 1:
+        return kept, [_label(tokens[i]) for i in kept]
+    return kept, [f"{i if positions is None else positions[i]} {_label(tokens[i])}" for i in kept]
 
 
 def view_figure(view: TextView) -> Drawn:
@@ -128,22 +143,23 @@ def view_figure(view: TextView) -> Drawn:
     axes = figure.subplots(1, 3, sharey=True)
     top = float(max(view.attention.max(initial=0.0), view.posterior.max(initial=0.0))) or 1.0
     spread = float(np.abs(view.difference).max(initial=0.0)) or 1.0
-    panels = ((view.attention, "the model's attention (λ = αz)", "viridis", 0.0, top),
+    attention = "attention rebuilt from the logits (λ = αz; SDPA)" if view.rebuilt else "the model's attention (λ = αz)"
+    panels = ((view.attention, attention, "viridis", 0.0, top),
               (view.posterior, "exact posterior p* (λ = λ*)", "viridis", 0.0, top),
               (view.difference, "p* − attention", "RdBu_r", -spread, spread))
     font = float(np.clip(7.5 - 0.03 * max(q, k), 4.0, 7.5))
     for ax, (matrix, title, cmap, low, high) in zip(axes, panels):
         image = ax.imshow(matrix, cmap=cmap, vmin=low, vmax=high, aspect="auto", interpolation="nearest")
         ax.set_title(title)
-        ax.set_xticks(range(k), [_label(t) for t in view.key_tokens], rotation=90, fontsize=font)
-        ax.set_yticks(range(q), [_label(t) for t in view.query_tokens], fontsize=font)
+        ax.set_xticks(*ticks(view.key_tokens), rotation=90, fontsize=font)
+        ax.set_yticks(*ticks(view.query_tokens, view.query_positions), fontsize=font)
         ax.set_xlabel("key token")
         ax.grid(False)
         figure.colorbar(image, ax=ax, shrink=0.8, pad=0.02)
     axes[0].set_ylabel("query token")
     right = axes[2].secondary_yaxis("right")  # each row's number beside it, on the right of the difference
-    right.set_yticks(range(q), [f"{r:.3g} ± {c:.0e}" for r, c in zip(view.rel_deviation, view.certificate)],
-                     fontsize=font)
+    kept, _ = ticks(view.query_tokens)
+    right.set_yticks(kept, [f"{view.rel_deviation[i]:.3g} ± {view.certificate[i]:.0e}" for i in kept], fontsize=font)
     right.set_ylabel("relative deviation ± certificate", fontsize="small")
     figure.suptitle(wrap(view.title, figure.get_figwidth()))
     stem = f"text_{view.example}_{view.attention_type}_layer{view.layer}_head{view.head}"

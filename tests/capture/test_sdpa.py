@@ -63,6 +63,7 @@ def compare_runs(model_dir, tmp_path, rtol, **selection):
     assert fidelity["passed"] and "SDPA attention output" in fidelity["check"]
     assert "eager attention probabilities" in eager_manifest["fidelity"]["check"]
     assert manifest["config"]["attn_implementation"] == "sdpa" and manifest["solver"]["not_converged"] == 0
+    assert manifest["attention_implementation"] == "sdpa" and eager_manifest["attention_implementation"] == "eager"
     return fidelity, run_dir
 
 
@@ -142,6 +143,22 @@ def test_show_recomputes_an_sdpa_run_within_its_certificates(tiny_llama, tmp_pat
 
     _, _, run_dir = run_frame(tiny_llama, tmp_path, attn_implementation="sdpa", queries="every:2", layers="-1")
     view = text_view(run_dir, 1, -1, 3)
-    assert view.largest_ratio <= 1.0 and np.isfinite(view.stored_rel_deviation).any()
+    assert view.largest_ratio <= 1.0
+    # recomputed with the run's selection: its rows alone (every second position), each against its stored row
+    assert view.query_positions and all(position % 2 == 0 for position in view.query_positions)
+    assert np.isfinite(view.stored_rel_deviation).all()
     # the attention drawn is the one rebuilt from the logits: rows of a distribution over the causal keys
     np.testing.assert_allclose(view.attention.sum(axis=1), 1.0, atol=1e-12)
+
+
+def test_probe_run_says_the_output_was_checked(tiny_llama, tmp_path):
+    from typer.testing import CliRunner
+
+    from probe.cli import app
+
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(CORPUS[:2]) + "\n")
+    result = CliRunner().invoke(app, ["run", str(tiny_llama), "--dataset", str(data), "--out", str(tmp_path / "runs"),
+                                      "--queries", "last", "--attn-implementation", "sdpa", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "passed, tolerance 1e-05; SDPA: the attention output checked" in result.output

@@ -419,7 +419,7 @@ CASES = [
     Case("sdpa with interventions", lambda b: [b.tiny, "--attn-implementation", "sdpa", "--intervene", "exact"],
          ("--attn-implementation sdpa runs its fast attention", "Remove one of them")),
     Case("sdpa on a family captured with hooks", lambda b: [b.mpnet, "--init", "random", "--attn-implementation", "sdpa"],
-         ("--attn-implementation sdpa runs the model's fast attention", "(mpnet)", "Remove --attn-implementation")),
+         ("--attn-implementation sdpa runs the model's fast attention", "(mpnet)", "so remove --attn-implementation")),
     # 5. max length
     Case("max length beyond the position table", lambda b: [b.tiny, "--max-length", 1000],
          ("--max-length 1000", "position table has 256 entries", "--max-length 256 or less")),

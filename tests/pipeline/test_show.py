@@ -106,6 +106,32 @@ def test_a_view_is_a_png_or_a_pdf_and_a_notebook_shows_it(tiny_run, tmp_path):
     assert beside == [f"{r:.3g} ± {c:.0e}" for r, c in zip(view.rel_deviation, view.certificate)]
 
 
+def test_a_long_text_labels_every_kth_token_with_its_position(tiny_run):
+    """A view of thousands of tokens would print them on top of each other: at most MAX_LABELS labels a side, each
+    with the token's position, and the numbers beside the same rows."""
+    from dataclasses import replace
+
+    from probe.report.text_view import MAX_LABELS
+
+    view = tiny_run.show(0, 0, 1)
+    q, k = 300, 1000
+    long = replace(view, query_tokens=[f"q{i}" for i in range(q)], key_tokens=[f"k{i}" for i in range(k)],
+                   query_positions=list(range(5, 5 + q)), attention=np.full((q, k), 1 / k),
+                   posterior=np.full((q, k), 1 / k), rel_deviation=np.linspace(0, 1, q), error_bound=np.zeros(q),
+                   lambda_norm=np.ones(q), stored_rel_deviation=np.full(q, np.nan), rebuilt=True)
+    figure = long.figure()
+    main = figure.axes[0]
+    assert main.get_title() == "attention rebuilt from the logits (λ = αz; SDPA)"
+    rows = [t.get_text() for t in main.get_yticklabels()]
+    columns = [t.get_text() for t in main.get_xticklabels()]
+    assert len(rows) <= MAX_LABELS and len(columns) <= MAX_LABELS
+    assert rows[:2] == ["5 q0", "9 q4"] and columns[:2] == ["0 k0", "13 k13"]  # every 4th query, every 13th key
+    figure.canvas.draw()
+    every = [ax for parent in figure.axes for ax in (parent, *parent.child_axes)]
+    beside = [t.get_text() for ax in every for t in ax.get_yticklabels() if " ± " in t.get_text()]
+    assert len(beside) == len(rows) and beside[1] == f"{long.rel_deviation[4]:.3g} ± {long.certificate[4]:.0e}"
+
+
 def test_probe_show_writes_the_view_and_says_what_it_checked(tiny_run):
     from typer.testing import CliRunner
 
