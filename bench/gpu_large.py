@@ -5,10 +5,13 @@ A Llama-3-8B-shaped model built from its config on the device (random weights, s
 tokenizer trained on the embedded corpus), on 8 texts of 4,096 tokens, measured in memory
 (:func:`probe.callbacks.measure`, the model where it is) with ``--queries sample:64``: every layer and head,
 64 sampled positions per text.  Recorded: the analysis against the plain eager forward of the same texts,
-the peak device memory of each, the rows and whether every one is certified, and the fidelity.
+the peak device memory of each, the rows and whether every one is certified, and the fidelity.  Then, as time
+allows, one text of 32,768 tokens under the model's fast attention (``attn_implementation="sdpa"``, batches of
+one text, the same selection): its plain SDPA forward and the run, their seconds and peak device memory, the
+rows and the fidelity (under SDPA the check compares the attention output).
 
 The CPU dry run (``--quick``) runs the same code on a 2-layer model of that shape's proportions, 2 texts of
-64 tokens and ``sample:8``.
+64 tokens and ``sample:8``, and one of 256 tokens under SDPA.
 """
 
 from __future__ import annotations
@@ -61,9 +64,10 @@ def part_large(args, log: Log, workdir: Path, deadline: float) -> dict:
     from probe.callbacks import measure
 
     tokens, count, sample = (64, 2, 8) if args.quick else (4096, 8, 64)
+    long_tokens = 256 if args.quick else 32768
     cuda = args.device.startswith("cuda")
     started = time.perf_counter()
-    model, tokenizer = build(args.device, args.quick, tokens)
+    model, tokenizer = build(args.device, args.quick, long_tokens)
     built_s = time.perf_counter() - started
     texts = corpus_texts(tokenizer, tokens, count)
     parameters = sum(p.numel() for p in model.parameters())
@@ -99,6 +103,54 @@ def part_large(args, log: Log, workdir: Path, deadline: float) -> dict:
         f"{'passed' if found['fidelity_passed'] else 'FAILED'}"
         + (f"; peak device memory {peak:.1f} GiB (forward {forward_peak:.1f} GiB)" if cuda else ""))
     (workdir / "large.json").write_text(json.dumps(found, indent=2))
+    if time.monotonic() > deadline:
+        found["long"] = {"skipped": "out of this part's time after the 4,096-token run"}
+    else:
+        found["long"] = long_context(model, tokenizer, long_tokens, sample, args.device, workdir, log)
+    (workdir / "large.json").write_text(json.dumps(found, indent=2))
+    return found
+
+
+def long_context(model, tokenizer, tokens: int, sample: int, device: str, workdir: Path, log: Log) -> dict:
+    """One text of ``tokens`` under the model's fast attention: its plain SDPA forward and the run
+    (``attn_implementation="sdpa"``), their seconds and peak device memory."""
+    import torch
+
+    from probe.callbacks import measure
+
+    cuda = device.startswith("cuda")
+    texts = corpus_texts(tokenizer, tokens, 1)
+    saved = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        forward = forward_seconds(model, tokenizer, texts, tokens, device)
+        forward_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    finally:
+        model.set_attn_implementation(saved)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    run = measure(model, tokenizer, texts, workdir / "long", name="llama-3-8b-shape-sdpa", max_length=tokens,
+                  batch_size=1, queries=f"sample:{sample}", attn_implementation="sdpa")
+    seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    manifest = run.manifest
+    solver, fidelity = manifest["solver"], manifest["fidelity"]
+    found = {
+        "tokens": tokens, "texts": 1, "queries": f"sample:{sample}", "attn_implementation": "sdpa",
+        "forward_s": forward, "run_s": seconds, "solve_s": manifest["timings_s"].get("solve_s"),
+        "rows": solver["rows"], "not_converged": solver["not_converged"],
+        "max_relative_error_bound": solver["max_relative_error_bound"], "fidelity_passed": fidelity["passed"],
+        "fidelity_max_abs_error": fidelity["max_abs_error"], "fidelity_check": fidelity["check"],
+        "forward_peak_gib": forward_peak, "peak_gib": peak,
+    }
+    log(f"large, SDPA: one text of {tokens:,} tokens, run {seconds:.1f} s against forward {forward:.2f} s; "
+        f"{found['rows']:,} rows, {found['not_converged']} not converged; fidelity "
+        f"{'passed' if found['fidelity_passed'] else 'FAILED'}"
+        + (f"; peak device memory {peak:.1f} GiB (forward {forward_peak:.1f} GiB)" if cuda else ""))
     return found
 
 
@@ -121,4 +173,24 @@ def markdown_lines(large: dict) -> list[str]:
         f"| {large['analysis_s']:.1f} | {large['forward_s']:.2f} | {large['ratio']:.1f}x | {large['rows']:,} | "
         f"{large['not_converged']} | {large['max_relative_error_bound']:.1e} | "
         f"{'passed' if large['fidelity_passed'] else 'FAILED'} ({large['fidelity_max_abs_error']:.1e}) | {memory} |",
+    ] + long_lines(large.get("long"))
+
+
+def long_lines(long: dict | None) -> list[str]:
+    """The SDPA long-context measurement of this part, for results_gpu.md."""
+    if not long:
+        return []
+    if "skipped" in long:
+        return ["", f"One long text under SDPA: not measured ({long['skipped']})."]
+    memory = ("n/a" if long.get("peak_gib") is None else f"{long['peak_gib']:.1f} GiB (the plain SDPA forward's: "
+              f"{long['forward_peak_gib']:.1f} GiB)")
+    return [
+        "", f"One text of {long['tokens']:,} tokens under the model's fast attention (`--attn-implementation sdpa`, "
+        f"`--queries {long['queries']}`, batches of one text):", "",
+        "| run (s) | plain SDPA forward (s) | rows | not converged | largest error bound | fidelity (output) "
+        "| peak device memory |",
+        "|---|---|---|---|---|---|---|",
+        f"| {long['run_s']:.1f} | {long['forward_s']:.2f} | {long['rows']:,} | {long['not_converged']} | "
+        f"{long['max_relative_error_bound']:.1e} | {'passed' if long['fidelity_passed'] else 'FAILED'} "
+        f"({long['fidelity_max_abs_error']:.1e}) | {memory} |",
     ]

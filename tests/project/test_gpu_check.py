@@ -48,6 +48,9 @@ def test_the_cpu_dry_run_writes_every_result(dry_run):
     large = results["large"]  # the large model's part, on a model of its proportions
     assert large["rows"] == 2 * 2 * 8 * 8 and large["not_converged"] == 0 and large["fidelity_passed"]
     assert large["ratio"] > 0 and large["queries"] == "sample:8"
+    long = large["long"]  # one longer text under the model's fast attention
+    assert long["tokens"] == 256 and long["rows"] == 2 * 8 * 8 and long["not_converged"] == 0
+    assert long["fidelity_passed"] and "SDPA attention output" in long["fidelity_check"]
     per_tokens = results["speed"]["solver"]["per_tokens"]  # rows/s per length, the same problems on both
     assert set(per_tokens) == {"16"} and all(per_tokens["16"][k] > 0 for k in ("gpu_rows_per_s", "cpu_rows_per_s"))
     vit = results["vit"]
