@@ -31,54 +31,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import long_context  # noqa: E402
 import runs  # noqa: E402
 from long_context import LLAMA, LLAMA_QUICK, child, make_llama, write_texts  # noqa: E402
 
-_FORWARD = """
-import json, sys, time, torch, transformers as T
-model_dir, data, length, implementation = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-tokenizer = T.AutoTokenizer.from_pretrained(model_dir)
-model = T.AutoModel.from_pretrained(model_dir, attn_implementation=implementation).eval()
-(text,) = [json.loads(line)["text"] for line in open(data)]
-ids = torch.tensor([tokenizer(text, truncation=True, max_length=length)["input_ids"]])
-started = time.perf_counter()
-with torch.no_grad():
-    model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-print("SECONDS", time.perf_counter() - started)
-"""
-
-_RUN = """
-import sys, time
-from probe.core.config import RunConfig
-from probe.pipeline.runner import run
-model_dir, data, length, out, queries, implementation = sys.argv[1:7]
-config = RunConfig.from_options(model_dir, dataset=data, max_length=int(length), out=out, queries=queries,
-                                batch_size=1, progress=False, device="cpu", attn_implementation=implementation)
-started = time.perf_counter()
-print("RUN_DIR", run(config))
-print("SECONDS", time.perf_counter() - started)
-"""
-
-
-def seconds_of(output: str) -> float:
-    return float(next(line.split()[1] for line in output.splitlines() if line.startswith("SECONDS")))
-
 
 def forward(model_dir: Path, data: Path, length: int, implementation: str) -> dict:
-    peak, output = child(_FORWARD, model_dir, data, length, implementation)
-    return {"peak_mib": peak / 1024, "seconds": seconds_of(output)}
+    """A plain forward of the text by transformers with ``implementation``, in a child process."""
+    peak, output = child(long_context.FORWARD, model_dir, data, length, implementation)
+    return {"peak_mib": peak / 1024, "seconds": long_context.seconds_of(output)}
 
 
 def probe_run(model_dir: Path, data: Path, length: int, out: Path, queries: str, implementation: str) -> dict:
-    peak, output = child(_RUN, model_dir, data, length, out, queries, implementation)
-    run_dir = Path(next(line.split(" ", 1)[1] for line in output.splitlines() if line.startswith("RUN_DIR")))
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    return {"peak_mib": peak / 1024, "seconds": seconds_of(output), "rows": manifest["solver"]["rows"],
-            "not_converged": manifest["solver"]["not_converged"],
-            "max_relative_error_bound": manifest["solver"]["max_relative_error_bound"],
-            "fidelity_passed": manifest["fidelity"]["passed"],
-            "fidelity_max_abs_error": manifest["fidelity"]["max_abs_error"], "fidelity_check": manifest["fidelity"][
-                "check"], "solve_s": manifest["timings_s"]["solve_s"]}
+    """``probe run`` of the text, batches of one text, with ``implementation``, in a child process."""
+    run = long_context.probe_run(model_dir, data, length, out, queries=queries, batch=1,
+                                 attn_implementation=implementation)
+    return {"peak_mib": run.pop("peak_kib") / 1024, **run}
 
 
 def measure(model_dir: Path, length: int, work: Path, queries: str, eager: bool) -> dict:

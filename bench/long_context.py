@@ -81,11 +81,14 @@ def write_texts(path: Path, texts: list[str]) -> Path:
 # --------------------------------------------------------------------------------------------------
 # child processes
 
-_FORWARD = """
-import json, sys, torch, transformers as T
+#: a plain forward of a file's texts (padded to one batch) by transformers: argv model, data, length and the
+#: attention implementation (default eager); prints its seconds
+FORWARD = """
+import json, sys, time, torch, transformers as T
 model_dir, data, length = sys.argv[1], sys.argv[2], int(sys.argv[3])
+implementation = sys.argv[4] if len(sys.argv) > 4 else "eager"
 tokenizer = T.AutoTokenizer.from_pretrained(model_dir)
-model = T.AutoModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+model = T.AutoModel.from_pretrained(model_dir, attn_implementation=implementation).eval()
 texts = [json.loads(line)["text"] for line in open(data)]
 ids = [tokenizer(text, truncation=True, max_length=length)["input_ids"] for text in texts]
 width = max(len(row) for row in ids)
@@ -94,8 +97,10 @@ mask = torch.zeros((len(ids), width), dtype=torch.long)
 for row, tokens in enumerate(ids):
     inputs[row, : len(tokens)] = torch.tensor(tokens)
     mask[row, : len(tokens)] = 1
+started = time.perf_counter()
 with torch.no_grad():
     model(input_ids=inputs, attention_mask=mask, use_cache=False)
+print("SECONDS", time.perf_counter() - started)
 """
 
 _PEAK = "\nprint('VMHWM', [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n"
@@ -114,12 +119,14 @@ if os.environ.get("PROBE_BENCH_FACTOR_SECONDS"):  # the seconds of the groups' f
         finally:
             factor_seconds[0] += time.perf_counter() - started
     rows.group_factor = timed
-model_dir, data, length, out, queries, heads, space, batch, threads = sys.argv[1:10]
+model_dir, data, length, out, queries, heads, space, batch, threads, implementation = sys.argv[1:11]
 config = RunConfig.from_options(model_dir, dataset=data, max_length=int(length), out=out, queries=queries,
                                 heads=None if heads == "all" else heads, space=None if space == "default" else space,
                                 batch_size=int(batch), progress=False, device="cpu",
-                                threads=None if threads == "all" else int(threads))
+                                threads=None if threads == "all" else int(threads), attn_implementation=implementation)
+started = time.perf_counter()
 print("RUN_DIR", run(config))
+print("SECONDS", time.perf_counter() - started)
 if os.environ.get("PROBE_BENCH_FACTOR_SECONDS"):
     print("FACTOR_S", factor_seconds[0])
 """
@@ -144,20 +151,27 @@ def child(program: str, *args, **environment) -> tuple[int, str]:
     return peak, done.stdout
 
 
+def seconds_of(output: str) -> float:
+    """The seconds a child program printed (``SECONDS``): its forward, or its whole run."""
+    return float(next(line.split()[1] for line in output.splitlines() if line.startswith("SECONDS")))
+
+
 def probe_run(model_dir, data, length, out, queries="all", heads="all", space="default", batch=2,
-              threads="all", factor_seconds=False) -> dict:
-    """One ``probe run`` in a child process: its peak memory, the manifest's solver and timing figures, and with
-    ``factor_seconds`` the seconds its solve spent in the groups' factors (``group_factor``)."""
+              threads="all", factor_seconds=False, attn_implementation="eager") -> dict:
+    """One ``probe run`` in a child process: its peak memory and seconds, the manifest's solver, fidelity and timing
+    figures, and with ``factor_seconds`` the seconds its solve spent in the groups' factors (``group_factor``)."""
     timed = {"PROBE_BENCH_FACTOR_SECONDS": "1"} if factor_seconds else {}
-    peak, output = child(_RUN, model_dir, data, length, out, queries, heads, space, batch, threads, **timed)
+    peak, output = child(_RUN, model_dir, data, length, out, queries, heads, space, batch, threads,
+                         attn_implementation, **timed)
     run_dir = Path(next(line.split(" ", 1)[1] for line in output.splitlines() if line.startswith("RUN_DIR")))
     manifest = json.loads((run_dir / "manifest.json").read_text())
     solver, timings = manifest["solver"], manifest["timings_s"]
     factors = [float(line.split()[1]) for line in output.splitlines() if line.startswith("FACTOR_S")]
-    return {"peak_kib": peak, "rows": solver["rows"], "not_converged": solver["not_converged"],
-            "max_relative_error_bound": solver["max_relative_error_bound"],
+    return {"peak_kib": peak, "seconds": seconds_of(output), "rows": solver["rows"],
+            "not_converged": solver["not_converged"], "max_relative_error_bound": solver["max_relative_error_bound"],
             "fidelity_passed": manifest["fidelity"]["passed"], "fidelity_max_abs_error": manifest["fidelity"][
-                "max_abs_error"], "solve_s": timings["solve_s"], "capture_s": timings["capture_s"],
+                "max_abs_error"], "fidelity_check": manifest["fidelity"]["check"], "solve_s": timings["solve_s"],
+            "capture_s": timings["capture_s"],
             "selection": manifest["selection"]["description"], **({"factor_s": factors[0]} if factors else {})}
 
 
@@ -166,7 +180,7 @@ def probe_run(model_dir, data, length, out, queries="all", heads="all", space="d
 
 
 def memory(model_dir: Path, data: Path, length: int, work: Path, sample: int) -> dict:
-    forward_peak, _ = child(_FORWARD, model_dir, data, length)
+    forward_peak, _ = child(FORWARD, model_dir, data, length)
     run = probe_run(model_dir, data, length, work / "memory", queries=f"sample:{sample}")
     return {"tokens": length, "texts": 2, "queries": f"sample:{sample}", "forward_peak_mib": forward_peak / 1024,
             "probe_peak_mib": run["peak_kib"] / 1024, "ratio": run["peak_kib"] / forward_peak, "run": run}
