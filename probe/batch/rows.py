@@ -40,7 +40,6 @@ from probe.batch.problems import (
 from probe.batch.summary import Summary
 from probe.capture.adapters import SiteCapture
 from probe.capture.adapters.base import SITE_WEIGHT_SPACES, SpaceProblems, real_values, space_problems
-from probe.capture.adapters.interface import runs_probe_attention
 from probe.solve import derived, second_order
 from probe.solve.dual import DualProblems, DualSolution
 from probe.solve.parallel import cpu_workers, run_all
@@ -384,8 +383,7 @@ def process_batch(loaded, inputs: dict, example_ids: list[int], config, summary:
     solver.merge_small = selection is not None and not selection.everything
     if capture is None:
         chosen = None if selection is None or selection.everything else selection.for_batch(example_ids)
-        with runs_probe_attention(loaded.model, getattr(config, "attn_implementation", None)):
-            loaded.adapter.capture(loaded.model, inputs, solver, chosen)
+        loaded.adapter.capture(loaded.model, inputs, solver, chosen)
     else:
         capture(solver)
     captured = time.perf_counter() - started - solver.solve_s  # less the stacks solved as they filled

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from probe.batch.columns import RowContext
+from probe.capture.adapters.interface import IMPLEMENTATIONS, set_attention
 from probe.capture.data import DatasetSpec, Texts, load_texts
 from probe.capture.loading import LoadedModel, device_name, load_model
 from probe.capture.selection import Selection
@@ -76,6 +77,9 @@ def prepare(
             model_location or config.model, revision=config.revision, dtype=config.dtype, device=device,
             init=config.init, seed=config.seed, tokenizer=config.tokenizer,
         )
+    attention = IMPLEMENTATIONS[config.attn_implementation]  # the run's attention, from here to its end (a model
+    if loaded.model.config._attn_implementation != attention:  # in memory is given its own back by measuring())
+        set_attention(loaded.model, attention)
     unsupported = [space for space in config.spaces if space not in loaded.adapter.spaces]
     if unsupported:
         raise ProbeError(

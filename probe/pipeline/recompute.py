@@ -99,12 +99,10 @@ def batch_sites(job, batch: int, needed: set[tuple[str, int]]) -> BatchSites:
         if (site.attention_type, site.layer) in needed:
             sites[(site.attention_type, site.layer)] = site
 
-    from probe.capture.adapters.interface import runs_probe_attention
-
     example_ids = [job.texts.indices[i] for i in positions]
     chosen = None if job.selection.everything else job.selection.for_batch(example_ids)
-    with torch.no_grad(), runs_probe_attention(job.loaded.model, job.config.attn_implementation):
-        job.loaded.adapter.capture(job.loaded.model, inputs, keep, chosen)  # the run's attention: the run's numbers
+    with torch.no_grad():  # the model runs the run's attention (probe.pipeline.job.prepare): the run's numbers
+        job.loaded.adapter.capture(job.loaded.model, inputs, keep, chosen)
     return BatchSites(sites, example_ids, inputs)
 
 
